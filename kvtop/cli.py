@@ -1,0 +1,78 @@
+"""The ``kvtop`` command: one entry point, one module per verb.
+
+Each verb lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``;
+this file only wires them together, so adding a verb never touches another verb's code.
+Heavy imports (Textual, the engine) happen inside ``run``, keeping ``kvtop --help`` fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# (verb, module, one-line help). Order is the order ``kvtop --help`` lists them.
+VERBS: list[tuple[str, str, str]] = [
+    ("demo", "kvtop.demo", "simulated cluster + router + bundled trace + dashboard, one command"),
+    ("route", "router.cli", "start the routing proxy in front of vLLM instances"),
+    ("attach", "kvtop.tui.cli", "live terminal dashboard on a running router"),
+    ("sim", "kvtop.sim.cli", "start N simulated vLLM instances on loopback"),
+    ("simulate", "kvtop.simulate", "offline: run a trace through policies in virtual time"),
+    ("replay", "kvtop.replay", "replay a trace against a router or instance over HTTP"),
+    ("report", "kvtop.report", "the seed table and per-class TTFT from results or a database"),
+    ("trace", "kvtop.traces.cli", "convert, build, cap and describe traces"),
+    ("log", "kvtop.log_cli", "query the decision log after a run"),
+]
+
+
+class CliError(Exception):
+    """A user-facing error: printed as one line, exit status 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvtop",
+        description="kvtop: KV-cache-aware routing for agentic LLM traffic across vLLM instances.",
+    )
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="verb", metavar="VERB")
+    for verb, module_name, help_text in VERBS:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_name:
+                raise
+            continue  # verb not built yet
+        p = sub.add_parser(verb, help=help_text, description=(module.__doc__ or help_text).strip(),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("kvtop")
+    except Exception:
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args._run(args) or 0)
+    except CliError as exc:
+        print(f"kvtop {args.verb}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""Chained block hashing of prompts, shared by the router's prefix index and the simulated engine.
+
+A block's hash covers its parent's hash and its own tokens, so two prompts share block k's
+hash exactly when their first (k+1)*block_size tokens are equal, as in vLLM's prefix cache.
+Only full blocks are hashed: a trailing partial block can never be a cache hit.
+
+When a prompt arrives as text and no tokenizer is configured, the router cannot know the
+tokens. It then hashes fixed character chunks instead (``CHARS_PER_TOKEN`` characters per
+token, so ``block_size * CHARS_PER_TOKEN`` characters per block) and estimates the token
+count as ``ceil(len(text) / CHARS_PER_TOKEN)``. Equal text prefixes still give equal block
+hashes, which is what the cache estimate needs; the token count is an approximation, and
+every decision records which method was used (``token_source``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+#: Characters per token assumed by the text fallback (English prose and code average 3.5-4.5).
+CHARS_PER_TOKEN = 4
+
+#: Hash of the (empty) parent of a prompt's first block.
+ROOT_HASH = 0
+
+_MAX_TOKEN_ID = 2**63 - 1
+
+
+def hash_token_blocks(tokens: Sequence[int], block_size: int) -> list[int]:
+    """Return the chained hashes of every full block of ``tokens``.
+
+    CPython hashes ints and tuples without a per-process seed (unlike str and bytes), so
+    ``hash((parent, block_tuple))`` is stable across processes and runs, and it is the
+    fastest chained hash available without a C extension (about 1.8 ms for 200k tokens).
+    """
+    if block_size <= 0:
+        raise ValueError("block_size must be positive")
+    tokens = tokens if isinstance(tokens, (list, tuple)) else list(tokens)
+    out: list[int] = []
+    parent = ROOT_HASH
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = hash((parent, tuple(tokens[start:start + block_size])))
+        out.append(parent)
+    return out
+
+
+def hash_text_blocks(text: str, block_size: int) -> list[int]:
+    """The text fallback: chained hashes of ``block_size * CHARS_PER_TOKEN``-character chunks.
+
+    str hashes are seeded per process, so text chunks go through blake2b instead.
+    """
+    if block_size <= 0:
+        raise ValueError("block_size must be positive")
+    chunk_chars = block_size * CHARS_PER_TOKEN
+    blake2b = hashlib.blake2b
+    out: list[int] = []
+    parent = ROOT_HASH
+    for start in range(0, len(text) - chunk_chars + 1, chunk_chars):
+        chunk = text[start:start + chunk_chars].encode("utf-8", "surrogatepass")
+        digest = blake2b(chunk, digest_size=8, key=parent.to_bytes(8, "little", signed=True)).digest()
+        parent = int.from_bytes(digest, "little", signed=True)
+        out.append(parent)
+    return out
+
+
+def estimate_text_tokens(text: str) -> int:
+    """Token count the text fallback assumes for ``text``."""
+    return -(-len(text) // CHARS_PER_TOKEN)
+
+
+def valid_token_ids(tokens: object) -> bool:
+    """True when ``tokens`` is a list of non-negative ints that fit in 64 bits."""
+    if not isinstance(tokens, list):
+        return False
+    for t in tokens:
+        if type(t) is not int or t < 0 or t > _MAX_TOKEN_ID:
+            return False
+    return True
