@@ -1,0 +1,146 @@
+"""The SQLite schema of the decision log: one file, five tables, WAL.
+
+``runs``           one row per router start (its config and backends)
+``decisions``      one row per routing decision (a retry is a second decision, ``attempt`` 2)
+``outcomes``       one row per routed request attempt: how it ended, and its latencies
+``config_events``  every policy or knob change and health transition, with before and after
+``samples``        periodic per-instance state (backlog, decode load, hit rates, KV, GPU)
+
+Columns are listed here once; the writer and the queries read them from this module.
+JSON columns hold JSON text. Times are Unix seconds (``ts``) or milliseconds (``*_ms``).
+"""
+
+from __future__ import annotations
+
+import sqlite_utils
+
+SCHEMA_VERSION = 1
+
+# table -> ordered {column: sqlite type}
+TABLES: dict[str, dict[str, type]] = {
+    "runs": {
+        "run_id": str,
+        "started_at": float,
+        "ended_at": float,
+        "host": str,
+        "port": int,
+        "policy": str,
+        "backends": str,  # JSON list of {name, url, gpu}
+        "config": str,  # JSON of the validated router config
+        "argv": str,
+        "kvtop_version": str,
+        "schema_version": int,
+    },
+    "decisions": {
+        "id": int,
+        "run_id": str,
+        "ts": float,
+        "request_id": str,
+        "attempt": int,
+        "session_id": str,
+        "session_source": str,  # header | body_session_id | user | first_block
+        "turn": int,
+        "policy": str,
+        "policy_version": int,
+        "instance": str,
+        "instance_index": int,
+        "reason": str,
+        "route_class": str,
+        "input_tokens": int,
+        "token_source": str,  # tokens | tokenizer | text_approx
+        "est_hit_tokens": int,
+        "best_hit_tokens": int,
+        "best_hit_instance": str,
+        "new_prefill_tokens": int,
+        "offload": int,  # 1 when the prefill ran on another instance
+        "prefill_instance": str,
+        "offload_reason": str,
+        "migrated_from": str,
+        "admission_wait_ms": float,
+        "decision_us": float,
+        "t_proxy_recv": float,
+        "t_prefill_sent": float,
+        "t_prefill_done": float,
+        "scores": str,  # JSON list: each candidate's score terms
+    },
+    "outcomes": {
+        "id": int,
+        "run_id": str,
+        "ts": float,
+        "request_id": str,
+        "attempt": int,
+        "instance": str,
+        "stream": int,
+        "status": str,  # ok | error | upstream_error | client_gone | timeout
+        "http_status": int,
+        "error": str,
+        "ttft_ms": float,
+        "e2e_ms": float,
+        "tpot_ms": float,
+        "output_tokens": int,
+        "delivered_hit_tokens": int,
+        "t_first_token": float,
+        "t_done": float,
+    },
+    "config_events": {
+        "id": int,
+        "run_id": str,
+        "ts": float,
+        "kind": str,  # policy | knobs | health | run
+        "who": str,
+        "policy_version": int,
+        "before": str,  # JSON
+        "after": str,  # JSON
+    },
+    "samples": {
+        "id": int,
+        "run_id": str,
+        "ts": float,
+        "instance": str,
+        "healthy": int,
+        "num_requests": int,
+        "pending_prefill_tokens": int,
+        "decode_requests": int,
+        "decode_tokens": int,
+        "est_hit_rate": float,
+        "engine_hit_rate": float,
+        "kv_usage": float,
+        "gpu_util": float,
+        "gpu_mem_used": float,
+    },
+}
+
+PRIMARY_KEYS = {"runs": "run_id", "decisions": "id", "outcomes": "id", "config_events": "id", "samples": "id"}
+
+#: Columns whose values the writer serializes to JSON text.
+JSON_COLUMNS = {"runs": ("backends", "config"), "decisions": ("scores",),
+                "config_events": ("before", "after")}
+
+INDEXES: list[tuple[str, list[str]]] = [
+    ("decisions", ["run_id", "ts"]),
+    ("decisions", ["request_id"]),
+    ("decisions", ["session_id"]),
+    ("decisions", ["instance"]),
+    ("decisions", ["reason"]),
+    ("decisions", ["policy", "policy_version"]),
+    ("outcomes", ["request_id"]),
+    ("outcomes", ["run_id", "ts"]),
+    ("config_events", ["run_id", "ts"]),
+    ("samples", ["run_id", "ts"]),
+]
+
+
+def ensure_schema(db: sqlite_utils.Database) -> None:
+    """Create missing tables and indexes, and turn on WAL. Safe to call on an existing file."""
+    db.enable_wal()
+    for name, columns in TABLES.items():
+        if not db[name].exists():
+            db[name].create(columns, pk=PRIMARY_KEYS[name])
+        else:
+            # Add columns that a newer kvtop knows of, so old files stay readable.
+            existing = set(db[name].columns_dict)
+            for col, typ in columns.items():
+                if col not in existing:
+                    db[name].add_column(col, typ)
+    for table, cols in INDEXES:
+        db[table].create_index(cols, if_not_exists=True)

@@ -1,0 +1,171 @@
+"""A background writer: the event loop enqueues rows, one thread writes them in batches.
+
+The router must never wait on disk. ``Writer.put`` only appends to a queue; a daemon
+thread that owns its own SQLite connection drains the queue every ``flush_interval``
+seconds (or sooner when a batch fills) and inserts each table's rows with one
+``executemany`` inside one transaction. ``close()`` writes everything still queued
+before it returns, so a clean shutdown loses nothing; after a crash at most the last
+flush interval is missing and WAL keeps the file readable.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import sqlite3
+import sys
+import threading
+import time
+from typing import Any
+
+import sqlite_utils
+
+from store.schema import JSON_COLUMNS, TABLES, ensure_schema
+
+_STOP = object()
+
+
+class Writer:
+    def __init__(self, path: str, *, flush_interval: float = 0.2, max_batch: int = 5000):
+        self.path = path
+        self.flush_interval = flush_interval
+        self.max_batch = max_batch
+        self.rows_written = 0
+        self.rows_failed = 0
+        self.batches = 0
+        self.last_error: str | None = None
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._open_error: BaseException | None = None
+        self._sql = {
+            t: "INSERT INTO [{}] ({}) VALUES ({})".format(
+                t, ", ".join(f"[{c}]" for c in cols), ", ".join("?" for _ in cols))
+            for t, cols in ((t, [c for c in cols if c != "id"]) for t, cols in TABLES.items())
+        }
+        self._cols = {t: [c for c in cols if c != "id"] for t, cols in TABLES.items()}
+
+    # -- lifecycle -----------------------------------------------------------------
+    def start(self) -> "Writer":
+        """Open the database (creating the schema) and start the thread.
+
+        Raises the open error in the caller, so a bad ``--db`` path fails at start-up.
+        """
+        self._thread = threading.Thread(target=self._run, name="kvtop-writer", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._open_error is not None:
+            raise self._open_error
+        return self
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Write everything queued so far, then stop the thread."""
+        if self._thread is None:
+            return
+        self._queue.put(_STOP)
+        self._thread.join(timeout)
+        self._thread = None
+
+    def put(self, table: str, row: dict[str, Any]) -> None:
+        """Queue one row; never blocks. JSON columns may hold Python objects."""
+        self._queue.put((table, row))
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Block until every row queued before this call is written (for tests and shutdown)."""
+        done = threading.Event()
+        self._queue.put(done)
+        return done.wait(timeout)
+
+    @property
+    def backlog(self) -> int:
+        return self._queue.qsize()
+
+    # -- the thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            db = sqlite_utils.Database(conn)
+            ensure_schema(db)
+            conn.execute("PRAGMA synchronous=NORMAL")
+        except BaseException as exc:  # reported to start()
+            self._open_error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        stopping = False
+        while not stopping:
+            batch: list = []
+            markers: list[threading.Event] = []
+            try:
+                item = self._queue.get(timeout=self.flush_interval)
+            except queue.Empty:
+                continue
+            deadline = time.monotonic() + self.flush_interval
+            while True:
+                if item is _STOP:
+                    stopping = True
+                elif isinstance(item, threading.Event):
+                    markers.append(item)
+                    break  # write what came before the marker, then wake the waiter
+                else:
+                    batch.append(item)
+                if stopping or len(batch) >= self.max_batch:
+                    break
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    if time.monotonic() >= deadline:
+                        break
+                    try:
+                        item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+                    except queue.Empty:
+                        break
+            if stopping:
+                # Drain whatever is still queued behind the stop request.
+                while True:
+                    try:
+                        item = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    if isinstance(item, threading.Event):
+                        markers.append(item)
+                    elif item is not _STOP:
+                        batch.append(item)
+            if batch:
+                self._write(conn, batch)
+            for m in markers:
+                m.set()
+        conn.close()
+
+    def _write(self, conn: sqlite3.Connection, batch: list) -> None:
+        by_table: dict[str, list[tuple]] = {}
+        for table, row in batch:
+            cols = self._cols.get(table)
+            if cols is None:
+                self.rows_failed += 1
+                self.last_error = f"unknown table {table!r}"
+                continue
+            json_cols = JSON_COLUMNS.get(table, ())
+            values = []
+            for c in cols:
+                v = row.get(c)
+                if c in json_cols and v is not None and not isinstance(v, str):
+                    v = json.dumps(v, separators=(",", ":"), default=str)
+                values.append(v)
+            by_table.setdefault(table, []).append(tuple(values))
+        try:
+            conn.execute("BEGIN")
+            for table, rows in by_table.items():
+                if table == "runs":
+                    sql = self._sql[table].replace("INSERT", "INSERT OR REPLACE", 1)
+                else:
+                    sql = self._sql[table]
+                conn.executemany(sql, rows)
+            conn.execute("COMMIT")
+            self.rows_written += sum(len(r) for r in by_table.values())
+            self.batches += 1
+        except sqlite3.Error as exc:
+            conn.execute("ROLLBACK") if conn.in_transaction else None
+            self.rows_failed += len(batch)
+            self.last_error = str(exc)
+            print(f"kvtop: decision log write failed ({exc}); {len(batch)} rows lost", file=sys.stderr)
