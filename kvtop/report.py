@@ -1,0 +1,178 @@
+"""The seed table and per-class TTFT, one row per arm, from replay results or a decision log.
+
+Each results file (``kvtop replay --out``) is one arm, labelled by its header's ``arm`` or its
+file name; ``--db`` adds one arm per policy segment of a run in the decision log. The
+arithmetic lives in ``kvtop.seedtable``.
+
+  kvtop report lmetric.jsonl unified.jsonl --format md --plot
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvtop import seedtable
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("results", nargs="*", metavar="RESULTS",
+                   help="results files written by kvtop replay (one arm each)")
+    p.add_argument("--db", metavar="FILE", help="also report the arms of a decision log (kvtop.db)")
+    p.add_argument("--run", metavar="RUN_ID", help="with --db: this run (default: the latest)")
+    p.add_argument("--format", choices=("text", "md", "csv"), default="text",
+                   help="table format (default text)")
+    p.add_argument("--plot", action="store_true",
+                   help="draw TTFT CDFs per arm in the terminal (after the tables)")
+    p.add_argument("--out", metavar="FILE", help="write the tables to FILE instead of stdout")
+
+
+@dataclass
+class Arm:
+    label: str
+    records: list[dict[str, Any]]
+    apc: dict[str, Any] | None = None  # engine counters {queries, hits} or {value, source}
+
+
+def load_results(path: str) -> Arm:
+    """One arm from a results file; raises CliError on a missing or foreign file."""
+    from kvtop.cli import CliError
+
+    if not os.path.exists(path):
+        raise CliError(f"results file not found: {path}")
+    records: list[dict[str, Any]] = []
+    header: dict[str, Any] | None = None
+    try:
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except ValueError:
+                    raise CliError(f"{path}:{lineno}: not JSON") from None
+                if header is None:
+                    if not isinstance(obj, dict) or "kvtop_results" not in obj:
+                        raise CliError(f"{path} is not a kvtop results file "
+                                       "(no kvtop_results header; write it with kvtop replay)")
+                    header = obj
+                    continue
+                if isinstance(obj, dict):
+                    records.append(obj)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CliError(f"cannot read {path}: {exc}") from None
+    if header is None:
+        raise CliError(f"{path} is empty")
+    base = os.path.basename(path)
+    label = header.get("arm") or (base[:-6] if base.endswith(".jsonl") else base)
+    return Arm(str(label), records, header.get("engine_prefix_cache"))
+
+
+def load_db_arms(db_path: str, run_id: str | None) -> list[Arm]:
+    from kvtop.cli import CliError
+
+    if not os.path.exists(db_path):
+        raise CliError(f"database not found: {db_path}")
+    try:
+        from store.queries import arms_from_db
+    except ImportError:
+        raise CliError("--db needs store.queries.arms_from_db, which this build lacks; "
+                       "report from results files instead") from None
+    try:
+        arms = arms_from_db(db_path, run_id)
+    except LookupError as exc:  # e.g. an unknown run id
+        raise CliError(str(exc).strip("'\"")) from None
+    return [Arm(a.label, list(a.records), a.apc) for a in arms]
+
+
+def _unique_labels(arms: list[Arm]) -> None:
+    seen: dict[str, int] = {}
+    for arm in arms:
+        n = seen.get(arm.label, 0)
+        seen[arm.label] = n + 1
+        if n:
+            arm.label = f"{arm.label}#{n + 1}"
+
+
+def render(arms: Sequence[Arm], fmt: str = "text") -> str:
+    """The seed table, then the per-class TTFT table, in ``fmt``."""
+    seed = [(a.label, seedtable.seed_row(a.records, a.apc)) for a in arms]
+    classes = [(a.label, seedtable.class_rows(a.records)) for a in arms]
+    seed_text = seedtable.format_seed_table(seed, fmt)
+    class_text = seedtable.format_class_table(classes, fmt)
+    if fmt == "csv":  # two CSV tables, separated by a blank line
+        return seed_text + "\n\n" + class_text + "\n"
+    if fmt == "md":
+        return f"## Seed table\n\n{seed_text}\n\n## TTFT by route class\n\n{class_text}\n"
+    return f"{seed_text}\n\nTTFT by route class\n{class_text}\n"
+
+
+def cdf_points(values: Sequence[float]) -> tuple[list[float], list[float]]:
+    """Sorted values and their empirical CDF (i / n), for plotting."""
+    xs = sorted(values)
+    n = len(xs)
+    return xs, [(i + 1) / n for i in range(n)]
+
+
+def plot_ttft_cdfs(arms: Sequence[Arm]) -> str:
+    """TTFT CDFs per arm as terminal text (plotext); seconds on a log axis when they span 100x."""
+    import plotext as plt
+
+    plt.clear_figure()
+    lo, hi = float("inf"), 0.0
+    drawn = 0
+    for arm in arms:
+        ttft = [r["ttft_ms"] / 1000 for r in arm.records
+                if r.get("status") == "ok" and r.get("ttft_ms") is not None]
+        if not ttft:
+            continue
+        xs, ys = cdf_points(ttft)
+        lo, hi = min(lo, xs[0]), max(hi, xs[-1])
+        plt.plot(xs, ys, label=arm.label, marker="braille")
+        drawn += 1
+    if not drawn:
+        return "(no TTFT to plot)\n"
+    if lo > 0 and hi / lo >= 100:
+        plt.xscale("log")
+    plt.title("TTFT CDF")
+    plt.xlabel("TTFT (s)")
+    plt.ylabel("fraction of requests")
+    plt.ylim(0, 1)
+    width = min(os.get_terminal_size(sys.stdout.fileno()).columns, 120) if sys.stdout.isatty() else 100
+    plt.plotsize(width, 24)
+    return plt.build() + "\n"
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvtop.cli import CliError
+
+    if args.run and not args.db:
+        raise CliError("--run needs --db")
+    if not args.results and not args.db:
+        raise CliError("give one or more results files, or --db FILE")
+    arms = [load_results(path) for path in args.results]
+    if args.db:
+        arms += load_db_arms(args.db, args.run)
+    empty = [a.label for a in arms if not a.records]
+    arms = [a for a in arms if a.records]
+    if not arms:
+        sources = ", ".join(args.results + ([args.db] if args.db else []))
+        raise CliError(f"no request records in {sources}: nothing to report")
+    if empty:
+        print(f"kvtop report: no request records for {', '.join(empty)}; left out",
+              file=sys.stderr)
+    _unique_labels(arms)
+    text = render(arms, args.format)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(text)
+    else:
+        sys.stdout.write(text)
+    if args.plot:
+        sys.stdout.write("\n" + plot_ttft_cdfs(arms))
+    return 0

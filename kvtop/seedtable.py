@@ -1,0 +1,287 @@
+"""The seed table's arithmetic: latency percentiles, APC, balance and per-class TTFT.
+
+Pure functions over result records (the dicts ``kvtop replay`` writes, one per request), so
+``kvtop report``, the offline simulator and tests compute every figure the same way.
+Latencies stay in milliseconds in the rows; the formatters show seconds.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from router.classes import CLASSES, HEAVY_COLO, HEAVY_P2P, route_class
+
+#: APC sources, in order of preference.
+APC_ENGINE = "engine"  # the engines' own vllm:prefix_cache_{hits,queries}_total counters
+APC_USAGE = "usage"  # Σ usage.prompt_tokens_details.cached_tokens / Σ input over ok requests
+APC_NONE = "none"  # neither is known
+
+#: Route classes in report order: the length classes, then the offload split of HEAVY.
+CLASS_ORDER: tuple[str, ...] = tuple(name for name, _, _ in CLASSES) + (HEAVY_P2P, HEAVY_COLO)
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0-100) by linear interpolation between closest ranks.
+
+    Same as numpy's default (``method="linear"``): position ``(n - 1) * q / 100`` in the
+    sorted values, interpolated between its two neighbours. None for no values.
+    """
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile q must be in [0, 100], got {q}")
+    data = sorted(values)
+    if not data:
+        return None
+    pos = (len(data) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(data) - 1)
+    frac = pos - lo
+    return data[lo] + (data[hi] - data[lo]) * frac
+
+
+def mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _ok(records: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    return [r for r in records if r.get("status") == "ok"]
+
+
+def _present(records: Iterable[Mapping[str, Any]], key: str) -> list[float]:
+    return [float(r[key]) for r in records if r.get(key) is not None]
+
+
+def apc_from_engine(counters: Mapping[str, Any] | None) -> float | None:
+    """hits / queries from engine counter deltas (``{"queries", "hits"}``), or None."""
+    if not counters:
+        return None
+    queries, hits = counters.get("queries"), counters.get("hits")
+    if not queries or hits is None:  # no queries: the ratio means nothing
+        return None
+    return float(hits) / float(queries)
+
+
+def apc_from_usage(records: Iterable[Mapping[str, Any]]) -> float | None:
+    """Σ cached_tokens / Σ input_tokens over ok requests that reported cached_tokens.
+
+    Requests without ``cached_tokens`` (an engine that does not report it) are left out of
+    both sums rather than counted as misses; None when no ok request reported it.
+    """
+    cached = total = 0
+    for r in _ok(records):
+        if r.get("cached_tokens") is None or not r.get("input_tokens"):
+            continue
+        cached += int(r["cached_tokens"])
+        total += int(r["input_tokens"])
+    return cached / total if total else None
+
+
+def choose_apc(records: Sequence[Mapping[str, Any]], apc: Mapping[str, Any] | None = None
+               ) -> tuple[float | None, str]:
+    """(APC, source). Engine counters win when given and meaningful, then usage, then none.
+
+    ``apc`` is either engine counter deltas ``{"queries": Δ, "hits": Δ}`` (a results file's
+    header) or an already computed ``{"value": v, "source": s}`` (the decision log).
+    The engines' counters are preferred because they count every prefill the engine did,
+    including retries and requests the client gave up on, in the engine's own blocks.
+    """
+    if apc:
+        if "value" in apc and apc.get("value") is not None:
+            return float(apc["value"]), str(apc.get("source") or APC_ENGINE)
+        value = apc_from_engine(apc)
+        if value is not None:
+            return value, APC_ENGINE
+    value = apc_from_usage(records)
+    if value is not None:
+        return value, APC_USAGE
+    return None, APC_NONE
+
+
+def balance(records: Iterable[Mapping[str, Any]], instances: Iterable[str] | None = None
+            ) -> tuple[float | None, dict[str, int], str]:
+    """(max:min requests per instance, requests per instance, note).
+
+    Counts every request that was routed (has an ``instance``), ok or not: balance is about
+    where the router sent work. ``instances`` names instances that may have received
+    nothing; an instance with zero requests makes the ratio ``inf``. None when no record
+    names an instance (e.g. replay straight at one engine, which sends no instance header).
+    """
+    per: Counter[str] = Counter({name: 0 for name in instances or ()})
+    for r in records:
+        if r.get("instance"):
+            per[str(r["instance"])] += 1
+    counts = dict(sorted(per.items()))
+    if not any(counts.values()):
+        return None, counts, "no instance recorded"
+    idle = [name for name, n in counts.items() if n == 0]
+    if idle:
+        return math.inf, counts, "no requests on " + ",".join(idle)
+    return max(counts.values()) / min(counts.values()), counts, ""
+
+
+def seed_row(records: Sequence[Mapping[str, Any]], apc: Mapping[str, Any] | None = None,
+             *, instances: Iterable[str] | None = None) -> dict[str, Any]:
+    """One arm's row of the seed table.
+
+    Latencies are over ok requests only (an error has no meaningful TTFT); TPOT only over
+    requests with more than one output token, since it is undefined for the others.
+    """
+    ok = _ok(records)
+    ttft = _present(ok, "ttft_ms")
+    e2e = _present(ok, "e2e_ms")
+    tpot = _present(ok, "tpot_ms")
+    apc_value, apc_source = choose_apc(records, apc)
+    bal, per_instance, bal_note = balance(records, instances)
+    return {
+        "requests": len(records),
+        "ok": len(ok),
+        "errors": len(records) - len(ok),
+        "ttft_mean_ms": mean(ttft),
+        "ttft_p90_ms": percentile(ttft, 90),
+        "e2e_mean_ms": mean(e2e),
+        "e2e_p90_ms": percentile(e2e, 90),
+        "e2e_p99_ms": percentile(e2e, 99),
+        "tpot_p90_ms": percentile(tpot, 90),
+        "apc": apc_value,
+        "apc_source": apc_source,
+        "balance": bal,
+        "requests_per_instance": per_instance,
+        "balance_note": bal_note,
+    }
+
+
+def record_class(record: Mapping[str, Any]) -> str:
+    """The record's route class: the router's when recorded (it knows about offload), else by length."""
+    return record.get("route_class") or route_class(int(record.get("input_tokens") or 0))
+
+
+def class_rows(records: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per route class: ``{count, errors, ttft_mean, ttft_p50, ttft_p90}`` (TTFT in ms).
+
+    ``count`` is the class's ok requests with a TTFT, the ones the statistics cover;
+    ``errors`` the class's failed requests. Classes with no requests are left out; the
+    order is report order (WARM, MEDIUM, HEAVY, HEAVY+, HEAVY_P2P, HEAVY_COLO).
+    """
+    ttfts: dict[str, list[float]] = {}
+    errors: Counter[str] = Counter()
+    for r in records:
+        cls = record_class(r)
+        bucket = ttfts.setdefault(cls, [])
+        if r.get("status") != "ok":
+            errors[cls] += 1
+        elif r.get("ttft_ms") is not None:
+            bucket.append(float(r["ttft_ms"]))
+    order = {name: i for i, name in enumerate(CLASS_ORDER)}
+    out: dict[str, dict[str, Any]] = {}
+    for cls in sorted(ttfts, key=lambda c: (order.get(c, len(order)), c)):
+        values = ttfts[cls]
+        out[cls] = {"count": len(values), "errors": errors[cls], "ttft_mean": mean(values),
+                    "ttft_p50": percentile(values, 50), "ttft_p90": percentile(values, 90)}
+    return out
+
+
+# --- formatting -------------------------------------------------------------------------
+
+def _seconds(ms: float | None) -> str:
+    return "-" if ms is None else f"{ms / 1000:.3f}"
+
+
+def _apc(row: Mapping[str, Any]) -> str:
+    return "-" if row["apc"] is None else f"{row['apc'] * 100:.1f}% ({row['apc_source']})"
+
+
+def _balance(row: Mapping[str, Any]) -> str:
+    b = row["balance"]
+    if b is None:
+        return "-"
+    text = "inf" if math.isinf(b) else f"{b:.2f}"
+    return f"{text} ({row['balance_note']})" if row["balance_note"] else text
+
+
+#: (header, row -> display text, row -> CSV value) for the seed table.
+SEED_COLUMNS: list[tuple[str, Any, Any]] = [
+    ("requests", lambda r: str(r["requests"]), lambda r: r["requests"]),
+    ("ok", lambda r: str(r["ok"]), lambda r: r["ok"]),
+    ("errors", lambda r: str(r["errors"]), lambda r: r["errors"]),
+    ("TTFT mean s", lambda r: _seconds(r["ttft_mean_ms"]), lambda r: r["ttft_mean_ms"]),
+    ("TTFT p90 s", lambda r: _seconds(r["ttft_p90_ms"]), lambda r: r["ttft_p90_ms"]),
+    ("E2E mean s", lambda r: _seconds(r["e2e_mean_ms"]), lambda r: r["e2e_mean_ms"]),
+    ("E2E p90 s", lambda r: _seconds(r["e2e_p90_ms"]), lambda r: r["e2e_p90_ms"]),
+    ("E2E p99 s", lambda r: _seconds(r["e2e_p99_ms"]), lambda r: r["e2e_p99_ms"]),
+    ("TPOT p90 ms", lambda r: "-" if r["tpot_p90_ms"] is None else f"{r['tpot_p90_ms']:.1f}",
+     lambda r: r["tpot_p90_ms"]),
+    ("APC", _apc, lambda r: r["apc"]),
+    ("balance max:min", _balance, lambda r: r["balance"]),
+]
+#: CSV header names (units in the name, values unrounded, ms as in the records).
+SEED_CSV_HEADERS = ["requests", "ok", "errors", "ttft_mean_ms", "ttft_p90_ms", "e2e_mean_ms",
+                    "e2e_p90_ms", "e2e_p99_ms", "tpot_p90_ms", "apc", "balance"]
+
+CLASS_COLUMNS: list[tuple[str, Any, Any]] = [
+    ("count", lambda r: str(r["count"]), lambda r: r["count"]),
+    ("errors", lambda r: str(r["errors"]), lambda r: r["errors"]),
+    ("TTFT mean s", lambda r: _seconds(r["ttft_mean"]), lambda r: r["ttft_mean"]),
+    ("TTFT p50 s", lambda r: _seconds(r["ttft_p50"]), lambda r: r["ttft_p50"]),
+    ("TTFT p90 s", lambda r: _seconds(r["ttft_p90"]), lambda r: r["ttft_p90"]),
+]
+CLASS_CSV_HEADERS = ["count", "errors", "ttft_mean_ms", "ttft_p50_ms", "ttft_p90_ms"]
+
+
+def _grid(headers: list[str], lines: list[list[str]], fmt: str) -> str:
+    n_labels = 2 if headers[:2] == ["arm", "class"] else 1  # left-aligned; numbers go right
+    if fmt == "md":
+        def esc(cell: str) -> str:
+            return cell.replace("|", "\\|")
+        out = ["| " + " | ".join(esc(h) for h in headers) + " |",
+               "|" + "|".join("---" if i < n_labels else "---:" for i in range(len(headers))) + "|"]
+        out += ["| " + " | ".join(esc(c) for c in line) + " |" for line in lines]
+        return "\n".join(out)
+    widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h)
+              for i, h in enumerate(headers)]
+
+    def fmt_line(cells: list[str], n_labels: int) -> str:
+        return "  ".join(c.ljust(w) if i < n_labels else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+    return "\n".join([fmt_line(headers, n_labels)] + [fmt_line(line, n_labels) for line in lines])
+
+
+def _csv(headers: list[str], lines: list[list[Any]]) -> str:
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(headers)
+    for line in lines:
+        w.writerow(["" if v is None else v for v in line])
+    return buf.getvalue().rstrip("\n")
+
+
+def format_seed_table(rows: Sequence[tuple[str, Mapping[str, Any]]], fmt: str = "text") -> str:
+    """The seed table, one line per ``(arm label, seed_row)``, as ``text``, ``md`` or ``csv``."""
+    if fmt == "csv":
+        return _csv(["arm"] + SEED_CSV_HEADERS + ["apc_source"],
+                    [[label] + [csv_of(r) for _, _, csv_of in SEED_COLUMNS] + [r["apc_source"]]
+                     for label, r in rows])
+    _check_fmt(fmt)
+    return _grid(["arm"] + [h for h, _, _ in SEED_COLUMNS],
+                 [[label] + [show(r) for _, show, _ in SEED_COLUMNS] for label, r in rows], fmt)
+
+
+def format_class_table(arms: Sequence[tuple[str, Mapping[str, Mapping[str, Any]]]],
+                       fmt: str = "text") -> str:
+    """Per-class TTFT, one line per (arm, class), from ``(arm label, class_rows)`` pairs."""
+    if fmt == "csv":
+        return _csv(["arm", "class"] + CLASS_CSV_HEADERS,
+                    [[label, cls] + [csv_of(r) for _, _, csv_of in CLASS_COLUMNS]
+                     for label, classes in arms for cls, r in classes.items()])
+    _check_fmt(fmt)
+    return _grid(["arm", "class"] + [h for h, _, _ in CLASS_COLUMNS],
+                 [[label, cls] + [show(r) for _, show, _ in CLASS_COLUMNS]
+                  for label, classes in arms for cls, r in classes.items()], fmt)
+
+
+def _check_fmt(fmt: str) -> None:
+    if fmt not in ("text", "md", "csv"):
+        raise ValueError(f"unknown table format {fmt!r} (text, md or csv)")
