@@ -1,0 +1,683 @@
+"""The simulated vLLM v1 engine: scheduler step loop, block-level prefix cache, step-time model.
+
+Pure Python, no I/O, no clock: the caller owns time. ``add_request`` queues a request,
+``step(now)`` runs ONE scheduler step starting at engine time ``now`` and returns what
+happened and how long the step took; the caller advances its clock by ``duration`` (the HTTP
+server sleeps ``duration / speed``; the offline simulator just adds it). The same class backs
+``kvtop sim`` and ``kvtop simulate``.
+
+What it follows (vllm/v1/core/sched/scheduler.py, kv_cache_manager.py, block_pool.py):
+
+* RUNNING requests first, in order; each gets ``min(remaining, long_prefill_token_threshold,
+  budget)`` tokens (chunked prefill always on). When blocks run out, the newest running
+  request is preempted (recompute: its blocks are freed, ``computed = 0``, it goes back to
+  the head of the waiting queue); if that is the request being scheduled, the loop stops.
+* WAITING requests only if nothing was preempted this step and ``len(running) <
+  max_num_seqs``: prefix lookup, chunk to the remaining budget, allocation failure stops the
+  loop (head-of-line blocking). Order is FIFO unless an ``admission`` hook reorders it.
+* Prefix cache: full prompt blocks keyed by the caller's chained hashes; a hit is the longest
+  cached chain, capped at ``num_tokens - 1`` rounded down to a block. Blocks are cacheable as
+  soon as they are scheduled full, even mid-prefill. Freed blocks (refcount 0) go to the tail
+  of an LRU free queue in reverse order and keep their hash; allocation pops the head and
+  evicts its hash; a hit on a free block takes it out of the queue.
+* A token is sampled at the end of the step that computes a request's last pending token:
+  the first token ends the last prefill chunk, then one token per decode step; the request
+  finishes at ``max_tokens`` (the simulated model never emits EOS).
+
+Blocks filled by generated tokens are not hashed (the engine never sees token ids), so only
+prompt blocks can be hits. Prompts whose KV could never fit are rejected up front.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from kvtop.sim.profiles import DEFAULT_PROFILE, Profile, get_profile
+
+__all__ = [
+    "Engine",
+    "EngineRequest",
+    "EngineRejected",
+    "RequestTooLong",
+    "ExceedsKVCapacity",
+    "StepResult",
+    "FinishedRequest",
+    "WaitingView",
+    "AdmissionHook",
+]
+
+
+class EngineRejected(ValueError):
+    """``add_request`` refused a request before queueing it."""
+
+
+class RequestTooLong(EngineRejected):
+    """Prompt plus ``max_tokens`` exceeds ``max_model_len`` (vLLM answers 400)."""
+
+
+class ExceedsKVCapacity(EngineRejected):
+    """The request's KV could never fit in the whole cache; queueing it would livelock."""
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    """What the engine needs to know about a request; no token ids.
+
+    ``block_hashes`` are the chained hashes of the prompt's full blocks at the engine's block
+    size (``router.blocks.hash_token_blocks(tokens, engine.block_size)``), at most
+    ``num_prompt_tokens // block_size`` of them; fewer means the tail can never hit.
+    ``kv_transfer_params``: ``{"do_remote_decode": True}`` makes this a prefill-only request
+    (P side of vLLM's disaggregated two-step); the params a P side returned, with
+    ``"do_remote_prefill": True``, make this a decode-side request that first pulls the KV.
+    """
+
+    request_id: str
+    num_prompt_tokens: int
+    block_hashes: Sequence[int]
+    max_tokens: int
+    arrival_time: float
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class WaitingView(NamedTuple):
+    """A waiting request as the admission hook sees it."""
+
+    request_id: str
+    num_tokens: int          # prompt + tokens already generated (>prompt after a preemption)
+    cached_tokens: int       # prefix-cache hit it would get right now
+    cost: int                # tokens it still has to compute: num_tokens - cached_tokens
+    arrival_time: float
+
+
+#: ``hook(views, budget) -> indices into views, in the order to try them``. Requests left out
+#: are not admitted this step. The engine stops at the first one whose blocks do not fit.
+AdmissionHook = Callable[[list[WaitingView], int], Sequence[int]]
+
+
+@dataclass(slots=True)
+class FinishedRequest:
+    """A request that left the engine, with its timeline in engine seconds."""
+
+    request_id: str
+    finish_reason: str       # "length" or "abort"
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int   # prefix hit (local + pulled remote KV) at its first scheduling
+    num_preemptions: int
+    arrival_time: float
+    queued_time: float | None        # entered the scheduler (after the frontend overhead)
+    scheduled_time: float | None     # latest SCHEDULED (restarts after a preemption)
+    first_token_time: float | None
+    finish_time: float
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What one ``step(now)`` did. Every event happens at ``end_time = now + duration``."""
+
+    now: float
+    duration: float = 0.0
+    end_time: float = 0.0
+    num_scheduled_tokens: int = 0
+    num_scheduled_reqs: int = 0
+    first_token: list[str] = field(default_factory=list)
+    emitted: dict[str, int] = field(default_factory=dict)   # request id -> its output tokens so far
+    finished: list[FinishedRequest] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    transfers_started: list[str] = field(default_factory=list)
+
+    @property
+    def idle(self) -> bool:
+        return self.num_scheduled_tokens == 0
+
+
+# request states
+_PENDING, _WAITING, _TRANSFERRING, _RUNNING, _DONE = range(5)
+
+
+class _Req:
+    __slots__ = ("id", "prompt", "hashes", "max_tokens", "arrival", "num_tokens", "computed",
+                 "output", "blocks", "registered", "state", "cached_tokens", "queued_time",
+                 "scheduled_time", "first_token_time", "preemptions", "counted", "remote_decode",
+                 "remote_prefill", "ready_at")
+
+    def __init__(self, r: EngineRequest, ready_at: float):
+        self.id = r.request_id
+        self.prompt = r.num_prompt_tokens
+        self.hashes = r.block_hashes
+        self.max_tokens = r.max_tokens
+        self.arrival = r.arrival_time
+        self.num_tokens = r.num_prompt_tokens
+        self.computed = 0
+        self.output = 0
+        self.blocks: list[int] = []
+        self.registered = 0          # leading blocks whose hash is settled (cached or hit)
+        self.state = _PENDING
+        self.cached_tokens: int | None = None
+        self.queued_time: float | None = None
+        self.scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.preemptions = 0
+        self.counted = False         # prefix metrics recorded once
+        params = r.kv_transfer_params or {}
+        self.remote_decode = bool(params.get("do_remote_decode"))
+        self.remote_prefill: dict | None = dict(params) if params.get("do_remote_prefill") else None
+        self.ready_at = ready_at
+
+
+class Engine:
+    """One simulated vLLM instance. See the module docstring for the scheduling rules.
+
+    ``prefix_metrics``: ``"after_alloc"`` (current vLLM, fix for #43736) counts prefix
+    queries/hits once per request after its blocks were allocated, and a request resumed after
+    preemption goes to the ``preempted_prefix_*`` counters instead (#25780);
+    ``"at_lookup"`` (older releases) counts every lookup, failed allocations and resumes included.
+    """
+
+    def __init__(self, profile: Profile | str = DEFAULT_PROFILE, *, block_size: int | None = None,
+                 num_gpu_blocks: int | None = None, max_num_batched_tokens: int | None = None,
+                 max_num_seqs: int | None = None, max_model_len: int | None = None,
+                 long_prefill_token_threshold: int | None = None,
+                 frontend_overhead_s: float | None = None,
+                 prefix_metrics: str = "after_alloc", admission: AdmissionHook | None = None,
+                 admission_window: int = 64, engine_id: str = "0",
+                 busy_window_s: float = 5.0):
+        if isinstance(profile, str):
+            profile = get_profile(profile)
+        if prefix_metrics not in ("after_alloc", "at_lookup"):
+            raise ValueError("prefix_metrics must be 'after_alloc' or 'at_lookup'")
+        self.profile = profile.with_overrides(
+            block_size=block_size, num_gpu_blocks=num_gpu_blocks,
+            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len, long_prefill_token_threshold=long_prefill_token_threshold,
+            frontend_overhead_s=frontend_overhead_s)
+        p = self.profile
+        for name in ("block_size", "num_gpu_blocks", "max_num_batched_tokens", "max_num_seqs",
+                     "max_model_len"):
+            if getattr(p, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        self.block_size = p.block_size
+        self.num_gpu_blocks = p.num_gpu_blocks
+        self.max_num_batched_tokens = p.max_num_batched_tokens
+        self.max_num_seqs = p.max_num_seqs
+        self.max_model_len = p.max_model_len
+        self.long_prefill_token_threshold = p.long_prefill_token_threshold
+        self.frontend_overhead_s = p.frontend_overhead_s
+        self.prefix_metrics = prefix_metrics
+        self.admission = admission
+        self.admission_window = admission_window
+        self.engine_id = engine_id
+
+        n = self.num_gpu_blocks
+        self._ref = [0] * n
+        self._block_hash: list[int | None] = [None] * n
+        self._cached: dict[int, int] = {}                      # hash -> block id
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(n))  # LRU, head = next evicted
+
+        self._requests: dict[str, _Req] = {}
+        self._pending: list[tuple[float, int, _Req]] = []      # frontend, sorted by ready time
+        self._seq = 0
+        self.waiting: deque[_Req] = deque()
+        self.running: list[_Req] = []
+        self._transferring: list[_Req] = []
+
+        # counters (cumulative) and busy-time window
+        self.num_preemptions = 0
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self.preempted_prefix_queries = 0
+        self.preempted_prefix_hits = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.request_success: dict[str, int] = {"length": 0, "abort": 0}
+        self.num_steps = 0
+        self.busy_time = 0.0
+        self._busy_window_s = busy_window_s
+        self._recent_steps: deque[tuple[float, float]] = deque()   # (start, duration)
+        self._recent_busy = 0.0
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue a request; raises ``EngineRejected`` if it can never run."""
+        p, bs = self.profile, self.block_size
+        if request.request_id in self._requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        if request.num_prompt_tokens <= 0:
+            raise EngineRejected("prompt must have at least one token")
+        if request.max_tokens <= 0:
+            raise EngineRejected("max_tokens must be at least 1")
+        if len(request.block_hashes) > request.num_prompt_tokens // bs:
+            raise ValueError(f"{len(request.block_hashes)} block hashes for "
+                             f"{request.num_prompt_tokens} tokens at block size {bs}")
+        params = request.kv_transfer_params or {}
+        max_tokens = 1 if params.get("do_remote_decode") else request.max_tokens
+        total = request.num_prompt_tokens + max_tokens
+        if total > self.max_model_len:
+            raise RequestTooLong(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {total} tokens ({request.num_prompt_tokens} in the messages, "
+                f"{max_tokens} in the completion). Please reduce the length of the messages or "
+                f"completion.")
+        # KV of all but the last sampled token must fit at once.
+        if -(-(total - 1) // bs) > self.num_gpu_blocks:
+            raise ExceedsKVCapacity(
+                f"request needs {total - 1} tokens of KV but the cache holds "
+                f"{self.num_gpu_blocks * bs} ({self.num_gpu_blocks} blocks of {bs})")
+        req = _Req(request, request.arrival_time + self.frontend_overhead_s)
+        req.max_tokens = max_tokens
+        self._requests[req.id] = req
+        self._seq += 1
+        bisect.insort(self._pending, (req.ready_at, self._seq, req))
+
+    def abort(self, request_id: str, now: float | None = None) -> FinishedRequest | None:
+        """Remove a request wherever it is and free its blocks; None if it is not here."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return None
+        if req.state == _PENDING:
+            self._pending = [e for e in self._pending if e[2] is not req]
+        elif req.state == _WAITING:
+            self.waiting.remove(req)
+        elif req.state == _TRANSFERRING:
+            self._transferring.remove(req)
+        elif req.state == _RUNNING:
+            self.running.remove(req)
+        self._free_blocks(req)
+        return self._finish(req, "abort", req.arrival if now is None else now)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting or self._transferring or self._pending)
+
+    def next_event_time(self) -> float | None:
+        """Earliest time a queued-but-not-schedulable request becomes schedulable (a frontend
+        delay or a KV transfer ending), or None. Drive: call ``step``; if it scheduled nothing,
+        advance the clock to this time (or wait for the next ``add_request``)."""
+        times = [r.ready_at for r in self._transferring]
+        if self._pending:
+            times.append(self._pending[0][0])
+        return min(times) if times else None
+
+    def lookup_cached_tokens(self, block_hashes: Sequence[int], num_tokens: int) -> int:
+        """Prefix-cache hit in tokens a prompt would get now (no side effects)."""
+        return len(self._lookup(block_hashes, num_tokens)) * self.block_size
+
+    # ------------------------------------------------------------------ gauges
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Waiting in the scheduler, including decode-side requests pulling remote KV."""
+        return len(self.waiting) + len(self._transferring)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with refcount 0 (cached-but-unreferenced blocks included)."""
+        return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    @property
+    def kv_usage(self) -> float:
+        """vLLM's kv_cache_usage_perc: 1 - free/total, cached-unreferenced blocks count as free."""
+        return 1.0 - len(self._free) / self.num_gpu_blocks
+
+    def num_allocated_blocks(self) -> int:
+        """Blocks referenced by at least one request (counted from refcounts, for invariants)."""
+        return sum(1 for r in self._ref if r > 0)
+
+    def busy_ratio(self, now: float) -> float:
+        """Fraction of the last ``busy_window_s`` engine seconds spent in steps (GPU-util stand-in)."""
+        window = self._busy_window_s
+        lo = now - window
+        busy = 0.0
+        for start, dur in self._recent_steps:
+            end = start + dur
+            if end <= lo:
+                continue
+            busy += min(end, now) - max(start, lo)
+        return max(0.0, min(1.0, busy / window))
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self, now: float) -> StepResult:
+        """Run one scheduler step starting at engine time ``now``."""
+        result = StepResult(now=now, end_time=now)
+        self._release_ready(now)
+        if not self.running and not self.waiting:
+            return result
+
+        bs = self.block_size
+        free = self._free
+        budget = self.max_num_batched_tokens
+        threshold = self.long_prefill_token_threshold
+        running = self.running
+        scheduled: list[_Req] = []
+        attn_sum = 0
+        decode_ctx = 0
+
+        # 1. RUNNING, in order.
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            computed = req.computed
+            num_new = req.num_tokens - computed
+            if threshold and num_new > threshold:
+                num_new = threshold
+            if num_new > budget:
+                num_new = budget
+            need = -(-(computed + num_new) // bs) - len(req.blocks)
+            if need > len(free):
+                while need > len(free):
+                    victim = running.pop()
+                    self._preempt(victim, now)
+                    result.preempted.append(victim.id)
+                    if victim is req:
+                        break
+                if req.state != _RUNNING:
+                    break
+            if need > 0:
+                self._allocate(req, need)
+            if req.registered < len(req.hashes):
+                self._register(req, computed + num_new)
+            if num_new == 1 and req.output:
+                decode_ctx += computed + 1
+            else:
+                attn_sum += num_new * (2 * computed + num_new)
+            req.computed = computed + num_new
+            budget -= num_new
+            scheduled.append(req)
+            i += 1
+
+        # 2. WAITING, only if nothing was preempted this step.
+        if not result.preempted and self.waiting:
+            for req in self._admission_order(budget):
+                if budget <= 0 or len(running) >= self.max_num_seqs:
+                    break
+                got = self._admit(req, budget, now, result)
+                if got is None:
+                    break       # blocks do not fit: head-of-line blocking
+                if got == 0:
+                    continue    # started a KV transfer: no budget, no running slot
+                computed = req.computed - got
+                attn_sum += got * (2 * computed + got)
+                budget -= got
+                scheduled.append(req)
+
+        if not scheduled:
+            return result
+
+        num_tokens = self.max_num_batched_tokens - budget
+        duration = self.profile.step_time(num_tokens, len(scheduled), attn_sum, decode_ctx)
+        end = now + duration
+        result.duration = duration
+        result.end_time = end
+        result.num_scheduled_tokens = num_tokens
+        result.num_scheduled_reqs = len(scheduled)
+        self.num_steps += 1
+        self.busy_time += duration
+        recent = self._recent_steps
+        recent.append((now, duration))
+        lo = now - self._busy_window_s
+        while recent and recent[0][0] + recent[0][1] < lo:
+            recent.popleft()
+
+        # 3. Sample: every request whose pending tokens are all computed gets one token.
+        emitted = result.emitted
+        any_finished = False
+        for req in scheduled:
+            if req.computed < req.num_tokens:
+                continue  # a non-final prefill chunk
+            req.output += 1
+            req.num_tokens += 1
+            self.generation_tokens += 1
+            emitted[req.id] = req.output
+            if req.first_token_time is None:
+                req.first_token_time = end
+                self.prompt_tokens += req.prompt
+                result.first_token.append(req.id)
+            if req.output >= req.max_tokens:
+                any_finished = True
+                req.state = _DONE
+                params = self._transfer_params(req) if req.remote_decode else None
+                self._free_blocks(req)
+                result.finished.append(self._finish(req, "length", end, params))
+        if any_finished:
+            self.running = [r for r in self.running if r.state == _RUNNING]
+        return result
+
+    # ------------------------------------------------------------------ internals
+
+    def _release_ready(self, now: float) -> None:
+        pending = self._pending
+        if pending and pending[0][0] <= now:
+            k = 0
+            while k < len(pending) and pending[k][0] <= now:
+                req = pending[k][2]
+                req.state = _WAITING
+                req.queued_time = req.ready_at
+                self.waiting.append(req)
+                k += 1
+            del pending[:k]
+        if self._transferring:
+            done = [r for r in self._transferring if r.ready_at <= now]
+            if done:
+                self._transferring = [r for r in self._transferring if r.ready_at > now]
+                for req in reversed(done):
+                    # The pulled blocks now hold the prompt's KV: cache them, skip their compute.
+                    n_full = len(req.blocks)
+                    self._register(req, n_full * self.block_size)
+                    req.computed = n_full * self.block_size
+                    req.state = _WAITING
+                    self.waiting.appendleft(req)
+
+    def _admission_order(self, budget: int):
+        waiting = self.waiting
+        if self.admission is None:
+            while waiting:
+                yield waiting[0]    # _admit pops it on success
+                # if it was not popped, the caller broke out of the loop
+        else:
+            window = [waiting[k] for k in range(min(len(waiting), self.admission_window))]
+            views = []
+            for req in window:
+                if req.computed:    # pulled remote KV: nothing to look up
+                    hit = req.computed
+                else:
+                    hit = len(self._lookup(req.hashes, req.num_tokens)) * self.block_size
+                views.append(WaitingView(req.id, req.num_tokens, hit, req.num_tokens - hit, req.arrival))
+            for k in self.admission(views, budget):
+                req = window[k]
+                if req.state == _WAITING:
+                    yield req
+
+    def _lookup(self, hashes: Sequence[int], num_tokens: int) -> list[int]:
+        limit = (num_tokens - 1) // self.block_size
+        if limit > len(hashes):
+            limit = len(hashes)
+        get = self._cached.get
+        hit: list[int] = []
+        for k in range(limit):
+            b = get(hashes[k])
+            if b is None:
+                break
+            hit.append(b)
+        return hit
+
+    def _count_prefix(self, req: _Req, hit_tokens: int) -> None:
+        if self.prefix_metrics == "at_lookup":
+            self.prefix_queries += req.num_tokens
+            self.prefix_hits += hit_tokens
+        elif not req.counted:
+            self.prefix_queries += req.num_tokens
+            self.prefix_hits += hit_tokens
+        else:
+            self.preempted_prefix_queries += req.num_tokens
+            self.preempted_prefix_hits += hit_tokens
+        req.counted = True
+
+    def _admit(self, req: _Req, budget: int, now: float, result: StepResult) -> int | None:
+        """Try to start ``req``: tokens scheduled, 0 for a started KV transfer, None if no room."""
+        bs = self.block_size
+        free = self._free
+        ref = self._ref
+        resumed_after_transfer = req.computed > 0
+        if resumed_after_transfer:
+            hit = []
+            hit_tokens = req.computed
+        else:
+            hit = self._lookup(req.hashes, req.num_tokens)
+            hit_tokens = len(hit) * bs
+            if self.prefix_metrics == "at_lookup":
+                self._count_prefix(req, hit_tokens)
+
+        if req.remote_prefill is not None and not resumed_after_transfer:
+            # Decode side of P/D: hold the local hit, allocate room for the remote blocks, pull.
+            n_full = min(len(req.hashes), (req.num_tokens - 1) // bs)
+            wanted = req.remote_prefill.get("remote_block_ids")
+            if isinstance(wanted, list):
+                n_full = min(n_full, len(wanted))
+            n_full = max(n_full, len(hit))
+            need = (n_full - len(hit)) + sum(1 for b in hit if ref[b] == 0)
+            if need > len(free):
+                return None
+            self._touch(req, hit)
+            if n_full > len(hit):
+                self._allocate(req, n_full - len(hit))
+            if self.prefix_metrics == "after_alloc":
+                self._count_prefix(req, hit_tokens)
+            req.cached_tokens = n_full * bs
+            req.state = _TRANSFERRING
+            req.ready_at = now + self.profile.kv_transfer_s((n_full - len(hit)) * bs)
+            self.waiting.remove(req)
+            self._transferring.append(req)
+            result.transfers_started.append(req.id)
+            return 0
+
+        num_new = req.num_tokens - hit_tokens
+        threshold = self.long_prefill_token_threshold
+        if threshold and num_new > threshold:
+            num_new = threshold
+        if num_new > budget:
+            num_new = budget
+        need_new = -(-(hit_tokens + num_new) // bs) - len(hit) - len(req.blocks)
+        need = need_new + sum(1 for b in hit if ref[b] == 0)
+        if need > len(free):
+            return None
+        self._touch(req, hit)
+        if need_new > 0:
+            self._allocate(req, need_new)
+        if self.prefix_metrics == "after_alloc" and not resumed_after_transfer:
+            self._count_prefix(req, hit_tokens)
+        self._register(req, hit_tokens + num_new)
+        if req.cached_tokens is None:
+            req.cached_tokens = hit_tokens
+        req.computed = hit_tokens + num_new
+        req.scheduled_time = now
+        req.state = _RUNNING
+        if self.waiting and self.waiting[0] is req:
+            self.waiting.popleft()
+        else:
+            self.waiting.remove(req)
+        self.running.append(req)
+        return num_new
+
+    def _touch(self, req: _Req, hit: list[int]) -> None:
+        if not hit:
+            return
+        free = self._free
+        ref = self._ref
+        for b in hit:
+            if ref[b] == 0:
+                del free[b]
+            ref[b] += 1
+        req.blocks.extend(hit)
+        req.registered = len(hit)
+
+    def _allocate(self, req: _Req, n: int) -> None:
+        popitem = self._free.popitem
+        ref = self._ref
+        block_hash = self._block_hash
+        cached = self._cached
+        append = req.blocks.append
+        for _ in range(n):
+            b = popitem(last=False)[0]
+            h = block_hash[b]
+            if h is not None:
+                del cached[h]     # evict
+                block_hash[b] = None
+            ref[b] = 1
+            append(b)
+
+    def _register(self, req: _Req, num_computed: int) -> None:
+        """Cache the prompt blocks that are full once ``num_computed`` tokens are computed."""
+        upto = num_computed // self.block_size
+        hashes = req.hashes
+        if upto > len(hashes):
+            upto = len(hashes)
+        k = req.registered
+        if upto <= k:
+            return
+        cached = self._cached
+        block_hash = self._block_hash
+        blocks = req.blocks
+        for idx in range(k, upto):
+            h = hashes[idx]
+            if h not in cached:   # another block may already hold this content
+                b = blocks[idx]
+                cached[h] = b
+                block_hash[b] = h
+        req.registered = upto
+
+    def _free_blocks(self, req: _Req) -> None:
+        free = self._free
+        ref = self._ref
+        for b in reversed(req.blocks):   # the request's last block is evicted first
+            r = ref[b] - 1
+            ref[b] = r
+            if r == 0:
+                free[b] = None
+        req.blocks = []
+        req.registered = 0
+
+    def _preempt(self, req: _Req, now: float) -> None:
+        self._free_blocks(req)
+        req.computed = 0
+        req.state = _WAITING
+        req.preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _transfer_params(self, req: _Req) -> dict[str, Any]:
+        n_full = min(len(req.hashes), (req.num_tokens - 1) // self.block_size, len(req.blocks))
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": list(req.blocks[:n_full]),
+            "remote_engine_id": self.engine_id,
+            "remote_host": None,
+            "remote_port": None,
+            "tp_size": 1,
+        }
+
+    def _finish(self, req: _Req, reason: str, when: float,
+                params: dict[str, Any] | None = None) -> FinishedRequest:
+        req.state = _DONE
+        self._requests.pop(req.id, None)
+        self.request_success[reason] = self.request_success.get(reason, 0) + 1
+        return FinishedRequest(
+            request_id=req.id, finish_reason=reason, num_prompt_tokens=req.prompt,
+            num_output_tokens=req.output, num_cached_tokens=req.cached_tokens or 0,
+            num_preemptions=req.preemptions, arrival_time=req.arrival, queued_time=req.queued_time,
+            scheduled_time=req.scheduled_time, first_token_time=req.first_token_time,
+            finish_time=when, kv_transfer_params=params)

