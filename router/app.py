@@ -1,0 +1,448 @@
+"""The routing proxy: ``create_app(config)`` builds the aiohttp application.
+
+Data plane: ``POST /v1/completions`` and ``/v1/chat/completions`` (streaming or not),
+``GET /v1/models``, ``GET /health``. Every request gets a decision (policy pick, reason,
+every candidate's terms) and an outcome (status and latencies), both written to SQLite
+through the background writer and kept in an in-memory ring for the control API.
+
+A request whose backend fails before any byte reached the client is retried once on
+another instance (a second decision, reason ``retry``). Counters are released on every
+path, including a client that goes away mid-stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from router.cluster import Cluster
+from router.config import KnobError
+from router.core import Decision, NoInstance, PolicySlot, RoutingCore
+from router.forward import StreamScan, cached_tokens, completion_tokens, upstream_headers, usage_of
+from router.policies import build_policy
+from router.policies.base import RETRY
+from router.request import BadRequest, Tokenizer, parse_request
+from store.writer import Writer
+
+#: Default estimated-cache capacity per instance, in router blocks: one H20 running
+#: Qwen3-30B-A3B holds about 265k tokens of KV (vllm-engine-model.md), 518 blocks of 512.
+DEFAULT_CAPACITY_TOKENS = 265_000
+
+
+@dataclass
+class Backend:
+    name: str
+    url: str
+    gpu: int | None = None
+
+
+@dataclass
+class RouterConfig:
+    backends: list[Backend]
+    policy: str = "unified"
+    knobs: dict[str, Any] = field(default_factory=dict)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    db: str | None = "kvtop.db"
+    block_size: int = 512
+    capacity_tokens: int = DEFAULT_CAPACITY_TOKENS
+    session_header: str = "X-Session-ID"
+    tokenizer: str | None = None
+    max_input_tokens: int | None = 1_000_000
+    max_body_bytes: int = 64 * 1024 * 1024
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 600.0
+    decision_ring: int = 2000
+    run_id: str = field(default_factory=lambda: time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6])
+    argv: str = ""
+    # control plane (router/control.py)
+    control_token: str | None = None
+    control_token_file: str | None = None
+    control_readonly: bool = False
+    state_dir: str | None = None
+
+    @property
+    def capacity_blocks(self) -> int:
+        return max(1, self.capacity_tokens // self.block_size)
+
+
+class RouterState:
+    """Everything mutable about a running router, stored once under ``STATE``."""
+
+    def __init__(self, config: RouterConfig):
+        self.config = config
+        policy = build_policy(config.policy, config.knobs)
+        cluster = Cluster([b.name for b in config.backends], urls=[b.url for b in config.backends],
+                          block_size=config.block_size, capacity_blocks=config.capacity_blocks)
+        self.core = RoutingCore(cluster, policy)
+        self.tokenizer = Tokenizer(config.tokenizer) if config.tokenizer else None
+        self.run_id = config.run_id
+        self.started_at = time.time()
+        self.writer: Writer | None = None
+        self.http: aiohttp.ClientSession | None = None
+        self.ring: deque[dict[str, Any]] = deque(maxlen=config.decision_ring)
+        #: Called with ("decision" | "outcome" | "config" | "health", payload) on the loop thread.
+        self.listeners: list[Callable[[str, dict[str, Any]], None]] = []
+        self.counts: dict[str, int] = {"requests": 0, "bad_requests": 0, "no_instance": 0,
+                                       "retries": 0, "rejected": 0}
+        self.outcome_counts: dict[str, int] = {}
+        self.draining = False
+
+    @property
+    def cluster(self) -> Cluster:
+        return self.core.cluster
+
+    @property
+    def slot(self) -> PolicySlot:
+        return self.core.slot
+
+    # -- recording ------------------------------------------------------------------
+    def emit(self, kind: str, payload: dict[str, Any]) -> None:
+        for fn in list(self.listeners):
+            try:
+                fn(kind, payload)
+            except Exception as exc:  # a viewer must never break routing
+                print(f"kvtop route: listener failed: {exc!r}", file=sys.stderr)
+
+    def record_decision(self, d: Decision) -> None:
+        if self.writer:
+            self.writer.put("decisions", d.row(self.run_id))
+        ev = d.event()
+        self.ring.append(ev)
+        self.emit("decision", ev)
+
+    def record_outcome(self, d: Decision, outcome: dict[str, Any]) -> None:
+        outcome.update(run_id=self.run_id, request_id=d.request.request_id, attempt=d.attempt,
+                       instance=d.instance_name, ts=time.time())
+        self.outcome_counts[outcome["status"]] = self.outcome_counts.get(outcome["status"], 0) + 1
+        if self.writer:
+            self.writer.put("outcomes", outcome)
+        self.emit("outcome", outcome)
+
+    def record_config(self, kind: str, who: str, before: Any, after: Any) -> dict[str, Any]:
+        row = {"run_id": self.run_id, "ts": time.time(), "kind": kind, "who": who,
+               "policy_version": self.slot.version, "before": before, "after": after}
+        if self.writer:
+            self.writer.put("config_events", row)
+        self.emit("config", row)
+        return row
+
+    # -- control --------------------------------------------------------------------
+    def set_policy(self, name: str | None, knobs: dict[str, Any] | None, who: str,
+                   *, merge: bool = False) -> PolicySlot:
+        """Validate completely, then swap in one assignment. Raises KnobError, changing nothing.
+
+        ``merge`` keeps the current knobs and changes only those given (PATCH semantics).
+        """
+        current = self.slot.policy
+        name = name or current.name
+        if knobs is not None and not isinstance(knobs, dict):
+            raise KnobError("knobs", "expected an object of knob names to values")
+        if merge and build_policy(name).name == current.name:
+            knobs = {**current.knobs, **(knobs or {})}
+        new = build_policy(name, knobs or {})
+        before = {"policy": current.name, "version": self.slot.version, "knobs": current.knobs}
+        slot = self.core.swap(new)
+        after = {"policy": new.name, "version": slot.version, "knobs": new.knobs}
+        self.record_config("policy" if new.name != current.name else "knobs", who, before, after)
+        return slot
+
+    def run_row(self, ended: bool = False) -> dict[str, Any]:
+        cfg = self.config
+        safe = {k: v for k, v in asdict(cfg).items() if k not in ("control_token",)}
+        return {"run_id": self.run_id, "started_at": self.started_at,
+                "ended_at": time.time() if ended else None, "host": cfg.host, "port": cfg.port,
+                "policy": cfg.policy, "backends": [asdict(b) for b in cfg.backends], "config": safe,
+                "argv": cfg.argv, "kvtop_version": _version(), "schema_version": 1}
+
+
+STATE = web.AppKey("state", RouterState)
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("kvtop")
+    except Exception:
+        return "unknown"
+
+
+def error_response(status: int, message: str, *, param: str | None = None,
+                   err_type: str | None = None, headers: dict[str, str] | None = None) -> web.Response:
+    """An OpenAI-shaped JSON error."""
+    err_type = err_type or {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
+                            404: "NotFoundError", 405: "MethodNotAllowed", 413: "RequestTooLarge",
+                            429: "RateLimitError", 503: "ServiceUnavailableError"}.get(status, "APIError")
+    body = {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+    return web.json_response(body, status=status, headers=headers)
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler):
+    """Every error the router itself produces is JSON, never an HTML page or a traceback."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        msg = {404: f"no route for {request.method} {request.path}",
+               405: f"method {request.method} not allowed on {request.path}",
+               413: "request body too large"}.get(exc.status, exc.reason)
+        return error_response(exc.status, msg, headers={k: v for k, v in exc.headers.items()
+                                                        if k.lower() == "allow"})
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception as exc:  # a bug: say so plainly, keep serving
+        print(f"kvtop route: internal error on {request.path}: {exc!r}", file=sys.stderr)
+        return error_response(500, "internal router error", err_type="InternalServerError")
+
+
+# -- data plane ----------------------------------------------------------------------
+
+async def _read_json(request: web.Request) -> Any:
+    raw = await request.read()
+    if not raw:
+        raise BadRequest("the request body is empty; expected a JSON object")
+    try:
+        return raw, json.loads(raw)
+    except UnicodeDecodeError:
+        raise BadRequest("the request body is not valid UTF-8") from None
+    except ValueError as exc:
+        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _proxy(request, "completions", "/v1/completions")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _proxy(request, "chat", "/v1/chat/completions")
+
+
+async def _proxy(request: web.Request, endpoint: str, path: str) -> web.StreamResponse:
+    state = request.app[STATE]
+    cfg = state.config
+    t_recv = time.time()
+    if state.draining:
+        return error_response(503, "the router is shutting down", headers={"Retry-After": "1"})
+    try:
+        raw, body = await _read_json(request)
+        req = parse_request(body, endpoint, headers=request.headers, session_header=cfg.session_header,
+                            block_size=cfg.block_size, tokenizer=state.tokenizer,
+                            max_input_tokens=cfg.max_input_tokens)
+    except BadRequest as exc:
+        state.counts["bad_requests"] += 1
+        return error_response(exc.status, exc.message, param=exc.param)
+    state.counts["requests"] += 1
+    first: Decision | None = None
+    exclude: tuple[int, ...] = ()
+    for attempt in (1, 2):
+        try:
+            d = state.core.decide(req, exclude=exclude, attempt=attempt,
+                                  reason_override=RETRY if attempt > 1 else None)
+        except NoInstance as exc:
+            state.counts["no_instance"] += 1
+            msg = str(exc) if first is None else f"{first.instance_name} failed and {exc}"
+            return error_response(503 if first is None else 502, msg, headers={"Retry-After": "1"})
+        if first is not None:
+            d.turn = first.turn
+            state.counts["retries"] += 1
+        state.core.dispatch(d, new_turn=first is None)
+        d.extra["t_proxy_recv"] = t_recv
+        state.record_decision(d)
+        resp = await _forward(request, state, d, raw, path, can_retry=attempt == 1)
+        if resp is not None:
+            return resp
+        first = d
+        exclude = (d.instance,)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+async def _forward(request: web.Request, state: RouterState, d: Decision, raw: bytes, path: str,
+                   *, can_retry: bool) -> web.StreamResponse | None:
+    """Run one attempt. Returns the client's response, or None to retry elsewhere."""
+    cluster = state.cluster
+    ticket = d.ticket
+    inst = cluster.instances[d.instance]
+    req = d.request
+    t0 = time.monotonic()
+    outcome: dict[str, Any] = {"stream": int(req.stream), "status": "error", "http_status": None,
+                               "error": None, "ttft_ms": None, "e2e_ms": None, "tpot_ms": None,
+                               "output_tokens": None, "delivered_hit_tokens": None,
+                               "t_first_token": None, "t_done": None}
+    headers = upstream_headers(request.headers, req.request_id)
+    reply_headers = {"X-Kvtop-Instance": d.instance_name, "X-Kvtop-Request-Id": req.request_id,
+                     "X-Kvtop-Policy": d.slot.label}
+    timeout = aiohttp.ClientTimeout(total=None, connect=state.config.connect_timeout_s,
+                                    sock_read=state.config.read_timeout_s)
+    resp: web.StreamResponse | None = None
+    try:
+        async with state.http.post(inst.url + path, data=raw, headers=headers, timeout=timeout) as up:
+            outcome["http_status"] = up.status
+            if up.status != 200:
+                data = await up.read()
+                outcome["error"] = data[:500].decode("utf-8", "replace")
+                if up.status >= 500 and can_retry:
+                    outcome["status"] = "upstream_error"
+                    return None
+                outcome["status"] = "error"
+                ctype = up.headers.get("Content-Type", "application/json")
+                return web.Response(body=data, status=up.status, headers={**reply_headers, "Content-Type": ctype})
+            if not req.stream:
+                data = await up.read()
+                usage = usage_of(data)
+                cluster.first_token(ticket)
+                _done(outcome, t0, None, usage, None)
+                outcome["status"] = "ok"
+                ctype = up.headers.get("Content-Type", "application/json")
+                return web.Response(body=data, status=200, headers={**reply_headers, "Content-Type": ctype})
+            resp = web.StreamResponse(status=200, headers={
+                **reply_headers, "Content-Type": up.headers.get("Content-Type", "text/event-stream"),
+                "Cache-Control": "no-cache"})
+            await resp.prepare(request)
+            scan = StreamScan()
+            t_first = None
+            try:
+                async for chunk in up.content.iter_any():
+                    if scan.feed(chunk) and t_first is None:
+                        t_first = time.monotonic()
+                        cluster.first_token(ticket)
+                        outcome["t_first_token"] = time.time()
+                    await resp.write(chunk)
+            except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, asyncio.TimeoutError,
+                    aiohttp.ClientOSError) as exc:
+                if isinstance(exc, aiohttp.ClientOSError) and request.transport is None:
+                    raise ConnectionResetError() from exc
+                outcome["status"] = "upstream_error"
+                outcome["error"] = f"upstream failed mid-stream: {exc!r}"[:500]
+                err = {"error": {"message": f"upstream instance {d.instance_name} failed mid-stream",
+                                 "type": "APIError", "param": None, "code": 502}}
+                await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
+                await resp.write_eof()
+                return resp
+            if scan.finish() and t_first is None:
+                t_first = time.monotonic()
+                cluster.first_token(ticket)
+            usage = scan.usage()
+            _done(outcome, t0, t_first, usage, scan.data_events)
+            outcome["status"] = "ok"
+            await resp.write_eof()
+            return resp
+    except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
+            asyncio.TimeoutError) as exc:
+        if resp is not None and resp.prepared:
+            outcome["status"] = "client_gone" if request.transport is None else "upstream_error"
+            outcome["error"] = repr(exc)[:500]
+            return resp
+        outcome["status"] = "upstream_error"
+        outcome["error"] = f"{type(exc).__name__}: {exc}"[:500]
+        if can_retry:
+            return None
+        return error_response(502, f"upstream instance {d.instance_name} failed: {type(exc).__name__}",
+                              headers=reply_headers)
+    except (ConnectionResetError, asyncio.CancelledError):
+        outcome["status"] = "client_gone"
+        outcome["error"] = "client disconnected"
+        raise
+    finally:
+        if outcome["e2e_ms"] is None:
+            outcome["e2e_ms"] = (time.monotonic() - t0) * 1000
+            outcome["t_done"] = time.time()
+        cluster.finish(ticket, error=outcome["status"] != "ok")
+        state.record_outcome(d, outcome)  # on a retry the caller then routes attempt 2
+
+
+def _done(outcome: dict[str, Any], t0: float, t_first: float | None, usage: dict | None,
+          events: int | None) -> None:
+    now = time.monotonic()
+    e2e = (now - t0) * 1000
+    outcome["e2e_ms"] = e2e
+    outcome["t_done"] = time.time()
+    out = completion_tokens(usage)
+    if out is None:
+        out = events
+    outcome["output_tokens"] = out
+    outcome["delivered_hit_tokens"] = cached_tokens(usage)
+    if t_first is not None:
+        ttft = (t_first - t0) * 1000
+        outcome["ttft_ms"] = ttft
+        if out and out > 1:
+            outcome["tpot_ms"] = (e2e - ttft) / (out - 1)
+
+
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    for inst in state.cluster.instances:
+        if not inst.healthy:
+            continue
+        try:
+            async with state.http.get(inst.url + "/v1/models",
+                                      timeout=aiohttp.ClientTimeout(total=5)) as up:
+                if up.status == 200:
+                    return web.Response(body=await up.read(), content_type="application/json")
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            continue
+    return error_response(503, "no instance answered /v1/models")
+
+
+async def health(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    insts = state.cluster.instances
+    healthy = sum(1 for s in insts if s.healthy)
+    status = "ok" if healthy == len(insts) else ("degraded" if healthy else "unavailable")
+    body = {"status": status, "healthy_instances": healthy, "instances": len(insts),
+            "policy": state.slot.label, "draining": state.draining}
+    return web.json_response(body, status=200 if healthy and not state.draining else 503)
+
+
+# -- assembly ------------------------------------------------------------------------
+
+def create_app(config: RouterConfig) -> web.Application:
+    """Build the router. Raises KnobError / ValueError for a bad config, before any I/O."""
+    if not config.backends:
+        raise ValueError("at least one --backend is required")
+    state = RouterState(config)
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[json_errors])
+    app[STATE] = state
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.cleanup_ctx.append(_resources)
+    from router import control
+
+    control.setup(app)
+    return app
+
+
+async def _resources(app: web.Application) -> AsyncIterator[None]:
+    state = app[STATE]
+    cfg = state.config
+    if cfg.db:
+        state.writer = Writer(cfg.db).start()
+        state.writer.put("runs", state.run_row())
+        state.record_config("run", "router", None, {"policy": state.slot.policy.name,
+                                                    "version": state.slot.version,
+                                                    "knobs": state.slot.policy.knobs})
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60)
+    state.http = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+    try:
+        yield
+    finally:
+        await state.http.close()
+        if state.writer:
+            state.writer.put("runs", state.run_row(ended=True))
+            await asyncio.get_running_loop().run_in_executor(None, state.writer.close)
+            state.writer = None
+

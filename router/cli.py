@@ -1,0 +1,177 @@
+"""Start the routing proxy in front of vLLM instances.
+
+Example:
+  kvtop route --backend http://127.0.0.1:8100 --backend http://127.0.0.1:8101 \\
+      --policy unified --knob overload_factor=1.5
+
+A backend is URL, name=URL, and may end in @gpu=N to map it to a local GPU for
+telemetry (e.g. --backend a=http://127.0.0.1:8100@gpu=0). Policies and their knobs:
+see docs/policies.md, or GET /kvtop/v1/policies on a running router.
+
+Sessions come from --session-header, else the body's session_id, else user, else the
+hash of the prompt's first block. Text prompts are tokenized with --tokenizer when given,
+else approximated as 4 characters per token (each decision records which).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+
+import aiohttp
+from aiohttp import web
+
+from kvtop.cli import CliError
+from router.app import DEFAULT_CAPACITY_TOKENS, STATE, Backend, RouterConfig, create_app
+from router.config import KnobError, parse_knob_args
+from router.policies import POLICIES, ALIASES
+
+
+def parse_backend(spec: str, index: int) -> Backend:
+    gpu = None
+    url = spec.strip()
+    if "@gpu=" in url:
+        url, _, g = url.rpartition("@gpu=")
+        try:
+            gpu = int(g)
+        except ValueError:
+            raise CliError(f"--backend {spec!r}: @gpu= needs an integer GPU index") from None
+    name = f"i{index}"
+    head, sep, rest = url.partition("=")
+    if sep and "://" not in head:
+        name, url = head, rest
+    if not url.startswith(("http://", "https://")) or len(url.split("://", 1)[1]) == 0:
+        raise CliError(f"--backend {spec!r}: expected http://HOST:PORT")
+    return Backend(name=name, url=url.rstrip("/"), gpu=gpu)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    names = ", ".join(sorted(POLICIES) + sorted(ALIASES))
+    p.add_argument("--backend", action="append", default=[], metavar="URL", required=True,
+                   help="a vLLM instance: URL, name=URL, optionally @gpu=N (repeat for each)")
+    p.add_argument("--policy", default="unified", help=f"routing policy ({names}); default unified")
+    p.add_argument("--knob", action="append", default=[], metavar="KEY=VALUE",
+                   help="set a policy knob (repeatable); validated against the policy's schema")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    p.add_argument("--db", default="kvtop.db", help="SQLite decision log (default kvtop.db; 'none' to disable)")
+    p.add_argument("--block-size", type=int, default=512,
+                   help="tokens per block of the router's prefix index (default 512)")
+    p.add_argument("--capacity-tokens", type=int, default=DEFAULT_CAPACITY_TOKENS,
+                   help="KV capacity per instance in tokens for the estimated cache "
+                        f"(default {DEFAULT_CAPACITY_TOKENS:,}: one H20 with Qwen3-30B-A3B)")
+    p.add_argument("--session-header", default="X-Session-ID",
+                   help="request header carrying the session id (default X-Session-ID)")
+    p.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="tokenizer.json used to count and hash text prompts")
+    p.add_argument("--max-input-tokens", type=int, default=1_000_000,
+                   help="reject prompts longer than this with a 400 (default 1,000,000)")
+    p.add_argument("--connect-timeout", type=float, default=5.0, help="upstream connect timeout, s")
+    p.add_argument("--read-timeout", type=float, default=600.0,
+                   help="upstream read timeout between bytes, s (default 600)")
+    p.add_argument("--control-token-file", default=None,
+                   help="file holding the control API token (default: generate one)")
+    p.add_argument("--control-readonly", action="store_true", help="refuse every control API mutation")
+    p.add_argument("--state-dir", default=None,
+                   help="where the token file is written for `kvtop attach` (default ~/.local/state/kvtop)")
+    p.add_argument("--allow-unreachable", action="store_true",
+                   help="start even if no backend answers yet")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds to let in-flight requests finish (default 30)")
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    backends = [parse_backend(s, i) for i, s in enumerate(args.backend)]
+    names = [b.name for b in backends]
+    if len(set(names)) != len(names):
+        raise CliError("backend names must be unique")
+    if not 1 <= args.port <= 65535:
+        raise CliError(f"--port {args.port}: expected 1-65535")
+    for flag, value in (("--block-size", args.block_size), ("--capacity-tokens", args.capacity_tokens),
+                        ("--max-input-tokens", args.max_input_tokens)):
+        if value <= 0:
+            raise CliError(f"{flag} must be positive")
+    if args.capacity_tokens < args.block_size:
+        raise CliError("--capacity-tokens must hold at least one block")
+    try:
+        knobs = parse_knob_args(args.knob)
+    except KnobError as exc:
+        raise CliError(f"--knob {exc.field}: {exc.message}") from None
+    return RouterConfig(
+        backends=backends, policy=args.policy, knobs=knobs, host=args.host, port=args.port,
+        db=None if args.db.lower() == "none" else args.db, block_size=args.block_size,
+        capacity_tokens=args.capacity_tokens, session_header=args.session_header,
+        tokenizer=args.tokenizer, max_input_tokens=args.max_input_tokens,
+        connect_timeout_s=args.connect_timeout, read_timeout_s=args.read_timeout,
+        control_token_file=args.control_token_file, control_readonly=args.control_readonly,
+        state_dir=args.state_dir, argv=" ".join(sys.argv),
+    )
+
+
+async def probe_backends(backends: list[Backend], timeout: float = 3.0) -> list[bool]:
+    async with aiohttp.ClientSession() as http:
+        async def one(b: Backend) -> bool:
+            try:
+                async with http.get(b.url + "/health", timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                    return r.status < 500
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                return False
+        return list(await asyncio.gather(*(one(b) for b in backends)))
+
+
+async def serve(config: RouterConfig, *, allow_unreachable: bool = False, drain_timeout: float = 30.0,
+                ready: asyncio.Event | None = None) -> int:
+    try:
+        app = create_app(config)
+    except KnobError as exc:
+        raise CliError(f"{exc.field}: {exc.message}") from None
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    up = await probe_backends(config.backends)
+    if not any(up) and not allow_unreachable:
+        raise CliError("no backend answered /health: " + ", ".join(b.url for b in config.backends)
+                       + " (use --allow-unreachable to start anyway)")
+    state = app[STATE]
+    for i, ok in enumerate(up):
+        if not ok:
+            state.cluster.set_healthy(i, False)
+            print(f"kvtop route: warning: {config.backends[i].url} did not answer; marked unhealthy",
+                  file=sys.stderr)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port)
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise CliError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}") from None
+    if config.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"kvtop route: warning: listening on {config.host}, beyond loopback", file=sys.stderr)
+    print(f"kvtop route: http://{config.host}:{config.port}  policy {state.slot.label}  "
+          f"{len(config.backends)} backends  db {config.db or 'off'}  run {state.run_id}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass
+    if ready is not None:
+        ready.set()
+    await stop.wait()
+    # Drain: stop taking new requests, let in-flight ones finish, then flush the log.
+    state.draining = True
+    deadline = loop.time() + drain_timeout
+    while state.cluster.in_flight and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    await runner.cleanup()
+    print(f"kvtop route: stopped; {state.counts['requests']} requests routed", file=sys.stderr)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    return asyncio.run(serve(config, allow_unreachable=args.allow_unreachable,
+                             drain_timeout=args.drain_timeout))

@@ -1,0 +1,119 @@
+"""Upstream calls: send the client's bytes unchanged, pass the answer back, time it.
+
+Streaming responses are relayed chunk by chunk as they arrive. The first token is found
+by scanning the raw SSE bytes for the first event whose ``text`` or ``content`` (or
+``reasoning_content``) string is non-empty; nothing is decoded or re-encoded on the way
+through. The engine's ``usage`` (with ``prompt_tokens_details.cached_tokens``) is read from
+the last events at the end of the stream, when the client asked for it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+# A data event carrying a non-empty text piece: completions' "text", chat's "content" or
+# "reasoning_content". Chat streams open with an empty-content role delta, which must not count.
+_TOKEN_RE = re.compile(rb'"(?:text|content|reasoning_content)":\s*"(?!")')
+_TAIL_BYTES = 16384
+
+#: Request headers not forwarded upstream (hop-by-hop, or recomputed by the client library).
+HOP_HEADERS = frozenset(h.lower() for h in (
+    "Host", "Content-Length", "Connection", "Keep-Alive", "Transfer-Encoding", "TE", "Trailer",
+    "Upgrade", "Proxy-Authorization", "Proxy-Connection", "Accept-Encoding",
+))
+
+
+@dataclass(slots=True)
+class StreamScan:
+    """Incremental scan of an SSE byte stream for the first token and the final usage."""
+
+    first_token: bool = False
+    events: int = 0
+    _carry: bytes = b""
+    _tail: bytes = b""
+
+    def feed(self, chunk: bytes) -> bool:
+        """Account ``chunk``; return True if it holds the stream's first token."""
+        self.events += chunk.count(b"data:")
+        self._tail = (self._tail + chunk)[-_TAIL_BYTES:]
+        if self.first_token:
+            return False
+        buf = self._carry + chunk
+        # Only whole events are judged, so a token split across chunks is found once whole.
+        cut = buf.rfind(b"\n\n")
+        if cut < 0:
+            self._carry = buf[-_TAIL_BYTES:]
+            return False
+        whole, self._carry = buf[:cut], buf[cut + 2:]
+        if _TOKEN_RE.search(whole):
+            self.first_token = True
+            self._carry = b""
+            return True
+        return False
+
+    def finish(self) -> bool:
+        """At end of stream: True if the unterminated last event held the first token."""
+        if not self.first_token and self._carry and _TOKEN_RE.search(self._carry):
+            self.first_token = True
+            return True
+        return False
+
+    def usage(self) -> dict[str, Any] | None:
+        """The last non-null ``usage`` object in the stream, if any."""
+        tail = self._tail
+        pos = tail.rfind(b'"usage":{')
+        if pos < 0:
+            pos = tail.rfind(b'"usage": {')
+            if pos < 0:
+                return None
+        start = tail.rfind(b"data:", 0, pos)
+        if start < 0:
+            return None
+        end = tail.find(b"\n", pos)
+        line = tail[start + 5:end if end >= 0 else len(tail)].strip()
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            return None
+        u = obj.get("usage") if isinstance(obj, dict) else None
+        return u if isinstance(u, dict) else None
+
+    @property
+    def data_events(self) -> int:
+        """Data events other than the closing ``[DONE]`` (a rough token count)."""
+        done = 1 if b"[DONE]" in self._tail else 0
+        return max(0, self.events - done)
+
+
+def usage_of(body: bytes) -> dict[str, Any] | None:
+    """``usage`` of a non-streaming JSON response, or None."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    u = obj.get("usage") if isinstance(obj, dict) else None
+    return u if isinstance(u, dict) else None
+
+
+def cached_tokens(usage: dict[str, Any] | None) -> int | None:
+    if not usage:
+        return None
+    details = usage.get("prompt_tokens_details")
+    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+        return details["cached_tokens"]
+    return None
+
+
+def completion_tokens(usage: dict[str, Any] | None) -> int | None:
+    if usage and isinstance(usage.get("completion_tokens"), int):
+        return usage["completion_tokens"]
+    return None
+
+
+def upstream_headers(headers: Any, request_id: str) -> dict[str, str]:
+    out = {k: v for k, v in headers.items() if k.lower() not in HOP_HEADERS}
+    out["X-Request-Id"] = request_id
+    return out

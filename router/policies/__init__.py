@@ -1,0 +1,45 @@
+"""The policy registry: every routing policy by name, and the one way to build one.
+
+``build_policy`` validates the knobs completely before returning, so a swap that fails
+leaves the running policy untouched.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from router.config import KnobError
+from router.policies.base import REASONS, Pick, Policy
+from router.policies.leastwork import LeastWork
+from router.policies.leastwork_kappa import LeastWorkKappa
+from router.policies.lmetric import LMetric
+from router.policies.load_only import LoadOnly
+from router.policies.round_robin import RoundRobin
+from router.policies.sticky import Sticky
+from router.policies.unified import Unified
+from router.policies.unified_ab import UnifiedAB
+
+POLICIES: dict[str, type[Policy]] = {
+    cls.name: cls
+    for cls in (RoundRobin, LoadOnly, LMetric, Sticky, Unified, UnifiedAB, LeastWork, LeastWorkKappa)
+}
+ALIASES: dict[str, str] = {alias: cls.name for cls in POLICIES.values() for alias in cls.aliases}
+
+
+def policy_class(name: str) -> type[Policy]:
+    canonical = ALIASES.get(name, name)
+    try:
+        return POLICIES[canonical]
+    except KeyError:
+        known = ", ".join(sorted(POLICIES) + sorted(ALIASES))
+        raise KnobError("policy", f"unknown policy {name!r}; known policies: {known}") from None
+
+
+def build_policy(name: str, knobs: dict[str, Any] | None = None) -> Policy:
+    """A ready policy, or KnobError naming the bad field."""
+    if not isinstance(name, str):
+        raise KnobError("policy", "expected a policy name")
+    return policy_class(name)(knobs)
+
+
+__all__ = ["POLICIES", "ALIASES", "REASONS", "Pick", "Policy", "build_policy", "policy_class"]
