@@ -423,6 +423,9 @@ class _Runner:
                         data = line[5:].strip()
                         if data == b"[DONE]":
                             break
+                        if first is not None and b'"usage"' not in data \
+                                and b'"error"' not in data:
+                            continue  # after the first token only usage and errors matter
                         try:
                             event = json.loads(data)
                         except ValueError:
