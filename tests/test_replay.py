@@ -91,17 +91,20 @@ class FakeVllm:
                                            "X-Kvtop-Instance": "fake0",
                                            "X-Kvtop-Request-Id": f"r{len(self.received)}"})
         await resp.prepare(request)
-        await asyncio.sleep(PREFILL_S)
-        for i in range(body["max_tokens"]):
-            if i:
-                await asyncio.sleep(TOKEN_DELAY_S)
-            chunk = {"choices": [{"index": 0, "text": "x", "finish_reason": None}]}
-            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-        usage = {"choices": [], "usage": {"prompt_tokens": n_prompt,
-                                          "completion_tokens": body["max_tokens"],
-                                          "prompt_tokens_details": {"cached_tokens": cached}}}
-        await resp.write(b"data: " + json.dumps(usage).encode() + b"\n\ndata: [DONE]\n\n")
-        await resp.write_eof()
+        try:
+            await asyncio.sleep(PREFILL_S)
+            for i in range(body["max_tokens"]):
+                if i:
+                    await asyncio.sleep(TOKEN_DELAY_S)
+                chunk = {"choices": [{"index": 0, "text": "x", "finish_reason": None}]}
+                await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            usage = {"choices": [], "usage": {"prompt_tokens": n_prompt,
+                                              "completion_tokens": body["max_tokens"],
+                                              "prompt_tokens_details": {"cached_tokens": cached}}}
+            await resp.write(b"data: " + json.dumps(usage).encode() + b"\n\ndata: [DONE]\n\n")
+            await resp.write_eof()
+        except ConnectionResetError:  # the client went away (the interrupt test)
+            pass
         return resp
 
 
