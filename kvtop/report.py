@@ -12,12 +12,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvtop import seedtable
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -124,16 +127,21 @@ def plot_ttft_cdfs(arms: Sequence[Arm]) -> str:
     import plotext as plt
 
     plt.clear_figure()
+    tty = sys.stdout.isatty()
+    if not tty:
+        plt.theme("clear")  # no escape codes in files and pipes
+    # Colour is not the only signal: without a TTY each arm gets its own marker character.
+    markers = ["braille"] if tty else ["dot", "x", "+", "o", "*", "#", "@", "%"]
     lo, hi = float("inf"), 0.0
     drawn = 0
-    for arm in arms:
+    for i, arm in enumerate(arms):
         ttft = [r["ttft_ms"] / 1000 for r in arm.records
                 if r.get("status") == "ok" and r.get("ttft_ms") is not None]
         if not ttft:
             continue
         xs, ys = cdf_points(ttft)
         lo, hi = min(lo, xs[0]), max(hi, xs[-1])
-        plt.plot(xs, ys, label=arm.label, marker="braille")
+        plt.plot(xs, ys, label=arm.label, marker=markers[i % len(markers)])
         drawn += 1
     if not drawn:
         return "(no TTFT to plot)\n"
@@ -143,9 +151,12 @@ def plot_ttft_cdfs(arms: Sequence[Arm]) -> str:
     plt.xlabel("TTFT (s)")
     plt.ylabel("fraction of requests")
     plt.ylim(0, 1)
-    width = min(os.get_terminal_size(sys.stdout.fileno()).columns, 120) if sys.stdout.isatty() else 100
+    width = min(os.get_terminal_size(sys.stdout.fileno()).columns, 120) if tty else 100
     plt.plotsize(width, 24)
-    return plt.build() + "\n"
+    text = plt.build()
+    if not tty:  # plotext still ends lines with a reset code
+        text = "\n".join(line.rstrip() for line in _ANSI.sub("", text).splitlines())
+    return text + "\n"
 
 
 def run(args: argparse.Namespace) -> int:

@@ -170,7 +170,8 @@ def test_report_text_out_file_and_plot(tmp_path, capsys):
     out = tmp_path / "table.txt"
     assert main(["report", a, "--out", str(out), "--plot"]) == 0
     assert "TTFT by route class" in out.read_text()
-    assert "TTFT CDF" in capsys.readouterr().out
+    plot = capsys.readouterr().out
+    assert "TTFT CDF" in plot and "\x1b[" not in plot  # no escape codes off a terminal
 
 
 @pytest.mark.parametrize("make,args_tail,message", [
