@@ -75,4 +75,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run through the imported module so its CliError is the one verb modules raise.
+    from kvtop.cli import main as _main
+
+    sys.exit(_main())
