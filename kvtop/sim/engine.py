@@ -500,6 +500,8 @@ class Engine:
                 req = window[k]
                 if req.state == _WAITING:
                     yield req
+            if not self.running and waiting:
+                yield waiting[0]    # an idle engine always admits one: no stall, whatever the hook
 
     def _lookup(self, hashes: Sequence[int], num_tokens: int) -> list[int]:
         limit = (num_tokens - 1) // self.block_size

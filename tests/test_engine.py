@@ -1,0 +1,345 @@
+"""The simulated vLLM engine: scheduler rules, prefix cache, step-time checkpoints (virtual time)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtop.sim.engine import (Engine, EngineRequest, ExceedsKVCapacity, RequestTooLong,
+                              WaitingView)
+from kvtop.sim.profiles import PROFILES, get_profile
+from router.blocks import hash_token_blocks
+
+
+def prompt(n: int, seed: int = 0, bs: int = 16) -> tuple[int, list[int]]:
+    """A prompt of n tokens whose content is fixed by ``seed``: (num_tokens, block hashes)."""
+    tokens = [(seed * 1_000_003 + i) % 151_936 for i in range(n)]
+    return n, hash_token_blocks(tokens, bs)
+
+
+def req(rid: str, n: int, max_tokens: int = 1, seed: int | None = None, bs: int = 16,
+        arrival: float = 0.0, **kw) -> EngineRequest:
+    num, hashes = prompt(n, hash(rid) % 1000 if seed is None else seed, bs)
+    return EngineRequest(rid, num, hashes, max_tokens, arrival, **kw)
+
+
+def check_invariants(e: Engine) -> None:
+    allocated = e.num_allocated_blocks()
+    assert allocated + e.num_free_blocks == e.num_gpu_blocks
+    assert all(e._ref[b] == 0 for b in e._free)
+    assert e.prefix_hits <= e.prefix_queries
+    assert e.prefix_hits % e.block_size == 0
+    assert len(e.running) <= e.max_num_seqs
+
+
+def run_until_idle(e: Engine, t: float = 0.0, check: bool = True, limit: int = 1_000_000):
+    """Drive in virtual time; return (end time, all step results)."""
+    results = []
+    for _ in range(limit):
+        if not e.has_work():
+            return t, results
+        r = e.step(t)
+        results.append(r)
+        if check:
+            check_invariants(e)
+            assert r.num_scheduled_tokens <= e.max_num_batched_tokens
+        if r.idle:
+            nxt = e.next_event_time()
+            assert nxt is not None, "engine has work but can never make progress"
+            t = max(t, nxt)
+        else:
+            t = r.end_time
+    raise AssertionError("did not finish")
+
+
+# ---------------------------------------------------------------- step-time checkpoints
+
+@pytest.mark.parametrize("n, ttft", [
+    # reference/vllm-engine-model.md "Checkpoints the model produces", H20 column (k = 1000)
+    (1_000, 0.19),
+    (8_000, 1.7),
+    (32_000, 8.9),
+    (64_000, 23.0),
+    (128_000, 70.0),
+])
+def test_h20_batch1_ttft_matches_reference(n, ttft):
+    e = Engine("h20")
+    e.add_request(EngineRequest("r", n, [], 1, 0.0))
+    end, results = run_until_idle(e, check=False)
+    first = [r.end_time for r in results if r.first_token]
+    assert first and first[0] == pytest.approx(ttft, rel=0.05)
+    assert len(results) == -(-n // 8192)   # one chunk per 8192-token budget
+
+
+@pytest.mark.parametrize("profile, context, tpot", [
+    ("h20", 1_000, 7.3e-3),      # batch-1 TPOT, short context
+    ("h20", 100_000, 10.4e-3),   # batch-1 TPOT, 100k context (KV read term)
+    ("cpu-tiny", 1_000, 2.0e-3),  # ~500 tok/s one stream on the real CPU vLLM
+])
+def test_batch1_decode_step(profile, context, tpot):
+    p = get_profile(profile)
+    assert p.step_time(1, 1, 0, context) == pytest.approx(tpot, rel=0.05)
+
+
+def test_h20_batch64_decode_step():
+    # 64 decodes at 1k context: 26 ms per the reference (MoE weight reads dominate)
+    assert get_profile("h20").step_time(64, 64, 0, 64 * 1000) == pytest.approx(0.026, rel=0.05)
+
+
+@pytest.mark.parametrize("first, again", [(0.10, 0.017)])
+def test_cpu_tiny_matches_real_cpu_vllm(first, again):
+    # real-backends.md: 4k prefill ~0.10 s, same prompt again 0.017 s, 3,968 hit tokens
+    e = Engine("cpu-tiny")
+    ttfts = []
+    for k in range(2):
+        e.add_request(req(f"r{k}", 4096, seed=7, bs=128, arrival=10.0 * k))
+        _, results = run_until_idle(e, t=10.0 * k)
+        ttfts.append(results[-1].end_time - 10.0 * k)
+    assert ttfts[0] == pytest.approx(first, rel=0.1)
+    assert ttfts[1] == pytest.approx(again, rel=0.1)
+    assert e.prefix_hits == 3968
+
+
+def test_only_h100_is_marked_estimated():
+    assert {n for n, p in PROFILES.items() if p.estimated} == {"h100"}
+
+
+# ---------------------------------------------------------------- prefix cache
+
+@pytest.mark.parametrize("n, hit", [
+    (16, 0),       # one full block, but the last token is always recomputed
+    (17, 16),
+    (100, 96),
+    (1024, 1008),  # fully cached, block-aligned: last block recomputed
+    (1025, 1024),
+])
+def test_fully_cached_prompt_hits_all_but_last_block(n, hit):
+    e = Engine("h20")
+    e.add_request(req("a", n, seed=1))
+    run_until_idle(e)
+    q0, h0 = e.prefix_queries, e.prefix_hits
+    e.add_request(req("b", n, seed=1))
+    _, results = run_until_idle(e)
+    assert results[-1].finished[0].num_cached_tokens == hit == 16 * ((n - 1) // 16)
+    assert (e.prefix_queries - q0, e.prefix_hits - h0) == (n, hit)
+
+
+def test_shared_prefix_hits_only_shared_blocks():
+    e = Engine("h20")
+    tokens = list(range(1000))
+    e.add_request(EngineRequest("a", 1000, hash_token_blocks(tokens, 16), 1, 0.0))
+    run_until_idle(e)
+    other = tokens[:500] + [7] * 500   # shares 31 full blocks (496 tokens)
+    assert e.lookup_cached_tokens(hash_token_blocks(other, 16), 1000) == 496
+
+
+def test_eviction_takes_a_requests_last_block_first():
+    e = Engine("h20", num_gpu_blocks=8)
+    e.add_request(req("a", 64, seed=1))     # 4 blocks, freed to the tail in reverse
+    run_until_idle(e)
+    assert e.lookup_cached_tokens(prompt(65, 1)[1], 65) == 64
+    e.add_request(req("b", 80, seed=2))     # 5 blocks: 4 never-used ones, then a's last block
+    run_until_idle(e)
+    assert e.lookup_cached_tokens(prompt(65, 1)[1], 65) == 48
+    check_invariants(e)
+
+
+def test_cached_unreferenced_blocks_count_as_free():
+    e = Engine("h20", num_gpu_blocks=100)
+    e.add_request(req("a", 320, max_tokens=3, seed=1))
+    r = e.step(0.0)
+    assert e.kv_usage == pytest.approx(20 / 100)    # 320 prompt tokens -> 20 blocks
+    e.step(r.end_time)
+    assert e.kv_usage == pytest.approx(21 / 100)    # the sampled token's KV needs a 21st block
+    run_until_idle(e)
+    assert e.kv_usage == 0.0 and e.num_cached_blocks == 20
+
+
+def test_hit_on_free_block_takes_it_out_of_the_free_queue():
+    e = Engine("h20", num_gpu_blocks=100)
+    e.add_request(req("a", 320, seed=1))
+    run_until_idle(e)
+    e.add_request(req("b", 320, max_tokens=2, seed=1))
+    e.step(1.0)
+    assert e.num_free_blocks == 100 - 20    # 19 hit blocks + 1 recomputed block
+    check_invariants(e)
+
+
+# ---------------------------------------------------------------- scheduling
+
+def test_chunked_prefill_and_long_prefill_threshold():
+    for threshold, steps in ((0, 3), (2048, 10)):
+        e = Engine("h20", long_prefill_token_threshold=threshold)
+        e.add_request(req("a", 20_000, max_tokens=3))
+        _, results = run_until_idle(e)
+        firsts = [k for k, r in enumerate(results) if r.first_token]
+        assert firsts == [steps - 1]
+        assert len(results) == steps + 2        # then one token per decode step
+        assert results[-1].finished[0].num_output_tokens == 3
+
+
+def test_budget_and_max_num_seqs_never_exceeded():
+    e = Engine("h20", max_num_seqs=3, max_num_batched_tokens=512)
+    for k in range(8):
+        e.add_request(req(f"r{k}", 300 + 50 * k, max_tokens=5))
+    _, results = run_until_idle(e)
+    assert max(r.num_scheduled_tokens for r in results) == 512
+    assert max(r.num_scheduled_reqs for r in results) <= 3
+    assert e.request_success["length"] == 8
+
+
+def test_preemption_pops_newest_and_blocks_waiting_admission():
+    # 10 blocks; a and b take 4 each for their prompts, then grow one block per 16 tokens.
+    e = Engine("h20", num_gpu_blocks=10)
+    e.add_request(req("a", 64, max_tokens=40, seed=1))
+    e.add_request(req("b", 64, max_tokens=40, seed=2))
+    t = 0.0
+    r = e.step(t)
+    assert [x.id for x in e.running] == ["a", "b"]
+    e.add_request(req("c", 16, max_tokens=1, seed=3, arrival=r.end_time))
+    preempting = None
+    for _ in range(100):
+        r = e.step(t)
+        t = r.end_time
+        check_invariants(e)
+        if r.preempted:
+            preempting = r
+            break
+    assert preempting is not None
+    assert preempting.preempted == ["b"]                 # the newest running request
+    assert [x.id for x in e.running] == ["a"]
+    assert [x.id for x in e.waiting] == ["b", "c"]       # b back at the head, nothing admitted
+    assert e.num_preemptions == 1
+    _, results = run_until_idle(e, t)
+    finished = [f.request_id for r in results for f in r.finished]
+    assert sorted(finished) == ["a", "b", "c"]
+    assert e.num_allocated_blocks() == 0
+
+
+@pytest.mark.parametrize("n, max_tokens, blocks, max_len, exc", [
+    (161, 1, 10, 1000, ExceedsKVCapacity),   # 160 tokens of KV fit exactly; 161 do not
+    (100, 100, 10, 1000, ExceedsKVCapacity),  # decode would outgrow the cache
+    (990, 11, 1000, 1000, RequestTooLong),    # prompt + max_tokens > max_model_len
+])
+def test_impossible_requests_rejected_up_front(n, max_tokens, blocks, max_len, exc):
+    e = Engine("h20", num_gpu_blocks=blocks, max_model_len=max_len)
+    with pytest.raises(exc):
+        e.add_request(req("x", n, max_tokens=max_tokens))
+    assert not e.has_work()
+    e.add_request(req("ok", 160, max_tokens=1))     # the largest that fits still runs
+    run_until_idle(e)
+
+
+def test_max_model_len_message_is_vllms():
+    e = Engine("h20", max_model_len=100)
+    with pytest.raises(RequestTooLong, match="This model's maximum context length is 100 tokens"):
+        e.add_request(req("x", 95, max_tokens=10))
+
+
+def test_abort_frees_blocks_everywhere():
+    e = Engine("h20", num_gpu_blocks=50)
+    e.add_request(req("a", 400, max_tokens=50))
+    e.add_request(req("b", 400, max_tokens=50))
+    e.step(0.0)
+    assert e.num_allocated_blocks() > 0
+    assert e.abort("a").finish_reason == "abort"
+    assert e.abort("b") is not None and e.abort("b") is None
+    assert e.num_allocated_blocks() == 0 and not e.has_work()
+    assert e.request_success["abort"] == 2
+
+
+def test_prefix_metrics_version_switch_counts_retries_only_at_lookup():
+    counts = {}
+    for mode in ("after_alloc", "at_lookup"):
+        e = Engine("h20", num_gpu_blocks=30, prefix_metrics=mode)
+        e.add_request(req("a", 400, max_tokens=20, seed=1))   # holds 26 blocks while decoding
+        e.add_request(req("b", 200, max_tokens=1, seed=2))    # needs 13: waits, retried each step
+        run_until_idle(e)
+        counts[mode] = e.prefix_queries
+    assert counts["after_alloc"] == 600
+    assert counts["at_lookup"] > 600
+
+
+def test_admission_hook_orders_waiting_queue():
+    seen = []
+
+    def shortest_first(views: list[WaitingView], budget: int):
+        seen.append((views, budget))
+        return sorted(range(len(views)), key=lambda k: views[k].cost)
+
+    e = Engine("h20", max_num_batched_tokens=1000, admission=shortest_first)
+    e.add_request(req("long", 900, max_tokens=5))
+    e.add_request(req("short", 100, max_tokens=5))
+    r = e.step(0.0)
+    views, budget = seen[0]
+    assert budget == 1000 and [v.request_id for v in views] == ["long", "short"]
+    assert [v.cost for v in views] == [900, 100]
+    assert [x.id for x in e.running] == ["short", "long"]
+    assert r.num_scheduled_tokens == 1000     # long got the 900 left
+
+
+def test_admission_hook_that_admits_nothing_cannot_stall_an_idle_engine():
+    e = Engine("h20", admission=lambda views, budget: [])
+    e.add_request(req("a", 100))
+    run_until_idle(e)
+    assert e.request_success["length"] == 1
+
+
+# ---------------------------------------------------------------- disaggregated two-step
+
+def test_prefill_decode_two_step():
+    p_eng = Engine("h20", engine_id="P")
+    d_eng = Engine("h20", engine_id="D")
+    n = 1000
+    p_eng.add_request(req("p", n, max_tokens=50, seed=4, kv_transfer_params={"do_remote_decode": True}))
+    _, results = run_until_idle(p_eng)
+    fin = results[-1].finished[0]
+    assert fin.num_output_tokens == 1                   # prefill only
+    params = fin.kv_transfer_params
+    assert params["do_remote_prefill"] is True and params["remote_engine_id"] == "P"
+    assert len(params["remote_block_ids"]) == (n - 1) // 16
+
+    d_eng.add_request(req("d", n, max_tokens=5, seed=4, kv_transfer_params=params))
+    r = d_eng.step(0.0)
+    assert r.transfers_started == ["d"] and r.idle
+    ready = d_eng.next_event_time()
+    assert ready == pytest.approx(get_profile("h20").kv_transfer_s(62 * 16))
+    assert d_eng.step(ready / 2).idle                  # still pulling
+    _, results = run_until_idle(d_eng, ready)
+    fin = results[-1].finished[0]
+    assert fin.num_cached_tokens == 992 and fin.num_output_tokens == 5
+    assert results[0].num_scheduled_tokens == n - 992   # only the tail is computed locally
+    assert d_eng.prefix_hits == 0                       # remote KV is not a local hit
+    assert d_eng.lookup_cached_tokens(prompt(n, 4)[1], n) == 992   # but is cached afterwards
+
+
+# ---------------------------------------------------------------- property: invariants hold
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), blocks=st.integers(40, 120), budget=st.sampled_from([64, 256, 2048]),
+       seqs=st.integers(1, 6), mode=st.sampled_from(["after_alloc", "at_lookup"]))
+def test_random_workloads_keep_invariants_and_drain(seed, blocks, budget, seqs, mode):
+    rng = random.Random(seed)
+    e = Engine("h20", num_gpu_blocks=blocks, max_num_batched_tokens=budget, max_num_seqs=seqs,
+               prefix_metrics=mode)
+    bases = [list(range(k * 10_000, k * 10_000 + 600)) for k in range(3)]
+    t = 0.0
+    n_req = 12
+    for k in range(n_req):
+        base = rng.choice(bases)
+        n = rng.randint(1, min(600, blocks * 16 // 2))
+        tokens = base[:n]
+        e.add_request(EngineRequest(f"r{k}", n, hash_token_blocks(tokens, 16),
+                                    rng.randint(1, 40), t))
+        for _ in range(rng.randint(0, 3)):
+            r = e.step(t)
+            check_invariants(e)
+            t = r.end_time if not r.idle else t
+        if rng.random() < 0.1:
+            e.abort(f"r{rng.randrange(k + 1)}")
+    run_until_idle(e, t)
+    assert e.num_allocated_blocks() == 0 and e.kv_usage == 0.0
+    assert sum(e.request_success.values()) == n_req
