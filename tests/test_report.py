@@ -188,3 +188,33 @@ def test_report_user_errors_are_one_line(tmp_path, capsys, make, args_tail, mess
     assert main(["report", path, *args_tail]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_report_db_arms_come_from_store_queries(tmp_path, capsys, monkeypatch):
+    # store.queries belongs to another module; stand in for its contract here.
+    import sys
+    import types
+    from dataclasses import dataclass
+
+    @dataclass
+    class FakeArm:
+        label: str
+        records: list
+        apc: dict | None
+
+    calls = []
+
+    def arms_from_db(db_path, run_id=None):
+        calls.append((db_path, run_id))
+        return [FakeArm("lmetric@1", RECORDS, {"value": 0.9, "source": "engine"}),
+                FakeArm("unified@2", [], None)]  # a segment with no outcomes: left out, said so
+    monkeypatch.setitem(sys.modules, "store.queries",
+                        types.SimpleNamespace(arms_from_db=arms_from_db))
+    db = tmp_path / "kvtop.db"
+    db.write_bytes(b"")
+    assert main(["report", "--db", str(db), "--run", "r7", "--format", "csv"]) == 0
+    captured = capsys.readouterr()
+    assert calls == [(str(db), "r7")]
+    seed = list(csv.DictReader(io.StringIO(captured.out.split("\n\n")[0])))
+    assert [r["arm"] for r in seed] == ["lmetric@1"] and float(seed[0]["apc"]) == 0.9
+    assert "unified@2" in captured.err
