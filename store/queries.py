@@ -1,0 +1,546 @@
+"""Read-only questions to the decision log: runs, decisions, policy segments, summaries.
+
+Every function reads through a ``mode=ro`` connection (``open_readonly``), so no query here
+can change the file. ``arms_from_db`` is the contract ``kvtop report --db`` builds on: one
+arm per policy segment, its requests in the replay results format.
+
+A *policy segment* is the set of a run's decisions made under one ``policy@version``. The
+router bumps ``policy_version`` on every policy or knob change, so a segment is one
+contiguous time range (its edges can overlap by a request's admission wait).
+"""
+
+from __future__ import annotations
+
+import csv
+import gc
+import json
+import math
+import re
+import sqlite3
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import IO, Any, Sequence
+from urllib.parse import quote
+
+import sqlite_utils
+
+from store.schema import JSON_COLUMNS, TABLES
+
+#: Outcome columns that ``decisions()`` adds to each decision (the rest repeat the decision's).
+OUTCOME_COLUMNS = ("status", "http_status", "error", "ttft_ms", "e2e_ms", "tpot_ms", "output_tokens",
+                   "delivered_hit_tokens", "t_first_token", "t_done")
+STATUSES = ("ok", "error", "upstream_error", "client_gone", "timeout")
+PERCENTILES = (0.5, 0.9, 0.99)
+_SEP = "\x1f"  # unit separator: cannot appear in a reason, class or status
+
+
+class QueryError(Exception):
+    """A question the log cannot answer as asked (missing file, unknown run, bad SQL)."""
+
+
+# -- opening ------------------------------------------------------------------------
+def open_readonly(path: str | Path) -> sqlite_utils.Database:
+    """Open a kvtop database read-only: ``file:...?mode=ro`` plus ``query_only``.
+
+    Raises QueryError for a missing file or one that is not a kvtop decision log.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise QueryError(f"no database at {path} (pass --db PATH; the router writes kvtop.db by default)")
+    if not p.is_file():
+        raise QueryError(f"{path} is not a file")
+    uri = "file:" + quote(str(p.resolve())) + "?mode=ro"
+    try:
+        conn = sqlite3.connect(uri, uri=True, check_same_thread=False)
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    except sqlite3.DatabaseError as exc:
+        raise QueryError(f"{path} is not a kvtop database ({exc})") from None
+    missing = {"runs", "decisions", "outcomes"} - tables
+    if missing:
+        conn.close()
+        raise QueryError(f"{path} is not a kvtop database (no {', '.join(sorted(missing))} table)")
+    conn.execute("PRAGMA query_only = ON")
+    # Reads of a big log are scans: map the file and keep a generous page cache.
+    conn.execute("PRAGMA mmap_size = 4294967296")
+    conn.execute("PRAGMA cache_size = -262144")
+    return sqlite_utils.Database(conn)
+
+
+def _db(db: sqlite_utils.Database | str | Path) -> sqlite_utils.Database:
+    return db if isinstance(db, sqlite_utils.Database) else open_readonly(db)
+
+
+def _rows(db: sqlite_utils.Database, sql: str, params: Sequence | dict = ()) -> list[dict]:
+    cur = db.conn.execute(sql, params)
+    cols = [c[0] for c in cur.description]
+    return [dict(zip(cols, r)) for r in cur.fetchall()]
+
+
+# -- times and runs -----------------------------------------------------------------
+_RELATIVE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d)\s*$", re.I)
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_time(value: str | float | int | None, *, now: float | None = None) -> float | None:
+    """Unix seconds from ``1700000000``, ``2024-05-01T12:00:00`` (local unless it has an
+    offset) or a relative ``30s``/``10m``/``2h``/``1d`` meaning that long before ``now``."""
+    if value is None or isinstance(value, (int, float)):
+        return None if value is None else float(value)
+    text = value.strip()
+    m = _RELATIVE.match(text)
+    if m:
+        return (time.time() if now is None else now) - float(m.group(1)) * _UNIT_S[m.group(2).lower()]
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        return datetime.fromisoformat(text).timestamp()
+    except ValueError:
+        raise QueryError(f"cannot read time {value!r}: use unix seconds, ISO 8601, or 30s/10m/2h/1d ago") from None
+
+
+def resolve_run(db: sqlite_utils.Database, run: str | None) -> str:
+    """The run id for ``run``: exact id, unique prefix, or the latest run when None."""
+    conn = db.conn
+    if run is None or run == "latest":
+        row = conn.execute("SELECT run_id FROM runs ORDER BY started_at DESC LIMIT 1").fetchone()
+        if row is None:  # decisions without a runs row (a crashed start): latest decision's run
+            row = conn.execute("SELECT run_id FROM decisions ORDER BY ts DESC LIMIT 1").fetchone()
+        if row is None:
+            raise QueryError("the database has no runs yet")
+        return row[0]
+    if conn.execute("SELECT 1 FROM runs WHERE run_id = ?", (run,)).fetchone() or \
+            conn.execute("SELECT 1 FROM decisions WHERE run_id = ? LIMIT 1", (run,)).fetchone():
+        return run
+    like = run.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+    found = [r[0] for r in conn.execute(
+        "SELECT run_id FROM runs WHERE run_id LIKE ? ESCAPE '\\' LIMIT 3", (like,))]
+    if len(found) == 1:
+        return found[0]
+    if found:
+        raise QueryError(f"run {run!r} is ambiguous: {', '.join(found)}, ...")
+    raise QueryError(f"no run {run!r} (kvtop log runs lists them)")
+
+
+def _run_clause(db: sqlite_utils.Database, run_id: str, alias: str = "d") -> str:
+    """``run_id = ?`` shaped for the planner: when the run is most of the table a scan in
+    rowid order beats 1M look-ups through the (run_id, ts) index, so hide the index."""
+    conn = db.conn
+    total = conn.execute("SELECT max(id) FROM decisions").fetchone()[0] or 0
+    mine = conn.execute("SELECT count(*) FROM decisions WHERE run_id = ?", (run_id,)).fetchone()[0]
+    prefix = f"{alias}." if alias else ""
+    return f"+{prefix}run_id = ?" if mine * 3 > total else f"{prefix}run_id = ?"
+
+
+def runs(db: sqlite_utils.Database | str | Path) -> list[dict]:
+    """Every run, newest first, with its decision count, time span and policies used."""
+    db = _db(db)
+    out = {r["run_id"]: {**r, "decisions": 0, "first_ts": None, "last_ts": None, "policies": []}
+           for r in _rows(db, "SELECT run_id, started_at, ended_at, host, port, policy, argv, "
+                              "kvtop_version FROM runs")}
+    # Per (policy, version, run) through the policy index: one ordered pass, no sort of the table.
+    for r in _rows(db, "SELECT policy, policy_version, run_id, count(*) AS n, min(ts) AS t0, "
+                       "max(ts) AS t1 FROM decisions GROUP BY policy, policy_version, run_id"):
+        run = out.setdefault(r["run_id"], {"run_id": r["run_id"], "started_at": None, "ended_at": None,
+                                           "host": None, "port": None, "policy": None, "argv": None,
+                                           "kvtop_version": None, "decisions": 0, "first_ts": None,
+                                           "last_ts": None, "policies": []})
+        run["decisions"] += r["n"]
+        run["first_ts"] = r["t0"] if run["first_ts"] is None else min(run["first_ts"], r["t0"])
+        run["last_ts"] = r["t1"] if run["last_ts"] is None else max(run["last_ts"], r["t1"])
+        run["policies"].append((r["t0"], f"{r['policy']}@{r['policy_version']}"))
+    for run in out.values():
+        run["policies"] = [label for _, label in sorted(run["policies"])]
+    return sorted(out.values(), key=lambda r: -(r["started_at"] or r["first_ts"] or 0))
+
+
+# -- decisions ----------------------------------------------------------------------
+def decisions(db: sqlite_utils.Database | str | Path, *, run: str | None = None,
+              session: str | None = None, instance: str | None = None, reason: str | None = None,
+              policy: str | None = None, route_class: str | None = None,
+              since: str | float | None = None, until: str | float | None = None,
+              limit: int | None = 100) -> list[dict]:
+    """Decisions joined with their outcome (same run, request and attempt), newest first.
+
+    ``policy`` is a name or ``name@version``; ``since``/``until`` anything ``parse_time``
+    reads; ``run`` an id or unique prefix (None: every run); ``limit`` None for all.
+    """
+    db = _db(db)
+    where, params = [], []
+    if run is not None:
+        where.append("d.run_id = ?")
+        params.append(resolve_run(db, run))
+    for col, val in (("session_id", session), ("instance", instance), ("reason", reason),
+                     ("route_class", route_class)):
+        if val is not None:
+            where.append(f"d.{col} = ?")
+            params.append(val)
+    if policy is not None:
+        name, _, version = policy.partition("@")
+        where.append("d.policy = ?")
+        params.append(name)
+        if version:
+            if not version.isdigit():
+                raise QueryError(f"policy {policy!r}: the version after @ must be a number")
+            where.append("d.policy_version = ?")
+            params.append(int(version))
+    t0, t1 = parse_time(since), parse_time(until)
+    if t0 is not None:
+        where.append("d.ts >= ?")
+        params.append(t0)
+    if t1 is not None:
+        where.append("d.ts <= ?")
+        params.append(t1)
+    outcome_cols = ", ".join(f"o.{c}" for c in OUTCOME_COLUMNS)
+    sql = (f"SELECT d.*, {outcome_cols} FROM decisions d LEFT JOIN outcomes o "
+           "ON o.request_id = d.request_id AND o.attempt = d.attempt AND o.run_id = d.run_id"
+           + (" WHERE " + " AND ".join(where) if where else "") + " ORDER BY d.ts DESC, d.id DESC")
+    if limit is not None:
+        sql += " LIMIT ?"
+        params.append(int(limit))
+    return _rows(db, sql, params)
+
+
+# -- segments and summaries -----------------------------------------------------------
+def segments(db: sqlite_utils.Database | str | Path, run_id: str | None = None) -> list[dict]:
+    """The run's policy segments in time order: label ``policy@version``, first and last
+    decision time, decisions and requests (first attempts) in each."""
+    db = _db(db)
+    run_id = resolve_run(db, run_id)
+    rows = _rows(db, f"""SELECT policy, policy_version, count(*) AS decisions,
+        sum(attempt = 1) AS requests, min(ts) AS start_ts, max(ts) AS end_ts
+        FROM decisions d WHERE {_run_clause(db, run_id)} GROUP BY policy, policy_version""", (run_id,))
+    rows.sort(key=lambda r: (r["start_ts"], r["policy_version"] or 0))
+    for r in rows:
+        r["label"] = f"{r['policy']}@{r['policy_version']}"
+        r["run_id"] = run_id
+    return rows
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float | None:
+    """Linear-interpolation percentile (numpy's default) of already sorted values; q in [0, 1]."""
+    n = len(sorted_values)
+    if n == 0:
+        return None
+    k = (n - 1) * q
+    f = math.floor(k)
+    c = min(f + 1, n - 1)
+    return sorted_values[f] + (sorted_values[c] - sorted_values[f]) * (k - f)
+
+
+def _dist(values: list[float]) -> dict:
+    values.sort()
+    out = {"n": len(values)}
+    for q in PERCENTILES:
+        out[f"p{round(q * 100)}"] = percentile(values, q)
+    return out
+
+
+def _counts(concat: str | None, total: int) -> dict[str, int]:
+    counts = Counter(concat.split(_SEP)) if concat else Counter()
+    missing = total - sum(counts.values())
+    if missing:
+        counts["(none)"] = missing
+    return dict(counts.most_common())
+
+
+def _mean(total: float | None, n: int) -> float | None:
+    return None if not n or total is None else total / n
+
+
+def summary(db: sqlite_utils.Database | str | Path, run_id: str | None = None) -> dict:
+    """Per policy segment of a run (latest when None): counts by reason, route class and
+    outcome status; TTFT and E2E p50/p90/p99 of ``ok`` attempts; three-way hit accounting.
+
+    Hit accounting, per decision: routing regret = best - est (cache the router left on
+    another instance); estimate error = est - delivered, over decisions whose engine reported
+    ``delivered_hit_tokens`` (NULL ones are left out of both sides).
+    """
+    db = _db(db)
+    run_id = resolve_run(db, run_id)
+    run_clause = _run_clause(db, run_id)
+    # One ordered pass over the run (policy index order, so GROUP BY needs no sort); the
+    # categorical counts come back as separator-joined text and the latencies as JSON arrays,
+    # so Python does the counting and sorting in C instead of per row.
+    sql = f"""SELECT d.policy, d.policy_version, count(*) AS decisions, sum(d.attempt = 1) AS requests,
+        min(d.ts) AS start_ts, max(d.ts) AS end_ts,
+        group_concat(d.reason, char(31)) AS reasons, group_concat(d.route_class, char(31)) AS classes,
+        group_concat(o.status, char(31)) AS statuses,
+        sum(d.input_tokens) AS input_tokens, sum(d.est_hit_tokens) AS est, sum(d.best_hit_tokens) AS best,
+        count(d.est_hit_tokens) AS n_est, count(d.best_hit_tokens) AS n_best,
+        sum(d.best_hit_tokens - d.est_hit_tokens) AS regret, count(d.best_hit_tokens - d.est_hit_tokens) AS n_regret,
+        sum(o.delivered_hit_tokens) AS delivered, count(o.delivered_hit_tokens) AS n_delivered,
+        sum(d.est_hit_tokens - o.delivered_hit_tokens) AS est_error,
+        count(d.est_hit_tokens - o.delivered_hit_tokens) AS n_est_error,
+        json_group_array(o.ttft_ms) FILTER (WHERE o.status = 'ok' AND o.ttft_ms IS NOT NULL) AS ttft,
+        json_group_array(o.e2e_ms) FILTER (WHERE o.status = 'ok' AND o.e2e_ms IS NOT NULL) AS e2e
+        FROM decisions d LEFT JOIN outcomes o
+          ON o.request_id = d.request_id AND o.attempt = d.attempt AND o.run_id = d.run_id
+        WHERE {run_clause} GROUP BY d.policy, d.policy_version"""
+    segs = []
+    for r in _rows(db, sql, (run_id,)):
+        n = r["decisions"]
+        statuses = _counts(r["statuses"], n)
+        if "(none)" in statuses:
+            statuses["no_outcome"] = statuses.pop("(none)")
+        segs.append({
+            "label": f"{r['policy']}@{r['policy_version']}",
+            "policy": r["policy"], "policy_version": r["policy_version"],
+            "start_ts": r["start_ts"], "end_ts": r["end_ts"],
+            "decisions": n, "requests": r["requests"],
+            "reasons": _counts(r["reasons"], n),
+            "route_classes": _counts(r["classes"], n),
+            "statuses": statuses,
+            "errors": sum(v for k, v in statuses.items() if k not in ("ok", "no_outcome")),
+            "ttft_ms": _dist(json.loads(r["ttft"])),
+            "e2e_ms": _dist(json.loads(r["e2e"])),
+            "hits": {
+                "input_tokens": r["input_tokens"],
+                "est_hit_tokens": r["est"], "best_hit_tokens": r["best"],
+                "delivered_hit_tokens": r["delivered"], "delivered_reported": r["n_delivered"],
+                "mean_est_hit_tokens": _mean(r["est"], r["n_est"]),
+                "mean_best_hit_tokens": _mean(r["best"], r["n_best"]),
+                "mean_delivered_hit_tokens": _mean(r["delivered"], r["n_delivered"]),
+                "routing_regret": r["regret"],
+                "mean_routing_regret": _mean(r["regret"], r["n_regret"]),
+                "estimate_error": r["est_error"],
+                "mean_estimate_error": _mean(r["est_error"], r["n_est_error"]),
+            },
+        })
+    segs.sort(key=lambda s: (s["start_ts"], s["policy_version"] or 0))
+    return {"run_id": run_id, "segments": segs}
+
+
+# -- arbitrary read-only SQL and export -------------------------------------------------
+_READ_KEYWORDS = ("select", "with", "explain", "pragma", "values")
+# PRAGMAs that take an argument yet only read.
+_READ_PRAGMAS_WITH_ARG = {"table_info", "table_xinfo", "index_list", "index_info", "index_xinfo",
+                          "foreign_key_list", "table_list", "pragma_list", "function_list"}
+_LEADING_COMMENTS = re.compile(r"^(\s+|--[^\n]*\n?|/\*.*?\*/)*", re.S)
+
+
+def _authorizer(action: int, arg1, arg2, db_name, trigger) -> int:
+    if action in (sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION,
+                  getattr(sqlite3, "SQLITE_RECURSIVE", 33)):
+        return sqlite3.SQLITE_OK
+    if action == sqlite3.SQLITE_PRAGMA and (arg2 is None or (arg1 or "").lower() in _READ_PRAGMAS_WITH_ARG):
+        return sqlite3.SQLITE_OK
+    return sqlite3.SQLITE_DENY
+
+
+def _check_read_only(sql: str) -> None:
+    body = _LEADING_COMMENTS.sub("", sql, count=1)
+    first = re.match(r"[A-Za-z]+", body)
+    keyword = first.group(0).lower() if first else ""
+    if keyword not in _READ_KEYWORDS:
+        raise QueryError("only read-only statements are allowed (SELECT, WITH, EXPLAIN, PRAGMA reads); "
+                         f"got {keyword.upper() or repr(sql[:20])}")
+    if keyword == "pragma" and "=" in body:
+        raise QueryError("PRAGMA assignments are not allowed: the log is opened read-only")
+
+
+def _execute(db: sqlite_utils.Database, sql: str, params: Sequence | dict) -> sqlite3.Cursor:
+    _check_read_only(sql)
+    conn = db.conn
+    conn.set_authorizer(_authorizer)
+    try:
+        return conn.execute(sql, params)
+    except sqlite3.DatabaseError as exc:
+        msg = str(exc)
+        if "not authorized" in msg:
+            msg = "statement is not read-only (not authorized)"
+        raise QueryError(f"SQL error: {msg}") from None
+    except (sqlite3.ProgrammingError, sqlite3.Warning) as exc:  # e.g. two statements
+        raise QueryError(f"SQL error: {exc}") from None
+    finally:
+        conn.set_authorizer(None)
+
+
+def run_sql(db: sqlite_utils.Database | str | Path, sql: str,
+            params: Sequence | dict = ()) -> tuple[list[str], list[tuple]]:
+    """Run one read-only statement; returns (column names, rows).
+
+    Refuses anything but a single SELECT / WITH / EXPLAIN / PRAGMA read with a QueryError.
+    The keyword check gives the clear message, an authorizer denies writes hidden inside a
+    WITH, and the ``mode=ro`` connection is the guarantee behind both.
+    """
+    db = _db(db)
+    cur = _execute(db, sql, params)
+    try:
+        rows = cur.fetchall()
+    except sqlite3.DatabaseError as exc:
+        raise QueryError(f"SQL error: {exc}") from None
+    return [c[0] for c in cur.description or ()], rows
+
+
+def export(db: sqlite_utils.Database | str | Path, table_or_query: str, fmt: str = "csv",
+           out: str | Path | IO[str] | None = None, params: Sequence | dict = ()) -> int:
+    """Write a table (by name) or a read-only query's rows as CSV or JSON lines to ``out``
+    (a path, an open text file, or stdout when None). Streams rows; returns how many."""
+    db = _db(db)
+    if fmt not in ("csv", "jsonl"):
+        raise QueryError(f"unknown export format {fmt!r} (csv or jsonl)")
+    name = table_or_query.strip()
+    if re.fullmatch(r"\w+", name):
+        if not db[name].exists():
+            raise QueryError(f"no table {name!r} (tables: {', '.join(db.table_names())})")
+        sql = f"SELECT * FROM [{name}]"
+    else:
+        sql = table_or_query
+    cur = _execute(db, sql, params)
+    cols = [c[0] for c in cur.description or ()]
+    close = False
+    if out is None:
+        fh: IO[str] = sys.stdout
+    elif isinstance(out, (str, Path)):
+        fh = open(out, "w", newline="", encoding="utf-8")
+        close = True
+    else:
+        fh = out
+    n = 0
+    try:
+        if fmt == "csv":
+            w = csv.writer(fh)
+            w.writerow(cols)
+            for n, row in enumerate(cur, 1):
+                w.writerow(row)
+        else:
+            for n, row in enumerate(cur, 1):
+                fh.write(json.dumps(dict(zip(cols, row)), default=_json_default) + "\n")
+    except sqlite3.DatabaseError as exc:
+        raise QueryError(f"SQL error: {exc}") from None
+    finally:
+        if close:
+            fh.close()
+    return n
+
+
+def _json_default(v: Any) -> Any:
+    if isinstance(v, bytes):
+        return v.hex()
+    return str(v)
+
+
+def decode_json_columns(table: str, row: dict) -> dict:
+    """A copy of ``row`` with the table's JSON text columns parsed (bad JSON stays text)."""
+    out = dict(row)
+    for col in JSON_COLUMNS.get(table, ()):
+        v = out.get(col)
+        if isinstance(v, str):
+            try:
+                out[col] = json.loads(v)
+            except ValueError:
+                pass
+    return out
+
+
+# -- the report contract --------------------------------------------------------------
+@dataclass
+class Arm:
+    """One policy segment of a run as ``kvtop report`` sees it.
+
+    ``records`` are in the replay results format, one per request (its final attempt);
+    ``apc`` is the automatic prefix cache hit rate and where it came from, or None.
+    """
+
+    label: str
+    records: list[dict]
+    apc: dict | None
+    run_id: str = ""
+    policy: str = ""
+    policy_version: int | None = None
+    start_ts: float | None = None
+    end_ts: float | None = None
+    #: requests whose final attempt has no outcome row (still in flight, or lost in a crash)
+    missing_outcomes: int = 0
+
+
+RECORD_KEYS = ("request_id", "session", "turn", "input_tokens", "output_tokens", "status", "ttft_ms",
+               "e2e_ms", "tpot_ms", "cached_tokens", "instance", "route_class", "arm")
+
+
+def arms_from_db(db_path: str | Path | sqlite_utils.Database, run_id: str | None = None) -> list[Arm]:
+    """One Arm per policy segment of the run (the latest when None), in time order.
+
+    A record is a request's final attempt (a retry replaces its first try) joined with that
+    attempt's outcome; ``status`` is ``ok`` or ``error`` (every other outcome status).
+    ``apc``: the mean ``engine_hit_rate`` of the segment's samples when the router sampled
+    engine counters, else sum(delivered) / sum(input) over requests whose engine reported
+    cached tokens (``delivered_cached_tokens``), else None.
+    """
+    db = _db(db_path)
+    run_id = resolve_run(db, run_id)
+    conn = db.conn
+    run_clause = _run_clause(db, run_id)
+    # Few requests are retried: find them once, then drop their superseded attempts.
+    last_attempt = dict(conn.execute(
+        f"SELECT request_id, max(attempt) FROM decisions d WHERE {run_clause} AND attempt > 1 "
+        "GROUP BY request_id", (run_id,)).fetchall())
+    has_samples = db["samples"].exists()
+    arms = []
+    for seg in segments(db, run_id):
+        label = seg["label"]
+        rows = conn.execute(
+            f"""SELECT d.request_id, d.attempt, d.session_id, d.turn, d.input_tokens, o.output_tokens,
+                o.status, o.ttft_ms, o.e2e_ms, o.tpot_ms, o.delivered_hit_tokens, d.instance, d.route_class
+            FROM decisions d LEFT JOIN outcomes o
+              ON o.request_id = d.request_id AND o.attempt = d.attempt AND o.run_id = d.run_id
+            WHERE {run_clause} AND d.policy = ? AND d.policy_version IS ? ORDER BY d.id""",
+            (run_id, seg["policy"], seg["policy_version"])).fetchall()
+        if last_attempt:
+            rows = [r for r in rows if r[0] not in last_attempt or r[1] == last_attempt[r[0]]]
+        # Building a million dicts is the cost here; the collector only slows it down.
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            records = [
+                {"request_id": rid, "session": ses, "turn": turn, "input_tokens": inp,
+                 "output_tokens": out, "status": "ok" if st == "ok" else "error", "ttft_ms": ttft,
+                 "e2e_ms": e2e, "tpot_ms": tpot, "cached_tokens": cached, "instance": inst,
+                 "route_class": rc, "arm": label}
+                for rid, _att, ses, turn, inp, out, st, ttft, e2e, tpot, cached, inst, rc in rows
+                if st is not None]
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+        missing = len(rows) - len(records)
+        del rows
+        arms.append(Arm(label=label, records=records, apc=_apc(conn, run_id, seg, records, has_samples),
+                        run_id=run_id, policy=seg["policy"], policy_version=seg["policy_version"],
+                        start_ts=seg["start_ts"], end_ts=seg["end_ts"], missing_outcomes=missing))
+    return arms
+
+
+def _apc(conn: sqlite3.Connection, run_id: str, seg: dict, records: list[dict],
+         has_samples: bool) -> dict | None:
+    if has_samples:
+        mean, n = conn.execute(
+            "SELECT avg(engine_hit_rate), count(engine_hit_rate) FROM samples "
+            "WHERE run_id = ? AND ts BETWEEN ? AND ?", (run_id, seg["start_ts"], seg["end_ts"])).fetchone()
+        if n:
+            return {"value": mean, "source": "engine_counters"}
+    delivered = inputs = 0
+    for r in records:
+        c = r["cached_tokens"]
+        if c is not None and r["input_tokens"]:
+            delivered += c
+            inputs += r["input_tokens"]
+    if inputs:
+        return {"value": delivered / inputs, "source": "delivered_cached_tokens"}
+    return None
+
+
+def table_names(db: sqlite_utils.Database) -> list[str]:
+    """The kvtop tables present in this file, in schema order."""
+    present = set(db.table_names())
+    return [t for t in TABLES if t in present]
+
+
+__all__ = ["Arm", "QueryError", "arms_from_db", "decisions", "decode_json_columns", "export",
+           "open_readonly", "parse_time", "percentile", "resolve_run", "run_sql", "runs", "segments",
+           "summary", "table_names"]
