@@ -1,0 +1,175 @@
+"""The normalized trace format: one request per JSONL line, ordered by arrival.
+
+Every converter writes it and every consumer (replay, the offline simulator, the demo) reads it
+through ``load_trace`` / ``iter_trace``. A line is::
+
+    {"arrival": 12.5, "session": "weka-0001", "turn": 3, "input_tokens": 71175,
+     "output_tokens": 169, "hash_ids": [10000001, ...], "block_size": 64,
+     "think_time": 12.0, "parent": null, "source": "weka"}
+
+``hash_ids`` are chained prefix-block ids: an equal id at position k means equal first
+(k+1)*block_size tokens. An optional first line ``{"kvtop_trace": 1, ...}`` carries metadata;
+loaders skip it (``read_header`` returns it). Files ending in ``.gz`` are read and written
+gzip-compressed.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import math
+import sys
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from kvtop.cli import CliError
+
+FORMAT_VERSION = 1
+
+#: Field order of a line, as written.
+FIELDS = ("arrival", "session", "turn", "input_tokens", "output_tokens", "hash_ids",
+          "block_size", "think_time", "parent", "source")
+
+
+@dataclass(slots=True)
+class TraceRequest:
+    """One request of a normalized trace (see the module docstring for each field)."""
+
+    arrival: float
+    session: str
+    turn: int
+    input_tokens: int
+    output_tokens: int
+    hash_ids: list[int] = field(default_factory=list)
+    block_size: int = 64
+    think_time: float | None = None
+    parent: str | None = None
+    source: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+
+def open_text(path: str | Path, mode: str = "r") -> TextIO:
+    """Open a trace file as text, transparently gzip-compressed when it ends in ``.gz``."""
+    path = Path(path)
+    if str(path).endswith(".gz"):
+        return io.TextIOWrapper(gzip.open(path, mode + "b"), encoding="utf-8")
+    return open(path, mode, encoding="utf-8")
+
+
+def _check_path(path: str | Path) -> Path:
+    p = Path(path)
+    if not p.exists():
+        raise CliError(f"trace file not found: {p}")
+    if p.is_dir():
+        raise CliError(f"expected a trace file, got a directory: {p}")
+    return p
+
+
+def _parse(obj: Any) -> TraceRequest:
+    if not isinstance(obj, dict):
+        raise ValueError("not a JSON object")
+    try:
+        arrival = float(obj["arrival"])
+        session = obj["session"]
+        turn = obj["turn"]
+        input_tokens = obj["input_tokens"]
+        output_tokens = obj["output_tokens"]
+        hash_ids = obj["hash_ids"]
+        block_size = obj["block_size"]
+    except KeyError as exc:
+        raise ValueError(f"missing field {exc.args[0]!r}") from None
+    if not math.isfinite(arrival) or arrival < 0:
+        raise ValueError(f"bad arrival {obj['arrival']!r}")
+    if not isinstance(session, str) or not session:
+        raise ValueError("session must be a non-empty string")
+    for name, value in (("turn", turn), ("input_tokens", input_tokens),
+                        ("output_tokens", output_tokens), ("block_size", block_size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    if turn < 1 or block_size < 1:
+        raise ValueError("turn and block_size must be >= 1")
+    if not isinstance(hash_ids, list) or not all(isinstance(h, int) for h in hash_ids):
+        raise ValueError("hash_ids must be a list of integers")
+    think = obj.get("think_time")
+    parent = obj.get("parent")
+    if parent is not None and not isinstance(parent, str):
+        raise ValueError("parent must be a string or null")
+    return TraceRequest(arrival, session, turn, input_tokens, output_tokens, hash_ids,
+                        block_size, None if think is None else float(think), parent,
+                        str(obj.get("source") or ""))
+
+
+def read_header(path: str | Path) -> dict[str, Any] | None:
+    """The header object of a trace file, or None when it has none."""
+    with open_text(_check_path(path)) as fh:
+        first = fh.readline()
+    try:
+        obj = json.loads(first)
+    except ValueError:
+        return None
+    return obj if isinstance(obj, dict) and "kvtop_trace" in obj else None
+
+
+def iter_trace(path: str | Path, *, on_error: str = "skip") -> Iterator[TraceRequest]:
+    """Yield the requests of a normalized trace file in file order.
+
+    A malformed line is reported with its 1-based line number: a warning on stderr with
+    ``on_error="skip"``, a ``CliError`` with ``on_error="fail"``. Blank lines are ignored.
+    """
+    if on_error not in ("skip", "fail"):
+        raise ValueError("on_error must be 'skip' or 'fail'")
+    p = _check_path(path)
+    try:
+        with open_text(p) as fh:
+            for lineno, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                    if lineno == 1 and isinstance(obj, dict) and "kvtop_trace" in obj:
+                        continue
+                    req = _parse(obj)
+                except ValueError as exc:  # JSONDecodeError is a ValueError
+                    msg = f"{p}:{lineno}: malformed trace line: {exc}"
+                    if on_error == "fail":
+                        raise CliError(msg) from None
+                    print(f"warning: {msg} (skipped)", file=sys.stderr)
+                    continue
+                yield req
+    except (OSError, EOFError, UnicodeDecodeError) as exc:
+        raise CliError(f"cannot read trace {p}: {exc}") from None
+
+
+def load_trace(path: str | Path, *, on_error: str = "skip") -> list[TraceRequest]:
+    """All requests of a normalized trace file (see ``iter_trace``)."""
+    return list(iter_trace(path, on_error=on_error))
+
+
+def write_trace(path: str | Path, requests: Iterable[TraceRequest],
+                header: dict[str, Any] | None = None) -> int:
+    """Write requests (already in arrival order) as JSONL; returns how many were written.
+
+    ``header``, when given, becomes the first line with ``"kvtop_trace": 1`` added. A path
+    ending in ``.gz`` is gzip-compressed (with a zero mtime, so equal content gives equal bytes).
+    """
+    p = Path(path)
+    n = 0
+    if str(p).endswith(".gz"):
+        raw = gzip.GzipFile(p, "wb", compresslevel=6, mtime=0)
+        fh: TextIO = io.TextIOWrapper(raw, encoding="utf-8")
+    else:
+        fh = open(p, "w", encoding="utf-8")
+    with fh:
+        if header is not None:
+            fh.write(json.dumps({"kvtop_trace": FORMAT_VERSION, **header}, separators=(",", ":")))
+            fh.write("\n")
+        for req in requests:
+            fh.write(req.to_json())
+            fh.write("\n")
+            n += 1
+    return n
