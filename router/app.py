@@ -70,6 +70,9 @@ class RouterConfig:
     control_token_file: str | None = None
     control_readonly: bool = False
     state_dir: str | None = None
+    # telemetry (router/telemetry.py): backlog seconds = pending_prefill_tokens / this rate
+    assumed_prefill_tps: float = 5000.0
+    scrape_interval_s: float = 1.0
 
     @property
     def capacity_blocks(self) -> int:

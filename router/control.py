@@ -1,7 +1,439 @@
-"""Control API under /kvtop/v1 (being built; see issue "Control plane")."""
+"""The control API under ``/kvtop/v1/``: state, events, policies, sessions, decisions.
+
+Reads are open; mutations (``PUT policy``, ``PATCH knobs``) need ``Authorization: Bearer
+<token>``. The token comes from ``--control-token-file``, else ``KVTOP_CONTROL_TOKEN``, else
+is generated at start and written 0600 to ``<state_dir>/router-<port>.token`` next to a
+``router-<port>.json`` that ``kvtop attach`` reads; both are removed at shutdown.
+docs/control-api.md is the reference for every body and event.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import heapq
+import os
+import secrets
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
+from router import telemetry
+from router.app import STATE, RouterState, error_response
+from router.config import KnobError
+from router.events import (DECISIONS_DEFAULT, DECISIONS_MAX, DEFAULT_TYPES, EVENT_TYPES, HZ_DEFAULT,
+                           HZ_MAX, HZ_MIN, Broadcaster, Viewer)
+from router.policies import POLICIES, policy_class
+
+SCHEMA_VERSION = 1
+PREFIX = "/kvtop/v1"
+TOKEN_ENV = "KVTOP_CONTROL_TOKEN"
+USER_HEADER = "X-Kvtop-User"
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+SESSION_SORTS = ("last_seen", "turns", "tokens", "moves")
+
+
+class Control:
+    """Auth, discovery files and the state snapshot of one router."""
+
+    def __init__(self, state: RouterState, tel: telemetry.Telemetry):
+        self.state = state
+        self.tel = tel
+        cfg = state.config
+        self.token, self.token_source = self._resolve_token()
+        self.state_dir = Path(cfg.state_dir or Path.home() / ".local" / "state" / "kvtop").expanduser()
+        self.token_path: Path | None = Path(cfg.control_token_file) if cfg.control_token_file else None
+        self.written: list[Path] = []
+        self._affinity: tuple[float, dict[str, Any]] | None = None
+        self.broadcaster = Broadcaster(self.snapshot)
+
+    def _resolve_token(self) -> tuple[str, str]:
+        cfg = self.state.config
+        if cfg.control_token:
+            return cfg.control_token, "config"
+        if cfg.control_token_file:
+            try:
+                token = Path(cfg.control_token_file).expanduser().read_text().strip()
+            except OSError as exc:
+                raise ValueError(f"--control-token-file {cfg.control_token_file}: {exc.strerror or exc}") from None
+            if not token:
+                raise ValueError(f"--control-token-file {cfg.control_token_file} is empty")
+            return token, "file"
+        env = os.environ.get(TOKEN_ENV, "").strip()
+        if env:
+            return env, "env"
+        return secrets.token_urlsafe(32), "generated"
+
+    # -- discovery files -----------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        cfg = self.state.config
+        host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
+        return f"http://{host}:{cfg.port}"
+
+    def write_files(self) -> None:
+        port = self.state.config.port
+        self.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if self.token_source == "generated":
+            self.token_path = self.state_dir / f"router-{port}.token"
+            _write_private(self.token_path, self.token + "\n")
+            self.written.append(self.token_path)
+        info = {"url": self.url, "pid": os.getpid(), "run_id": self.state.run_id,
+                "token_file": str(self.token_path.resolve()) if self.token_path else None,
+                "token_source": self.token_source, "readonly": self.state.config.control_readonly,
+                "started_at": self.state.started_at, "api": PREFIX + "/"}
+        info_path = self.state_dir / f"router-{port}.json"
+        _write_private(info_path, json.dumps(info, indent=2) + "\n")
+        self.written.append(info_path)
+
+    def remove_files(self) -> None:
+        for p in self.written:
+            try:
+                p.unlink()
+            except OSError:
+                pass
+        self.written.clear()
+
+    # -- auth ----------------------------------------------------------------------------
+    def check_mutation(self, request: web.Request) -> web.Response | None:
+        if self.state.config.control_readonly:
+            return error_response(403, "this router was started with --control-readonly; "
+                                       "policy and knob changes are refused")
+        auth = request.headers.get("Authorization", "")
+        scheme, _, given = auth.partition(" ")
+        if scheme.lower() != "bearer" or not given.strip():
+            return error_response(401, "this call changes the router: send Authorization: Bearer <token> "
+                                       "(the token is in the file named by router-<port>.json in the state dir)",
+                                  headers={"WWW-Authenticate": 'Bearer realm="kvtop"'})
+        if not hmac.compare_digest(given.strip().encode(), self.token.encode()):
+            return error_response(401, "the bearer token is not valid for this router",
+                                  headers={"WWW-Authenticate": 'Bearer realm="kvtop", error="invalid_token"'})
+        return None
+
+    # -- the state snapshot --------------------------------------------------------------
+    def affinity(self, now: float) -> dict[str, Any]:
+        """Sessions per instance and moves; recomputed at most every 1 s (5 s past 10k sessions)."""
+        sessions = self.state.cluster.sessions
+        every = 1.0 if len(sessions) < 10_000 else 5.0
+        if self._affinity is None or now - self._affinity[0] >= every:
+            insts = self.state.cluster.instances
+            per = [0] * len(insts)
+            moves = moved_sessions = 0
+            for s in sessions.values():
+                per[s.instance] += 1
+                moves += s.moves
+                moved_sessions += s.moves > 0
+            self._affinity = (now, {"sessions": len(sessions),
+                                    "per_instance": {i.name: n for i, n in zip(insts, per)},
+                                    "moves": moves, "moved_sessions": moved_sessions, "computed_at": now})
+        return self._affinity[1]
+
+    def snapshot(self) -> dict[str, Any]:
+        st = self.state
+        cfg = st.config
+        now = time.time()
+        tps = cfg.assumed_prefill_tps
+        slot = st.slot
+        instances = []
+        tot = {"num_requests": 0, "pending_prefill_tokens": 0, "decode_requests": 0, "decode_tokens": 0,
+               "routed_total": 0, "input_tokens_total": 0, "est_hit_tokens_total": 0, "errors_total": 0,
+               "request_rate": 0.0, "healthy_instances": 0}
+        for i, s in enumerate(st.cluster.instances):
+            it = self.tel.instances[i]
+            rates = self.tel.instance_rates(i, now)
+            errors = {"requests_total": s.errors_total, "scrape": it.scrape_error,
+                      "scrape_total": it.scrape_errors_total, "gpu": it.gpu_error}
+            instances.append({
+                "name": s.name, "url": s.url, "healthy": s.healthy,
+                "num_requests": s.num_requests, "pending_prefill_tokens": s.pending_prefill_tokens,
+                "backlog_s": s.pending_prefill_tokens / tps if tps > 0 else None,
+                "decode_requests": s.decode_requests, "decode_tokens": s.ongoing_decode_tokens,
+                "ongoing_tokens": s.ongoing_tokens, "routed_total": s.routed_total,
+                "input_tokens_total": s.input_tokens_total, "est_hit_tokens_total": s.est_hit_tokens_total,
+                "est_hit_rate": s.est_hit_tokens_total / s.input_tokens_total if s.input_tokens_total else None,
+                "est_hit_rate_recent": rates["est_hit_rate_recent"], "request_rate": rates["request_rate"],
+                "engine": it.engine_json(now), "gpu": it.gpu_json(), "errors": errors,
+            })
+            for k in ("num_requests", "pending_prefill_tokens", "decode_requests", "routed_total",
+                      "input_tokens_total", "est_hit_tokens_total", "errors_total"):
+                tot[k] += getattr(s, k)
+            tot["decode_tokens"] += s.ongoing_decode_tokens
+            tot["request_rate"] += rates["request_rate"] or 0.0
+            tot["healthy_instances"] += s.healthy
+        tot["est_hit_rate"] = tot["est_hit_tokens_total"] / tot["input_tokens_total"] if tot["input_tokens_total"] else None
+        tot["backlog_s"] = tot["pending_prefill_tokens"] / tps if tps > 0 else None
+        tot["in_flight"] = st.cluster.in_flight
+        m = self.tel.metrics
+        return {
+            "schema_version": SCHEMA_VERSION, "ts": now,
+            "router": {"url": self.url, "uptime_s": now - st.started_at, "started_at": st.started_at,
+                       "run_id": st.run_id, "policy": slot.label, "policy_name": slot.policy.name,
+                       "policy_version": slot.version, "knobs": dict(slot.policy.knobs),
+                       "readonly": cfg.control_readonly, "draining": st.draining,
+                       "assumed_prefill_tps": tps, "block_size": cfg.block_size,
+                       "viewers": len(self.broadcaster.viewers)},
+            "instances": instances, "totals": tot, "affinity": self.affinity(now),
+            "requests": dict(st.counts), "decisions_by_reason": dict(m.reasons),
+            "outcomes_by_status": dict(st.outcome_counts),
+            "hit_tokens": {"input": m.input_tokens, "estimated": m.est_hit_tokens, "best": m.best_hit_tokens,
+                           "delivered": m.delivered_hit_tokens},
+        }
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write a file that only the owner can read, created with 0600 (never world-readable)."""
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+CONTROL = web.AppKey("control", Control)
+
+
+# -- handlers ---------------------------------------------------------------------------------
+
+def _int_param(request: web.Request, name: str, default: int, lo: int, hi: int) -> int:
+    raw = request.query.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise _BadParam(name, f"{name} must be an integer in [{lo}, {hi}], got {raw!r}") from None
+    if not lo <= value <= hi:
+        raise _BadParam(name, f"{name} must be an integer in [{lo}, {hi}], got {value}")
+    return value
+
+
+def _float_param(request: web.Request, name: str, default: float, lo: float, hi: float) -> float:
+    raw = request.query.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not lo <= value <= hi:  # NaN fails too
+        raise _BadParam(name, f"{name} must be a number in [{lo:g}, {hi:g}], got {raw!r}")
+    return value
+
+
+class _BadParam(Exception):
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+        self.message = message
+
+
+def _bad_params(handler):
+    async def wrapped(request: web.Request) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except _BadParam as exc:
+            msg = exc.message if exc.message.startswith(exc.param) else f"{exc.param}: {exc.message}"
+            return error_response(400, msg, param=exc.param)
+    wrapped.__name__ = handler.__name__
+    return wrapped
+
+
+async def get_state(request: web.Request) -> web.Response:
+    return web.json_response(request.app[CONTROL].snapshot(), dumps=_dumps)
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, default=str)
+
+
+@_bad_params
+async def get_events(request: web.Request) -> web.StreamResponse:
+    ctl = request.app[CONTROL]
+    hz = _float_param(request, "hz", HZ_DEFAULT, HZ_MIN, HZ_MAX)
+    rate = _float_param(request, "decisions", DECISIONS_DEFAULT, 0.0, DECISIONS_MAX)
+    types = DEFAULT_TYPES
+    raw = request.query.get("types")
+    if raw:
+        asked = frozenset(t.strip() for t in raw.split(",") if t.strip())
+        unknown = sorted(asked - set(EVENT_TYPES))
+        if unknown:
+            raise _BadParam("types", f"unknown event type(s) {', '.join(unknown)}; "
+                                     f"allowed: {', '.join(EVENT_TYPES)}")
+        types = asked
+    if ctl.broadcaster.closing:
+        return error_response(503, "the router is shutting down")
+    viewer = Viewer(types, hz, rate, ctl.broadcaster.buffer)
+    return await ctl.broadcaster.stream(request, viewer)
+
+
+async def get_policies(request: web.Request) -> web.Response:
+    slot = request.app[STATE].slot
+    out = []
+    for name in sorted(POLICIES):
+        d = POLICIES[name].describe()
+        d["current"] = name == slot.policy.name
+        out.append(d)
+    return web.json_response({"current": {"name": slot.policy.name, "version": slot.version,
+                                          "policy": slot.label, "knobs": slot.policy.knobs},
+                              "policies": out}, dumps=_dumps)
+
+
+async def _json_body(request: web.Request) -> Any:
+    raw = await request.read()
+    if not raw:
+        raise _BadParam("body", "the request body is empty; expected a JSON object")
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise _BadParam("body", f"the request body is not valid JSON: {exc}") from None
+
+
+def _who(request: web.Request) -> str:
+    who = request.headers.get(USER_HEADER, "").strip()
+    return "".join(ch for ch in who if ch.isprintable())[:64] or "api"
+
+
+def _swap_response(slot) -> web.Response:
+    return web.json_response({"policy": slot.label, "name": slot.policy.name, "version": slot.version,
+                              "knobs": slot.policy.knobs}, dumps=_dumps)
+
+
+@_bad_params
+async def put_policy(request: web.Request) -> web.Response:
+    ctl = request.app[CONTROL]
+    denied = ctl.check_mutation(request)
+    if denied is not None:
+        return denied
+    body = await _json_body(request)
+    if not isinstance(body, dict):
+        raise _BadParam("body", 'expected a JSON object {"name": POLICY, "knobs": {...}}')
+    extra = sorted(set(body) - {"name", "knobs"})
+    if extra:
+        raise _BadParam(extra[0], f"unknown field {extra[0]!r}; allowed fields: name, knobs")
+    name = body.get("name")
+    if not isinstance(name, str) or not name:
+        raise _BadParam("name", "name must be a policy name; known: " + ", ".join(sorted(POLICIES)))
+    knobs = body.get("knobs", {})
+    if knobs is None:
+        knobs = {}
+    try:
+        policy_class(name)
+        slot = request.app[STATE].set_policy(name, knobs, _who(request))
+    except KnobError as exc:
+        param = "name" if exc.field == "policy" else exc.field
+        prefix = "" if param in ("name", "knobs") else "knobs."
+        return error_response(400, f"{prefix}{param}: {exc.message}", param=param)
+    return _swap_response(slot)
+
+
+@_bad_params
+async def patch_knobs(request: web.Request) -> web.Response:
+    ctl = request.app[CONTROL]
+    denied = ctl.check_mutation(request)
+    if denied is not None:
+        return denied
+    body = await _json_body(request)
+    if not isinstance(body, dict):
+        raise _BadParam("body", "expected a JSON object of knob names to values")
+    try:
+        slot = request.app[STATE].set_policy(None, body, _who(request), merge=True)
+    except KnobError as exc:
+        return error_response(400, f"{exc.field}: {exc.message}", param=exc.field)
+    return _swap_response(slot)
+
+
+@_bad_params
+async def get_sessions(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    limit = _int_param(request, "limit", 50, 1, 10_000)
+    sort = request.query.get("sort", "last_seen")
+    if sort not in SESSION_SORTS:
+        raise _BadParam("sort", f"sort must be one of {', '.join(SESSION_SORTS)}, got {sort!r}")
+    names = [s.name for s in st.cluster.instances]
+    only = request.query.get("instance")
+    if only is not None and only not in names:
+        raise _BadParam("instance", f"unknown instance {only!r}; known: {', '.join(names)}")
+    key = {"last_seen": lambda s: s.last_seen, "turns": lambda s: s.turns,
+           "tokens": lambda s: s.total_input_tokens, "moves": lambda s: s.moves}[sort]
+    sessions = st.cluster.sessions.values()
+    if only is not None:
+        idx = names.index(only)
+        sessions = [s for s in sessions if s.instance == idx]
+    top = heapq.nlargest(limit, sessions, key=key)
+    now = st.cluster.clock()
+    rows = [{"session": s.session_id, "instance": names[s.instance], "turns": s.turns,
+             "tokens": s.total_input_tokens, "last_input_tokens": s.last_input_tokens,
+             "last_est_hit_tokens": s.last_est_hit_tokens,
+             "est_hit_rate": s.last_est_hit_tokens / s.last_input_tokens if s.last_input_tokens else None,
+             "first_seen": s.first_seen, "last_seen": s.last_seen, "idle_s": now - s.last_seen,
+             "bound_since": s.bound_since, "bound_for_s": now - s.bound_since, "moves": s.moves}
+            for s in top]
+    return web.json_response({"total": len(st.cluster.sessions), "sort": sort, "sessions": rows},
+                             dumps=_dumps)
+
+
+@_bad_params
+async def get_decisions(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    limit = _int_param(request, "limit", 100, 1, max(1, st.ring.maxlen or 1))
+    filters = {k: request.query[k] for k in ("reason", "instance", "session") if k in request.query}
+    out = []
+    for ev in reversed(st.ring):
+        if all(ev.get(k) == v for k, v in filters.items()):
+            out.append(ev)
+            if len(out) >= limit:
+                break
+    return web.json_response({"decisions": out, "ring_size": len(st.ring)}, dumps=_dumps)
+
+
+# -- assembly ---------------------------------------------------------------------------------
 
 def setup(app: web.Application) -> None:
-    return None
+    """Called by create_app: telemetry, /metrics, the control routes and their lifecycle."""
+    state = app[STATE]
+    tel = telemetry.setup(app, state)
+    ctl = Control(state, tel)  # raises ValueError for a missing or empty token file
+    app[CONTROL] = ctl
+    state.listeners.append(ctl.broadcaster)
+    r = app.router
+    r.add_get(PREFIX + "/state", get_state)
+    r.add_get(PREFIX + "/events", get_events)
+    r.add_get(PREFIX + "/policies", get_policies)
+    r.add_put(PREFIX + "/policy", put_policy)
+    r.add_patch(PREFIX + "/knobs", patch_knobs)
+    r.add_get(PREFIX + "/sessions", get_sessions)
+    r.add_get(PREFIX + "/decisions", get_decisions)
+    app.cleanup_ctx.append(_lifecycle)
+    app.on_shutdown.append(_close_streams)
+
+
+async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
+    ctl = app[CONTROL]
+    cfg = ctl.state.config
+    try:
+        ctl.write_files()
+    except OSError as exc:  # attach discovery is a convenience; the router still serves
+        print(f"kvtop route: warning: cannot write to state dir {ctl.state_dir}: {exc}", file=sys.stderr)
+    where = {"generated": f"written to {ctl.token_path}", "file": f"from {ctl.token_path}",
+             "env": f"from ${TOKEN_ENV}", "config": "from the config"}[ctl.token_source]
+    mode = "read-only (every mutation refused)" if cfg.control_readonly else f"control token {where}"
+    print(f"kvtop route: control API {PREFIX}/ {mode}", file=sys.stderr)
+    if cfg.host not in LOOPBACK:
+        print(f"kvtop route: warning: the control API is reachable beyond loopback on {cfg.host}: "
+              "reads (state, events, sessions, decisions) need no token; mutations need the bearer token, "
+              "sent in clear over plain HTTP", file=sys.stderr)
+    try:
+        yield
+    finally:
+        ctl.remove_files()
+
+
+async def _close_streams(app: web.Application) -> None:
+    await app[CONTROL].broadcaster.close()

@@ -1,0 +1,166 @@
+"""Fan-out of router events to server-sent-event viewers, without costing the router time.
+
+The routing path only calls ``Broadcaster.__call__`` (a ``state.listeners`` entry): it
+serializes an event once and appends it to each viewer's bounded deque. Each viewer's own
+handler task drains its deque every ``flush_s`` and writes a coalesced state snapshot at
+the viewer's rate. A viewer that cannot keep up loses its oldest events (counted, and
+reported in a ``dropped`` event); it never slows routing, and its memory stays bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+EVENT_TYPES = ("state", "decision", "config", "health", "outcome")
+DEFAULT_TYPES = frozenset({"state", "decision", "config", "health"})
+HZ_MIN, HZ_MAX, HZ_DEFAULT = 0.2, 20.0, 4.0
+DECISIONS_MAX, DECISIONS_DEFAULT = 10_000.0, 200.0
+
+
+def sse(event: str, data: str) -> bytes:
+    return f"event: {event}\ndata: {data}\n\n".encode()
+
+
+class Viewer:
+    """One attached event-stream client: its filter, rate limit and bounded buffer."""
+
+    def __init__(self, types: frozenset[str], hz: float, decisions_per_s: float, buffer: int):
+        self.types = types
+        self.hz = hz
+        self.decisions_per_s = decisions_per_s
+        self.queue: deque[bytes] = deque(maxlen=buffer)
+        self.dropped_rate = 0  # decisions left out by the per-viewer rate limit (sampling)
+        self.dropped_overflow = 0  # events pushed out of a full buffer (a slow viewer)
+        self.reported_rate = 0
+        self.reported_overflow = 0
+        self.tokens = max(1.0, decisions_per_s / 10)
+        self.last_refill = time.monotonic()
+        self.sent_events = 0
+        self.closed = False
+        self.task: asyncio.Task | None = None
+
+    def offer(self, kind: str, data: bytes, now: float) -> None:
+        if kind == "decision":
+            # Token bucket with a burst of a tenth of a second: over the rate, decisions are
+            # sampled evenly instead of the first N of each second passing.
+            rate = self.decisions_per_s
+            self.tokens = min(max(1.0, rate / 10), self.tokens + (now - self.last_refill) * rate)
+            self.last_refill = now
+            if self.tokens < 1.0:
+                self.dropped_rate += 1
+                return
+            self.tokens -= 1.0
+        if len(self.queue) == self.queue.maxlen:
+            self.dropped_overflow += 1
+        self.queue.append(data)
+
+
+class Broadcaster:
+    """Holds the attached viewers; a ``state.listeners`` entry."""
+
+    def __init__(self, snapshot: Callable[[], dict[str, Any]], *, buffer: int = 2000,
+                 flush_s: float = 0.05, heartbeat_s: float = 15.0, sndbuf: int | None = 256 * 1024):
+        self.snapshot = snapshot
+        self.buffer = buffer
+        self.flush_s = flush_s
+        self.heartbeat_s = heartbeat_s
+        self.sndbuf = sndbuf  # caps kernel buffering per viewer, so "old events lost" stays true
+        self.viewers: set[Viewer] = set()
+        self.closing = False
+        self._snap: tuple[float, bytes] | None = None
+
+    # -- routing path: must stay cheap and never await ------------------------------------
+    def __call__(self, kind: str, payload: dict[str, Any]) -> None:
+        if not self.viewers:
+            return
+        data: bytes | None = None
+        now = time.monotonic()
+        for v in self.viewers:
+            if kind in v.types:
+                if data is None:
+                    data = sse(kind, json.dumps(payload, separators=(",", ":"), default=str))
+                v.offer(kind, data, now)
+
+    # -- snapshots, coalesced across viewers ------------------------------------------------
+    def snapshot_bytes(self) -> bytes:
+        now = time.monotonic()
+        if self._snap is None or now - self._snap[0] >= 0.02:
+            body = json.dumps(self.snapshot(), separators=(",", ":"), default=str)
+            self._snap = (now, sse("state", body))
+        return self._snap[1]
+
+    # -- one viewer's handler ---------------------------------------------------------------
+    async def stream(self, request: web.Request, viewer: Viewer) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
+        await resp.prepare(request)
+        sock = request.transport.get_extra_info("socket") if request.transport else None
+        if sock is not None and self.sndbuf:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.sndbuf)
+            except OSError:
+                pass
+        viewer.task = asyncio.current_task()
+        self.viewers.add(viewer)
+        loop = asyncio.get_running_loop()
+        want_state = "state" in viewer.types
+        period = 1.0 / viewer.hz
+        next_state = loop.time()
+        last_write = loop.time()
+        try:
+            await resp.write(b"retry: 2000\n\n")
+            while not viewer.closed and not self.closing:
+                now = loop.time()
+                chunks: list[bytes] = []
+                if (viewer.dropped_rate != viewer.reported_rate
+                        or viewer.dropped_overflow != viewer.reported_overflow):
+                    body = {"decisions_sampled_out": viewer.dropped_rate - viewer.reported_rate,
+                            "overflow": viewer.dropped_overflow - viewer.reported_overflow,
+                            "decisions_per_s": viewer.decisions_per_s, "buffer": viewer.queue.maxlen,
+                            "total_sampled_out": viewer.dropped_rate,
+                            "total_overflow": viewer.dropped_overflow}
+                    viewer.reported_rate, viewer.reported_overflow = viewer.dropped_rate, viewer.dropped_overflow
+                    chunks.append(sse("dropped", json.dumps(body)))
+                q = viewer.queue
+                while q:
+                    chunks.append(q.popleft())
+                if want_state and now >= next_state:
+                    chunks.append(self.snapshot_bytes())
+                    # Coalesce: a viewer that fell behind gets the latest snapshot, not a backlog.
+                    next_state = max(next_state + period, now)
+                if chunks:
+                    viewer.sent_events += len(chunks)
+                    await resp.write(b"".join(chunks))
+                    last_write = loop.time()
+                elif loop.time() - last_write >= self.heartbeat_s:
+                    await resp.write(b": keepalive\n\n")
+                    last_write = loop.time()
+                wait = self.flush_s
+                if want_state:
+                    wait = min(wait, max(0.0, next_state - loop.time()))
+                await asyncio.sleep(wait)
+        except (ConnectionResetError, ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            self.viewers.discard(viewer)
+            viewer.closed = True
+        return resp
+
+    async def close(self, grace_s: float = 0.5) -> None:
+        """On app shutdown: end every stream; cancel the ones stuck writing to a dead reader."""
+        self.closing = True
+        tasks = [v.task for v in list(self.viewers) if v.task is not None and not v.task.done()]
+        for v in list(self.viewers):
+            v.closed = True
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=grace_s)
+            for t in pending:
+                t.cancel()

@@ -1,0 +1,580 @@
+"""What the router measures besides its own decisions: each vLLM's /metrics, GPUs, and
+the router's own Prometheus ``GET /metrics``.
+
+A poller task (opened in ``cleanup_ctx``) scrapes every backend's ``/metrics`` about once
+a second with a short timeout, samples mapped GPUs through NVML in a worker thread, keeps
+short windows of counters for rates, and writes a ``samples`` row per instance every few
+seconds. Any source can fail; its error is recorded on the instance and routing goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import math
+import re
+import sys
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+# -- Prometheus text parsing --------------------------------------------------------------
+
+Sample = tuple[dict[str, str], float]
+
+_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+_ESCAPES = {"\\": "\\", '"': '"', "n": "\n"}
+
+
+class ParseError(ValueError):
+    pass
+
+
+def parse_prometheus(text: str) -> dict[str, list[Sample]]:
+    """Parse Prometheus text exposition into ``{sample name: [(labels, value), ...]}``.
+
+    Comments (``# HELP``/``# TYPE``) and timestamps are ignored; a malformed line is
+    skipped rather than failing the whole scrape (one odd metric must not hide the rest).
+    """
+    out: dict[str, list[Sample]] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        try:
+            name, labels, value = _parse_line(line)
+        except ParseError:
+            continue
+        out.setdefault(name, []).append((labels, value))
+    return out
+
+
+def _parse_line(line: str) -> tuple[str, dict[str, str], float]:
+    m = _NAME.match(line)
+    if not m:
+        raise ParseError(f"no metric name: {line!r}")
+    name = m.group(0)
+    pos = m.end()
+    labels: dict[str, str] = {}
+    if pos < len(line) and line[pos] == "{":
+        pos += 1
+        while True:
+            while pos < len(line) and line[pos] in " ,":
+                pos += 1
+            if pos >= len(line):
+                raise ParseError("unterminated labels")
+            if line[pos] == "}":
+                pos += 1
+                break
+            lm = _NAME.match(line, pos)
+            if not lm or lm.end() >= len(line) or line[lm.end()] != "=":
+                raise ParseError("bad label")
+            key = lm.group(0)
+            pos = lm.end() + 1
+            if pos >= len(line) or line[pos] != '"':
+                raise ParseError("label value not quoted")
+            pos += 1
+            buf = []
+            while True:
+                if pos >= len(line):
+                    raise ParseError("unterminated label value")
+                ch = line[pos]
+                if ch == "\\" and pos + 1 < len(line):
+                    buf.append(_ESCAPES.get(line[pos + 1], "\\" + line[pos + 1]))
+                    pos += 2
+                elif ch == '"':
+                    pos += 1
+                    break
+                else:
+                    buf.append(ch)
+                    pos += 1
+            labels[key] = "".join(buf)
+    parts = line[pos:].split()
+    if not parts:
+        raise ParseError("no value")
+    try:
+        value = float(parts[0])  # float() takes NaN, +Inf, -Inf and exponents
+    except ValueError:
+        raise ParseError(f"bad value {parts[0]!r}") from None
+    return name, labels, value
+
+
+# -- what the router reads from an engine ---------------------------------------------------
+
+# Current name first, then deprecated ones (vLLM renamed gpu_cache_usage_perc and the
+# gpu_prefix_cache_* counters; counters appear with and without the _total suffix).
+RUNNING = ("vllm:num_requests_running",)
+WAITING = ("vllm:num_requests_waiting",)
+KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+PREFIX_QUERIES = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_queries",
+                  "vllm:gpu_prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries")
+PREFIX_HITS = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_hits",
+               "vllm:gpu_prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits")
+BUSY_RATIO = ("kvtop_sim:busy_ratio",)
+
+
+@dataclass
+class EngineMetrics:
+    """One scrape, reduced over the ``engine`` (DP rank) and ``model_name`` labels.
+
+    Counts and counters are summed over series; ratios (KV usage, busy ratio) are averaged.
+    ``names`` records which metric name each value came from (current or deprecated).
+    """
+
+    running: float | None = None
+    waiting: float | None = None
+    kv_usage: float | None = None
+    prefix_queries: float | None = None
+    prefix_hits: float | None = None
+    busy_ratio: float | None = None
+    names: dict[str, str] = field(default_factory=dict)
+
+
+def _pick(metrics: dict[str, list[Sample]], names: Iterable[str], mean: bool = False
+          ) -> tuple[float | None, str | None]:
+    for name in names:
+        series = metrics.get(name)
+        if series:
+            values = [v for _, v in series if not math.isnan(v)]
+            if not values:
+                return None, name
+            total = sum(values)
+            return (total / len(values) if mean else total), name
+    return None, None
+
+
+def engine_metrics(metrics: dict[str, list[Sample]]) -> EngineMetrics:
+    em = EngineMetrics()
+    for attr, names, mean in (("running", RUNNING, False), ("waiting", WAITING, False),
+                              ("kv_usage", KV_USAGE, True), ("prefix_queries", PREFIX_QUERIES, False),
+                              ("prefix_hits", PREFIX_HITS, False), ("busy_ratio", BUSY_RATIO, True)):
+        value, name = _pick(metrics, names, mean)
+        setattr(em, attr, value)
+        if name:
+            em.names[attr] = name
+    return em
+
+
+# -- windows ---------------------------------------------------------------------------------
+
+class CounterWindow:
+    """Timestamped samples of cumulative counters; rates over the last ``window_s``."""
+
+    def __init__(self, window_s: float):
+        self.window_s = window_s
+        self.samples: deque[tuple[float, tuple[float, ...]]] = deque()
+
+    def add(self, t: float, values: tuple[float, ...]) -> None:
+        if self.samples and any(v < p for v, p in zip(values, self.samples[-1][1])):
+            self.samples.clear()  # a counter went backwards: the engine restarted
+        self.samples.append((t, values))
+        while len(self.samples) > 2 and t - self.samples[1][0] >= self.window_s:
+            self.samples.popleft()
+
+    def delta(self, now: float, current: tuple[float, ...]) -> tuple[float, tuple[float, ...]] | None:
+        """(seconds, per-counter increase) from the oldest kept sample to ``current``."""
+        if not self.samples:
+            return None
+        t0, v0 = self.samples[0]
+        dt = now - t0
+        if dt <= 0:
+            return None
+        return dt, tuple(c - p for c, p in zip(current, v0))
+
+
+# -- per-instance telemetry --------------------------------------------------------------------
+
+@dataclass
+class InstanceTelemetry:
+    name: str
+    url: str
+    gpu: int | None
+    engine: EngineMetrics | None = None
+    scraped_at: float | None = None
+    scrape_error: str | None = None
+    scrape_errors_total: int = 0
+    engine_window: CounterWindow = field(default_factory=lambda: CounterWindow(30.0))
+    router_window: CounterWindow = field(default_factory=lambda: CounterWindow(10.0))
+    gpu_util: float | None = None  # percent
+    gpu_mem_used: float | None = None  # bytes
+    gpu_mem_total: float | None = None
+    gpu_source: str | None = None  # nvml | sim_busy_ratio
+    gpu_note: str | None = None  # "n/a: <reason>" when nothing is known
+    gpu_error: str | None = None
+
+    def engine_json(self, now: float) -> dict[str, Any]:
+        em = self.engine
+        out: dict[str, Any] = {"running": None, "waiting": None, "kv_usage": None,
+                               "prefix_hit_rate": None, "prefix_hit_rate_recent": None,
+                               "busy_ratio": None, "metric_names": {},
+                               "scraped_at": self.scraped_at,
+                               "age_s": round(now - self.scraped_at, 3) if self.scraped_at else None,
+                               "error": self.scrape_error, "errors_total": self.scrape_errors_total}
+        if em is None:
+            return out
+        out.update(running=em.running, waiting=em.waiting, kv_usage=em.kv_usage,
+                   busy_ratio=em.busy_ratio, metric_names=dict(em.names))
+        if em.prefix_queries:
+            out["prefix_hit_rate"] = (em.prefix_hits or 0.0) / em.prefix_queries
+        if em.prefix_queries is not None and self.scraped_at is not None:
+            d = self.engine_window.delta(self.scraped_at, (em.prefix_queries, em.prefix_hits or 0.0))
+            if d and d[1][0] > 0:
+                out["prefix_hit_rate_recent"] = d[1][1] / d[1][0]
+        return out
+
+    def gpu_json(self) -> dict[str, Any]:
+        return {"util_pct": self.gpu_util, "mem_used_bytes": self.gpu_mem_used,
+                "mem_total_bytes": self.gpu_mem_total, "source": self.gpu_source,
+                "note": self.gpu_note, "error": self.gpu_error, "index": self.gpu}
+
+
+# -- GPU sampling ------------------------------------------------------------------------------
+
+class GpuSampler:
+    """NVML utilisation and memory for GPU indexes; blocking calls, run it in a thread."""
+
+    def __init__(self):
+        self.available = False
+        self.reason: str | None = None
+        self._nvml: Any = None
+        self._handles: dict[int, Any] = {}
+
+    def init(self) -> bool:
+        try:
+            import pynvml  # from the nvidia-ml-py package
+
+            pynvml.nvmlInit()
+        except Exception as exc:  # ImportError, NVMLError_LibraryNotFound, driver errors
+            self.reason = f"NVML not available: {type(exc).__name__}: {exc}".rstrip(": ")
+            return False
+        self._nvml = pynvml
+        self.available = True
+        return True
+
+    def sample(self, indexes: Iterable[int]) -> dict[int, tuple[float, float, float] | str]:
+        """{index: (util %, mem used bytes, mem total bytes) or an error string}."""
+        out: dict[int, tuple[float, float, float] | str] = {}
+        nv = self._nvml
+        for i in indexes:
+            try:
+                h = self._handles.get(i)
+                if h is None:
+                    h = self._handles[i] = nv.nvmlDeviceGetHandleByIndex(i)
+                util = nv.nvmlDeviceGetUtilizationRates(h)
+                mem = nv.nvmlDeviceGetMemoryInfo(h)
+                out[i] = (float(util.gpu), float(mem.used), float(mem.total))
+            except Exception as exc:
+                out[i] = f"NVML error on GPU {i}: {exc}"
+        return out
+
+    def shutdown(self) -> None:
+        if self.available:
+            try:
+                self._nvml.nvmlShutdown()
+            except Exception:
+                pass
+            self.available = False
+
+
+# -- Prometheus histograms for the router's own /metrics ----------------------------------------
+
+class Histogram:
+    def __init__(self, buckets: Iterable[float]):
+        self.buckets = sorted(buckets)
+        self.counts = [0] * (len(self.buckets) + 1)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def render(self, name: str, labels: str = "") -> list[str]:
+        lines = []
+        acc = 0
+        sep = "," if labels else ""
+        for le, c in zip(self.buckets, self.counts):
+            acc += c
+            lines.append(f'{name}_bucket{{{labels}{sep}le="{_num(le)}"}} {acc}')
+        lines.append(f'{name}_bucket{{{labels}{sep}le="+Inf"}} {self.count}')
+        lab = f"{{{labels}}}" if labels else ""
+        lines.append(f"{name}_sum{lab} {_num(self.sum)}")
+        lines.append(f"{name}_count{lab} {self.count}")
+        return lines
+
+
+def _num(x: float) -> str:
+    if isinstance(x, float) and x.is_integer() and abs(x) < 1e15:
+        return str(int(x))
+    return repr(x) if isinstance(x, float) else str(x)
+
+
+def _esc(v: str) -> str:
+    return str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+DECISION_BUCKETS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2)
+
+
+class RouterMetrics:
+    """Counters fed by the router's decision and outcome events (a ``state.listeners`` entry)."""
+
+    def __init__(self):
+        self.decisions: dict[tuple[str, str], int] = {}
+        self.reasons: dict[str, int] = {}
+        self.outcomes: dict[str, int] = {}
+        self.ttft = Histogram(LATENCY_BUCKETS_S)
+        self.e2e = Histogram(LATENCY_BUCKETS_S)
+        self.decision_latency = Histogram(DECISION_BUCKETS_S)
+        self.input_tokens = 0
+        self.est_hit_tokens = 0
+        self.best_hit_tokens = 0
+        self.delivered_hit_tokens = 0
+
+    def __call__(self, kind: str, ev: dict[str, Any]) -> None:
+        if kind == "decision":
+            policy = str(ev.get("policy", "")).partition("@")[0]
+            key = (policy, ev.get("reason", ""))
+            self.decisions[key] = self.decisions.get(key, 0) + 1
+            self.reasons[key[1]] = self.reasons.get(key[1], 0) + 1
+            self.decision_latency.observe((ev.get("decision_us") or 0.0) / 1e6)
+            self.input_tokens += ev.get("input_tokens") or 0
+            self.est_hit_tokens += ev.get("est_hit") or 0
+            self.best_hit_tokens += ev.get("best_hit") or 0
+        elif kind == "outcome":
+            status = ev.get("status", "unknown")
+            self.outcomes[status] = self.outcomes.get(status, 0) + 1
+            if ev.get("ttft_ms") is not None:
+                self.ttft.observe(ev["ttft_ms"] / 1000)
+            if ev.get("e2e_ms") is not None:
+                self.e2e.observe(ev["e2e_ms"] / 1000)
+            self.delivered_hit_tokens += ev.get("delivered_hit_tokens") or 0
+
+
+# -- the telemetry service -----------------------------------------------------------------------
+
+class Telemetry:
+    """Scrapes, samples and keeps windows for every instance of one router."""
+
+    def __init__(self, state: Any, *, scrape_interval_s: float = 1.0, scrape_timeout_s: float = 0.8,
+                 sample_every_s: float = 5.0, gpu_sampler: GpuSampler | None = None):
+        self.state = state
+        self.scrape_interval_s = scrape_interval_s
+        self.scrape_timeout_s = scrape_timeout_s
+        self.sample_every_s = sample_every_s
+        self.instances = [InstanceTelemetry(b.name, b.url, b.gpu) for b in state.config.backends]
+        self.gpu = gpu_sampler or GpuSampler()
+        self.metrics = RouterMetrics()
+        self.ticks = 0
+        self._last_sample_row = 0.0
+        self._session: aiohttp.ClientSession | None = None
+
+    # -- one round ---------------------------------------------------------------------
+    async def scrape_one(self, it: InstanceTelemetry) -> None:
+        try:
+            timeout = aiohttp.ClientTimeout(total=self.scrape_timeout_s)
+            async with self._session.get(it.url + "/metrics", timeout=timeout) as r:
+                if r.status != 200:
+                    raise RuntimeError(f"HTTP {r.status}")
+                text = await r.text(errors="replace")
+            em = engine_metrics(parse_prometheus(text))
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, RuntimeError, ValueError) as exc:
+            it.scrape_error = f"/metrics: {type(exc).__name__}: {exc}".rstrip(": ")
+            it.scrape_errors_total += 1
+            return
+        now = time.time()
+        it.engine, it.scraped_at, it.scrape_error = em, now, None
+        if em.prefix_queries is not None:
+            it.engine_window.add(now, (em.prefix_queries, em.prefix_hits or 0.0))
+
+    async def sample_gpus(self) -> None:
+        mapped = [it for it in self.instances if it.gpu is not None]
+        data: dict[int, Any] = {}
+        if mapped and self.gpu.available:
+            loop = asyncio.get_running_loop()
+            try:
+                data = await loop.run_in_executor(None, self.gpu.sample, sorted({it.gpu for it in mapped}))
+            except Exception as exc:
+                data = {it.gpu: f"NVML error: {exc}" for it in mapped}
+        for it in self.instances:
+            got = data.get(it.gpu) if it.gpu is not None else None
+            it.gpu_error = got if isinstance(got, str) else None
+            if isinstance(got, tuple):
+                it.gpu_util, it.gpu_mem_used, it.gpu_mem_total = got
+                it.gpu_source, it.gpu_note = "nvml", None
+                continue
+            busy = it.engine.busy_ratio if it.engine else None
+            it.gpu_mem_used = it.gpu_mem_total = None
+            if busy is not None:
+                it.gpu_util, it.gpu_source, it.gpu_note = busy * 100.0, "sim_busy_ratio", None
+                continue
+            it.gpu_util = it.gpu_source = None
+            if it.gpu is None:
+                it.gpu_note = "n/a: no @gpu=N mapping for this backend"
+            elif not self.gpu.available:
+                it.gpu_note = f"n/a: {self.gpu.reason}"
+            else:
+                it.gpu_note = f"n/a: {got}"
+
+    def sample_router(self, now: float) -> None:
+        for it, s in zip(self.instances, self.state.cluster.instances):
+            it.router_window.add(now, (s.routed_total, s.input_tokens_total, s.est_hit_tokens_total))
+
+    def write_samples(self, now: float) -> None:
+        writer = self.state.writer
+        if writer is None:
+            return
+        for it, s in zip(self.instances, self.state.cluster.instances):
+            eng = it.engine_json(now)
+            writer.put("samples", {
+                "run_id": self.state.run_id, "ts": now, "instance": s.name, "healthy": int(s.healthy),
+                "num_requests": s.num_requests, "pending_prefill_tokens": s.pending_prefill_tokens,
+                "decode_requests": s.decode_requests, "decode_tokens": s.ongoing_decode_tokens,
+                "est_hit_rate": (s.est_hit_tokens_total / s.input_tokens_total) if s.input_tokens_total else None,
+                "engine_hit_rate": eng["prefix_hit_rate_recent"] if eng["prefix_hit_rate_recent"] is not None
+                else eng["prefix_hit_rate"],
+                "kv_usage": eng["kv_usage"], "gpu_util": it.gpu_util, "gpu_mem_used": it.gpu_mem_used,
+            })
+
+    async def tick(self) -> None:
+        now = time.time()
+        self.sample_router(now)
+        await asyncio.gather(*(self.scrape_one(it) for it in self.instances), return_exceptions=True)
+        await self.sample_gpus()
+        if now - self._last_sample_row >= self.sample_every_s:
+            self._last_sample_row = now
+            self.write_samples(now)
+        self.ticks += 1
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            t0 = loop.time()
+            try:
+                await self.tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # telemetry must never take the router down
+                print(f"kvtop route: telemetry round failed: {exc!r}", file=sys.stderr)
+            await asyncio.sleep(max(0.05, self.scrape_interval_s - (loop.time() - t0)))
+
+    # -- lifecycle -----------------------------------------------------------------------
+    async def start(self) -> asyncio.Task:
+        self._session = aiohttp.ClientSession()
+        if any(it.gpu is not None for it in self.instances):
+            await asyncio.get_running_loop().run_in_executor(None, self.gpu.init)
+        else:
+            self.gpu.reason = "NVML not used: no backend is mapped with @gpu=N"
+        return asyncio.get_running_loop().create_task(self.run(), name="kvtop-telemetry")
+
+    async def stop(self, task: asyncio.Task) -> None:
+        task.cancel()
+        try:
+            await task
+        except (asyncio.CancelledError, Exception):
+            pass
+        if self._session is not None:
+            await self._session.close()
+        if self.gpu.available:
+            await asyncio.get_running_loop().run_in_executor(None, self.gpu.shutdown)
+
+    # -- views ---------------------------------------------------------------------------
+    def instance_rates(self, i: int, now: float) -> dict[str, float | None]:
+        s = self.state.cluster.instances[i]
+        d = self.instances[i].router_window.delta(now, (s.routed_total, s.input_tokens_total,
+                                                        s.est_hit_tokens_total))
+        if d is None:
+            return {"request_rate": None, "est_hit_rate_recent": None}
+        dt, (dreq, dinp, dhit) = d
+        return {"request_rate": dreq / dt if dt >= 0.5 else None,
+                "est_hit_rate_recent": (dhit / dinp) if dinp > 0 else None}
+
+    def render_metrics(self) -> str:
+        """The router's own Prometheus text exposition."""
+        st = self.state
+        m = self.metrics
+        lines: list[str] = []
+
+        def gauge(name: str, doc: str, rows: list[tuple[str, float]], kind: str = "gauge") -> None:
+            lines.append(f"# HELP {name} {doc}")
+            lines.append(f"# TYPE {name} {kind}")
+            for labels, v in rows:
+                lines.append(f"{name}{{{labels}}} {_num(v)}" if labels else f"{name} {_num(v)}")
+
+        insts = st.cluster.instances
+        lab = [f'instance="{_esc(s.name)}"' for s in insts]
+        gauge("kvtop_instance_healthy", "1 when the instance takes requests",
+              [(lab[i], int(s.healthy)) for i, s in enumerate(insts)])
+        gauge("kvtop_instance_num_requests", "requests in flight on the instance (BS_i)",
+              [(lab[i], s.num_requests) for i, s in enumerate(insts)])
+        gauge("kvtop_instance_pending_prefill_tokens", "tokens routed and not yet prefilled (P_i)",
+              [(lab[i], s.pending_prefill_tokens) for i, s in enumerate(insts)])
+        gauge("kvtop_instance_decode_requests", "requests past their first token",
+              [(lab[i], s.decode_requests) for i, s in enumerate(insts)])
+        gauge("kvtop_instance_decode_tokens", "context tokens of decoding requests (D_i)",
+              [(lab[i], s.ongoing_decode_tokens) for i, s in enumerate(insts)])
+        gauge("kvtop_instance_est_hit_rate", "estimated prefix-hit tokens / input tokens routed, cumulative",
+              [(lab[i], s.est_hit_tokens_total / s.input_tokens_total)
+               for i, s in enumerate(insts) if s.input_tokens_total])
+        gauge("kvtop_instance_routed_total", "requests routed to the instance",
+              [(lab[i], s.routed_total) for i, s in enumerate(insts)], "counter")
+        gauge("kvtop_instance_errors_total", "requests that ended in an error on the instance",
+              [(lab[i], s.errors_total) for i, s in enumerate(insts)], "counter")
+        gauge("kvtop_instance_scrape_errors_total", "failed scrapes of the instance's /metrics",
+              [(lab[i], it.scrape_errors_total) for i, it in enumerate(self.instances)], "counter")
+        gauge("kvtop_policy_version", "version of the active policy (increments on every change)",
+              [(f'policy="{_esc(st.slot.policy.name)}"', st.slot.version)])
+        gauge("kvtop_decisions_total", "routing decisions by policy and reason",
+              [(f'policy="{_esc(p)}",reason="{_esc(r)}"', n) for (p, r), n in sorted(m.decisions.items())],
+              "counter")
+        gauge("kvtop_outcomes_total", "finished request attempts by status",
+              [(f'status="{_esc(k)}"', n) for k, n in sorted(m.outcomes.items())], "counter")
+        gauge("kvtop_input_tokens_total", "input tokens of routed requests", [("", m.input_tokens)], "counter")
+        gauge("kvtop_est_hit_tokens_total", "estimated cached tokens on the chosen instance",
+              [("", m.est_hit_tokens)], "counter")
+        gauge("kvtop_best_hit_tokens_total", "best estimated cached tokens on any instance",
+              [("", m.best_hit_tokens)], "counter")
+        gauge("kvtop_delivered_hit_tokens_total", "cached tokens the engines reported (usage.cached_tokens)",
+              [("", m.delivered_hit_tokens)], "counter")
+        for name, doc, h in (("kvtop_ttft_seconds", "time to first token through the router", m.ttft),
+                             ("kvtop_e2e_seconds", "end-to-end request latency through the router", m.e2e),
+                             ("kvtop_decision_seconds", "time the policy took to pick", m.decision_latency)):
+            lines.append(f"# HELP {name} {doc}")
+            lines.append(f"# TYPE {name} histogram")
+            lines.extend(h.render(name))
+        return "\n".join(lines) + "\n"
+
+
+TELEMETRY = web.AppKey("telemetry", Telemetry)
+
+
+async def metrics_handler(request: web.Request) -> web.Response:
+    return web.Response(text=request.app[TELEMETRY].render_metrics(),
+                        content_type="text/plain", charset="utf-8",
+                        headers={"X-Content-Type-Hint": "text/plain; version=0.0.4"})
+
+
+def setup(app: web.Application, state: Any) -> Telemetry:
+    """Create the telemetry service, feed it events, serve ``GET /metrics``, run the poller."""
+    cfg = state.config
+    tel = Telemetry(state, scrape_interval_s=getattr(cfg, "scrape_interval_s", 1.0))
+    app[TELEMETRY] = tel
+    state.listeners.append(tel.metrics)
+    app.router.add_get("/metrics", metrics_handler)
+
+    async def poller(app: web.Application) -> AsyncIterator[None]:
+        task = await tel.start()
+        try:
+            yield
+        finally:
+            await tel.stop(task)
+
+    app.cleanup_ctx.append(poller)
+    return tel
