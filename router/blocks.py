@@ -76,3 +76,33 @@ def valid_token_ids(tokens: object) -> bool:
         if type(t) is not int or t < 0 or t > _MAX_TOKEN_ID:
             return False
     return True
+
+
+def regroup_block_ids(hash_ids: Sequence[int], id_block_size: int, block_size: int,
+                      num_tokens: int) -> list[int]:
+    """Chained hashes at ``block_size`` from a trace's chained ids at ``id_block_size``.
+
+    Traces carry one chained id per ``id_block_size`` tokens. Because the ids are chained, a
+    coarser block is identified by the id of its last fine block; a finer block is derived
+    as ``hash((id, k))`` for its position k inside the coarse one (still chained, since the
+    id already covers the whole prefix). Only full blocks of ``num_tokens`` are returned,
+    so the result is what ``hash_token_blocks`` would give on equivalent tokens, up to the
+    hash values themselves.
+    """
+    nblocks = num_tokens // block_size
+    if nblocks == 0 or not hash_ids:
+        return []
+    if block_size % id_block_size == 0:
+        step = block_size // id_block_size
+        usable = min(nblocks, len(hash_ids) // step)
+        return [hash_ids[(k + 1) * step - 1] for k in range(usable)]
+    if id_block_size % block_size == 0:
+        per = id_block_size // block_size
+        out: list[int] = []
+        for k in range(nblocks):
+            coarse, j = divmod(k, per)
+            if coarse >= len(hash_ids):
+                break
+            out.append(hash((hash_ids[coarse], j)))
+        return out
+    raise ValueError(f"block size {block_size} and trace block size {id_block_size} do not nest")

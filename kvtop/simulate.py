@@ -1,0 +1,299 @@
+"""Offline: run a trace through routing policies over simulated engines, in virtual time.
+
+The router's own code decides (RoutingCore, the policies, the Cluster accounting and the
+prefix index, exactly as `kvtop route` runs them) and the simulated vLLM engine serves (the
+same Engine class as `kvtop sim`), but no sockets and no clock: a discrete-event loop jumps
+from one arrival or engine step to the next. For each policy it prints the seed table
+(TTFT mean/p90, E2E mean/p90/p99, TPOT p90, APC, balance) and TTFT per class.
+
+Fidelity trade-off, stated: engines cache in blocks of --engine-block-size tokens (default:
+the trace's block size, e.g. 64 for Claude Code traces) instead of vLLM's 16, because trace
+hash ids only identify blocks of that size and finer blocks would cost time for nothing.
+The engine's KV capacity in tokens is kept the same.
+
+Modes: open (each request at its trace arrival) or closed (a session's next turn is sent
+its think time after the previous answer ended, as agents do; first turns at arrival).
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvtop.cli import CliError
+from router.blocks import regroup_block_ids
+from router.classes import route_class
+from router.cluster import Cluster, Ticket
+from router.config import KnobError, parse_knob_args
+from router.core import NoInstance, RoutingCore
+from router.policies import build_policy
+from router.request import RouteRequest
+
+
+@dataclass
+class SimConfig:
+    instances: int = 8
+    profile: str = "h20"
+    router_block_size: int = 512
+    engine_block_size: int | None = None  # default: the trace's block size
+    mode: str = "open"
+    knobs: dict[str, Any] = field(default_factory=dict)
+    max_output_tokens: int | None = None
+    admission: str | None = None  # engine waiting-queue hook name (see router/admission.py)
+
+
+@dataclass
+class _Live:
+    idx: int
+    request_id: str
+    session: str
+    turn: int
+    arrival: float
+    input_tokens: int
+    output_tokens: int
+    instance: int
+    ticket: Ticket
+    first_token: float | None = None
+
+
+def _engine_factory(cfg: SimConfig, trace_block_size: int):
+    from kvtop.sim.engine import Engine
+    from kvtop.sim.profiles import get_profile
+
+    prof = get_profile(cfg.profile)
+    ebs = cfg.engine_block_size or max(prof.block_size, trace_block_size)
+    capacity_tokens = prof.num_gpu_blocks * prof.block_size
+    hook = None
+    if cfg.admission:
+        from router.admission import engine_hook
+
+        hook = engine_hook(cfg.admission, cfg.knobs)
+
+    def make(i: int) -> Engine:
+        return Engine(prof, block_size=ebs, num_gpu_blocks=capacity_tokens // ebs, engine_id=str(i),
+                      admission=hook)
+
+    return make, ebs, capacity_tokens
+
+
+def simulate(requests: Sequence[Any], policy: str, cfg: SimConfig) -> list[dict[str, Any]]:
+    """Run ``requests`` (TraceRequest-like) through ``policy``; return result records.
+
+    Records have the replay results format, so kvtop.seedtable reads them unchanged.
+    """
+    from kvtop.sim.engine import EngineRejected, EngineRequest
+
+    if not requests:
+        return []
+    tbs = requests[0].block_size or 16
+    make_engine, ebs, capacity_tokens = _engine_factory(cfg, tbs)
+    engines = [make_engine(i) for i in range(cfg.instances)]
+    names = [f"i{i}" for i in range(cfg.instances)]
+    sim_time = [0.0]
+    cluster = Cluster(names, block_size=cfg.router_block_size,
+                      capacity_blocks=max(1, capacity_tokens // cfg.router_block_size),
+                      clock=lambda: sim_time[0])
+    core = RoutingCore(cluster, build_policy(policy, cfg.knobs), clock=lambda: sim_time[0])
+
+    # event heap: (time, order, kind, payload)
+    heap: list[tuple[float, int, str, Any]] = []
+    seq = 0
+
+    def push(t: float, kind: str, payload: Any) -> None:
+        nonlocal seq
+        seq += 1
+        heapq.heappush(heap, (t, seq, kind, payload))
+
+    by_session: dict[str, list[int]] = {}
+    for k, r in enumerate(requests):
+        by_session.setdefault(r.session, []).append(k)
+    next_turn: dict[int, int] = {}
+    if cfg.mode == "closed":
+        for ks in by_session.values():
+            for a, b in zip(ks, ks[1:]):
+                next_turn[a] = b
+            push(requests[ks[0]].arrival, "arrive", ks[0])
+    else:
+        for k, r in enumerate(requests):
+            push(r.arrival, "arrive", k)
+
+    stepping = [False] * cfg.instances
+    live: dict[str, _Live] = {}
+    records: list[dict[str, Any]] = []
+
+    def kick(i: int, t: float) -> None:
+        if not stepping[i] and engines[i].has_work():
+            stepping[i] = True
+            push(t, "step", i)
+
+    def end(lv: _Live, t: float, status: str, *, out_tokens: int = 0, cached: int | None = None,
+            error: str | None = None) -> None:
+        cluster.finish(lv.ticket, error=status != "ok")
+        ttft = (lv.first_token - lv.arrival) * 1000 if lv.first_token is not None else None
+        e2e = (t - lv.arrival) * 1000
+        tpot = (e2e - ttft) / (out_tokens - 1) if ttft is not None and out_tokens > 1 else None
+        records.append({
+            "request_id": lv.request_id, "session": lv.session, "turn": lv.turn, "arrival": lv.arrival,
+            "input_tokens": lv.input_tokens, "output_tokens": out_tokens, "status": status,
+            "error": error, "ttft_ms": ttft, "e2e_ms": e2e if status == "ok" else None, "tpot_ms": tpot,
+            "cached_tokens": cached, "instance": names[lv.instance], "route_class": route_class(lv.input_tokens),
+            "arm": policy,
+        })
+        nxt = next_turn.get(lv.idx)
+        if nxt is not None:
+            think = requests[nxt].think_time or 0.0
+            push(t + think, "arrive", nxt)
+
+    while heap:
+        t, _, kind, payload = heapq.heappop(heap)
+        sim_time[0] = t
+        if kind == "arrive":
+            r = requests[payload]
+            rid = f"{payload}"
+            out = r.output_tokens if cfg.max_output_tokens is None else min(r.output_tokens, cfg.max_output_tokens)
+            out = max(1, out)
+            rreq = RouteRequest(rid, r.session, "header", r.input_tokens,
+                                regroup_block_ids(r.hash_ids, tbs, cfg.router_block_size, r.input_tokens),
+                                "tokens", "completions", True, out)
+            try:
+                d = core.route(rreq)
+            except NoInstance as exc:
+                records.append({"request_id": rid, "session": r.session, "turn": r.turn, "arrival": t,
+                                "input_tokens": r.input_tokens, "output_tokens": 0, "status": "error",
+                                "error": str(exc), "instance": None, "arm": policy,
+                                "route_class": route_class(r.input_tokens)})
+                continue
+            lv = _Live(payload, rid, r.session, d.turn, t, r.input_tokens, out, d.instance, d.ticket)
+            try:
+                engines[d.instance].add_request(EngineRequest(
+                    rid, r.input_tokens, regroup_block_ids(r.hash_ids, tbs, ebs, r.input_tokens), out, t))
+            except EngineRejected as exc:
+                end(lv, t, "error", error=str(exc))
+                continue
+            live[rid] = lv
+            kick(d.instance, t)
+        elif kind == "step":
+            i = payload
+            eng = engines[i]
+            res = eng.step(t)
+            if res.idle:
+                stepping[i] = False
+                nxt = eng.next_event_time()
+                if nxt is not None and eng.has_work():
+                    stepping[i] = True
+                    push(max(nxt, t), "step", i)
+                continue
+            push(res.end_time, "step_end", (i, res))
+        else:  # step_end
+            i, res = payload
+            for rid in res.first_token:
+                lv = live.get(rid)
+                if lv is not None and lv.first_token is None:
+                    lv.first_token = t
+                    cluster.first_token(lv.ticket)
+            for fin in res.finished:
+                lv = live.pop(fin.request_id, None)
+                if lv is not None:
+                    end(lv, t, "ok", out_tokens=fin.num_output_tokens, cached=fin.num_cached_tokens)
+            stepping[i] = False
+            kick(i, t)
+            if not stepping[i]:
+                nxt = eng_next = engines[i].next_event_time()
+                if eng_next is not None and engines[i].has_work():
+                    stepping[i] = True
+                    push(max(nxt, t), "step", i)
+    if not cluster.counters_zero():  # a bug, not a user error: say so loudly
+        raise RuntimeError("simulation ended with counters not at zero")
+    return records
+
+
+# -- CLI -----------------------------------------------------------------------------
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace", help="normalized trace (kvtop trace convert/build)")
+    p.add_argument("--policies", required=True, help="comma-separated policies, e.g. lmetric,unified,leastwork")
+    p.add_argument("--instances", type=int, default=8, help="simulated instances (default 8)")
+    p.add_argument("--profile", default="h20", help="engine profile: h20 (default), h100 (estimated), cpu-tiny")
+    p.add_argument("--mode", choices=("open", "closed"), default="open",
+                   help="open: trace arrival times; closed: next turn after the answer + think time")
+    p.add_argument("--limit", type=int, default=None, help="first N requests of the trace")
+    p.add_argument("--knob", action="append", default=[], metavar="KEY=VALUE",
+                   help="policy knob applied to every policy that has it (repeatable)")
+    p.add_argument("--router-block-size", type=int, default=512, help="router prefix-index block (default 512)")
+    p.add_argument("--engine-block-size", type=int, default=None,
+                   help="engine cache block (default: the trace's block size, at least the profile's)")
+    p.add_argument("--max-output-tokens", type=int, default=None, help="cap each request's output")
+    p.add_argument("--format", choices=("text", "md", "csv"), default="text")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="write each policy's results as DIR/<policy>.jsonl (for kvtop report)")
+
+
+def _policy_knobs(policy: str, knobs: dict[str, str]) -> dict[str, str]:
+    from router.policies import policy_class
+
+    names = set(policy_class(policy).schema.names())
+    return {k: v for k, v in knobs.items() if k in names}
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvtop.seedtable import class_rows, format_class_table, format_seed_table, seed_row
+    from kvtop.sim.profiles import get_profile
+    from kvtop.traces.loader import load_trace
+
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if not policies:
+        raise CliError("--policies needs at least one policy")
+    try:
+        knobs = parse_knob_args(args.knob)
+        for pol in policies:
+            build_policy(pol, _policy_knobs(pol, knobs))
+        unknown = set(knobs) - {k for pol in policies for k in _policy_knobs(pol, knobs)}
+        if unknown:
+            raise KnobError(sorted(unknown)[0], "no chosen policy has this knob")
+    except KnobError as exc:
+        raise CliError(f"{exc.field}: {exc.message}") from None
+    try:
+        get_profile(args.profile)
+    except KeyError as exc:
+        raise CliError(str(exc.args[0])) from None
+    if args.instances < 1:
+        raise CliError("--instances must be at least 1")
+    requests = load_trace(args.trace)
+    if args.limit:
+        requests = requests[: args.limit]
+    if not requests:
+        raise CliError(f"{args.trace}: the trace has no requests")
+    out_dir = Path(args.out) if args.out else None
+    if out_dir:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    rows, classes = [], []
+    for pol in policies:
+        cfg = SimConfig(instances=args.instances, profile=args.profile, mode=args.mode,
+                        router_block_size=args.router_block_size, engine_block_size=args.engine_block_size,
+                        knobs=_policy_knobs(pol, knobs), max_output_tokens=args.max_output_tokens)
+        t0 = time.process_time()
+        try:
+            records = simulate(requests, pol, cfg)
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
+        cpu = time.process_time() - t0
+        print(f"simulated {pol}: {len(records)} requests in {cpu:.1f} CPU s", file=sys.stderr)
+        rows.append((pol, seed_row(records, instances=[f"i{i}" for i in range(args.instances)])))
+        classes.append((pol, class_rows(records)))
+        if out_dir:
+            with open(out_dir / f"{pol}.jsonl", "w") as f:
+                f.write(json.dumps({"kvtop_results": 1, "arm": pol, "target": f"simulate:{args.profile}",
+                                    "trace": args.trace, "mode": args.mode, "instances": args.instances}) + "\n")
+                for rec in records:
+                    f.write(json.dumps(rec) + "\n")
+    print(format_seed_table(rows, args.format))
+    print()
+    print(format_class_table(classes, args.format))
+    return 0
