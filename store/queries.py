@@ -38,8 +38,11 @@ PERCENTILES = (0.5, 0.9, 0.99)
 _SEP = "\x1f"  # unit separator: cannot appear in a reason, class or status
 
 
-class QueryError(Exception):
-    """A question the log cannot answer as asked (missing file, unknown run, bad SQL)."""
+class QueryError(LookupError):
+    """A question the log cannot answer as asked (missing file, unknown run, bad SQL).
+
+    A LookupError, so callers such as ``kvtop report --db`` can catch it without importing us.
+    """
 
 
 # -- opening ------------------------------------------------------------------------

@@ -1,0 +1,268 @@
+"""Query the decision log after (or during) a run. The file is opened read-only.
+
+  kvtop log runs                        runs with decision counts, policies and time span
+  kvtop log decisions --reason retry    decisions joined with outcomes, newest first
+  kvtop log summary [--run RUN]         per policy segment: reasons, classes, latency, hits
+  kvtop log sql "SELECT ..."            any read-only SQL
+  kvtop log export --table decisions    a table or query as CSV / JSON lines
+
+Times (--since/--until) take unix seconds, ISO 8601, or 30s / 10m / 2h / 1d ago.
+Tables and columns: docs/decision-log.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+import time
+from typing import Any, Sequence
+
+from kvtop.cli import CliError
+
+DEFAULT_DB = "kvtop.db"
+# Columns ``log decisions`` shows as a table (jsonl and csv carry every column).
+DECISION_TABLE_COLUMNS = ("ts", "request_id", "attempt", "session_id", "turn", "policy", "instance",
+                          "reason", "route_class", "input_tokens", "est_hit_tokens", "best_hit_tokens",
+                          "delivered_hit_tokens", "status", "ttft_ms", "e2e_ms")
+_CELL_MAX = 48
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--db", default=DEFAULT_DB, metavar="PATH",
+                        help=f"decision log to read (default {DEFAULT_DB})")
+    sub = parser.add_subparsers(dest="log_cmd", metavar="COMMAND")
+    sub.required = True
+
+    p = sub.add_parser("runs", parents=[common], help="list runs with decision counts and policies")
+    p.add_argument("--format", choices=("table", "jsonl", "csv"), default="table")
+
+    p = sub.add_parser("decisions", parents=[common], help="decisions joined with their outcomes")
+    p.add_argument("--run", help="run id or unique prefix (default: every run)")
+    p.add_argument("--session", help="session id")
+    p.add_argument("--instance", help="chosen instance")
+    p.add_argument("--reason", help="reason code, e.g. argmin, retry (docs/policies.md)")
+    p.add_argument("--policy", help="policy name or name@version")
+    p.add_argument("--class", dest="route_class", help="route class: WARM MEDIUM HEAVY HEAVY+ ...")
+    p.add_argument("--since", help="from this time (unix s, ISO 8601, or 10m / 2h ago)")
+    p.add_argument("--until", help="up to this time")
+    p.add_argument("--limit", type=int, default=100, help="most recent N (default 100; 0: all)")
+    p.add_argument("--format", choices=("table", "jsonl", "csv"), default="table")
+
+    p = sub.add_parser("summary", parents=[common], help="per policy segment: reasons, latency, hits")
+    p.add_argument("--run", help="run id or unique prefix (default: the latest run)")
+    p.add_argument("--format", choices=("text", "json"), default="text")
+
+    p = sub.add_parser("sql", parents=[common], help="run one read-only SQL statement")
+    p.add_argument("query", metavar="SQL", help='e.g. "SELECT reason, count(*) FROM decisions GROUP BY 1"')
+    p.add_argument("--param", action="append", default=[], metavar="VALUE",
+                   help="bind a ? placeholder (repeat in order)")
+    p.add_argument("--format", choices=("table", "jsonl", "csv"), default="table")
+
+    p = sub.add_parser("export", parents=[common], help="write a table or query as CSV or JSON lines")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--table", help="runs, decisions, outcomes, config_events or samples")
+    what.add_argument("--query", metavar="SQL", help="a read-only query")
+    p.add_argument("--format", choices=("csv", "jsonl"), default="csv")
+    p.add_argument("--out", metavar="FILE", help="write here (default stdout)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from store import queries
+
+    try:
+        db = queries.open_readonly(args.db)
+        return _COMMANDS[args.log_cmd](queries, db, args)
+    except queries.QueryError as exc:
+        raise CliError(str(exc)) from None
+    except BrokenPipeError:  # `kvtop log ... | head`
+        sys.stderr.close()
+        return 0
+
+
+# -- commands -----------------------------------------------------------------------
+def _runs(queries, db, args) -> int:
+    rows = queries.runs(db)
+    if args.format != "table":
+        _emit(rows, args.format)
+        return 0
+    table = [{
+        "run_id": r["run_id"],
+        "started": _fmt_ts(r["started_at"] or r["first_ts"]),
+        "span": _fmt_span(r["first_ts"], r["last_ts"]),
+        "decisions": r["decisions"],
+        "policies": " -> ".join(r["policies"]) or r.get("policy") or "",
+    } for r in rows]
+    if not table:
+        print("no runs yet")
+        return 0
+    print(_table(table, width=200))
+    return 0
+
+
+def _decisions(queries, db, args) -> int:
+    rows = queries.decisions(db, run=args.run, session=args.session, instance=args.instance,
+                             reason=args.reason, policy=args.policy, route_class=args.route_class,
+                             since=args.since, until=args.until, limit=args.limit or None)
+    if args.format == "jsonl":
+        _emit([queries.decode_json_columns("decisions", r) for r in rows], "jsonl")
+        return 0
+    if args.format == "csv":
+        _emit(rows, "csv")
+        return 0
+    if not rows:
+        print("no decisions match")
+        return 0
+    shown = []
+    for r in rows:
+        row = {c: r.get(c) for c in DECISION_TABLE_COLUMNS}
+        row["ts"] = _fmt_ts(r["ts"], millis=True)
+        row["policy"] = f"{r['policy']}@{r['policy_version']}"
+        shown.append(row)
+    print(_table(shown))
+    return 0
+
+
+def _summary(queries, db, args) -> int:
+    result = queries.summary(db, args.run)
+    if args.format == "json":
+        print(json.dumps(result, indent=2))
+        return 0
+    print(format_summary(result))
+    return 0
+
+
+def _sql(queries, db, args) -> int:
+    cols, rows = queries.run_sql(db, args.query, args.param)
+    dict_rows = [dict(zip(cols, r)) for r in rows]
+    if args.format != "table":
+        _emit(dict_rows, args.format, cols)
+        return 0
+    print(_table(dict_rows, cols) if cols else "ok")
+    return 0
+
+
+def _export(queries, db, args) -> int:
+    n = queries.export(db, args.table or args.query, args.format, args.out)
+    if args.out:
+        print(f"wrote {n} rows to {args.out}", file=sys.stderr)
+    return 0
+
+
+_COMMANDS = {"runs": _runs, "decisions": _decisions, "summary": _summary, "sql": _sql, "export": _export}
+
+
+# -- text ---------------------------------------------------------------------------
+def format_summary(result: dict) -> str:
+    """The readable report of ``queries.summary``: one block per policy segment."""
+    lines = [f"run {result['run_id']}: {len(result['segments'])} policy segment(s)"]
+    if not result["segments"]:
+        lines.append("  no decisions in this run")
+    for s in result["segments"]:
+        n = s["decisions"]
+        lines += ["", f"== {s['label']}  {_fmt_ts(s['start_ts'])} .. {_fmt_ts(s['end_ts'])} "
+                      f"({_fmt_span(s['start_ts'], s['end_ts'])})",
+                  f"  decisions {n:,}  requests {s['requests']:,}  errors {s['errors']:,}"]
+        lines.append("  reasons      " + _shares(s["reasons"], n))
+        lines.append("  classes      " + _shares(s["route_classes"], n))
+        lines.append("  outcomes     " + _shares(s["statuses"], n))
+        for key, name in (("ttft_ms", "TTFT"), ("e2e_ms", "E2E")):
+            d = s[key]
+            if d["n"]:
+                lines.append(f"  {name:<4} ms     p50 {d['p50']:,.1f}  p90 {d['p90']:,.1f}  "
+                             f"p99 {d['p99']:,.1f}  (n={d['n']:,} ok)")
+            else:
+                lines.append(f"  {name:<4} ms     no ok outcomes")
+        h = s["hits"]
+        lines.append("  hit tokens   " + "  ".join(
+            f"{label} {_num(h[total])} (mean {_num(h[mean])})" for label, total, mean in (
+                ("est", "est_hit_tokens", "mean_est_hit_tokens"),
+                ("best", "best_hit_tokens", "mean_best_hit_tokens"),
+                ("delivered", "delivered_hit_tokens", "mean_delivered_hit_tokens"))))
+        if h["input_tokens"]:
+            lines.append(f"               est/input {_pct(h['est_hit_tokens'], h['input_tokens'])}  "
+                         f"best/input {_pct(h['best_hit_tokens'], h['input_tokens'])}  "
+                         f"delivered reported for {h['delivered_reported']:,} of {n:,} decisions")
+        lines.append(f"  regret       routing (best-est) {_num(h['routing_regret'])} "
+                     f"(mean {_num(h['mean_routing_regret'])})  "
+                     f"estimate error (est-delivered) {_num(h['estimate_error'])} "
+                     f"(mean {_num(h['mean_estimate_error'])})")
+    return "\n".join(lines)
+
+
+def _shares(counts: dict[str, int], total: int) -> str:
+    if not counts:
+        return "-"
+    return "  ".join(f"{k} {v:,} ({100 * v / total:.1f}%)" if total else f"{k} {v:,}"
+                     for k, v in counts.items())
+
+
+def _num(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float) and not v.is_integer():
+        return f"{v:,.1f}"
+    return f"{int(v):,}"
+
+
+def _pct(a: Any, b: Any) -> str:
+    return "-" if a is None or not b else f"{100 * a / b:.1f}%"
+
+
+def _fmt_ts(ts: float | None, millis: bool = False) -> str:
+    if ts is None:
+        return "-"
+    text = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+    return f"{text}.{int(ts % 1 * 1000):03d}" if millis else text
+
+
+def _fmt_span(t0: float | None, t1: float | None) -> str:
+    if t0 is None or t1 is None:
+        return "-"
+    s = max(0.0, t1 - t0)
+    if s < 120:
+        return f"{s:.1f}s"
+    if s < 7200:
+        return f"{s / 60:.1f}m"
+    return f"{s / 3600:.1f}h"
+
+
+def _cell(v: Any, width: int = _CELL_MAX) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        text = f"{v:.1f}" if abs(v) < 1e9 else f"{v:.3f}"
+    else:
+        text = str(v).replace("\n", " ")
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
+def _table(rows: Sequence[dict], cols: Sequence[str] | None = None, width: int = _CELL_MAX) -> str:
+    cols = list(cols or (rows[0].keys() if rows else ()))
+    cells = [[_cell(r.get(c), width) for c in cols] for r in rows]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(cols)]
+    numeric = [all(isinstance(r.get(c), (int, float)) or r.get(c) is None for r in rows) for c in cols]
+
+    def line(values: Sequence[str]) -> str:
+        return "  ".join(v.rjust(w) if num else v.ljust(w)
+                         for v, w, num in zip(values, widths, numeric)).rstrip()
+
+    out = [line(cols), line(["-" * w for w in widths])]
+    out += [line(row) for row in cells]
+    if not rows:
+        out.append("(no rows)")
+    return "\n".join(out)
+
+
+def _emit(rows: Sequence[dict], fmt: str, cols: Sequence[str] | None = None) -> None:
+    if fmt == "jsonl":
+        for r in rows:
+            sys.stdout.write(json.dumps(r, default=str) + "\n")
+        return
+    cols = list(cols or (rows[0].keys() if rows else ()))
+    w = csv.writer(sys.stdout)
+    w.writerow(cols)
+    for r in rows:
+        w.writerow([json.dumps(v) if isinstance(v, (list, dict)) else v for v in (r.get(c) for c in cols)])
