@@ -183,3 +183,15 @@ def test_alias_builds_the_same_policy():
 def test_knobs_accept_cli_strings():
     p = build_policy("unified", {"overload_factor": "1.5", "cache_ratio_gate": "0.25"})
     assert p.knobs["overload_factor"] == 1.5 and p.knobs["cache_ratio_gate"] == 0.25
+
+
+def test_docs_list_every_reason_and_policy():
+    from pathlib import Path
+
+    from router.policies import REASONS
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "policies.md").read_text()
+    for reason in REASONS:
+        assert f"`{reason}`" in text, f"docs/policies.md lacks reason {reason}"
+    for name in POLICIES:
+        assert f"`{name}`" in text, f"docs/policies.md lacks policy {name}"
