@@ -1,0 +1,318 @@
+"""Decision-log queries and the `kvtop log` verb on small hand-built databases.
+
+Every database is a real file written by store.writer.Writer, so the tests read what the
+router writes. The numbers in the expectations are computed by hand from the rows below.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sqlite3
+
+import pytest
+
+from kvtop.cli import main
+from store import queries as q
+from store.writer import Writer
+
+# Run r1: lmetric@1 for four requests, then a live swap to unified@2 (one request retried).
+# (ts, request_id, attempt, session, turn, policy, version, instance, reason, class,
+#  input, est, best) + outcome (status, ttft_ms, e2e_ms, output_tokens, delivered)
+R1 = [
+    (100.0, "q1", 1, "s1", 1, "lmetric", 1, "a", "argmin", "WARM", 1000, 0, 0, ("ok", 100.0, 1000.0, 10, 0)),
+    (101.0, "q2", 1, "s1", 2, "lmetric", 1, "a", "argmin", "WARM", 2000, 900, 1000, ("ok", 200.0, 2000.0, 20, 800)),
+    (102.0, "q3", 1, "s2", 1, "lmetric", 1, "b", "tie_rr", "MEDIUM", 6000, 0, 500, ("ok", 300.0, 3000.0, 30, None)),
+    (103.0, "q4", 1, "s2", 2, "lmetric", 1, "b", "argmin", "MEDIUM", 7000, 5000, 6000, ("error", None, 50.0, 0, None)),
+    (200.0, "q5", 1, "s1", 3, "unified", 2, "a", "affinity_stick", "WARM", 3000, 2000, 2000,
+     ("upstream_error", None, 10.0, 0, None)),
+    (201.0, "q5", 2, "s1", 3, "unified", 2, "b", "retry", "WARM", 3000, 0, 2000, ("ok", 400.0, 4000.0, 40, 0)),
+    (202.0, "q6", 1, "s3", 1, "unified", 2, "a", "affinity_new", "HEAVY", 30000, 0, 0, ("ok", 1000.0, 5000.0, 50, 0)),
+]
+# Run r2, started later: the latest run.
+R2 = [
+    (1001.0, "p1", 1, "t1", 1, "lmetric", 1, "a", "argmin", "WARM", 500, 0, 0, ("ok", 50.0, 500.0, 5, 0)),
+    (1002.0, "p2", 1, "t1", 2, "lmetric", 1, "b", "argmin", "WARM", 600, 400, 500, ("timeout", None, 9000.0, 0, None)),
+]
+
+
+def _write(path, runs: dict[str, tuple[float, list]], samples: list[dict] = ()) -> str:
+    w = Writer(str(path), flush_interval=0.01).start()
+    for run_id, (started, rows) in runs.items():
+        w.put("runs", {"run_id": run_id, "started_at": started, "policy": rows[0][5], "backends": [{"name": "a"}]})
+        for ts, rid, att, ses, turn, pol, ver, inst, reason, rc, inp, est, best, out in rows:
+            w.put("decisions", {"run_id": run_id, "ts": ts, "request_id": rid, "attempt": att, "session_id": ses,
+                                "turn": turn, "policy": pol, "policy_version": ver, "instance": inst,
+                                "reason": reason, "route_class": rc, "input_tokens": inp, "est_hit_tokens": est,
+                                "best_hit_tokens": best, "new_prefill_tokens": inp - est,
+                                "scores": [{"instance": inst, "score": 1.0}]})
+            status, ttft, e2e, out_toks, delivered = out
+            w.put("outcomes", {"run_id": run_id, "ts": ts + 1, "request_id": rid, "attempt": att, "instance": inst,
+                               "status": status, "ttft_ms": ttft, "e2e_ms": e2e, "tpot_ms": 5.0 if ttft else None,
+                               "output_tokens": out_toks, "delivered_hit_tokens": delivered})
+    for s in samples:
+        w.put("samples", s)
+    w.close()
+    return str(path)
+
+
+@pytest.fixture
+def db_path(tmp_path):
+    return _write(tmp_path / "kvtop.db", {"r1": (99.0, R1), "r2": (1000.0, R2)})
+
+
+@pytest.fixture
+def db(db_path):
+    return q.open_readonly(db_path)
+
+
+# -- decisions filters ------------------------------------------------------------------
+@pytest.mark.parametrize("filters, expected", [
+    ({"run": "r1"}, ["q6", "q5", "q5", "q4", "q3", "q2", "q1"]),  # newest first, retry included
+    ({"session": "s1"}, ["q5", "q5", "q2", "q1"]),  # every run
+    ({"instance": "b"}, ["p2", "q5", "q4", "q3"]),
+    ({"reason": "retry"}, ["q5"]),
+    ({"policy": "unified"}, ["q6", "q5", "q5"]),
+    ({"policy": "lmetric@1", "run": "r1"}, ["q4", "q3", "q2", "q1"]),
+    ({"policy": "unified@9"}, []),  # no such version
+    ({"route_class": "MEDIUM"}, ["q4", "q3"]),
+    ({"run": "r1", "since": 200}, ["q6", "q5", "q5"]),
+    ({"run": "r1", "until": "101"}, ["q2", "q1"]),  # a numeric string is unix seconds
+    ({"run": "r1", "since": 101, "until": 102}, ["q3", "q2"]),  # both ends inclusive
+    ({"run": "r1", "instance": "a", "policy": "unified"}, ["q6", "q5"]),
+    ({"limit": 2}, ["p2", "p1"]),
+    ({"run": "r", "limit": 1}, None),  # "r" prefixes both runs: ambiguous
+    ({"run": "r9"}, None),  # unknown run
+])
+def test_decisions_filters(db, filters, expected):
+    if expected is None:
+        with pytest.raises(q.QueryError):
+            q.decisions(db, **filters)
+        return
+    assert [r["request_id"] for r in q.decisions(db, **filters)] == expected
+
+
+def test_decision_carries_its_attempts_outcome(db):
+    first, retry = sorted(q.decisions(db, run="r1", session="s1", since=200), key=lambda r: r["attempt"])
+    # Joined on (request_id, attempt): the first try failed upstream, the retry succeeded.
+    assert (first["status"], first["ttft_ms"]) == ("upstream_error", None)
+    assert (retry["status"], retry["ttft_ms"], retry["instance"]) == ("ok", 400.0, "b")
+    assert json.loads(retry["scores"]) == [{"instance": "b", "score": 1.0}]
+
+
+def test_run_prefix_resolves_when_unique(tmp_path):
+    path = _write(tmp_path / "p.db", {"run-abc123": (1.0, R2)})
+    assert q.resolve_run(q.open_readonly(path), "run-abc") == "run-abc123"
+
+
+# -- segments and summary ---------------------------------------------------------------
+def test_segments_split_at_the_policy_swap(db):
+    segs = q.segments(db, "r1")
+    assert [(s["label"], s["decisions"], s["requests"], s["start_ts"], s["end_ts"]) for s in segs] == [
+        ("lmetric@1", 4, 4, 100.0, 103.0),
+        ("unified@2", 3, 2, 200.0, 202.0),  # the retry is a decision, not a request
+    ]
+    # No run given: the latest run (r2), one segment.
+    assert [s["label"] for s in q.segments(db)] == ["lmetric@1"] and q.segments(db)[0]["run_id"] == "r2"
+
+
+def test_summary_counts_percentiles_and_regrets(db):
+    lm, un = q.summary(db, "r1")["segments"]
+    assert lm["reasons"] == {"argmin": 3, "tie_rr": 1}
+    assert lm["route_classes"] == {"WARM": 2, "MEDIUM": 2}
+    assert lm["statuses"] == {"ok": 3, "error": 1} and lm["errors"] == 1
+    # ok TTFTs 100, 200, 300: p50 is the middle one; p90 sits at rank 1.8 -> 200 + 0.8 * 100.
+    assert lm["ttft_ms"] == pytest.approx({"n": 3, "p50": 200.0, "p90": 280.0, "p99": 298.0})
+    assert lm["e2e_ms"] == pytest.approx({"n": 3, "p50": 2000.0, "p90": 2800.0, "p99": 2980.0})
+    h = lm["hits"]
+    # est 0+900+0+5000, best 0+1000+500+6000; regret = best - est = 1600 over 4 decisions.
+    assert (h["est_hit_tokens"], h["best_hit_tokens"], h["routing_regret"]) == (5900, 7500, 1600)
+    assert h["mean_routing_regret"] == 400.0 and h["mean_est_hit_tokens"] == 1475.0
+    # Delivered is reported for q1 (0) and q2 (800) only; the estimate error compares est on
+    # those same two: (0 + 900) - (0 + 800) = 100, mean 50. q3's NULL is not a zero.
+    assert (h["delivered_hit_tokens"], h["delivered_reported"]) == (800, 2)
+    assert (h["estimate_error"], h["mean_estimate_error"]) == (100, 50.0)
+    assert h["input_tokens"] == 16000
+
+    assert un["reasons"] == {"affinity_stick": 1, "retry": 1, "affinity_new": 1}
+    assert un["statuses"] == {"ok": 2, "upstream_error": 1} and un["errors"] == 1
+    # ok TTFTs 400 (the retry) and 1000: p50 halfway = 700, p90 = 400 + 0.9 * 600.
+    assert un["ttft_ms"] == pytest.approx({"n": 2, "p50": 700.0, "p90": 940.0, "p99": 994.0})
+    # regret: q5 try 1 (2000-2000) + retry on b (2000-0) + q6 (0-0) = 2000 over 3 decisions.
+    assert un["hits"]["routing_regret"] == 2000
+    assert un["hits"]["mean_routing_regret"] == pytest.approx(2000 / 3)
+
+
+def test_summary_of_a_segment_without_ok_outcomes(tmp_path):
+    rows = [R2[1]]  # a single timeout
+    s = q.summary(q.open_readonly(_write(tmp_path / "t.db", {"x": (1.0, rows)})))["segments"][0]
+    assert s["ttft_ms"] == {"n": 0, "p50": None, "p90": None, "p99": None}
+    assert s["statuses"] == {"timeout": 1} and s["hits"]["mean_estimate_error"] is None
+
+
+@pytest.mark.parametrize("values, pct, expected", [
+    ([1, 2, 3, 4], 0.5, 2.5),  # between the two middle values
+    ([1, 2, 3, 4], 0.9, 3.7),  # rank 2.7
+    ([5], 0.99, 5),
+    ([], 0.5, None),
+    ([0, 10], 1.0, 10),
+])
+def test_percentile_is_linear_interpolation(values, pct, expected):
+    assert q.percentile(values, pct) == pytest.approx(expected) if expected is not None else \
+        q.percentile(values, pct) is None
+
+
+# -- arms for kvtop report --db ------------------------------------------------------------
+def test_arms_from_db_records_are_final_attempts(db_path):
+    arms = q.arms_from_db(db_path, "r1")
+    assert [a.label for a in arms] == ["lmetric@1", "unified@2"]
+    lm, un = arms
+    assert [r["request_id"] for r in lm.records] == ["q1", "q2", "q3", "q4"]
+    assert lm.records[3]["status"] == "error"  # outcome 'error' stays an error
+    # q5's upstream_error is superseded by its retry: one record, from the retry.
+    assert [r["request_id"] for r in un.records] == ["q5", "q6"]
+    assert un.records[0] == {"request_id": "q5", "session": "s1", "turn": 3, "input_tokens": 3000,
+                             "output_tokens": 40, "status": "ok", "ttft_ms": 400.0, "e2e_ms": 4000.0,
+                             "tpot_ms": 5.0, "cached_tokens": 0, "instance": "b", "route_class": "WARM",
+                             "arm": "unified@2"}
+    assert set(lm.records[0]) == set(q.RECORD_KEYS)
+    # No samples: APC = delivered / input over requests that report it: (0+800)/(1000+2000).
+    assert lm.apc == {"value": pytest.approx(800 / 3000), "source": "delivered_cached_tokens"}
+    assert un.apc == {"value": 0.0, "source": "delivered_cached_tokens"}
+    # Default: the latest run.
+    assert [len(a.records) for a in q.arms_from_db(db_path)] == [2]
+
+
+def test_arms_apc_prefers_engine_counters(tmp_path):
+    samples = [{"run_id": "r1", "ts": 101.0, "instance": "a", "engine_hit_rate": 0.4},
+               {"run_id": "r1", "ts": 102.0, "instance": "b", "engine_hit_rate": 0.6},
+               {"run_id": "r1", "ts": 102.5, "instance": "b", "engine_hit_rate": None}]  # not reported
+    arms = q.arms_from_db(_write(tmp_path / "s.db", {"r1": (99.0, R1)}, samples))
+    # Samples fall inside lmetric@1's time range only; unified@2 falls back to delivered.
+    assert arms[0].apc == {"value": pytest.approx(0.5), "source": "engine_counters"}
+    assert arms[1].apc["source"] == "delivered_cached_tokens"
+
+
+def test_arms_unknown_run_is_a_lookup_error(db_path):
+    with pytest.raises(LookupError, match="no run"):  # what kvtop report --db catches
+        q.arms_from_db(db_path, "nope")
+
+
+# -- read-only guarantee and bad files ------------------------------------------------------
+def _digest(path) -> str:
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+@pytest.mark.parametrize("sql, message", [
+    ("UPDATE runs SET port = 1", "only read-only"),
+    ("DELETE FROM decisions", "only read-only"),
+    ("WITH x AS (SELECT 1) DELETE FROM decisions", "not read-only"),  # caught by the authorizer
+    ("PRAGMA journal_mode = DELETE", "PRAGMA assignments"),
+    ("ATTACH DATABASE 'x.db' AS x", "only read-only"),
+    ("SELECT 1; DELETE FROM runs", "one statement"),
+    ("SELECT * FROM nope", "no such table: nope"),  # SQLite's own message, one line
+])
+def test_run_sql_refuses_writes_and_reports_errors(db_path, sql, message):
+    before = _digest(db_path)
+    with pytest.raises(q.QueryError, match=message):
+        q.run_sql(q.open_readonly(db_path), sql)
+    assert _digest(db_path) == before
+
+
+def test_readonly_connection_cannot_write(db_path):
+    before = _digest(db_path)
+    db = q.open_readonly(db_path)
+    with pytest.raises(sqlite3.OperationalError):  # the connection itself, no checks in between
+        db.conn.execute("UPDATE runs SET port = 1")
+    assert _digest(db_path) == before
+
+
+def test_run_sql_reads(db):
+    cols, rows = q.run_sql(db, "-- by reason\nSELECT reason, count(*) AS n FROM decisions "
+                               "WHERE run_id = ? GROUP BY reason ORDER BY n DESC, reason", ["r1"])
+    assert cols == ["reason", "n"] and rows[0] == ("argmin", 3)
+    assert q.run_sql(db, "PRAGMA table_info(runs)")[1][0][1] == "run_id"
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "no database"),
+    (b"hello, not sqlite at all, just some bytes" * 50, "not a kvtop database"),
+    ("other-sqlite", "not a kvtop database"),
+])
+def test_bad_files_are_clear_errors(tmp_path, content, message):
+    path = tmp_path / "x.db"
+    if content == "other-sqlite":
+        sqlite3.connect(path).execute("CREATE TABLE t (a)").connection.commit()
+    elif content is not None:
+        path.write_bytes(content)
+    with pytest.raises(q.QueryError, match=message):
+        q.open_readonly(path)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("10m", 1000.0 - 600), ("2h", 1000.0 - 7200), ("1.5s", 998.5),
+    ("1700000000", 1.7e9), ("2024-01-01T00:00:00+00:00", 1704067200.0),
+])
+def test_parse_time(text, expected):
+    assert q.parse_time(text, now=1000.0) == expected
+
+
+def test_parse_time_rejects_garbage():
+    with pytest.raises(q.QueryError, match="cannot read time"):
+        q.parse_time("yesterday-ish")
+
+
+# -- export --------------------------------------------------------------------------
+def test_export_table_and_query(db, tmp_path):
+    out = tmp_path / "o.csv"
+    assert q.export(db, "outcomes", "csv", out) == 9
+    lines = out.read_text().splitlines()
+    assert lines[0].startswith("id,run_id,ts,request_id") and len(lines) == 10
+    out2 = tmp_path / "o.jsonl"
+    assert q.export(db, "SELECT request_id, status FROM outcomes WHERE status != 'ok' ORDER BY id",
+                    "jsonl", out2) == 3  # q4 error, q5 upstream_error, p2 timeout
+    assert json.loads(out2.read_text().splitlines()[0]) == {"request_id": "q4", "status": "error"}
+    with pytest.raises(q.QueryError, match="no table"):
+        q.export(db, "nope", "csv", tmp_path / "n.csv")
+
+
+# -- the CLI ---------------------------------------------------------------------------
+def test_cli_summary_and_runs(db_path, capsys):
+    assert main(["log", "summary", "--db", db_path, "--run", "r1"]) == 0
+    out = capsys.readouterr().out
+    assert "== lmetric@1" in out and "== unified@2" in out
+    assert "p50 200.0  p90 280.0  p99 298.0" in out
+    assert "routing (best-est) 1,600 (mean 400)" in out
+    assert main(["log", "runs", "--db", db_path]) == 0
+    out = capsys.readouterr().out
+    assert "r1" in out and "lmetric@1 -> unified@2" in out
+    assert main(["log", "summary", "--db", db_path, "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["run_id"] == "r2"
+
+
+def test_cli_decisions_sql_export(db_path, capsys, tmp_path):
+    assert main(["log", "decisions", "--db", db_path, "--reason", "retry", "--format", "jsonl"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert row["request_id"] == "q5" and row["scores"] == [{"instance": "b", "score": 1.0}]
+    assert main(["log", "decisions", "--db", db_path, "--class", "MEDIUM"]) == 0
+    assert capsys.readouterr().out.count("lmetric@1") == 2
+    assert main(["log", "sql", "SELECT count(*) AS n FROM decisions", "--db", db_path, "--format", "csv"]) == 0
+    assert capsys.readouterr().out.split() == ["n", "9"]
+    out = tmp_path / "d.jsonl"
+    assert main(["log", "export", "--db", db_path, "--table", "decisions", "--format", "jsonl",
+                 "--out", str(out)]) == 0
+    assert len(out.read_text().splitlines()) == 9
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["log", "runs", "--db", "{tmp}/missing.db"], "no database at"),
+    (["log", "sql", "UPDATE runs SET port = 2", "--db", "{db}"], "only read-only"),
+    (["log", "sql", "SELEC 1", "--db", "{db}"], "only read-only"),
+    (["log", "sql", "SELECT nope FROM runs", "--db", "{db}"], "no such column: nope"),
+    (["log", "decisions", "--since", "whenever", "--db", "{db}"], "cannot read time"),
+])
+def test_cli_user_errors_are_one_line(db_path, tmp_path, capsys, argv, message):
+    argv = [a.format(tmp=tmp_path, db=db_path) for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
