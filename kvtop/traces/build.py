@@ -72,7 +72,8 @@ def build_stream(inputs: Sequence[Sequence[TraceRequest]], *, sessions: int | No
                  stagger: float | None = None, seed: int = 0,
                  shared_prefix_tokens: int = 0, max_gap: float | None = None,
                  min_turns: int = 1, duration: float | None = None,
-                 isolate_sessions: bool = False, input_names: Sequence[str] = ()) -> BuildResult:
+                 isolate_sessions: bool = False, keep_times: bool = False,
+                 input_names: Sequence[str] = ()) -> BuildResult:
     """Interleave the sessions of ``inputs`` into one stream sorted by arrival.
 
     * Sessions are taken in a seeded random order (``seed``); with ``sessions=N`` the first N
@@ -80,6 +81,7 @@ def build_stream(inputs: Sequence[Sequence[TraceRequest]], *, sessions: int | No
       as it takes for the requests arriving inside the window to reach R per second; else all.
     * Start times: ``stagger=S`` puts session k at k*S; otherwise each start is uniform in
       [0, window) (default 300 s), drawn from the same seeded generator.
+    * ``keep_times`` keeps every session's own start instead (to merge streams built already).
     * A session keeps its internal gaps (``max_gap`` clamps each idle gap, compressing hours
       of think time); ``duration`` drops requests arriving after it.
     * Ids are renumbered densely per (input, copy) namespace - or per session with
@@ -95,7 +97,9 @@ def build_stream(inputs: Sequence[Sequence[TraceRequest]], *, sessions: int | No
         raise ValueError("give at most one of stagger and window")
     if rate is not None and stagger is not None:
         raise ValueError("rate needs a window, not a stagger")
-    if window is None and stagger is None:
+    if keep_times and (window is not None or stagger is not None or rate is not None):
+        raise ValueError("keep_times excludes window, stagger and rate")
+    if window is None and stagger is None and not keep_times:
         window = DEFAULT_WINDOW_S
     groups = [g for g in _groups(inputs) if g.root_turns >= min_turns]
     if not groups:
@@ -139,7 +143,12 @@ def build_stream(inputs: Sequence[Sequence[TraceRequest]], *, sessions: int | No
                                  f"after {picked} sessions")
         g = groups[order[picked % len(groups)]]
         copy = picked // len(groups)
-        start = picked * stagger if stagger is not None else rng.uniform(0.0, window)
+        if keep_times:
+            start = min(r.arrival for r in g.requests)
+        elif stagger is not None:
+            start = picked * stagger
+        else:
+            start = rng.uniform(0.0, window)
         picked += 1
         rel = _compress_gaps(g.requests, max_gap)
         # Per-session shared-prefix maps, from each session's first request.
@@ -173,7 +182,8 @@ def build_stream(inputs: Sequence[Sequence[TraceRequest]], *, sessions: int | No
         "inputs": list(input_names),
         "seed": seed,
         "sessions_picked": picked,
-        "start_times": (f"k * {stagger} s" if stagger is not None
+        "start_times": ("kept from the inputs" if keep_times
+                        else f"k * {stagger} s" if stagger is not None
                         else f"uniform in [0, {window}) s"),
         "max_gap_s": max_gap,
         "duration_s": duration,

@@ -1,6 +1,6 @@
 """Convert public traces to kvtop's JSONL format, build request streams, cap turns, describe.
 
-  kvtop trace convert SRC --format weka|mooncake|azure [--out FILE] [--max-input N]
+  kvtop trace convert SRC... --format weka|mooncake|azure [--out FILE] [--max-input N]
   kvtop trace build IN... --out FILE [--window S | --stagger S] [--sessions N | --rate R]
   kvtop trace cap IN --max-turns 8 --out FILE
   kvtop trace stats FILE [--format text|json]
@@ -23,8 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     p = sub.add_parser("convert", help="convert a public trace to the normalized JSONL format",
                        description="Convert WEKA Claude Code, Mooncake or Azure 2023 traces.")
-    p.add_argument("src", metavar="SRC",
-                   help="a file, or for weka a directory or glob of trace_NNNN.json.gz files")
+    p.add_argument("src", metavar="SRC", nargs="+",
+                   help="files, or for weka directories or globs of trace_NNNN.json.gz files")
     p.add_argument("--format", required=True, choices=("weka", "mooncake", "azure"),
                    dest="src_format")
     p.add_argument("--out", default="-", help="output file (.gz to compress); default stdout")
@@ -49,6 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="session starts uniform in [0, S) seconds (default 300)")
     when.add_argument("--stagger", type=float, metavar="S",
                       help="session k starts at k*S seconds")
+    when.add_argument("--keep-times", action="store_true",
+                      help="keep each session's own start time (merge streams built already)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shared-prefix-tokens", type=int, default=0, metavar="T",
                    help="map each session's first floor(T/block_size) blocks to one shared set "
@@ -104,9 +106,10 @@ def run(args: argparse.Namespace) -> int:
 def _convert(args: argparse.Namespace) -> int:
     from kvtop.traces.convert import CONVERTERS, CapReport, cap_input, expand_sources
 
-    files = expand_sources(args.src)
-    if args.src_format != "weka" and len(files) > 1 and Path(args.src).is_dir():
-        raise CliError(f"{args.src} is a directory; give the {args.src_format} file itself")
+    files = [f for src in args.src for f in expand_sources(src)]
+    for src in args.src:
+        if args.src_format != "weka" and Path(src).is_dir():
+            raise CliError(f"{src} is a directory; give the {args.src_format} file itself")
     if args.max_input < 0:
         raise CliError("--max-input must be >= 0")
     reqs = CONVERTERS[args.src_format](files, on_error=args.on_error)
@@ -146,7 +149,7 @@ def _build(args: argparse.Namespace) -> int:
             inputs, sessions=args.sessions, rate=args.rate, window=args.window,
             stagger=args.stagger, seed=args.seed, shared_prefix_tokens=args.shared_prefix_tokens,
             max_gap=args.max_gap, min_turns=args.min_turns, duration=args.duration,
-            isolate_sessions=args.isolate_sessions,
+            isolate_sessions=args.isolate_sessions, keep_times=args.keep_times,
             input_names=[Path(p).name for p in args.inputs])
     except ValueError as exc:
         raise CliError(str(exc)) from None
