@@ -1,0 +1,172 @@
+"""Backend health: an active prober plus passive marking from the proxy.
+
+Each backend has its own watcher task that GETs ``/health`` every ``health_interval_s``
+with a ``health_timeout_s`` limit. A refused connection marks the instance down at once;
+a timeout or a 5xx needs ``FAIL_THRESHOLD`` in a row, so one slow answer from a busy engine
+does not take it out. The proxy marks an instance down the moment a connect fails
+(``passive_down``). A down instance is excluded from picking (``Cluster.set_healthy``) and
+probed with exponential backoff (interval x 2^(failures-1), capped at
+``health_backoff_max_s``); its first good answer re-admits it. Every transition is a
+``health`` event and a ``config_events`` row of kind ``health``. docs/reliability.md has the
+timing figures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+#: Consecutive soft failures (timeout, 5xx) before a healthy instance is marked down.
+FAIL_THRESHOLD = 2
+
+
+@dataclass(slots=True)
+class ProbeState:
+    """What the checker knows about one instance beyond its ``healthy`` flag."""
+
+    failures: int = 0  # consecutive failed probes (or passive failures) since the last success
+    last_error: str | None = None
+    changed_at: float = 0.0  # wall time of the last transition
+    probes: int = 0
+    wake: asyncio.Event | None = None
+
+
+def backoff_s(failures: int, interval_s: float, cap_s: float) -> float:
+    """Delay before the next probe of a down instance: doubles per failure, capped."""
+    if failures <= 0:
+        return interval_s
+    return min(cap_s, interval_s * 2 ** min(failures - 1, 30))
+
+
+class HealthChecker:
+    def __init__(self, state: Any):
+        self.state = state
+        cfg = state.config
+        self.interval_s = cfg.health_interval_s
+        self.timeout_s = cfg.health_timeout_s
+        self.backoff_max_s = max(cfg.health_backoff_max_s, cfg.health_interval_s)
+        self.probes = [ProbeState(changed_at=time.time()) for _ in state.cluster.instances]
+        self.transitions = 0
+        self._http: aiohttp.ClientSession | None = None
+
+    # -- transitions -------------------------------------------------------------------
+    def _set(self, index: int, healthy: bool, source: str, why: str | None) -> bool:
+        st = self.state
+        if not st.cluster.set_healthy(index, healthy):
+            return False
+        inst = st.cluster.instances[index]
+        p = self.probes[index]
+        now = time.time()
+        was_for = now - p.changed_at
+        p.changed_at = now
+        self.transitions += 1
+        payload = {"instance": inst.name, "url": inst.url, "healthy": healthy, "source": source,
+                   "reason": why, "failures": p.failures, "previous_state_s": round(was_for, 3)}
+        word = "healthy again" if healthy else f"unhealthy ({source}: {why})"
+        print(f"kvtop route: {inst.name} {inst.url} {word}", file=sys.stderr, flush=True)
+        st.emit("health", payload)
+        st.record_config("health", source, {"instance": inst.name, "healthy": not healthy},
+                         {"instance": inst.name, "healthy": healthy, "reason": why})
+        return True
+
+    def passive_down(self, index: int, exc: BaseException) -> None:
+        """The proxy could not connect to ``index``: exclude it now; probes re-admit it."""
+        p = self.probes[index]
+        p.failures = max(p.failures, 1)
+        p.last_error = f"{type(exc).__name__}: {exc}"[:300]
+        self._set(index, False, "proxy", p.last_error)
+
+    # -- probing -----------------------------------------------------------------------
+    async def probe(self, index: int) -> tuple[bool, bool, str | None]:
+        """GET /health once. Returns (ok, hard_failure, why)."""
+        inst = self.state.cluster.instances[index]
+        assert self._http is not None
+        try:
+            async with self._http.get(inst.url + "/health",
+                                      timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as r:
+                await r.read()
+                if r.status < 500:
+                    return True, False, None
+                return False, False, f"/health answered HTTP {r.status}"
+        except aiohttp.ClientConnectorError as exc:
+            return False, True, f"connect failed: {exc.os_error.strerror if exc.os_error else exc}"
+        except asyncio.TimeoutError:
+            return False, False, f"/health timed out after {self.timeout_s:g} s"
+        except (aiohttp.ClientError, OSError) as exc:
+            return False, False, f"{type(exc).__name__}: {exc}"[:300]
+
+    def after_probe(self, index: int, ok: bool, hard: bool, why: str | None) -> float:
+        """Apply one probe's result; return the delay before the next probe."""
+        p = self.probes[index]
+        p.probes += 1
+        healthy = self.state.cluster.instances[index].healthy
+        if ok:
+            p.failures = 0
+            p.last_error = None
+            if not healthy:
+                self._set(index, True, "probe", None)
+            return self.interval_s
+        p.failures += 1
+        p.last_error = why
+        if healthy and (hard or p.failures >= FAIL_THRESHOLD):
+            self._set(index, False, "probe", why)
+            healthy = False
+        return self.interval_s if healthy else backoff_s(p.failures, self.interval_s, self.backoff_max_s)
+
+    async def _watch(self, index: int) -> None:
+        p = self.probes[index]
+        p.wake = asyncio.Event()
+        # The first probe waits one interval: at start the CLI has just probed every backend.
+        delay = self.interval_s
+        while True:
+            try:
+                await asyncio.wait_for(p.wake.wait(), delay)
+            except asyncio.TimeoutError:
+                pass
+            p.wake.clear()
+            ok, hard, why = await self.probe(index)
+            delay = self.after_probe(index, ok, hard, why)
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        return [{"instance": s.name, "healthy": s.healthy, "failures": p.failures,
+                 "last_error": p.last_error, "since": p.changed_at, "probes": p.probes}
+                for s, p in zip(self.state.cluster.instances, self.probes)]
+
+    # -- lifecycle ---------------------------------------------------------------------
+    async def run(self) -> AsyncIterator[None]:
+        self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True))
+        tasks = [asyncio.create_task(self._watch(i), name=f"kvtop-health-{i}")
+                 for i in range(len(self.probes))]
+        try:
+            yield
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self._http.close()
+
+
+HEALTH = web.AppKey("health", HealthChecker)
+
+
+def setup(app: web.Application, state: Any) -> HealthChecker:
+    """Called by create_app: the checker, started and stopped with the app."""
+    checker = HealthChecker(state)
+    app[HEALTH] = checker
+    if checker.interval_s > 0:
+        app.cleanup_ctx.append(lambda _app: checker.run())
+    return checker
+
+
+def passive_down(app: web.Application, index: int, exc: BaseException) -> None:
+    """For the proxy: a connect to backend ``index`` failed."""
+    checker = app.get(HEALTH)
+    if checker is not None:
+        checker.passive_down(index, exc)

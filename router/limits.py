@@ -1,0 +1,133 @@
+"""Overload bounds, client timeouts and the reliability flags of ``kvtop route``.
+
+The router never queues without limit: past ``max_inflight`` requests in total it answers
+429 with ``Retry-After`` before reading the body, and an instance already holding
+``max_inflight_per_instance`` requests is left out of the pick (429 when every healthy
+instance is full). docs/reliability.md lists every path and flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import resource
+import sys
+from typing import Any
+
+from aiohttp import web
+
+RETRY_AFTER_S = "1"
+
+# Defaults, generous: a vLLM instance runs a few hundred sequences at most and queues the rest.
+MAX_INFLIGHT = 10_000
+MAX_INFLIGHT_PER_INSTANCE = 4_096
+MAX_BODY_MB = 64
+CLIENT_TIMEOUT_S = 60.0
+HEALTH_INTERVAL_S = 0.5
+HEALTH_TIMEOUT_S = 1.0
+HEALTH_BACKOFF_MAX_S = 5.0
+
+
+def _too_many(state: Any, message: str) -> web.Response:
+    from router.app import error_response
+
+    state.counts["rejected"] = state.counts.get("rejected", 0) + 1
+    return error_response(429, message, err_type="RateLimitError", headers={"Retry-After": RETRY_AFTER_S})
+
+
+def admit(state: Any) -> web.Response | None:
+    """A 429 when the router already holds ``max_inflight`` requests, else None."""
+    limit = state.config.max_inflight
+    if limit and state.cluster.in_flight >= limit:
+        return _too_many(state, f"the router is at its limit of {limit} requests in flight; retry later")
+    return None
+
+
+def full_instances(state: Any) -> tuple[int, ...]:
+    """Indices of instances at ``max_inflight_per_instance``: excluded from this pick."""
+    limit = state.config.max_inflight_per_instance
+    if not limit:
+        return ()
+    return tuple(s.index for s in state.cluster.instances if s.num_requests >= limit)
+
+
+def all_full(state: Any) -> web.Response:
+    limit = state.config.max_inflight_per_instance
+    return _too_many(state, f"every healthy instance holds its limit of {limit} requests; retry later")
+
+
+async def read_body(request: web.Request, timeout_s: float | None) -> bytes:
+    """The request body within ``timeout_s`` (a slow or stalled client gets a 408)."""
+    from router.request import BadRequest
+
+    if not timeout_s:
+        return await request.read()
+    try:
+        return await asyncio.wait_for(request.read(), timeout_s)
+    except asyncio.TimeoutError:
+        raise BadRequest(f"the request body did not arrive within {timeout_s:g} s", status=408) from None
+
+
+def raise_open_file_limit() -> int:
+    """Lift the soft RLIMIT_NOFILE to the hard limit: each request holds two sockets."""
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = hard if hard != resource.RLIM_INFINITY else max(soft, 65536)
+        if soft != resource.RLIM_INFINITY and soft < want:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            return want
+        return soft
+    except (ValueError, OSError) as exc:  # not fatal: the router still runs, with fewer sockets
+        print(f"kvtop route: warning: cannot raise the open-file limit: {exc}", file=sys.stderr)
+        return -1
+
+
+# -- CLI -------------------------------------------------------------------------------------
+
+def _positive(kind):
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
+        if not v >= 0:
+            raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+        return v
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("reliability (docs/reliability.md)")
+    g.add_argument("--max-inflight", type=_positive(int), default=MAX_INFLIGHT, metavar="N",
+                   help=f"answer 429 past N requests in flight in total (default {MAX_INFLIGHT:,}; 0 = no bound)")
+    g.add_argument("--max-inflight-per-instance", type=_positive(int), default=MAX_INFLIGHT_PER_INSTANCE,
+                   metavar="N", help="skip an instance holding N requests; 429 when all do "
+                                     f"(default {MAX_INFLIGHT_PER_INSTANCE:,}; 0 = no bound)")
+    g.add_argument("--max-body-mb", type=_positive(float), default=MAX_BODY_MB, metavar="MB",
+                   help=f"largest request body; bigger gets a JSON 413 (default {MAX_BODY_MB})")
+    g.add_argument("--client-timeout", type=_positive(float), default=CLIENT_TIMEOUT_S, metavar="S",
+                   help=f"a client must send its whole body within S s, else 408 (default {CLIENT_TIMEOUT_S:g}; 0 = none)")
+    g.add_argument("--total-timeout", type=_positive(float), default=0.0, metavar="S",
+                   help="upstream limit on one attempt, start to last byte (default 0 = none; "
+                        "--read-timeout bounds the gap between bytes)")
+    g.add_argument("--health-interval", type=_positive(float), default=HEALTH_INTERVAL_S, metavar="S",
+                   help=f"probe each backend's /health every S s (default {HEALTH_INTERVAL_S:g}; 0 = no active checks)")
+    g.add_argument("--health-timeout", type=_positive(float), default=HEALTH_TIMEOUT_S, metavar="S",
+                   help=f"one probe's time limit (default {HEALTH_TIMEOUT_S:g})")
+    g.add_argument("--health-backoff-max", type=_positive(float), default=HEALTH_BACKOFF_MAX_S, metavar="S",
+                   help="longest wait between probes of a down backend; waits double from "
+                        f"--health-interval (default {HEALTH_BACKOFF_MAX_S:g})")
+
+
+def config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """RouterConfig fields from the flags above."""
+    if args.max_body_mb <= 0:
+        from kvtop.cli import CliError
+
+        raise CliError("--max-body-mb must be positive")
+    return {"max_inflight": args.max_inflight, "max_inflight_per_instance": args.max_inflight_per_instance,
+            "max_body_bytes": int(args.max_body_mb * 1024 * 1024), "client_timeout_s": args.client_timeout,
+            "total_timeout_s": args.total_timeout or None, "health_interval_s": args.health_interval,
+            "health_timeout_s": args.health_timeout or HEALTH_TIMEOUT_S,
+            "health_backoff_max_s": args.health_backoff_max}
