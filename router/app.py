@@ -25,6 +25,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from router import health as backend_health
+from router import limits
 from router.cluster import Cluster
 from router.config import KnobError
 from router.core import Decision, NoInstance, PolicySlot, RoutingCore
@@ -73,6 +75,14 @@ class RouterConfig:
     # telemetry (router/telemetry.py): backlog seconds = pending_prefill_tokens / this rate
     assumed_prefill_tps: float = 5000.0
     scrape_interval_s: float = 1.0
+    # reliability (router/health.py, router/limits.py, docs/reliability.md); 0 = no bound
+    max_inflight: int = 10_000
+    max_inflight_per_instance: int = 4_096
+    client_timeout_s: float = 60.0
+    total_timeout_s: float | None = None
+    health_interval_s: float = 0.5
+    health_timeout_s: float = 1.0
+    health_backoff_max_s: float = 5.0
 
     @property
     def capacity_blocks(self) -> int:
@@ -185,7 +195,8 @@ def error_response(status: int, message: str, *, param: str | None = None,
                    err_type: str | None = None, headers: dict[str, str] | None = None) -> web.Response:
     """An OpenAI-shaped JSON error."""
     err_type = err_type or {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
-                            404: "NotFoundError", 405: "MethodNotAllowed", 413: "RequestTooLarge",
+                            404: "NotFoundError", 405: "MethodNotAllowed", 408: "RequestTimeout",
+                            413: "RequestTooLarge",
                             429: "RateLimitError", 503: "ServiceUnavailableError"}.get(status, "APIError")
     body = {"error": {"message": message, "type": err_type, "param": param, "code": status}}
     return web.json_response(body, status=status, headers=headers)
@@ -214,7 +225,7 @@ async def json_errors(request: web.Request, handler):
 # -- data plane ----------------------------------------------------------------------
 
 async def _read_json(request: web.Request) -> Any:
-    raw = await request.read()
+    raw = await limits.read_body(request, request.app[STATE].config.client_timeout_s)
     if not raw:
         raise BadRequest("the request body is empty; expected a JSON object")
     try:
@@ -239,6 +250,8 @@ async def _proxy(request: web.Request, endpoint: str, path: str) -> web.StreamRe
     t_recv = time.time()
     if state.draining:
         return error_response(503, "the router is shutting down", headers={"Retry-After": "1"})
+    if (busy := limits.admit(state)) is not None:
+        return busy
     try:
         raw, body = await _read_json(request)
         req = parse_request(body, endpoint, headers=request.headers, session_header=cfg.session_header,
@@ -251,10 +264,13 @@ async def _proxy(request: web.Request, endpoint: str, path: str) -> web.StreamRe
     first: Decision | None = None
     exclude: tuple[int, ...] = ()
     for attempt in (1, 2):
+        full = limits.full_instances(state)
         try:
-            d = state.core.decide(req, exclude=exclude, attempt=attempt,
+            d = state.core.decide(req, exclude=exclude + full, attempt=attempt,
                                   reason_override=RETRY if attempt > 1 else None)
         except NoInstance as exc:
+            if full and first is None:
+                return limits.all_full(state)
             state.counts["no_instance"] += 1
             msg = str(exc) if first is None else f"{first.instance_name} failed and {exc}"
             return error_response(503 if first is None else 502, msg, headers={"Retry-After": "1"})
@@ -287,8 +303,9 @@ async def _forward(request: web.Request, state: RouterState, d: Decision, raw: b
     headers = upstream_headers(request.headers, req.request_id)
     reply_headers = {"X-Kvtop-Instance": d.instance_name, "X-Kvtop-Request-Id": req.request_id,
                      "X-Kvtop-Policy": d.slot.label}
-    timeout = aiohttp.ClientTimeout(total=None, connect=state.config.connect_timeout_s,
-                                    sock_read=state.config.read_timeout_s)
+    cfg = state.config
+    timeout = aiohttp.ClientTimeout(total=cfg.total_timeout_s, connect=cfg.connect_timeout_s,
+                                    sock_read=cfg.read_timeout_s)
     resp: web.StreamResponse | None = None
     try:
         async with state.http.post(inst.url + path, data=raw, headers=headers, timeout=timeout) as up:
@@ -350,6 +367,8 @@ async def _forward(request: web.Request, state: RouterState, d: Decision, raw: b
             return resp
         outcome["status"] = "upstream_error"
         outcome["error"] = f"{type(exc).__name__}: {exc}"[:500]
+        if isinstance(exc, aiohttp.ClientConnectorError):
+            backend_health.passive_down(request.app, d.instance, exc)
         if can_retry:
             return None
         return error_response(502, f"upstream instance {d.instance_name} failed: {type(exc).__name__}",
@@ -423,6 +442,7 @@ def create_app(config: RouterConfig) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.cleanup_ctx.append(_resources)
+    backend_health.setup(app, state)
     from router import control
 
     control.setup(app)

@@ -24,6 +24,7 @@ import aiohttp
 from aiohttp import web
 
 from kvtop.cli import CliError
+from router import limits
 from router.app import DEFAULT_CAPACITY_TOKENS, STATE, Backend, RouterConfig, create_app
 from router.config import KnobError, parse_knob_args
 from router.policies import POLICIES, ALIASES
@@ -80,6 +81,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="start even if no backend answers yet")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let in-flight requests finish (default 30)")
+    limits.add_arguments(p)
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
@@ -106,7 +108,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         tokenizer=args.tokenizer, max_input_tokens=args.max_input_tokens,
         connect_timeout_s=args.connect_timeout, read_timeout_s=args.read_timeout,
         control_token_file=args.control_token_file, control_readonly=args.control_readonly,
-        state_dir=args.state_dir, argv=" ".join(sys.argv),
+        state_dir=args.state_dir, argv=" ".join(sys.argv), **limits.config_kwargs(args),
     )
 
 
@@ -139,7 +141,10 @@ async def serve(config: RouterConfig, *, allow_unreachable: bool = False, drain_
             state.cluster.set_healthy(i, False)
             print(f"kvtop route: warning: {config.backends[i].url} did not answer; marked unhealthy",
                   file=sys.stderr)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    limits.raise_open_file_limit()
+    # After the drain deadline, requests still running get 1 s before they are cancelled
+    # (their outcomes are still recorded, as client_gone, before the log is flushed).
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
     try:
