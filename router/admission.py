@@ -1,0 +1,160 @@
+"""Prefill admission packing: which waiting requests an instance takes now (pure core + a gate).
+
+``admit`` is the whole rule; the live router (``AdmissionGate``, asyncio futures, no I/O) and
+the simulated engine's waiting queue (``engine_hook``) both call it.
+
+- An instance with nothing pending always admits one (the head), so nothing stalls forever.
+- ``fifo`` takes the head while pending + cost fits ``budget``, and stops at the first misfit.
+- ``pack`` looks at the first ``lookahead`` waiting, greedily takes the cheapest that fit,
+  and returns them in arrival order.
+- Round ``round_no`` with ``round_no % force_fifo_every == 0`` is FIFO. The caller moves to
+  the next round only after a round admitted something, so a forced-FIFO round that cannot
+  admit its head holds everyone behind it until the head fits (or nothing is pending): a long
+  prompt cannot starve behind a stream of short ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from typing import Any
+
+MODES = ("off", "fifo", "pack")
+
+
+def is_fifo_round(mode: str, round_no: int, force_fifo_every: int) -> bool:
+    return mode != "pack" or (force_fifo_every > 0 and round_no % force_fifo_every == 0)
+
+
+def admit(queue: Sequence[int], pending_prefill: int, budget: int, lookahead: int, mode: str,
+          round_no: int, force_fifo_every: int) -> list[int]:
+    """Indices into ``queue`` (each entry a request's prefill cost in tokens) to admit now."""
+    if not queue:
+        return []
+    room = budget - pending_prefill
+    taken: list[int] = []
+    if is_fifo_round(mode, round_no, force_fifo_every):
+        for k, cost in enumerate(queue):
+            if cost > room:
+                break
+            taken.append(k)
+            room -= cost
+    else:
+        window = range(min(len(queue), max(1, lookahead)))
+        for k in sorted(window, key=lambda k: (queue[k], k)):
+            cost = queue[k]
+            if cost > room:
+                break  # sorted by cost: nothing later fits either
+            taken.append(k)
+            room -= cost
+        taken.sort()
+    if not taken and pending_prefill <= 0:
+        taken = [0]
+    return taken
+
+
+def engine_hook(name: str, knobs: dict[str, Any] | None = None):
+    """An ``Engine(admission=...)`` hook running ``admit`` over the engine's waiting queue.
+
+    The engine's own room is the step's remaining token budget, and chunked prefill lets
+    vLLM start a prompt larger than that, so the hook passes pending 0 (the head can always
+    start, which makes ``fifo`` vLLM's own order) and the step budget as the budget.
+    ``admission_lookahead`` and ``admission_force_fifo_every`` come from ``knobs``.
+    """
+    if name not in ("fifo", "pack"):
+        raise ValueError(f"unknown admission {name!r}; expected fifo or pack")
+    knobs = knobs or {}
+    lookahead = int(knobs.get("admission_lookahead", 8))
+    every = int(knobs.get("admission_force_fifo_every", 4))
+    state = {"round": 1}
+
+    def hook(views, budget: int) -> list[int]:
+        picked = admit([v.cost for v in views], 0, budget, lookahead, name, state["round"], every)
+        if picked:
+            state["round"] += 1
+        return picked
+
+    return hook
+
+
+class AdmissionQueue:
+    """Per-instance waiting lists and admitted-but-unprefilled tokens, without any clock."""
+
+    def __init__(self, num_instances: int):
+        self.waiting: list[list[tuple[Any, int]]] = [[] for _ in range(num_instances)]
+        self.admitted: list[dict[Any, int]] = [{} for _ in range(num_instances)]
+        self.rounds = [1] * num_instances
+
+    def pending(self, instance: int) -> int:
+        return sum(self.admitted[instance].values())
+
+    def enqueue(self, instance: int, key: Any, cost: int) -> None:
+        self.waiting[instance].append((key, cost))
+
+    def remove(self, instance: int, key: Any) -> None:
+        """Forget ``key`` whether it waits or is admitted (it reached its first token or ended)."""
+        self.waiting[instance] = [e for e in self.waiting[instance] if e[0] != key]
+        self.admitted[instance].pop(key, None)
+
+    def pump(self, instance: int, knobs: dict[str, Any]) -> list[Any]:
+        """Admit what the rule allows now; return the admitted keys in arrival order."""
+        q = self.waiting[instance]
+        if not q:
+            return []
+        mode = knobs["admission"]
+        if mode == "off":  # switched off live: let everyone through
+            picked = list(range(len(q)))
+        else:
+            picked = admit([c for _, c in q], self.pending(instance), knobs["admission_budget_tokens"],
+                           knobs["admission_lookahead"], mode, self.rounds[instance],
+                           knobs["admission_force_fifo_every"])
+        if not picked:
+            return []
+        self.rounds[instance] += 1
+        chosen = set(picked)
+        out = []
+        for k in picked:
+            key, cost = q[k]
+            self.admitted[instance][key] = cost
+            out.append(key)
+        self.waiting[instance] = [e for k, e in enumerate(q) if k not in chosen]
+        return out
+
+
+class AdmissionGate:
+    """The live router's queue: ``wait`` blocks a routed request until it is admitted."""
+
+    def __init__(self, num_instances: int, knobs_fn):
+        self.queue = AdmissionQueue(num_instances)
+        self.knobs_fn = knobs_fn  # () -> the current feature knobs (a live swap applies at once)
+        self.futures: dict[Any, asyncio.Future] = {}
+
+    async def wait(self, instance: int, key: Any, cost: int) -> float:
+        """Wait until admitted; return the wait in ms. Cancelled (client gone): forgotten."""
+        t0 = time.monotonic()
+        fut = asyncio.get_running_loop().create_future()
+        self.futures[key] = fut
+        self.queue.enqueue(instance, key, cost)
+        self.pump(instance)
+        try:
+            await fut
+        except BaseException:
+            self.release(instance, key)
+            raise
+        finally:
+            self.futures.pop(key, None)
+        return (time.monotonic() - t0) * 1000
+
+    def release(self, instance: int, key: Any) -> None:
+        """``key``'s prefill is over (first token, end, or it left the queue): re-evaluate."""
+        self.queue.remove(instance, key)
+        self.pump(instance)
+
+    def pump(self, instance: int | None = None) -> None:
+        knobs = self.knobs_fn()
+        for i in (range(len(self.queue.waiting)) if instance is None else (instance,)):
+            for key in self.queue.pump(i, knobs):
+                fut = self.futures.get(key)
+                if fut is not None and not fut.done():
+                    fut.set_result(None)

@@ -1,0 +1,117 @@
+"""Router-level features that apply under any policy: elastic P2P offload and prefill admission.
+
+Their knobs live here, next to (not inside) the policy knobs: ``kvtop route --knob``,
+``kvtop simulate --knob`` and ``PATCH /kvtop/v1/knobs`` accept both kinds in one object, and
+``split_knobs`` sends each name where it belongs. Two names exist in both places:
+``heavy_threshold`` and ``prefill_tps`` (unified_ab has them too). They mean the same thing
+there (a HEAVY request's size; one instance's prefill rate), so they are SHARED: one value,
+applied to the features and to any policy that has the knob. Setting either sets both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from router.config import Knob, KnobError, KnobSchema
+
+OFFLOAD_MODES = ("off", "simple", "cost")
+ADMISSION_MODES = ("off", "fifo", "pack")
+
+FEATURE_KNOBS = KnobSchema((
+    Knob("offload_mode", str, "off",
+         "elastic P2P prefill offload: off | simple (load rules) | cost (seconds saved vs spent)",
+         choices=OFFLOAD_MODES),
+    Knob("heavy_threshold", int, 20000,
+         "estimated new prefill tokens from which a request is HEAVY and may be offloaded "
+         "(shared with unified_ab's migration threshold)", min=0, max=10_000_000),
+    Knob("p_overload_factor", float, 1.5,
+         "simple: never offload to a P whose BS exceeds mean(BS) x this", min=0.0, max=100.0),
+    Knob("kv_transfer_s", float, 0.1,
+         "cost: seconds to move a HEAVY request's KV from P to D (about 25 GB/s for 20k "
+         "tokens of Qwen3-30B-A3B KV, plus setup)", min=0.0, max=600.0),
+    Knob("prefill_tps", float, 5000.0,
+         "prefill tokens per second of one instance (shared with unified_ab)", min=1.0, max=1e7),
+    Knob("disruption_factor", float, 1.0,
+         "cost: seconds of decode disruption on D per second of prefill kept there", min=0.0, max=1000.0),
+    Knob("admission", str, "off",
+         "per-instance prefill admission queue in the router: off | fifo | pack",
+         choices=ADMISSION_MODES),
+    Knob("admission_budget_tokens", int, 16384,
+         "admit while the instance's admitted-but-unprefilled tokens plus this request's fit",
+         min=1, max=10_000_000),
+    Knob("admission_lookahead", int, 8, "pack: how many waiting requests it may choose from",
+         min=1, max=10_000),
+    Knob("admission_force_fifo_every", int, 4,
+         "pack: every N-th admission round is FIFO so a long prompt cannot starve (0: never)",
+         min=0, max=10_000),
+))
+
+#: Names both the features and some policies declare; one value feeds both.
+SHARED_KNOBS = ("heavy_threshold", "prefill_tps")
+
+
+def split_knobs(knobs: dict[str, Any], policy_schema: KnobSchema) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split one ``{name: value}`` object into (policy knobs, feature knobs).
+
+    A shared name goes to both (to the policy only when it has it). An unknown name raises
+    KnobError listing both sets, so the caller can refuse the whole update.
+    """
+    if not isinstance(knobs, dict):
+        raise KnobError("knobs", "expected an object of knob names to values")
+    pol: dict[str, Any] = {}
+    feat: dict[str, Any] = {}
+    pnames, fnames = set(policy_schema.names()), set(FEATURE_KNOBS.names())
+    for name, value in knobs.items():
+        if name not in pnames and name not in fnames:
+            allowed = ", ".join(policy_schema.names() + FEATURE_KNOBS.names())
+            raise KnobError(str(name), f"unknown knob; known knobs: {allowed}")
+        if name in pnames:
+            pol[name] = value
+        if name in fnames:
+            feat[name] = value
+    return pol, feat
+
+
+@dataclass(frozen=True, slots=True)
+class Features:
+    """The validated router-level knobs; replaced whole on every change (like a policy)."""
+
+    knobs: dict[str, Any]
+
+    @classmethod
+    def build(cls, values: dict[str, Any] | None = None, base: dict[str, Any] | None = None) -> "Features":
+        return cls(FEATURE_KNOBS.validate(values or {}, base))
+
+    @property
+    def offload_mode(self) -> str:
+        return self.knobs["offload_mode"]
+
+    @property
+    def admission(self) -> str:
+        return self.knobs["admission"]
+
+    def shared_for(self, policy_schema: KnobSchema) -> dict[str, Any]:
+        """The shared values a freshly built policy must inherit to stay in step."""
+        names = set(policy_schema.names())
+        return {k: self.knobs[k] for k in SHARED_KNOBS if k in names}
+
+
+def prefill_leg_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The P side of the disaggregated two-step: the client's request, prefill only.
+
+    The one place the router changes a body: one token, no stream, and vLLM's
+    ``kv_transfer_params`` asking the instance to keep the KV for a remote decode.
+    """
+    out = {k: v for k, v in body.items() if k not in ("stream_options", "max_completion_tokens")}
+    out.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
+    return out
+
+
+def decode_leg_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """The D side: the client's original request plus the P side's ``kv_transfer_params``."""
+    return {**body, "kv_transfer_params": params}
+
+
+FEATURE_DOC = """Router-level knobs (any policy): """ + ", ".join(
+    f"{k.name} ({k.default})" for k in FEATURE_KNOBS.knobs)
