@@ -20,6 +20,7 @@ import sqlite3
 import sys
 import time
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -75,6 +76,14 @@ def open_readonly(path: str | Path) -> sqlite_utils.Database:
 
 def _db(db: sqlite_utils.Database | str | Path) -> sqlite_utils.Database:
     return db if isinstance(db, sqlite_utils.Database) else open_readonly(db)
+
+
+def _db_file(db: sqlite_utils.Database) -> str | None:
+    """The file behind a connection, to open a second one on it (None: in memory)."""
+    for _seq, name, file in db.conn.execute("PRAGMA database_list"):
+        if name == "main" and file:
+            return file
+    return None
 
 
 def _rows(db: sqlite_utils.Database, sql: str, params: Sequence | dict = ()) -> list[dict]:
@@ -252,6 +261,12 @@ def _counts(concat: str | None, total: int) -> dict[str, int]:
     return dict(counts.most_common())
 
 
+def _done(value: Any) -> Future:
+    f: Future = Future()
+    f.set_result(value)
+    return f
+
+
 def _mean(total: float | None, n: int) -> float | None:
     return None if not n or total is None else total / n
 
@@ -267,28 +282,58 @@ def summary(db: sqlite_utils.Database | str | Path, run_id: str | None = None) -
     db = _db(db)
     run_id = resolve_run(db, run_id)
     run_clause = _run_clause(db, run_id)
-    # One ordered pass over the run (policy index order, so GROUP BY needs no sort); the
-    # categorical counts come back as separator-joined text and the latencies as JSON arrays,
-    # so Python does the counting and sorting in C instead of per row.
-    sql = f"""SELECT d.policy, d.policy_version, count(*) AS decisions, sum(d.attempt = 1) AS requests,
-        min(d.ts) AS start_ts, max(d.ts) AS end_ts,
+    # Two ordered passes over the run, both in policy-index order so GROUP BY needs no sort:
+    # the decisions alone, and decisions joined with outcomes. They run at once on two
+    # connections (SQLite lets go of the GIL). Categorical counts come back as
+    # separator-joined text and latencies as JSON arrays, so Python counts and sorts in C.
+    decision_sql = f"""SELECT d.policy, d.policy_version, count(*) AS decisions,
+        sum(d.attempt = 1) AS requests, min(d.ts) AS start_ts, max(d.ts) AS end_ts,
         group_concat(d.reason, char(31)) AS reasons, group_concat(d.route_class, char(31)) AS classes,
-        group_concat(o.status, char(31)) AS statuses,
         sum(d.input_tokens) AS input_tokens, sum(d.est_hit_tokens) AS est, sum(d.best_hit_tokens) AS best,
         count(d.est_hit_tokens) AS n_est, count(d.best_hit_tokens) AS n_best,
-        sum(d.best_hit_tokens - d.est_hit_tokens) AS regret, count(d.best_hit_tokens - d.est_hit_tokens) AS n_regret,
+        sum(d.best_hit_tokens - d.est_hit_tokens) AS regret,
+        count(d.best_hit_tokens - d.est_hit_tokens) AS n_regret
+        FROM decisions d WHERE {run_clause} GROUP BY d.policy, d.policy_version"""
+    outcome_sql = f"""SELECT d.policy, d.policy_version, group_concat(o.status, char(31)) AS statuses,
         sum(o.delivered_hit_tokens) AS delivered, count(o.delivered_hit_tokens) AS n_delivered,
         sum(d.est_hit_tokens - o.delivered_hit_tokens) AS est_error,
         count(d.est_hit_tokens - o.delivered_hit_tokens) AS n_est_error,
         json_group_array(o.ttft_ms) FILTER (WHERE o.status = 'ok' AND o.ttft_ms IS NOT NULL) AS ttft,
         json_group_array(o.e2e_ms) FILTER (WHERE o.status = 'ok' AND o.e2e_ms IS NOT NULL) AS e2e
-        FROM decisions d LEFT JOIN outcomes o
+        FROM decisions d JOIN outcomes o
           ON o.request_id = d.request_id AND o.attempt = d.attempt AND o.run_id = d.run_id
         WHERE {run_clause} GROUP BY d.policy, d.policy_version"""
+
+    def decision_side() -> dict:
+        path = _db_file(db)
+        own = open_readonly(path) if path else db
+        try:
+            out = {}
+            for r in _rows(own, decision_sql, (run_id,)):
+                r["reasons"] = _counts(r["reasons"], r["decisions"])
+                r["classes"] = _counts(r["classes"], r["decisions"])
+                out[(r["policy"], r["policy_version"])] = r
+            return out
+        finally:
+            if own is not db:
+                own.conn.close()
+
+    with ThreadPoolExecutor(1) as pool:
+        # In memory there is one connection to share: read the decisions first.
+        future = pool.submit(decision_side) if _db_file(db) else _done(decision_side())
+        by_segment = {}
+        for r in _rows(db, outcome_sql, (run_id,)):
+            r["ttft"] = _dist(json.loads(r["ttft"]))
+            r["e2e"] = _dist(json.loads(r["e2e"]))
+            by_segment[(r["policy"], r["policy_version"])] = r
+        dec = future.result()
+    empty = {"statuses": None, "delivered": None, "n_delivered": 0, "est_error": None, "n_est_error": 0,
+             "ttft": _dist([]), "e2e": _dist([])}
     segs = []
-    for r in _rows(db, sql, (run_id,)):
+    for key, r in dec.items():
+        o = by_segment.get(key, empty)
         n = r["decisions"]
-        statuses = _counts(r["statuses"], n)
+        statuses = _counts(o["statuses"], n)
         if "(none)" in statuses:
             statuses["no_outcome"] = statuses.pop("(none)")
         segs.append({
@@ -296,23 +341,23 @@ def summary(db: sqlite_utils.Database | str | Path, run_id: str | None = None) -
             "policy": r["policy"], "policy_version": r["policy_version"],
             "start_ts": r["start_ts"], "end_ts": r["end_ts"],
             "decisions": n, "requests": r["requests"],
-            "reasons": _counts(r["reasons"], n),
-            "route_classes": _counts(r["classes"], n),
+            "reasons": r["reasons"],
+            "route_classes": r["classes"],
             "statuses": statuses,
             "errors": sum(v for k, v in statuses.items() if k not in ("ok", "no_outcome")),
-            "ttft_ms": _dist(json.loads(r["ttft"])),
-            "e2e_ms": _dist(json.loads(r["e2e"])),
+            "ttft_ms": o["ttft"],
+            "e2e_ms": o["e2e"],
             "hits": {
                 "input_tokens": r["input_tokens"],
                 "est_hit_tokens": r["est"], "best_hit_tokens": r["best"],
-                "delivered_hit_tokens": r["delivered"], "delivered_reported": r["n_delivered"],
+                "delivered_hit_tokens": o["delivered"], "delivered_reported": o["n_delivered"],
                 "mean_est_hit_tokens": _mean(r["est"], r["n_est"]),
                 "mean_best_hit_tokens": _mean(r["best"], r["n_best"]),
-                "mean_delivered_hit_tokens": _mean(r["delivered"], r["n_delivered"]),
+                "mean_delivered_hit_tokens": _mean(o["delivered"], o["n_delivered"]),
                 "routing_regret": r["regret"],
                 "mean_routing_regret": _mean(r["regret"], r["n_regret"]),
-                "estimate_error": r["est_error"],
-                "mean_estimate_error": _mean(r["est_error"], r["n_est_error"]),
+                "estimate_error": o["est_error"],
+                "mean_estimate_error": _mean(o["est_error"], o["n_est_error"]),
             },
         })
     segs.sort(key=lambda s: (s["start_ts"], s["policy_version"] or 0))
@@ -480,43 +525,51 @@ def arms_from_db(db_path: str | Path | sqlite_utils.Database, run_id: str | None
     run_id = resolve_run(db, run_id)
     conn = db.conn
     run_clause = _run_clause(db, run_id)
-    # Few requests are retried: find them once, then drop their superseded attempts.
-    last_attempt = dict(conn.execute(
-        f"SELECT request_id, max(attempt) FROM decisions d WHERE {run_clause} AND attempt > 1 "
-        "GROUP BY request_id", (run_id,)).fetchall())
+    # Few requests are retried: find them once (a plain scan; grouping would walk the
+    # request_id index in random order), then drop their superseded attempts.
+    last_attempt: dict[str, int] = {}
+    for rid, attempt in conn.execute(
+            f"SELECT request_id, attempt FROM decisions d WHERE {run_clause} AND attempt > 1", (run_id,)):
+        if attempt > last_attempt.get(rid, 0):
+            last_attempt[rid] = attempt
     has_samples = db["samples"].exists()
     arms = []
-    for seg in segments(db, run_id):
-        label = seg["label"]
-        rows = conn.execute(
-            f"""SELECT d.request_id, d.attempt, d.session_id, d.turn, d.input_tokens, o.output_tokens,
-                o.status, o.ttft_ms, o.e2e_ms, o.tpot_ms, o.delivered_hit_tokens, d.instance, d.route_class
-            FROM decisions d LEFT JOIN outcomes o
-              ON o.request_id = d.request_id AND o.attempt = d.attempt AND o.run_id = d.run_id
-            WHERE {run_clause} AND d.policy = ? AND d.policy_version IS ? ORDER BY d.id""",
-            (run_id, seg["policy"], seg["policy_version"])).fetchall()
-        if last_attempt:
-            rows = [r for r in rows if r[0] not in last_attempt or r[1] == last_attempt[r[0]]]
-        # Building a million dicts is the cost here; the collector only slows it down.
-        gc_was_enabled = gc.isenabled()
-        gc.disable()
-        try:
-            records = [
-                {"request_id": rid, "session": ses, "turn": turn, "input_tokens": inp,
-                 "output_tokens": out, "status": "ok" if st == "ok" else "error", "ttft_ms": ttft,
-                 "e2e_ms": e2e, "tpot_ms": tpot, "cached_tokens": cached, "instance": inst,
-                 "route_class": rc, "arm": label}
-                for rid, _att, ses, turn, inp, out, st, ttft, e2e, tpot, cached, inst, rc in rows
-                if st is not None]
-        finally:
-            if gc_was_enabled:
-                gc.enable()
-        missing = len(rows) - len(records)
-        del rows
-        arms.append(Arm(label=label, records=records, apc=_apc(conn, run_id, seg, records, has_samples),
-                        run_id=run_id, policy=seg["policy"], policy_version=seg["policy_version"],
-                        start_ts=seg["start_ts"], end_ts=seg["end_ts"], missing_outcomes=missing))
+    # Fetching and building a million small objects is the whole cost here; the cyclic
+    # collector would only rescan them (none of them forms a cycle).
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for seg in segments(db, run_id):
+            arms.append(_arm(conn, run_id, run_clause, seg, last_attempt, has_samples))
+    finally:
+        if gc_was_enabled:
+            gc.enable()
     return arms
+
+
+def _arm(conn: sqlite3.Connection, run_id: str, run_clause: str, seg: dict,
+         last_attempt: dict[str, int], has_samples: bool) -> Arm:
+    label = seg["label"]
+    rows = conn.execute(
+        f"""SELECT d.request_id, d.attempt, d.session_id, d.turn, d.input_tokens, o.output_tokens,
+            o.status = 'ok', o.ttft_ms, o.e2e_ms, o.tpot_ms, o.delivered_hit_tokens, d.instance, d.route_class
+        FROM decisions d LEFT JOIN outcomes o
+          ON o.request_id = d.request_id AND o.attempt = d.attempt AND o.run_id = d.run_id
+        WHERE {run_clause} AND d.policy = ? AND d.policy_version IS ? ORDER BY d.id""",
+        (run_id, seg["policy"], seg["policy_version"])).fetchall()
+    if last_attempt:
+        rows = [r for r in rows if r[0] not in last_attempt or r[1] == last_attempt[r[0]]]
+    records = [
+        {"request_id": rid, "session": ses, "turn": turn, "input_tokens": inp,
+         "output_tokens": out, "status": "ok" if ok else "error", "ttft_ms": ttft,
+         "e2e_ms": e2e, "tpot_ms": tpot, "cached_tokens": cached, "instance": inst,
+         "route_class": rc, "arm": label}
+        # ok is 1 or 0, NULL when the attempt has no outcome row
+        for rid, _att, ses, turn, inp, out, ok, ttft, e2e, tpot, cached, inst, rc in rows
+        if ok is not None]
+    return Arm(label=label, records=records, apc=_apc(conn, run_id, seg, records, has_samples),
+               run_id=run_id, policy=seg["policy"], policy_version=seg["policy_version"],
+               start_ts=seg["start_ts"], end_ts=seg["end_ts"], missing_outcomes=len(rows) - len(records))
 
 
 def _apc(conn: sqlite3.Connection, run_id: str, seg: dict, records: list[dict],
