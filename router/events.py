@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import socket
 import time
 from collections import deque
@@ -29,35 +30,60 @@ def sse(event: str, data: str) -> bytes:
     return f"event: {event}\ndata: {data}\n\n".encode()
 
 
+class DecisionSampler:
+    """A token bucket shared by every viewer with the same decision rate.
+
+    Over the rate, decisions are sampled evenly (burst of a tenth of a second) instead of
+    the first N of each second passing. Sharing it means ten viewers at the default rate
+    take the same decisions, so each is serialized once, not ten times.
+    """
+
+    def __init__(self, rate: float):
+        self.rate = rate
+        self.burst = max(1.0, rate / 10)
+        self.tokens = self.burst
+        self.last_refill = time.monotonic()
+        self.seq = -1
+        self.ok = False
+
+    def admit(self, seq: int, now: float) -> bool:
+        if seq != self.seq:  # decide once per event for all the viewers sharing this bucket
+            self.seq = seq
+            self.tokens = min(self.burst, self.tokens + (now - self.last_refill) * self.rate)
+            self.last_refill = now
+            self.ok = self.tokens >= 1.0
+            if self.ok:
+                self.tokens -= 1.0
+        return self.ok
+
+
 class Viewer:
-    """One attached event-stream client: its filter, rate limit and bounded buffer."""
+    """One attached event-stream client: its filter, sampler and bounded buffer."""
 
     def __init__(self, types: frozenset[str], hz: float, decisions_per_s: float, buffer: int):
         self.types = types
         self.hz = hz
         self.decisions_per_s = decisions_per_s
+        self.sampler = DecisionSampler(decisions_per_s)  # replaced by a shared one on attach
         self.queue: deque[bytes] = deque(maxlen=buffer)
-        self.dropped_rate = 0  # decisions left out by the per-viewer rate limit (sampling)
+        self.dropped_rate = 0  # decisions left out by the decision rate limit (sampling)
         self.dropped_overflow = 0  # events pushed out of a full buffer (a slow viewer)
         self.reported_rate = 0
         self.reported_overflow = 0
-        self.tokens = max(1.0, decisions_per_s / 10)
-        self.last_refill = time.monotonic()
         self.sent_events = 0
         self.closed = False
         self.task: asyncio.Task | None = None
 
-    def offer(self, kind: str, data: bytes, now: float) -> None:
-        if kind == "decision":
-            # Token bucket with a burst of a tenth of a second: over the rate, decisions are
-            # sampled evenly instead of the first N of each second passing.
-            rate = self.decisions_per_s
-            self.tokens = min(max(1.0, rate / 10), self.tokens + (now - self.last_refill) * rate)
-            self.last_refill = now
-            if self.tokens < 1.0:
-                self.dropped_rate += 1
-                return
-            self.tokens -= 1.0
+    def admit(self, kind: str, seq: int, now: float) -> bool:
+        """Whether this viewer takes the event (type filter, then decision sampling)."""
+        if kind not in self.types:
+            return False
+        if kind == "decision" and not self.sampler.admit(seq, now):
+            self.dropped_rate += 1
+            return False
+        return True
+
+    def push(self, data: bytes) -> None:
         if len(self.queue) == self.queue.maxlen:
             self.dropped_overflow += 1
         self.queue.append(data)
@@ -76,6 +102,8 @@ class Broadcaster:
         self.viewers: set[Viewer] = set()
         self.closing = False
         self._snap: tuple[float, bytes] | None = None
+        self._samplers: dict[float, DecisionSampler] = {}
+        self._seq = 0
 
     # -- routing path: must stay cheap and never await ------------------------------------
     def __call__(self, kind: str, payload: dict[str, Any]) -> None:
@@ -83,16 +111,17 @@ class Broadcaster:
             return
         data: bytes | None = None
         now = time.monotonic()
+        self._seq += 1
         for v in self.viewers:
-            if kind in v.types:
-                if data is None:
+            if v.admit(kind, self._seq, now):
+                if data is None:  # serialized once, and only if some viewer takes it
                     data = sse(kind, json.dumps(payload, separators=(",", ":"), default=str))
-                v.offer(kind, data, now)
+                v.push(data)
 
     # -- snapshots, coalesced across viewers ------------------------------------------------
     def snapshot_bytes(self) -> bytes:
         now = time.monotonic()
-        if self._snap is None or now - self._snap[0] >= 0.02:
+        if self._snap is None or now - self._snap[0] >= 0.01:
             body = json.dumps(self.snapshot(), separators=(",", ":"), default=str)
             self._snap = (now, sse("state", body))
         return self._snap[1]
@@ -109,11 +138,13 @@ class Broadcaster:
             except OSError:
                 pass
         viewer.task = asyncio.current_task()
+        viewer.sampler = self._samplers.setdefault(viewer.decisions_per_s, viewer.sampler)
         self.viewers.add(viewer)
         loop = asyncio.get_running_loop()
         want_state = "state" in viewer.types
         period = 1.0 / viewer.hz
-        next_state = loop.time()
+        # Ticks on a shared grid, so viewers at the same rate share one snapshot.
+        next_state = math.floor(loop.time() * viewer.hz) / viewer.hz
         last_write = loop.time()
         try:
             await resp.write(b"retry: 2000\n\n")
@@ -135,7 +166,9 @@ class Broadcaster:
                 if want_state and now >= next_state:
                     chunks.append(self.snapshot_bytes())
                     # Coalesce: a viewer that fell behind gets the latest snapshot, not a backlog.
-                    next_state = max(next_state + period, now)
+                    next_state += period
+                    if next_state <= now:
+                        next_state = (math.floor(now * viewer.hz) + 1) / viewer.hz
                 if chunks:
                     viewer.sent_events += len(chunks)
                     await resp.write(b"".join(chunks))
@@ -151,6 +184,8 @@ class Broadcaster:
             pass
         finally:
             self.viewers.discard(viewer)
+            if not any(v.decisions_per_s == viewer.decisions_per_s for v in self.viewers):
+                self._samplers.pop(viewer.decisions_per_s, None)
             viewer.closed = True
         return resp
 
