@@ -77,6 +77,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--control-readonly", action="store_true", help="refuse every control API mutation")
     p.add_argument("--state-dir", default=None,
                    help="where the token file is written for `kvtop attach` (default ~/.local/state/kvtop)")
+    p.add_argument("--assumed-prefill-tps", type=float, default=5000.0,
+                   help="prefill tokens/s assumed per instance to show pending prefill as seconds "
+                        "of backlog in the control API (default 5000)")
     p.add_argument("--allow-unreachable", action="store_true",
                    help="start even if no backend answers yet")
     p.add_argument("--drain-timeout", type=float, default=30.0,
@@ -95,6 +98,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
                         ("--max-input-tokens", args.max_input_tokens)):
         if value <= 0:
             raise CliError(f"{flag} must be positive")
+    if args.assumed_prefill_tps <= 0:
+        raise CliError("--assumed-prefill-tps must be positive")
     if args.capacity_tokens < args.block_size:
         raise CliError("--capacity-tokens must hold at least one block")
     try:
@@ -108,7 +113,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         tokenizer=args.tokenizer, max_input_tokens=args.max_input_tokens,
         connect_timeout_s=args.connect_timeout, read_timeout_s=args.read_timeout,
         control_token_file=args.control_token_file, control_readonly=args.control_readonly,
-        state_dir=args.state_dir, argv=" ".join(sys.argv), **limits.config_kwargs(args),
+        state_dir=args.state_dir, argv=" ".join(sys.argv),
+        assumed_prefill_tps=args.assumed_prefill_tps, **limits.config_kwargs(args),
     )
 
 
