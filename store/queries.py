@@ -294,7 +294,7 @@ def summary(db: sqlite_utils.Database | str | Path, run_id: str | None = None) -
         sum(d.best_hit_tokens - d.est_hit_tokens) AS regret,
         count(d.best_hit_tokens - d.est_hit_tokens) AS n_regret
         FROM decisions d WHERE {run_clause} GROUP BY d.policy, d.policy_version"""
-    outcome_sql = f"""SELECT d.policy, d.policy_version, group_concat(o.status, char(31)) AS statuses,
+    outcome_sql = f"""SELECT d.policy, d.policy_version, count(*) AS n_outcomes, sum(o.status = 'ok') AS n_ok,
         sum(o.delivered_hit_tokens) AS delivered, count(o.delivered_hit_tokens) AS n_delivered,
         sum(d.est_hit_tokens - o.delivered_hit_tokens) AS est_error,
         count(d.est_hit_tokens - o.delivered_hit_tokens) AS n_est_error,
@@ -303,6 +303,12 @@ def summary(db: sqlite_utils.Database | str | Path, run_id: str | None = None) -
         FROM decisions d JOIN outcomes o
           ON o.request_id = d.request_id AND o.attempt = d.attempt AND o.run_id = d.run_id
         WHERE {run_clause} GROUP BY d.policy, d.policy_version"""
+    # Failures are few: count them from the outcomes side, joining only those rows.
+    failure_sql = f"""SELECT d.policy, d.policy_version, o.status, count(*) AS n
+        FROM outcomes o JOIN decisions d
+          ON d.request_id = o.request_id AND d.attempt = o.attempt AND d.run_id = o.run_id
+        WHERE {run_clause.replace("d.", "o.")} AND o.status IS NOT 'ok'
+        GROUP BY d.policy, d.policy_version, o.status"""
 
     def decision_side() -> dict:
         path = _db_file(db)
@@ -312,7 +318,12 @@ def summary(db: sqlite_utils.Database | str | Path, run_id: str | None = None) -
             for r in _rows(own, decision_sql, (run_id,)):
                 r["reasons"] = _counts(r["reasons"], r["decisions"])
                 r["classes"] = _counts(r["classes"], r["decisions"])
+                r["statuses"] = {}
                 out[(r["policy"], r["policy_version"])] = r
+            for r in _rows(own, failure_sql, (run_id,)):
+                seg = out.get((r["policy"], r["policy_version"]))
+                if seg is not None:
+                    seg["statuses"][r["status"] or "(none)"] = r["n"]
             return out
         finally:
             if own is not db:
@@ -327,15 +338,14 @@ def summary(db: sqlite_utils.Database | str | Path, run_id: str | None = None) -
             r["e2e"] = _dist(json.loads(r["e2e"]))
             by_segment[(r["policy"], r["policy_version"])] = r
         dec = future.result()
-    empty = {"statuses": None, "delivered": None, "n_delivered": 0, "est_error": None, "n_est_error": 0,
+    empty = {"n_outcomes": 0, "n_ok": 0, "delivered": None, "n_delivered": 0, "est_error": None, "n_est_error": 0,
              "ttft": _dist([]), "e2e": _dist([])}
     segs = []
     for key, r in dec.items():
         o = by_segment.get(key, empty)
         n = r["decisions"]
-        statuses = _counts(o["statuses"], n)
-        if "(none)" in statuses:
-            statuses["no_outcome"] = statuses.pop("(none)")
+        counts = Counter({"ok": o["n_ok"] or 0, **r["statuses"], "no_outcome": n - o["n_outcomes"]})
+        statuses = {k: v for k, v in counts.most_common() if v}
         segs.append({
             "label": f"{r['policy']}@{r['policy_version']}",
             "policy": r["policy"], "policy_version": r["policy_version"],

@@ -46,6 +46,8 @@ def _write(path, runs: dict[str, tuple[float, list]], samples: list[dict] = ()) 
                                 "reason": reason, "route_class": rc, "input_tokens": inp, "est_hit_tokens": est,
                                 "best_hit_tokens": best, "new_prefill_tokens": inp - est,
                                 "scores": [{"instance": inst, "score": 1.0}]})
+            if out is None:  # still in flight when the router stopped
+                continue
             status, ttft, e2e, out_toks, delivered = out
             w.put("outcomes", {"run_id": run_id, "ts": ts + 1, "request_id": rid, "attempt": att, "instance": inst,
                                "status": status, "ttft_ms": ttft, "e2e_ms": e2e, "tpot_ms": 5.0 if ttft else None,
@@ -191,6 +193,16 @@ def test_arms_apc_prefers_engine_counters(tmp_path):
     # Samples fall inside lmetric@1's time range only; unified@2 falls back to delivered.
     assert arms[0].apc == {"value": pytest.approx(0.5), "source": "engine_counters"}
     assert arms[1].apc["source"] == "delivered_cached_tokens"
+
+
+def test_decisions_without_outcomes_are_counted_not_dropped(tmp_path):
+    rows = R2 + [(1003.0, "p3", 1, "t1", 3, "lmetric", 1, "a", "argmin", "WARM", 700, 600, 600, None)]
+    path = _write(tmp_path / "n.db", {"r2": (1000.0, rows)})
+    seg = q.summary(q.open_readonly(path))["segments"][0]
+    assert seg["statuses"] == {"ok": 1, "timeout": 1, "no_outcome": 1} and seg["errors"] == 1
+    assert seg["hits"]["routing_regret"] == 100 + 0  # p2 500-400, p3 600-600: decisions count
+    (arm,) = q.arms_from_db(path)
+    assert [r["request_id"] for r in arm.records] == ["p1", "p2"] and arm.missing_outcomes == 1
 
 
 def test_arms_unknown_run_is_a_lookup_error(db_path):
