@@ -25,13 +25,14 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from router import features as router_features
 from router import health as backend_health
 from router import limits
 from router.cluster import Cluster
 from router.config import KnobError
 from router.core import Decision, NoInstance, PolicySlot, RoutingCore
 from router.forward import StreamScan, cached_tokens, completion_tokens, upstream_headers, usage_of
-from router.policies import build_policy
+from router.policies import build_policy, policy_class
 from router.policies.base import RETRY
 from router.request import BadRequest, Tokenizer, parse_request
 from store.writer import Writer
@@ -94,10 +95,16 @@ class RouterState:
 
     def __init__(self, config: RouterConfig):
         self.config = config
-        policy = build_policy(config.policy, config.knobs)
-        cluster = Cluster([b.name for b in config.backends], urls=[b.url for b in config.backends],
-                          block_size=config.block_size, capacity_blocks=config.capacity_blocks)
+        # --knob takes policy and router-level feature knobs together (router/features.py)
+        schema = policy_class(config.policy).schema
+        policy_knobs, feature_knobs = router_features.split_knobs(config.knobs, schema)
+        self.features = router_features.Features.build(feature_knobs)
+        policy = build_policy(config.policy, {**self.features.shared_for(schema), **policy_knobs})
+        cluster = router_features.ObservedCluster(
+            [b.name for b in config.backends], urls=[b.url for b in config.backends],
+            block_size=config.block_size, capacity_blocks=config.capacity_blocks)
         self.core = RoutingCore(cluster, policy)
+        self.admission = router_features.attach(self)
         self.tokenizer = Tokenizer(config.tokenizer) if config.tokenizer else None
         self.run_id = config.run_id
         self.started_at = time.time()
@@ -156,18 +163,26 @@ class RouterState:
         """Validate completely, then swap in one assignment. Raises KnobError, changing nothing.
 
         ``merge`` keeps the current knobs and changes only those given (PATCH semantics).
+        ``knobs`` may mix policy knobs and router-level feature knobs (router/features.py);
+        feature knobs always merge, and shared names (heavy_threshold, prefill_tps) set both.
         """
         current = self.slot.policy
         name = name or current.name
         if knobs is not None and not isinstance(knobs, dict):
             raise KnobError("knobs", "expected an object of knob names to values")
-        if merge and build_policy(name).name == current.name:
-            knobs = {**current.knobs, **(knobs or {})}
-        new = build_policy(name, knobs or {})
-        before = {"policy": current.name, "version": self.slot.version, "knobs": current.knobs}
+        schema = policy_class(name).schema
+        policy_knobs, feature_knobs = router_features.split_knobs(knobs or {}, schema)
+        features = router_features.Features.build(feature_knobs, base=self.features.knobs)
+        base = current.knobs if merge and policy_class(name).name == current.name else {}
+        new = build_policy(name, {**base, **features.shared_for(schema), **policy_knobs})
+        before = {"policy": current.name, "version": self.slot.version, "knobs": current.knobs,
+                  "features": self.features.knobs}
+        self.features = features
         slot = self.core.swap(new)
-        after = {"policy": new.name, "version": slot.version, "knobs": new.knobs}
+        after = {"policy": new.name, "version": slot.version, "knobs": new.knobs,
+                 "features": features.knobs}
         self.record_config("policy" if new.name != current.name else "knobs", who, before, after)
+        self.admission.pump()  # a larger budget or admission=off lets waiters through now
         return slot
 
     def run_row(self, ended: bool = False) -> dict[str, Any]:
@@ -277,10 +292,15 @@ async def _proxy(request: web.Request, endpoint: str, path: str) -> web.StreamRe
         if first is not None:
             d.turn = first.turn
             state.counts["retries"] += 1
-        state.core.dispatch(d, new_turn=first is None)
         d.extra["t_proxy_recv"] = t_recv
-        state.record_decision(d)
-        resp = await _forward(request, state, d, raw, path, can_retry=attempt == 1)
+        if state.features.active:  # offload and/or admission (router/features.py)
+            resp = await router_features.serve(request, state, d, body, raw, path, _forward,
+                                               attempt=attempt, new_turn=first is None,
+                                               exclude=exclude + full)
+        else:
+            state.core.dispatch(d, new_turn=first is None)
+            state.record_decision(d)
+            resp = await _forward(request, state, d, raw, path, can_retry=attempt == 1)
         if resp is not None:
             return resp
         first = d
@@ -457,7 +477,8 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         state.writer.put("runs", state.run_row())
         state.record_config("run", "router", None, {"policy": state.slot.policy.name,
                                                     "version": state.slot.version,
-                                                    "knobs": state.slot.policy.knobs})
+                                                    "knobs": state.slot.policy.knobs,
+                                                    "features": state.features.knobs})
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60)
     state.http = aiohttp.ClientSession(connector=connector, auto_decompress=False)
     try:
