@@ -33,6 +33,10 @@ def check_invariants(e: Engine) -> None:
     assert e.prefix_hits <= e.prefix_queries
     assert e.prefix_hits % e.block_size == 0
     assert len(e.running) <= e.max_num_seqs
+    hol = e._hol_req     # the head-of-line memo must agree with a fresh lookup
+    if hol is not None and hol in e.waiting:
+        assert e._lookup(hol.hashes, hol.num_tokens)[:len(e._hol_hit)] == e._hol_hit
+        assert e._hol_touch_free == [e._ref[b] for b in e._hol_hit].count(0)
 
 
 def run_until_idle(e: Engine, t: float = 0.0, check: bool = True, limit: int = 1_000_000):

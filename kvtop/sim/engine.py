@@ -31,6 +31,7 @@ prompt blocks can be hits. Prompts whose KV could never fit are rejected up fron
 from __future__ import annotations
 
 import bisect
+from itertools import repeat
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -220,6 +221,12 @@ class Engine:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(n))  # LRU, head = next evicted
 
         self._requests: dict[str, _Req] = {}
+        # Head-of-line memo: a waiting request whose blocks did not fit is retried every step;
+        # its prefix hit stays valid until one of its hit blocks is evicted, so keep it.
+        self._hol_req: _Req | None = None
+        self._hol_hit: list[int] = []
+        self._hol_set: set[int] = set()
+        self._hol_touch_free = 0       # hit blocks of the memo with refcount 0
         self._pending: list[tuple[float, int, _Req]] = []      # frontend, sorted by ready time
         self._seq = 0
         self.waiting: deque[_Req] = deque()
@@ -504,17 +511,19 @@ class Engine:
                 yield waiting[0]    # an idle engine always admits one: no stall, whatever the hook
 
     def _lookup(self, hashes: Sequence[int], num_tokens: int) -> list[int]:
+        """Block ids of the longest cached prefix chain (capped at num_tokens - 1)."""
         limit = (num_tokens - 1) // self.block_size
         if limit > len(hashes):
             limit = len(hashes)
-        get = self._cached.get
-        hit: list[int] = []
-        for k in range(limit):
-            b = get(hashes[k])
-            if b is None:
-                break
-            hit.append(b)
-        return hit
+        if limit <= 0:
+            return []
+        # One C-level pass (map + index) instead of a Python loop: ~10x faster on long prompts.
+        found = list(map(self._cached.get, hashes[:limit] if limit < len(hashes) else hashes,
+                         repeat(-1, limit)))
+        try:
+            return found[:found.index(-1)]
+        except ValueError:
+            return found
 
     def _count_prefix(self, req: _Req, hit_tokens: int) -> None:
         if self.prefix_metrics == "at_lookup":
@@ -537,11 +546,23 @@ class Engine:
         if resumed_after_transfer:
             hit = []
             hit_tokens = req.computed
+        elif req is self._hol_req:
+            hit = self._hol_hit
+            k = len(hit)
+            limit = min(len(req.hashes), (req.num_tokens - 1) // bs)
+            if k < limit and req.hashes[k] in self._cached:   # the chain grew since last try
+                more = self._lookup(req.hashes[k:limit], (limit - k) * bs + 1)
+                if more:
+                    hit = hit + more
+                    self._hol_hit = hit
+                    self._hol_set.update(more)
+                    self._hol_touch_free += list(map(ref.__getitem__, more)).count(0)
+            hit_tokens = len(hit) * bs
         else:
             hit = self._lookup(req.hashes, req.num_tokens)
             hit_tokens = len(hit) * bs
-            if self.prefix_metrics == "at_lookup":
-                self._count_prefix(req, hit_tokens)
+        if self.prefix_metrics == "at_lookup" and not resumed_after_transfer:
+            self._count_prefix(req, hit_tokens)
 
         if req.remote_prefill is not None and not resumed_after_transfer:
             # Decode side of P/D: hold the local hit, allocate room for the remote blocks, pull.
@@ -550,7 +571,7 @@ class Engine:
             if isinstance(wanted, list):
                 n_full = min(n_full, len(wanted))
             n_full = max(n_full, len(hit))
-            need = (n_full - len(hit)) + sum(1 for b in hit if ref[b] == 0)
+            need = (n_full - len(hit)) + list(map(ref.__getitem__, hit)).count(0)
             if need > len(free):
                 return None
             self._touch(req, hit)
@@ -573,9 +594,19 @@ class Engine:
         if num_new > budget:
             num_new = budget
         need_new = -(-(hit_tokens + num_new) // bs) - len(hit) - len(req.blocks)
-        need = need_new + sum(1 for b in hit if ref[b] == 0)
-        if need > len(free):
+        n_free = len(free)
+        memo = req is self._hol_req and hit is self._hol_hit
+        fail = need_new > n_free
+        if not fail and need_new + len(hit) > n_free:   # the refcount-0 part of the hit matters
+            touch_free = self._hol_touch_free if memo else list(map(ref.__getitem__, hit)).count(0)
+            fail = need_new + touch_free > n_free
+        if fail:
+            if not memo:   # it will be retried next step: remember its hit until one is evicted
+                self._hol_req, self._hol_hit, self._hol_set = req, hit, set(hit)
+                self._hol_touch_free = list(map(ref.__getitem__, hit)).count(0)
             return None
+        if req is self._hol_req:
+            self._hol_req, self._hol_hit, self._hol_set = None, [], set()
         self._touch(req, hit)
         if need_new > 0:
             self._allocate(req, need_new)
@@ -599,9 +630,12 @@ class Engine:
             return
         free = self._free
         ref = self._ref
+        hol_set = self._hol_set
         for b in hit:
             if ref[b] == 0:
                 del free[b]
+                if hol_set and b in hol_set:
+                    self._hol_touch_free -= 1
             ref[b] += 1
         req.blocks.extend(hit)
         req.registered = len(hit)
@@ -612,12 +646,16 @@ class Engine:
         block_hash = self._block_hash
         cached = self._cached
         append = req.blocks.append
+        hol_set = self._hol_set
         for _ in range(n):
             b = popitem(last=False)[0]
             h = block_hash[b]
             if h is not None:
                 del cached[h]     # evict
                 block_hash[b] = None
+                if b in hol_set:
+                    self._hol_req = None
+                    hol_set = self._hol_set = set()
             ref[b] = 1
             append(b)
 
@@ -644,11 +682,14 @@ class Engine:
     def _free_blocks(self, req: _Req) -> None:
         free = self._free
         ref = self._ref
+        hol_set = self._hol_set
         for b in reversed(req.blocks):   # the request's last block is evicted first
             r = ref[b] - 1
             ref[b] = r
             if r == 0:
                 free[b] = None
+                if hol_set and b in hol_set:
+                    self._hol_touch_free += 1
         req.blocks = []
         req.registered = 0
 

@@ -1,0 +1,184 @@
+"""Cost of the simulator: the engine in virtual time, and the HTTP server streaming tokens.
+
+    python benchmarks/bench_sim_server.py engine [--requests 10000] [--engines 8]
+    python benchmarks/bench_sim_server.py server [--speed 10] [--streams 16] [--tokens 400]
+
+``engine``: an agentic-shaped synthetic trace (sessions whose every turn repeats the previous
+context and adds 1-8k tokens; prompts 5k-200k tokens; block size 64; outputs 50-400 tokens)
+through N engines in a tiny discrete-event loop, sessions pinned to engines. Prints steps/s
+and simulated requests per CPU second; the offline simulator's budget is 10,000 requests
+over 8 engines in <= 20 s.
+
+``server``: one instance (``--speed``) on a free 127.0.0.1 port in a subprocess, driven by
+concurrent streaming clients in this process; prints the server's CPU seconds (user + sys,
+from /proc) per 1,000 streamed tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import heapq
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+
+
+def synthetic_agentic_trace(num_requests: int, seed: int = 1, block_size: int = 64,
+                            session_gap_s: float = 20.0):
+    """(arrival, session, num_tokens, block_hashes, max_tokens), sorted by arrival."""
+    rng = random.Random(seed)
+    out = []
+    t = 0.0
+    session = 0
+    while len(out) < num_requests:
+        session += 1
+        context = rng.randint(5_000, 30_000)
+        hashes: list[int] = []
+        turns = rng.randint(3, 40)
+        st = t
+        for _ in range(turns):
+            if context > 200_000 or len(out) >= num_requests:
+                break
+            n_blocks = context // block_size
+            while len(hashes) < n_blocks:
+                hashes.append(hash((session, len(hashes))))
+            out.append((st, session, context, hashes[:n_blocks], rng.randint(50, 400)))
+            st += rng.expovariate(1 / 20.0)          # think + tool time between turns
+            context += rng.randint(1_000, 8_000)
+        t += rng.expovariate(1 / session_gap_s)      # a new session every ~gap seconds
+    out.sort(key=lambda r: r[0])
+    return out
+
+
+def bench_engine(num_requests: int, num_engines: int, session_gap_s: float = 20.0) -> None:
+    from kvtop.sim.engine import Engine, EngineRequest
+
+    trace = synthetic_agentic_trace(num_requests, session_gap_s=session_gap_s)
+    engines = [Engine("h20", block_size=64, num_gpu_blocks=16_560 * 16 // 64,
+                      engine_id=str(i)) for i in range(num_engines)]
+    c0 = time.process_time()
+    w0 = time.perf_counter()
+    # events: (time, kind, index); kind 0 = arrival, 1 = engine step
+    events = [(r[0], 0, k) for k, r in enumerate(trace)]
+    heapq.heapify(events)
+    scheduled = [False] * num_engines
+    steps = finished = hits = prompts = 0
+    while events:
+        t, kind, k = heapq.heappop(events)
+        if kind == 0:
+            arrival, session, n, hashes, max_tokens = trace[k]
+            i = session % num_engines
+            engines[i].add_request(EngineRequest(f"r{k}", n, hashes, max_tokens, arrival))
+            prompts += n
+            if not scheduled[i]:
+                scheduled[i] = True
+                heapq.heappush(events, (t, 1, i))
+            continue
+        e = engines[k]
+        r = e.step(t)
+        steps += 1
+        for f in r.finished:
+            finished += 1
+            hits += f.num_cached_tokens
+        if not r.idle:
+            heapq.heappush(events, (r.end_time, 1, k))
+        elif (nxt := e.next_event_time()) is not None:
+            heapq.heappush(events, (nxt, 1, k))
+        else:
+            scheduled[k] = False
+    cpu = time.process_time() - c0
+    wall = time.perf_counter() - w0
+    sim_end = max(e.busy_time for e in engines)
+    print(f"engine: {finished} requests ({prompts / 1e6:.1f}M prompt tokens, hit rate "
+          f"{hits / prompts:.2f}) over {num_engines} engines, {steps} steps, "
+          f"{sum(e.num_preemptions for e in engines)} preemptions")
+    print(f"engine: {cpu:.2f} CPU s ({wall:.2f} wall s): {steps / cpu:,.0f} steps/s, "
+          f"{finished / cpu:,.0f} simulated requests per CPU second; busiest engine "
+          f"{sim_end:,.0f} engine-seconds busy")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _proc_cpu(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / ticks
+
+
+async def _drive_streams(port: int, streams: int, tokens: int, rounds: int) -> int:
+    import aiohttp
+
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    total = 0
+    async with aiohttp.ClientSession() as session:
+        async def one(k: int) -> int:
+            body = {"prompt": f"stream {k} " + "word " * 500, "max_tokens": tokens, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            async with session.post(url, json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                async for _ in resp.content:
+                    pass
+            return tokens
+
+        for _ in range(rounds):
+            total += sum(await asyncio.gather(*(one(k) for k in range(streams))))
+    return total
+
+
+def bench_server(speed: float, streams: int, tokens: int, rounds: int, interval_ms: float) -> None:
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kvtop.cli", "sim", "--instances", "1",
+                             "--port-base", str(port), "--speed", str(speed),
+                             "--stream-interval-ms", str(interval_ms), "--duration", "600"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()    # "instance 0: http://..." once listening
+        if "instance 0" not in line:
+            raise SystemExit(f"server did not start: {line}{proc.stdout.read()}")
+        c0 = _proc_cpu(proc.pid)
+        w0 = time.perf_counter()
+        total = asyncio.run(_drive_streams(port, streams, tokens, rounds))
+        wall = time.perf_counter() - w0
+        cpu = _proc_cpu(proc.pid) - c0
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    print(f"server: speed {speed:g}, {streams} concurrent streams x {tokens} tokens x {rounds} "
+          f"rounds, stream interval {interval_ms:g} ms: {total} tokens in {wall:.2f} wall s")
+    print(f"server: {cpu:.2f} server CPU s = {cpu / total * 1000:.3f} CPU s per 1,000 streamed "
+          f"tokens ({total / wall:,.0f} tokens/s wall)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="what", required=True)
+    e = sub.add_parser("engine")
+    e.add_argument("--requests", type=int, default=10_000)
+    e.add_argument("--engines", type=int, default=8)
+    e.add_argument("--session-gap", type=float, default=20.0,
+                   help="mean seconds between new sessions (smaller = more load; 6 overloads 8 H20s)")
+    s = sub.add_parser("server")
+    s.add_argument("--speed", type=float, default=10.0)
+    s.add_argument("--streams", type=int, default=16)
+    s.add_argument("--tokens", type=int, default=400)
+    s.add_argument("--rounds", type=int, default=2)
+    s.add_argument("--stream-interval-ms", type=float, default=20.0)
+    args = ap.parse_args()
+    if args.what == "engine":
+        bench_engine(args.requests, args.engines, args.session_gap)
+    else:
+        bench_server(args.speed, args.streams, args.tokens, args.rounds, args.stream_interval_ms)
+
+
+if __name__ == "__main__":
+    main()
