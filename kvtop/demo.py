@@ -1,0 +1,264 @@
+"""A whole kvtop setup on this machine, one command: simulated vLLM instances, the router,
+a replay of the bundled sample trace, and the dashboard attached to it.
+
+  kvtop demo                          # 4 instances, policy unified, the TUI
+  kvtop demo --instances 8 --policy lmetric --speed 20
+  kvtop demo --headless --duration 10 # no TUI: run for 10 s, print the report seed table
+
+Everything listens on 127.0.0.1 on free ports. Quitting (q or ctrl+c) stops every process
+the demo started, by pid, and nothing else. The decision log goes to a temporary directory
+unless --db names a file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--instances", type=int, default=4, metavar="N", help="simulated vLLM instances (default 4)")
+    p.add_argument("--policy", default="unified", help="routing policy (default unified)")
+    p.add_argument("--speed", type=float, default=10.0, metavar="X",
+                   help="engine time and trace arrivals run X times faster than wall time (default 10)")
+    p.add_argument("--db", default=None, metavar="FILE", help="decision log (default: a temporary file)")
+    p.add_argument("--duration", type=float, default=None, metavar="S",
+                   help="stop after S seconds (default: until you quit; headless: until the trace ends)")
+    p.add_argument("--headless", action="store_true",
+                   help="no dashboard: run, then print the report seed table for the run")
+    p.add_argument("--trace", default=None, metavar="FILE", help="trace to replay (default: the bundled sample)")
+    p.add_argument("--loops", type=int, default=3, metavar="K",
+                   help="with the dashboard, replay the trace up to K times (default 3)")
+
+
+class Stack:
+    """The processes one demo started; ``stop`` ends exactly those."""
+
+    def __init__(self, workdir: Path):
+        self.workdir = workdir
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.lock = threading.Lock()
+
+    def start(self, name: str, args: list[str]) -> subprocess.Popen:
+        log = open(self.workdir / f"{name}.log", "ab")
+        proc = subprocess.Popen([sys.executable, "-m", "kvtop", *args], stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        with self.lock:
+            self.procs.append((name, proc))
+        return proc
+
+    def log_tail(self, name: str, lines: int = 5) -> str:
+        try:
+            text = (self.workdir / f"{name}.log").read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return ""
+        return " | ".join(text[-lines:])
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        with self.lock:
+            procs = list(reversed(self.procs))
+            self.procs.clear()
+        for _, proc in procs:
+            if proc.poll() is None:
+                try:
+                    proc.send_signal(signal.SIGINT)  # each verb shuts down cleanly on SIGINT
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + grace_s
+        for _, proc in procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port_run(n: int) -> int:
+    """A base port with ``n`` free consecutive ports (kvtop sim takes PORT..PORT+n-1)."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20_000, 60_000 - n)
+        if all(_port_free(base + i) for i in range(n)):
+            return base
+    raise OSError("no run of free loopback ports found")
+
+
+def wait_http(url: str, proc: subprocess.Popen, timeout_s: float, ok=(200, 503)) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status in ok:
+                    return True
+        except urllib.error.HTTPError as exc:
+            if exc.code in ok:
+                return True
+        except OSError:
+            pass
+        time.sleep(0.1)
+    return False
+
+
+def start_cluster(args: argparse.Namespace, stack: Stack, db: str) -> tuple[str, str | None, list[str]]:
+    """Start sim and router; returns (router URL, token, instance URLs)."""
+    from kvtop.cli import CliError
+
+    base = free_port_run(args.instances)
+    sim = stack.start("sim", ["sim", "--instances", str(args.instances), "--port-base", str(base),
+                              "--speed", f"{args.speed:g}"])
+    urls = [f"http://127.0.0.1:{base + i}" for i in range(args.instances)]
+    for u in urls:
+        if not wait_http(u + "/health", sim, 30):
+            raise CliError(f"kvtop sim did not come up: {stack.log_tail('sim') or 'no output'}")
+    port = free_port_run(1)
+    state_dir = stack.workdir / "state"
+    route_args = ["route", "--port", str(port), "--policy", args.policy, "--db", db, "--state-dir", str(state_dir)]
+    for u in urls:
+        route_args += ["--backend", u]
+    router = stack.start("route", route_args)
+    url = f"http://127.0.0.1:{port}"
+    if not wait_http(url + "/health", router, 30):
+        raise CliError(f"kvtop route did not come up: {stack.log_tail('route') or 'no output'}")
+    token = None
+    try:
+        info = json.loads((state_dir / f"router-{port}.json").read_text())
+        token = Path(info["token_file"]).read_text().strip() if info.get("token_file") else None
+    except (OSError, ValueError, KeyError):
+        pass
+    return url, token, urls
+
+
+def trace_path(args: argparse.Namespace) -> str:
+    from kvtop.cli import CliError
+
+    if args.trace:
+        if not Path(args.trace).is_file():
+            raise CliError(f"no trace file at {args.trace}")
+        return args.trace
+    try:
+        from kvtop.traces import sample_trace_path
+
+        path = sample_trace_path()
+    except (ImportError, FileNotFoundError, ModuleNotFoundError):
+        path = None
+    if path is None or not Path(path).is_file():
+        raise CliError("the bundled sample trace is missing from this install; pass --trace FILE")
+    return str(path)
+
+
+def replay_args(trace: str, url: str, speed: float, out: Path) -> list[str]:
+    return ["replay", trace, "--target", url, "--speed", f"{speed:g}", "--out", str(out), "--arm", "demo",
+            "--no-progress"]
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvtop.cli import CliError
+
+    if args.instances < 1:
+        raise CliError("--instances must be at least 1")
+    if args.speed <= 0:
+        raise CliError("--speed must be positive")
+    if args.duration is not None and args.duration <= 0:
+        raise CliError("--duration must be positive")
+    trace = trace_path(args)
+    with tempfile.TemporaryDirectory(prefix="kvtop-demo-") as tmp:
+        workdir = Path(tmp)
+        db = args.db or str(workdir / "kvtop.db")
+        stack = Stack(workdir)
+        try:
+            url, token, _ = start_cluster(args, stack, db)
+            if args.headless:
+                return _headless(args, stack, trace, url, workdir, db)
+            return _with_tui(args, stack, trace, url, token, workdir)
+        finally:
+            stack.stop()
+
+
+def _headless(args: argparse.Namespace, stack: Stack, trace: str, url: str, workdir: Path, db: str) -> int:
+    from kvtop.report import load_db_arms, load_results, render
+
+    out = workdir / "results.jsonl"
+    replay = stack.start("replay", replay_args(trace, url, args.speed, out))
+    print(f"kvtop demo: {args.instances} simulated instances, router {url} (policy {args.policy}), "
+          f"replaying {Path(trace).name} at {args.speed:g}x", file=sys.stderr)
+    try:
+        replay.wait(timeout=args.duration)
+    except subprocess.TimeoutExpired:
+        replay.send_signal(signal.SIGINT)  # replay writes the results it has, then exits
+        try:
+            replay.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            replay.kill()
+    stack.stop()  # the router flushes its decision log on the way out
+    arms = []
+    if out.is_file() and out.stat().st_size:
+        try:
+            arms = [load_results(str(out))]
+        except Exception as exc:  # fall back to the router's own log
+            print(f"kvtop demo: cannot read replay results ({exc}); using the decision log", file=sys.stderr)
+    if not arms and Path(db).is_file():
+        arms = load_db_arms(db, None)
+    if not arms:
+        from kvtop.cli import CliError
+
+        raise CliError(f"the run produced no results: {stack.log_tail('replay') or stack.log_tail('route')}")
+    sys.stdout.write(render(arms, "text"))
+    if not render(arms, "text").endswith("\n"):
+        sys.stdout.write("\n")
+    return 0
+
+
+def _with_tui(args: argparse.Namespace, stack: Stack, trace: str, url: str, token: str | None,
+              workdir: Path) -> int:
+    from kvtop.tui.app import KvtopApp
+    from kvtop.tui.feed import RouterFeed
+
+    stop = threading.Event()
+
+    def loop_replay() -> None:
+        for k in range(max(1, args.loops)):
+            if stop.is_set():
+                return
+            proc = stack.start(f"replay-{k}", replay_args(trace, url, args.speed, workdir / f"results-{k}.jsonl"))
+            while proc.poll() is None:
+                if stop.wait(0.5):
+                    return
+
+    threading.Thread(target=loop_replay, name="kvtop-demo-replay", daemon=True).start()
+    app = KvtopApp(RouterFeed(url, token), url=url, can_control=bool(token))
+    if args.duration:
+        app.call_later(lambda: app.set_timer(args.duration, app.exit))
+    try:
+        app.run()
+    finally:
+        stop.set()
+    return 0
+
+
+if __name__ == "__main__":
+    from kvtop.cli import main
+
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main(["demo", *sys.argv[1:]]))

@@ -1,0 +1,811 @@
+"""``KvtopApp``: the live dashboard of one router.
+
+Data enters one way: ``_read_feed`` (an async worker) puts every event into ``Collected``;
+``apply`` (a timer at the refresh rate) draws the latest of it inside ``batch_update()``.
+Pause stops ``apply`` only, so nothing is lost while the view is frozen. Tables are updated
+cell by cell by row key and sorted only when the sort column changed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rich.text import Text
+from textual import on, work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.command import DiscoveryHit, Hit, Hits, Provider
+from textual.containers import Horizontal, Vertical
+from textual.theme import Theme
+from textual.widgets import (Button, DataTable, Footer, Input, Static, TabbedContent, TabPane)
+from textual_plotext import PlotextPlot
+
+from kvtop.tui.feed import ControlError
+from kvtop.tui.model import (INSTANCE_COLUMNS, SORT_KEYS, THRESHOLDS, Collected, decision_matches,
+                             fmt_duration, fmt_int, fmt_pct, fmt_secs, gpu_cells, instance_values,
+                             sort_value, sparkline, terms_summary)
+from kvtop.tui.screens import ConfirmScreen, HelpScreen, KnobForm, PolicyPicker, ReceiptScreen
+
+HZ_STEPS = [0.5, 1.0, 2.0, 4.0, 8.0, 10.0]
+WINDOWS_S = [30, 60, 120, 300, 600]
+TABS = ["overview", "charts", "sessions", "decisions", "policy"]
+
+THEMES = [
+    Theme(name="kvtop-dark", primary="#5fafd7", secondary="#87afaf", accent="#d7af5f", warning="#d7af00",
+          error="#ff5f5f", success="#5fd75f", background="#121417", surface="#1a1d21", panel="#23272d",
+          foreground="#dfe3e8", dark=True),
+    Theme(name="kvtop-light", primary="#005f87", secondary="#5f8787", accent="#875f00", warning="#af5f00",
+          error="#d70000", success="#008700", background="#fafafa", surface="#f0f0f0", panel="#e4e4e4",
+          foreground="#1c1c1c", dark=False),
+    # Okabe-Ito palette: blue / orange / vermillion stay apart under deuteranopia and protanopia.
+    Theme(name="kvtop-cb", primary="#56B4E9", secondary="#009E73", accent="#F0E442", warning="#E69F00",
+          error="#D55E00", success="#0072B2", background="#101418", surface="#182028", panel="#202a34",
+          foreground="#f0f0f0", dark=True),
+]
+
+
+class PolicyCommands(Provider):
+    """Command palette: switch policy, edit knobs, pause. Nothing when read-only."""
+
+    def _commands(self) -> list[tuple[str, Callable[[], Any], str]]:
+        app = self.app
+        if not isinstance(app, KvtopApp):
+            return []
+        out: list[tuple[str, Callable[[], Any], str]] = [
+            ("Pause / resume the view", app.action_pause, "freeze the screen; data keeps arriving")]
+        if app.control_enabled:
+            current = (app.policies_body.get("current") or {}).get("name")
+            for p in app.policies_body.get("policies", []):
+                if p["name"] != current:
+                    doc = (p.get("doc") or "").strip().splitlines()
+                    out.append((f"Switch policy to {p['name']}",
+                                lambda n=p["name"]: app.switch_policy_to(n), doc[0][:80] if doc else ""))
+            out.append(("Edit knobs of the current policy", app.action_edit_knobs,
+                        "validated form; confirm shows the diff"))
+        return out
+
+    async def discover(self) -> Hits:
+        for name, fn, help_text in self._commands():
+            yield DiscoveryHit(name, fn, help=help_text)
+
+    async def search(self, query: str) -> Hits:
+        matcher = self.matcher(query)
+        for name, fn, help_text in self._commands():
+            score = matcher.match(name)
+            if score > 0:
+                yield Hit(score, matcher.highlight(name), fn, help=help_text)
+
+
+class KvtopApp(App):
+    CSS_PATH = Path(__file__).with_name("kvtop.tcss")
+    TITLE = "kvtop"
+    COMMANDS = App.COMMANDS | {PolicyCommands}
+    BINDINGS = [
+        Binding("q", "quit", "quit", id="kvtop.quit"),
+        Binding("question_mark", "help", "help", id="kvtop.help"),
+        Binding("p", "pause", "pause", id="kvtop.pause"),
+        Binding("s", "sort", "sort", id="kvtop.sort"),
+        Binding("r", "reverse", "reverse", show=False, id="kvtop.reverse"),
+        Binding("slash", "filter", "filter", id="kvtop.filter"),
+        Binding("escape", "clear_filter", "clear", show=False, id="kvtop.clear_filter"),
+        Binding("plus,equals_sign", "faster", "+Hz", show=False, id="kvtop.faster"),
+        Binding("minus", "slower", "-Hz", show=False, id="kvtop.slower"),
+        Binding("left_square_bracket", "window(-1)", "window-", show=False, id="kvtop.window_shorter"),
+        Binding("right_square_bracket", "window(1)", "window+", show=False, id="kvtop.window_longer"),
+        Binding("P", "switch_policy", "policy", id="kvtop.switch_policy"),
+        Binding("k", "edit_knobs", "knobs", id="kvtop.edit_knobs"),
+        Binding("1", "tab('overview')", "overview", show=False, id="kvtop.tab.overview"),
+        Binding("2", "tab('charts')", "charts", show=False, id="kvtop.tab.charts"),
+        Binding("3", "tab('sessions')", "sessions", show=False, id="kvtop.tab.sessions"),
+        Binding("4", "tab('decisions')", "decisions", show=False, id="kvtop.tab.decisions"),
+        Binding("5", "tab('policy')", "policy", show=False, id="kvtop.tab.policy"),
+    ]
+
+    def __init__(self, feed: Any, *, url: str = "", readonly: bool = False, can_control: bool = True,
+                 hz: float = 4.0, theme: str | None = None, max_decisions: int = 500,
+                 clock: Callable[[], float] = time.time, apply_timer: bool = True,
+                 poll_sessions_s: float = 2.0):
+        super().__init__()
+        self.feed = feed
+        self.url = url or getattr(feed, "url", "")
+        self.readonly_flag = readonly
+        self.can_control = can_control
+        self.hz = hz
+        self.clock = clock
+        self.apply_timer = apply_timer
+        self.poll_sessions_s = poll_sessions_s
+        self.max_decisions = max_decisions
+        self.collected = Collected(max_decisions=max(max_decisions, 100))
+        self.paused = False
+        self.sort_key = "name"
+        self.sort_reverse = False
+        self.window_s = 120
+        self.filters: dict[str, str] = {"overview": "", "sessions": "", "decisions": ""}
+        self.policies_body: dict[str, Any] = {"current": {}, "policies": []}
+        self.sessions_body: dict[str, Any] = {"total": 0, "sessions": []}
+        self.last_error: str | None = None
+        # what the screen shows now, so only changes are drawn
+        self._applied_snapshot = 0
+        self._applied_decision = 0
+        self._applied_sessions: int = -1
+        self._sessions_seq = 0
+        self._session_order: list[str] = []
+        self._cells: dict[str, dict[str, tuple]] = {}
+        self._sort_values: dict[str, dict[str, Any]] = {}
+        self._dec_events: dict[str, dict[str, Any]] = {}
+        self._charts_at = 0.0
+        self._colors: dict[str, str] = {}
+        self._gpu_na: str | None = None
+        for t in THEMES:
+            self.register_theme(t)
+        self.theme = theme or "kvtop-dark"
+
+    # -- layout ------------------------------------------------------------------------------
+    def compose(self) -> ComposeResult:
+        yield Static(id="topbar")
+        yield Static(id="banner")
+        with TabbedContent(initial="overview", id="tabs"):
+            with TabPane("1 Overview", id="overview"):
+                yield DataTable(id="instances", cursor_type="row", zebra_stripes=True, fixed_columns=1)
+                yield Static(id="totals")
+                yield PlotextPlot(id="overview-backlog")
+            with TabPane("2 Charts", id="charts"):
+                with Vertical(id="chart-stack"):
+                    yield PlotextPlot(id="chart-backlog")
+                    with Horizontal(id="chart-row"):
+                        yield PlotextPlot(id="chart-ttft")
+                        yield PlotextPlot(id="chart-hit")
+            with TabPane("3 Sessions", id="sessions"):
+                yield Static(id="affinity")
+                yield DataTable(id="session-table", cursor_type="row", zebra_stripes=True)
+            with TabPane("4 Decisions", id="decisions"):
+                yield DataTable(id="decision-table", cursor_type="row", zebra_stripes=True)
+            with TabPane("5 Policy", id="policy"):
+                yield Static(id="policy-head")
+                yield DataTable(id="knob-table", cursor_type="row", zebra_stripes=True)
+                with Horizontal(id="policy-buttons"):
+                    yield Button("Switch policy (P)", id="btn-policy")
+                    yield Button("Edit knobs (k)", id="btn-knobs")
+                yield Static(id="config-log")
+        yield Input(placeholder="filter: words, or reason:X instance:Y session:Z (Esc clears)", id="filter")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        t = self.query_one("#instances", DataTable)
+        for key, label, width in INSTANCE_COLUMNS:
+            t.add_column(label, key=key, width=width)
+        d = self.query_one("#decision-table", DataTable)
+        for key, label in [("time", "time"), ("session", "session"), ("class", "class"), ("instance", "inst"),
+                           ("reason", "reason"), ("hit", "hit"), ("terms", "chosen terms")]:
+            d.add_column(label, key=key)
+        s = self.query_one("#session-table", DataTable)
+        for key, label in [("session", "session"), ("instance", "instance"), ("turns", "turns"),
+                           ("tokens", "tokens"), ("hit", "last hit%"), ("bound", "stayed"), ("idle", "idle"),
+                           ("moves", "moves")]:
+            s.add_column(label, key=key)
+        k = self.query_one("#knob-table", DataTable)
+        for key, label in [("knob", "knob"), ("value", "value"), ("default", "default"), ("range", "range"),
+                           ("doc", "doc")]:
+            k.add_column(label, key=key)
+        self.query_one("#filter", Input).display = False
+        self._refresh_controls()
+        self._read_feed()
+        self._load_policies()
+        if self.poll_sessions_s > 0:
+            self.set_interval(self.poll_sessions_s, self._poll_sessions)
+        if self.apply_timer:
+            self._timer = self.set_interval(1 / self.hz, self.apply)
+        self.apply(force=True)
+
+    async def on_unmount(self) -> None:
+        await self.feed.close()
+
+    # -- data in ------------------------------------------------------------------------------
+    @work(exclusive=True, group="stream")
+    async def _read_feed(self) -> None:
+        async for kind, payload in self.feed.events():
+            self.collected.ingest(kind, payload)
+            if kind == "config":
+                self._load_policies()
+
+    @work(exclusive=True, group="policies")
+    async def _load_policies(self) -> None:
+        try:
+            self.policies_body = await self.feed.policies()
+        except ControlError as exc:
+            self.last_error = f"GET policies: {exc.message}"
+        self._draw_policy()
+
+    def _poll_sessions(self) -> None:
+        if self.query_one(TabbedContent).active == "sessions":
+            self._fetch_sessions()
+
+    @work(exclusive=True, group="sessions")
+    async def _fetch_sessions(self) -> None:
+        try:
+            self.sessions_body = await self.feed.sessions(200)
+            self._sessions_seq += 1
+        except ControlError:
+            pass
+
+    # -- data out -------------------------------------------------------------------------------
+    @property
+    def readonly(self) -> bool:
+        snap = self.collected.snapshot or {}
+        return self.readonly_flag or bool(snap.get("router", {}).get("readonly"))
+
+    @property
+    def control_enabled(self) -> bool:
+        return not self.readonly and self.can_control
+
+    def apply(self, force: bool = False) -> None:
+        """Draw what was collected since the last call. Does nothing while paused."""
+        if self.paused and not force:
+            self._draw_topbar()  # the PAUSED marker and the connection state stay live
+            return
+        c = self.collected
+        active = self.query_one(TabbedContent).active
+        with self.batch_update():
+            self._draw_topbar()
+            self._draw_banner()
+            if c.snapshot_seq != self._applied_snapshot:
+                self._applied_snapshot = c.snapshot_seq
+                self._draw_instances()
+                self._draw_totals()
+                self._draw_affinity()
+            if c.decision_seq != self._applied_decision:
+                self._draw_decisions()
+            if self._sessions_seq != self._applied_sessions:
+                self._applied_sessions = self._sessions_seq
+                self._draw_sessions()
+            now = self.clock()
+            # Plots are the expensive part of a frame: at most 1 Hz, and only when on screen.
+            if active in ("charts", "overview") and (force or now - self._charts_at >= 1.0):
+                self._charts_at = now
+                self._draw_charts(overview_only=active == "overview")
+
+    # header and banner
+    def _draw_topbar(self) -> None:
+        snap = self.collected.snapshot or {}
+        r = snap.get("router", {})
+        tot = snap.get("totals", {})
+        t = Text()
+        marks = []
+        if self.paused:
+            marks.append(("⏸ PAUSED", "reverse bold"))
+        if not self.collected.connected:
+            marks.append(("✖ DISCONNECTED", "reverse bold"))
+        if self.readonly:
+            marks.append(("READ-ONLY", "bold"))
+        elif not self.can_control:
+            marks.append(("READ-ONLY (no token)", "bold"))
+        if r.get("db"):
+            marks.append((f"● rec {Path(str(r['db'])).name}", "bold"))
+        if r.get("draining"):
+            marks.append(("DRAINING", "bold"))
+        for text, style in marks:
+            t.append(f" {text} ", style=style)
+            t.append(" ")
+        t.append(f"{r.get('policy', '?')}", style="bold")
+        t.append(f"  {float(tot.get('request_rate') or 0):.1f} req/s")
+        t.append(f"  up {fmt_duration(r.get('uptime_s'))}")
+        t.append(f"  {r.get('url') or self.url}")
+        t.append(f"  {self.hz:g} Hz", style="dim")
+        self.query_one("#topbar", Static).update(t)
+
+    def _draw_banner(self) -> None:
+        c = self.collected
+        banner = self.query_one("#banner", Static)
+        if c.connected:
+            banner.display = False
+            return
+        banner.display = True
+        retry = ""
+        if c.retry_at:
+            retry = f" — reconnecting in {max(0.0, c.retry_at - self.clock()):.0f} s"
+        age = ""
+        if c.snapshot:
+            age = f"; the view shows data from {fmt_duration(self.clock() - float(c.snapshot.get('ts', 0)))} ago"
+        banner.update(Text(f"✖ router unreachable: {c.error or 'connecting...'}{retry}{age}", style="bold"))
+
+    # instances
+    def _color(self, name: str) -> str:
+        if not self._colors:
+            v = self.get_css_variables()
+            self._colors = {k: v.get(k, "") for k in ("warning", "error", "success", "text-muted")}
+        return self._colors.get(name, "")
+
+    def watch_theme(self, _theme: str) -> None:
+        self._colors = {}
+        self._cells.clear()  # restyle every cell with the new theme's colours
+        if self.is_mounted:
+            self._applied_snapshot = -1
+
+    def _levelled(self, text: str, level: int, arrow: str = "") -> Text:
+        if level == 2:
+            return Text(f"{text}{arrow}", style=f"bold reverse {self._color('error')}")
+        if level == 1:
+            return Text(f"{text}{arrow}", style=f"bold {self._color('warning')}")
+        return Text(f"{text}{arrow}")
+
+    def _instance_cells(self, inst: dict[str, Any], prev: dict[str, Any] | None) -> dict[str, tuple]:
+        """Column key -> (comparable, renderable)."""
+        v = instance_values(inst)
+
+        def arrow(key: str) -> str:
+            if prev is None or prev.get(key) is None or v[key] is None:
+                return "  "
+            return " ▲" if v[key] > prev[key] else " ▼" if v[key] < prev[key] else "  "
+
+        util, mem, why = gpu_cells(inst.get("gpu"))
+        cells: dict[str, tuple] = {}
+        healthy = bool(v["health"])
+        cells["name"] = (v["name"], v["name"])
+        cells["health"] = (healthy, Text("● up", style=self._color("success")) if healthy
+                           else Text("✖ DOWN", style=f"bold reverse {self._color('error')}"))
+        lv = THRESHOLDS["requests"].level(v["requests"])
+        a = arrow("requests")
+        cells["requests"] = ((v["requests"], a, lv), self._levelled(str(v["requests"]), lv, a))
+        lv = THRESHOLDS["backlog_s"].level(v["backlog_s"])
+        a = arrow("backlog_tokens")
+        cells["backlog_tokens"] = ((v["backlog_tokens"], a, lv), self._levelled(fmt_int(v["backlog_tokens"]), lv, a))
+        cells["backlog_s"] = ((v["backlog_s"], lv), self._levelled(fmt_secs(v["backlog_s"]), lv))
+        cells["decode_requests"] = (v["decode_requests"], str(v["decode_requests"]))
+        cells["decode_tokens"] = (v["decode_tokens"], fmt_int(v["decode_tokens"]))
+        cells["est_hit"] = (v["est_hit"], fmt_pct(v["est_hit"]))
+        cells["engine_hit"] = (v["engine_hit"], fmt_pct(v["engine_hit"]))
+        lv = THRESHOLDS["kv"].level(v["kv"])
+        cells["kv"] = ((v["kv"], lv), self._levelled(fmt_pct(v["kv"]), lv))
+        if why:
+            cells["gpu_util"] = (why, Text("n/a", style="dim"))
+            cells["gpu_mem"] = (why, Text("n/a", style="dim"))
+            self._gpu_na = why
+        else:
+            lv = THRESHOLDS["gpu_util"].level(v["gpu_util"])
+            cells["gpu_util"] = ((util, lv), self._levelled(util, lv))
+            cells["gpu_mem"] = (mem, mem)
+        ring = self.collected.backlog.get(v["name"])
+        spark = sparkline([x for _, x in list(ring)[-12:]]) if ring else ""
+        cells["trend"] = (spark, spark)
+        self._sort_values[v["name"]] = v
+        return cells
+
+    def _draw_instances(self) -> None:
+        table = self.query_one("#instances", DataTable)
+        snap = self.collected.snapshot or {}
+        insts = snap.get("instances", [])
+        query = self.filters["overview"].lower()
+        if query:
+            insts = [i for i in insts if query in str(i.get("name", "")).lower()]
+        names = {i["name"] for i in insts}
+        prev_values = dict(self._sort_values)
+        sort_changed = False
+        for key in [k for k in table.rows if k.value not in names]:
+            table.remove_row(key)
+            self._cells.pop(str(key.value), None)
+        for inst in insts:
+            name = inst["name"]
+            cells = self._instance_cells(inst, prev_values.get(name))
+            old = self._cells.get(name)
+            if old is None or name not in table.rows:
+                table.add_row(*[cells[k][1] for k, _, _ in INSTANCE_COLUMNS], key=name)
+                sort_changed = True
+            else:
+                for key, _, _ in INSTANCE_COLUMNS:
+                    if old[key][0] != cells[key][0]:
+                        table.update_cell(name, key, cells[key][1], update_width=False)
+                        if key == self.sort_key or (self.sort_key in ("backlog_s",) and key == "backlog_tokens"):
+                            sort_changed = True
+                if prev_values.get(name, {}).get(self.sort_key) != self._sort_values[name].get(self.sort_key):
+                    sort_changed = True
+            self._cells[name] = cells
+        if sort_changed:
+            self._sort_instances()
+
+    def _sort_instances(self) -> None:
+        key = self.sort_key
+        values = self._sort_values
+
+        def by(name_cell: Any) -> Any:
+            name = str(getattr(name_cell, "plain", name_cell))
+            return sort_value(values.get(name, {}).get(key))
+
+        table = self.query_one("#instances", DataTable)
+        table.sort("name", key=by, reverse=self.sort_reverse)
+        for ckey, label, _ in INSTANCE_COLUMNS:
+            mark = (" ▼" if self.sort_reverse else " ▲") if ckey == key else ""
+            col = table.columns.get(ckey)  # type: ignore[call-overload]
+            if col is not None:
+                col.label = Text(label + mark, style="bold underline" if mark else "")
+        table.refresh()
+
+    def _draw_totals(self) -> None:
+        snap = self.collected.snapshot or {}
+        tot = snap.get("totals", {})
+        n = len(snap.get("instances", []))
+        line = Text()
+        line.append(f"in flight {tot.get('in_flight', 0)}  ", style="bold")
+        line.append(f"backlog {fmt_int(tot.get('pending_prefill_tokens'))} tok / {fmt_secs(tot.get('backlog_s'))} s  ")
+        line.append(f"decode {tot.get('decode_requests', 0)} req  ")
+        line.append(f"est hit {fmt_pct(tot.get('est_hit_rate'))}%  ")
+        line.append(f"routed {fmt_int(tot.get('routed_total'))}  errors {tot.get('errors_total', 0)}  ")
+        line.append(f"healthy {tot.get('healthy_instances', 0)}/{n}")
+        reasons = snap.get("decisions_by_reason") or {}
+        if reasons:
+            top = sorted(reasons.items(), key=lambda kv: -kv[1])[:5]
+            line.append("\nreasons " + "  ".join(f"{k} {v}" for k, v in top), style="dim")
+        sort = f"\nsort: {self.sort_key} {'▼' if self.sort_reverse else '▲'} (s next column, r reverse)"
+        if self.filters["overview"]:
+            sort += f"  filter: {self.filters['overview']}"
+        if self._gpu_na:
+            sort += f"  GPU n/a: {self._gpu_na}"
+        if self.collected.dropped:
+            sort += f"  events dropped by the router for this viewer: {self.collected.dropped}"
+        line.append(sort, style="dim")
+        self.query_one("#totals", Static).update(line)
+
+    # sessions
+    def _draw_affinity(self) -> None:
+        aff = (self.collected.snapshot or {}).get("affinity") or {}
+        per = aff.get("per_instance") or {}
+        total = max(1, sum(per.values()))
+        t = Text()
+        t.append(f"sessions {fmt_int(aff.get('sessions', 0))}  moved {aff.get('moved_sessions', 0)} "
+                 f"({aff.get('moves', 0)} moves)\n", style="bold")
+        parts = [f"{k} {n} ({100 * n / total:.0f}%)" for k, n in per.items()]
+        t.append("per instance: " + "  ".join(parts[:16]) + (" …" if len(parts) > 16 else ""))
+        self.query_one("#affinity", Static).update(t)
+
+    def _draw_sessions(self) -> None:
+        table = self.query_one("#session-table", DataTable)
+        query = self.filters["sessions"].lower()
+        rows = [s for s in self.sessions_body.get("sessions", [])
+                if not query or query in f"{s.get('session')} {s.get('instance')}".lower()]
+        keep = {str(s["session"]) for s in rows}
+        for key in [k for k in table.rows if k.value not in keep]:
+            table.remove_row(key)
+        for s in rows:
+            cells = {"session": str(s["session"])[:24], "instance": str(s.get("instance")),
+                     "turns": str(s.get("turns", 0)), "tokens": fmt_int(s.get("tokens")),
+                     "hit": fmt_pct(s.get("est_hit_rate")), "bound": fmt_duration(s.get("bound_for_s")),
+                     "idle": fmt_duration(s.get("idle_s")), "moves": str(s.get("moves", 0))}
+            key = str(s["session"])
+            if key in table.rows:
+                for col, val in cells.items():
+                    if table.get_cell(key, col) != val:
+                        table.update_cell(key, col, val)
+            else:
+                table.add_row(*cells.values(), key=key)
+        # The router sends the heaviest first; keep its order (sort only when it changed).
+        order = [str(s["session"]) for s in rows]
+        if order != self._session_order:
+            self._session_order = order
+            rank = {k: n for n, k in enumerate(order)}
+            by_cell = {table.get_cell(k, "session"): rank.get(str(k.value), 0) for k in table.rows}
+            table.sort("session", key=lambda cell: by_cell.get(cell, 0))
+
+    # decisions
+    def _decision_row(self, ev: dict[str, Any]) -> list[Any]:
+        ts = time.strftime("%H:%M:%S", time.localtime(float(ev.get("ts") or 0)))
+        inp = ev.get("input_tokens") or 0
+        hit = ev.get("est_hit") or 0
+        hit_s = f"{100 * hit / inp:.0f}% {fmt_int(hit)}" if inp else fmt_int(hit)
+        reason = str(ev.get("reason", "?"))
+        return [ts, str(ev.get("session", ""))[:18], str(ev.get("class", "")), str(ev.get("instance", "")),
+                Text(reason, style="bold") if reason not in ("argmin", "affinity_stick") else reason,
+                hit_s, terms_summary(ev.get("terms"), ev.get("instance"))]
+
+    def _draw_decisions(self, rebuild: bool = False) -> None:
+        table = self.query_one("#decision-table", DataTable)
+        c = self.collected
+        query = self.filters["decisions"]
+        at_end = table.cursor_row >= table.row_count - 1 or not table.has_focus
+        if rebuild:
+            table.clear()
+            self._dec_events.clear()
+            mark = 0
+        else:
+            mark = self._applied_decision
+        new = [(seq, ev) for seq, ev in c.decisions if seq > mark and (not query or decision_matches(ev, query))]
+        for seq, ev in new[-self.max_decisions:]:
+            key = f"d{seq}"
+            table.add_row(*self._decision_row(ev), key=key)
+            self._dec_events[key] = ev
+        # Cap: drop the oldest rows, never the whole table.
+        while table.row_count > self.max_decisions:
+            oldest = next(iter(table.rows))
+            table.remove_row(oldest)
+            self._dec_events.pop(str(oldest.value), None)
+        self._applied_decision = c.decision_seq
+        if at_end and table.row_count:
+            table.move_cursor(row=table.row_count - 1, animate=False)
+
+    @on(DataTable.RowSelected, "#decision-table")
+    def open_receipt(self, event: DataTable.RowSelected) -> None:
+        ev = self._dec_events.get(str(event.row_key.value))
+        if ev is not None:
+            self.push_screen(ReceiptScreen(ev))
+
+    # charts
+    def _draw_charts(self, overview_only: bool = False) -> None:
+        now = self.clock()
+        c = self.collected
+        snap = c.snapshot or {}
+        if snap.get("ts"):
+            now = float(snap["ts"])
+        w = self.window_s
+        backlog = self.query_one("#overview-backlog" if overview_only else "#chart-backlog", PlotextPlot)
+        plt = backlog.plt
+        plt.clear_data()
+        plt.clear_figure()
+        plt.title(f"prefill backlog tokens per instance (last {w}s; [ ] window)")
+        ranked = sorted(c.backlog.items(), key=lambda kv: -(kv[1][-1][1] if kv[1] else 0))
+        for name, ring in ranked[:8]:  # more lines than this is noise; the table has every instance
+            pts = [(ts - now, v) for ts, v in ring if ts >= now - w]
+            if pts:
+                plt.plot([p[0] for p in pts], [p[1] for p in pts], label=name, marker="braille")
+        plt.xlim(-w, 0)
+        plt.xlabel("seconds ago")
+        backlog.refresh()
+        if overview_only:
+            return
+        ttft = self.query_one("#chart-ttft", PlotextPlot)
+        plt = ttft.plt
+        plt.clear_data()
+        plt.clear_figure()
+        plt.title("TTFT ms p50 / p90")
+        xs, p50, p90 = c.ttft_series(w, now)
+        if xs:
+            plt.plot(xs, p50, label="p50", marker="braille")
+            plt.plot(xs, p90, label="p90", marker="braille")
+        plt.xlim(-w, 0)
+        ttft.refresh()
+        hit = self.query_one("#chart-hit", PlotextPlot)
+        plt = hit.plt
+        plt.clear_data()
+        plt.clear_figure()
+        plt.title("prefix hit % (router est / engine)")
+        for label, ring in (("est", c.hit_rate), ("engine", c.engine_hit_rate)):
+            pts = [(ts - now, v) for ts, v in ring if ts >= now - w]
+            if pts:
+                plt.plot([p[0] for p in pts], [p[1] for p in pts], label=label, marker="braille")
+        plt.xlim(-w, 0)
+        plt.ylim(0, 100)
+        hit.refresh()
+
+    # policy tab
+    def _draw_policy(self) -> None:
+        body = self.policies_body
+        cur = body.get("current") or {}
+        head = Text()
+        head.append(f"policy {cur.get('policy', '?')}\n", style="bold")
+        schema = self._schema(cur.get("name"))
+        doc = next((p.get("doc", "") for p in body.get("policies", []) if p["name"] == cur.get("name")), "")
+        if doc:
+            head.append(doc.strip().splitlines()[0] + "\n", style="dim")
+        if self.readonly:
+            head.append("read-only: policy and knob changes are hidden\n", style="bold")
+        elif not self.can_control:
+            head.append("no control token found: read-only (use --token-file or $KVTOP_CONTROL_TOKEN)\n",
+                        style="bold")
+        if self.last_error:
+            head.append(f"last error: {self.last_error}", style=f"bold {self._color('error')}")
+        self.query_one("#policy-head", Static).update(head)
+        table = self.query_one("#knob-table", DataTable)
+        knobs = cur.get("knobs") or {}
+        keep = {k["name"] for k in schema}
+        for key in [k for k in table.rows if k.value not in keep]:
+            table.remove_row(key)
+        for k in schema:
+            cells = [k["name"], str(knobs.get(k["name"], k.get("default"))), str(k.get("default")),
+                     str(k.get("range") or "-"), str(k.get("doc") or "")[:60]]
+            if k["name"] in table.rows:
+                for col, val in zip(("knob", "value", "default", "range", "doc"), cells):
+                    table.update_cell(k["name"], col, val)
+            else:
+                table.add_row(*cells, key=k["name"])
+        log = self.query_one("#config-log", Static)
+        lines = []
+        for ev in list(self.collected.config_events)[-6:]:
+            ts = time.strftime("%H:%M:%S", time.localtime(float(ev.get("ts") or 0)))
+            before, after = ev.get("before") or {}, ev.get("after") or {}
+            lines.append(f"{ts} {ev.get('who', '?')}: {ev.get('kind')} {before.get('policy')}@{before.get('version')} → "
+                         f"{after.get('policy')}@{after.get('version')}")
+        log.update("\n".join(lines) or "no policy or knob changes since attach")
+
+    def _schema(self, name: str | None) -> list[dict[str, Any]]:
+        for p in self.policies_body.get("policies", []):
+            if p["name"] == name:
+                return list(p.get("knobs") or [])
+        return []
+
+    def _refresh_controls(self) -> None:
+        show = self.control_enabled
+        for bid in ("#btn-policy", "#btn-knobs"):
+            self.query_one(bid, Button).display = show
+        self.refresh_bindings()
+
+    # -- actions --------------------------------------------------------------------------------
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action in ("switch_policy", "edit_knobs"):
+            return self.control_enabled
+        return True
+
+    def action_pause(self) -> None:
+        self.paused = not self.paused
+        if not self.paused:
+            self.apply(force=True)
+        else:
+            self._draw_topbar()
+
+    def action_sort(self) -> None:
+        i = SORT_KEYS.index(self.sort_key) if self.sort_key in SORT_KEYS else -1
+        self.set_sort(SORT_KEYS[(i + 1) % len(SORT_KEYS)])
+
+    def set_sort(self, key: str, reverse: bool | None = None) -> None:
+        self.sort_key = key
+        if reverse is not None:
+            self.sort_reverse = reverse
+        elif key in ("name",):
+            self.sort_reverse = False
+        else:
+            self.sort_reverse = True  # busiest first for load columns
+        self._sort_instances()
+        self._draw_totals()
+
+    def action_reverse(self) -> None:
+        self.sort_reverse = not self.sort_reverse
+        self._sort_instances()
+        self._draw_totals()
+
+    def action_tab(self, tab: str) -> None:
+        self.query_one(TabbedContent).active = tab
+        self.apply(force=True)
+
+    @on(TabbedContent.TabActivated)
+    def _tab_changed(self, event: TabbedContent.TabActivated) -> None:
+        if self.query_one(TabbedContent).active == "sessions":
+            self._fetch_sessions()
+        if self.query_one(TabbedContent).active == "policy":
+            self._draw_policy()
+
+    def action_filter(self) -> None:
+        active = self.query_one(TabbedContent).active
+        if active not in self.filters:
+            self.notify("filter works on the overview, sessions and decisions tabs", timeout=3)
+            return
+        inp = self.query_one("#filter", Input)
+        inp.display = True
+        inp.value = self.filters[active]
+        inp.focus()
+
+    @on(Input.Changed, "#filter")
+    def _filter_typed(self, event: Input.Changed) -> None:
+        self.set_filter(event.value)
+
+    @on(Input.Submitted, "#filter")
+    def _filter_done(self, event: Input.Submitted) -> None:
+        event.input.display = bool(event.value)
+        self.query_one(TabbedContent).active_pane.query(DataTable).first().focus()  # type: ignore[union-attr]
+
+    def set_filter(self, query: str) -> None:
+        active = self.query_one(TabbedContent).active
+        if active not in self.filters or self.filters[active] == query:
+            return
+        self.filters[active] = query
+        if active == "decisions":
+            self._draw_decisions(rebuild=True)
+        elif active == "sessions":
+            self._draw_sessions()
+        else:
+            self._draw_instances()
+            self._draw_totals()
+
+    def action_clear_filter(self) -> None:
+        inp = self.query_one("#filter", Input)
+        if inp.display or any(self.filters.values()):
+            inp.value = ""
+            self.set_filter("")
+            inp.display = False
+
+    def action_faster(self) -> None:
+        self._set_hz(next((h for h in HZ_STEPS if h > self.hz), HZ_STEPS[-1]))
+
+    def action_slower(self) -> None:
+        self._set_hz(next((h for h in reversed(HZ_STEPS) if h < self.hz), HZ_STEPS[0]))
+
+    def _set_hz(self, hz: float) -> None:
+        self.hz = hz
+        self.feed.set_hz(hz)
+        if self.apply_timer:
+            self._timer.stop()
+            self._timer = self.set_interval(1 / hz, self.apply)
+        self._draw_topbar()
+
+    def action_window(self, step: int) -> None:
+        i = WINDOWS_S.index(self.window_s) if self.window_s in WINDOWS_S else 2
+        self.window_s = WINDOWS_S[max(0, min(len(WINDOWS_S) - 1, i + step))]
+        self.notify(f"chart window {self.window_s} s", timeout=2)
+        self._charts_at = 0.0
+        self.apply(force=True)
+
+    def action_help(self) -> None:
+        lines = ["[b]kvtop attach: keys[/b]", ""]
+        for b in self.BINDINGS:
+            if isinstance(b, Binding) and b.id:
+                if b.action in ("switch_policy", "edit_knobs") and not self.control_enabled:
+                    continue
+                lines.append(f"  [b]{b.key:<26}[/b] {b.description:<10} [dim]{b.id}[/dim]")
+        lines += ["", "  [b]enter[/b] on a decision opens its receipt (every candidate's terms)",
+                  "  [b]ctrl+p[/b] command palette: policies, knobs, themes (kvtop-light, kvtop-cb), screenshot",
+                  "  filter: words, or reason:X instance:Y session:Z",
+                  "", "Remap a key with its id in App.set_keymap. Esc closes."]
+        self.push_screen(HelpScreen("\n".join(lines)))
+
+    @on(Button.Pressed, "#btn-policy")
+    def action_switch_policy(self) -> None:
+        if not self.control_enabled:
+            return
+        cur = (self.policies_body.get("current") or {}).get("name")
+
+        def picked(name: str | None) -> None:
+            if name:
+                self.switch_policy_to(name)
+
+        self.push_screen(PolicyPicker(self.policies_body.get("policies", []), cur), picked)
+
+    def switch_policy_to(self, name: str) -> None:
+        if not self.control_enabled:
+            self.notify("read-only: policy changes are off", severity="warning")
+            return
+        cur = self.policies_body.get("current") or {}
+        diff = [("policy", cur.get("policy", "?"), name)]
+        new_schema = self._schema(name)
+        for k in new_schema:
+            diff.append((f"knobs.{k['name']}", (cur.get("knobs") or {}).get(k["name"], "-"), k.get("default")))
+
+        def confirmed(ok: bool | None) -> None:
+            if ok:
+                self._apply_change("put_policy", name, {})
+
+        self.push_screen(ConfirmScreen(f"Switch policy to {name} (knobs at their defaults)", diff), confirmed)
+
+    @on(Button.Pressed, "#btn-knobs")
+    def action_edit_knobs(self) -> None:
+        if not self.control_enabled:
+            return
+        cur = self.policies_body.get("current") or {}
+        schema = self._schema(cur.get("name"))
+        knobs = dict(cur.get("knobs") or {})
+
+        def edited(changed: dict[str, Any] | None) -> None:
+            if not changed:
+                return
+            diff = [(k, knobs.get(k, "-"), v) for k, v in changed.items()]
+
+            def confirmed(ok: bool | None) -> None:
+                if ok:
+                    self._apply_change("patch_knobs", None, changed)
+
+            self.push_screen(ConfirmScreen(f"Change knobs of {cur.get('policy', '?')}", diff), confirmed)
+
+        self.push_screen(KnobForm(str(cur.get("name", "?")), schema, knobs), edited)
+
+    @work(exclusive=True, group="control")
+    async def _apply_change(self, call: str, name: str | None, knobs: dict[str, Any]) -> None:
+        try:
+            if call == "put_policy":
+                result = await self.feed.put_policy(str(name), knobs)
+            else:
+                result = await self.feed.patch_knobs(knobs)
+        except ControlError as exc:
+            self.last_error = exc.message
+            self.notify(exc.message, title="the router refused the change", severity="error", timeout=15)
+            self._draw_policy()
+            return
+        self.last_error = None
+        self.notify(f"now {result.get('policy')}", title="applied", timeout=4)
+        self._load_policies()

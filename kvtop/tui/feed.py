@@ -1,0 +1,346 @@
+"""Where the dashboard's data comes from: finding the router, its token, and its event stream.
+
+The app never talks HTTP itself. It reads ``(kind, payload)`` pairs from a feed's
+``events()`` and calls the feed's few request methods; ``RouterFeed`` does that over the
+control API (docs/control-api.md), ``FakeFeed`` from a queue for tests and benchmarks.
+Nothing here imports Textual, so ``attach --once`` stays light.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+PREFIX = "/kvtop/v1"
+TOKEN_ENV = "KVTOP_CONTROL_TOKEN"
+DEFAULT_URL = "http://127.0.0.1:8000"
+EVENT_TYPES = "state,decision,config,health,outcome"
+
+
+def default_state_dir() -> Path:
+    return Path.home() / ".local" / "state" / "kvtop"
+
+
+class ControlError(Exception):
+    """The router refused a request (its own message) or could not be reached."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+
+
+@dataclass
+class Target:
+    url: str
+    token: str | None = None
+    token_source: str | None = None  # "--token-file", "env", "locator", or None
+    locator: str | None = None
+
+
+def _pid_alive(pid: Any) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (OSError, TypeError, ValueError) as exc:
+        return isinstance(exc, PermissionError)
+    return True
+
+
+def read_locators(state_dir: Path) -> list[dict[str, Any]]:
+    """Locator files of live routers, newest first."""
+    out = []
+    for p in sorted(state_dir.glob("router-*.json")):
+        try:
+            info = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(info, dict) or "url" not in info:
+            continue
+        if "pid" in info and not _pid_alive(info["pid"]):
+            continue
+        info["_path"] = str(p)
+        out.append(info)
+    out.sort(key=lambda i: i.get("started_at") or 0, reverse=True)
+    return out
+
+
+def resolve_target(url: str | None, *, token_file: str | None = None,
+                   state_dir: str | Path | None = None) -> Target:
+    """The router URL and bearer token: flags first, then env, then the locator files.
+
+    Raises ``ControlError`` for a token file that cannot be read.
+    """
+    sd = Path(state_dir).expanduser() if state_dir else default_state_dir()
+    locators = read_locators(sd) if sd.is_dir() else []
+    chosen: dict[str, Any] | None = None
+    if url:
+        url = url.rstrip("/")
+        if "://" not in url:
+            url = "http://" + url
+        chosen = next((i for i in locators if str(i["url"]).rstrip("/") == url), None)
+    elif locators:
+        chosen = locators[0]
+        url = str(chosen["url"]).rstrip("/")
+    else:
+        url = DEFAULT_URL
+    target = Target(url=url, locator=chosen["_path"] if chosen else None)
+    if token_file:
+        target.token, target.token_source = _read_token(token_file), "--token-file"
+    elif os.environ.get(TOKEN_ENV, "").strip():
+        target.token, target.token_source = os.environ[TOKEN_ENV].strip(), "env"
+    elif chosen and chosen.get("token_file"):
+        try:
+            target.token, target.token_source = _read_token(chosen["token_file"]), "locator"
+        except ControlError:
+            pass  # read-only attach still works; the header says why control is off
+    return target
+
+
+def _read_token(path: str) -> str:
+    try:
+        token = Path(path).expanduser().read_text().strip()
+    except OSError as exc:
+        raise ControlError(f"cannot read token file {path}: {exc.strerror or exc}") from None
+    if not token:
+        raise ControlError(f"token file {path} is empty")
+    return token
+
+
+# -- blocking calls, for --once and the pre-flight check (no event loop, no aiohttp) ---------
+
+def _router_message(body: bytes, status: int) -> str:
+    try:
+        return str(json.loads(body)["error"]["message"])
+    except Exception:
+        text = body.decode(errors="replace").strip().splitlines()
+        return f"HTTP {status}" + (f": {text[0][:200]}" if text else "")
+
+
+def fetch_json(url: str, path: str, *, method: str = "GET", body: Any = None, token: str | None = None,
+               timeout: float = 5.0) -> Any:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url + PREFIX + path, data=data, method=method)
+    req.add_header("Accept", "application/json")
+    if data is not None:
+        req.add_header("Content-Type", "application/json")
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        raise ControlError(_router_message(exc.read(), exc.code), exc.code) from None
+    except urllib.error.URLError as exc:
+        reason = getattr(exc.reason, "strerror", None) or str(exc.reason)
+        raise ControlError(f"cannot reach the router at {url}: {reason}") from None
+    except (OSError, ValueError) as exc:
+        raise ControlError(f"cannot reach the router at {url}: {exc}") from None
+
+
+def check_token(url: str, token: str, timeout: float = 5.0) -> str | None:
+    """None if the router accepts ``token``; else the router's reason.
+
+    Sends ``PATCH knobs`` with a JSON ``null`` body: auth is checked before the body, and a
+    body that is not an object is refused, so nothing changes either way.
+    """
+    try:
+        fetch_json(url, "/knobs", method="PATCH", body=None, token=token, timeout=timeout)
+    except ControlError as exc:
+        if exc.status in (401, 403):
+            return exc.message
+        return None  # 400 about the body: the token passed
+    return None
+
+
+# -- feeds ----------------------------------------------------------------------------------
+
+class RouterFeed:
+    """The control API of one router: the SSE event stream plus the few request calls.
+
+    ``events()`` never ends on its own: on a lost connection it yields a ``_status`` event
+    and reconnects with exponential backoff (0.5 s doubling to 8 s).
+    """
+
+    def __init__(self, url: str, token: str | None = None, hz: float = 4.0):
+        self.url = url.rstrip("/")
+        self.token = token
+        self.hz = hz
+        self._session: Any = None
+        self._reconnect = asyncio.Event()
+        self.next_retry_at: float | None = None
+        self._backfilled = False
+
+    async def _http(self):
+        import aiohttp
+
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
+        return self._session
+
+    def set_hz(self, hz: float) -> None:
+        if hz != self.hz:
+            self.hz = hz
+            self._reconnect.set()
+
+    async def events(self) -> AsyncIterator[tuple[str, Any]]:
+        import aiohttp
+
+        delay = 0.5
+        while True:
+            self._reconnect.clear()
+            http = await self._http()
+            try:
+                async with http.get(f"{self.url}{PREFIX}/events",
+                                    params={"hz": f"{self.hz:g}", "types": EVENT_TYPES}) as resp:
+                    if resp.status != 200:
+                        raise ControlError(_router_message(await resp.read(), resp.status), resp.status)
+                    delay = 0.5
+                    self.next_retry_at = None
+                    yield "_status", {"connected": True, "error": None}
+                    for ev in await self._recent_decisions():
+                        yield "decision", ev
+                    kind, data = "message", []
+                    async for raw in resp.content:
+                        if self._reconnect.is_set():
+                            break
+                        line = raw.decode(errors="replace").rstrip("\r\n")
+                        if not line:
+                            if data:
+                                try:
+                                    yield kind, json.loads("\n".join(data))
+                                except ValueError:
+                                    pass
+                            kind, data = "message", []
+                        elif line.startswith("event:"):
+                            kind = line[6:].strip()
+                        elif line.startswith("data:"):
+                            data.append(line[5:].lstrip())
+                    if self._reconnect.is_set():
+                        continue
+                    err = "the router closed the event stream"
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ControlError) as exc:
+                err = exc.message if isinstance(exc, ControlError) else (str(exc) or type(exc).__name__)
+            self.next_retry_at = time.time() + delay
+            yield "_status", {"connected": False, "error": err, "retry_in_s": delay}
+            try:
+                await asyncio.wait_for(self._reconnect.wait(), delay)
+            except asyncio.TimeoutError:
+                pass
+            delay = min(8.0, delay * 2)
+
+    async def _recent_decisions(self) -> list[dict[str, Any]]:
+        """The router's last decisions, oldest first, so the stream does not start empty."""
+        if self._backfilled:
+            return []
+        self._backfilled = True
+        try:
+            body = await self.request("GET", "/decisions?limit=200")
+        except ControlError:
+            return []
+        return list(reversed(body.get("decisions") or []))
+
+    async def request(self, method: str, path: str, body: Any = None, *, auth: bool = False) -> Any:
+        import aiohttp
+
+        http = await self._http()
+        headers = {"X-Kvtop-User": "kvtop-attach"}
+        if auth and self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        try:
+            async with http.request(method, self.url + PREFIX + path, json=body, headers=headers,
+                                    timeout=aiohttp.ClientTimeout(total=10)) as resp:
+                raw = await resp.read()
+                if resp.status >= 400:
+                    raise ControlError(_router_message(raw, resp.status), resp.status)
+                return json.loads(raw)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            raise ControlError(f"cannot reach the router at {self.url}: {exc or type(exc).__name__}") from None
+
+    async def policies(self) -> dict[str, Any]:
+        return await self.request("GET", "/policies")
+
+    async def sessions(self, limit: int = 200) -> dict[str, Any]:
+        return await self.request("GET", f"/sessions?sort=tokens&limit={limit}")
+
+    async def put_policy(self, name: str, knobs: dict[str, Any]) -> dict[str, Any]:
+        return await self.request("PUT", "/policy", {"name": name, "knobs": knobs}, auth=True)
+
+    async def patch_knobs(self, knobs: dict[str, Any]) -> dict[str, Any]:
+        return await self.request("PATCH", "/knobs", knobs, auth=True)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+
+class FakeFeed:
+    """A scripted feed: tests push events; policies and sessions come from fixtures.
+
+    Mutations succeed unless ``fail_with`` is set, and bump the policy version like a router.
+    """
+
+    def __init__(self, policies: dict[str, Any] | None = None, sessions: dict[str, Any] | None = None):
+        self.queue: asyncio.Queue[tuple[str, Any]] | None = None
+        self._pending: list[tuple[str, Any]] = []
+        self.policies_body = policies or {"current": {}, "policies": []}
+        self.sessions_body = sessions or {"total": 0, "sessions": []}
+        self.fail_with: ControlError | None = None
+        self.calls: list[tuple[str, Any]] = []
+        self.hz = 4.0
+        self.url = "fake://router"
+        self.token = "fake"
+
+    def push(self, kind: str, payload: Any) -> None:
+        if self.queue is None:
+            self._pending.append((kind, payload))
+        else:
+            self.queue.put_nowait((kind, payload))
+
+    def set_hz(self, hz: float) -> None:
+        self.hz = hz
+
+    async def events(self) -> AsyncIterator[tuple[str, Any]]:
+        self.queue = asyncio.Queue()
+        for item in self._pending:
+            self.queue.put_nowait(item)
+        self._pending.clear()
+        yield "_status", {"connected": True, "error": None}
+        while True:
+            yield await self.queue.get()
+
+    async def policies(self) -> dict[str, Any]:
+        return self.policies_body
+
+    async def sessions(self, limit: int = 200) -> dict[str, Any]:
+        return self.sessions_body
+
+    async def _mutate(self, call: str, body: Any) -> dict[str, Any]:
+        self.calls.append((call, body))
+        if self.fail_with is not None:
+            raise self.fail_with
+        cur = self.policies_body.setdefault("current", {})
+        cur["version"] = int(cur.get("version", 1)) + 1
+        if call == "put_policy":
+            cur["name"], cur["knobs"] = body["name"], dict(body["knobs"])
+        else:
+            cur["knobs"] = {**cur.get("knobs", {}), **body}
+        cur["policy"] = f"{cur.get('name')}@{cur['version']}"
+        return {"policy": cur["policy"], "name": cur.get("name"), "version": cur["version"],
+                "knobs": cur["knobs"]}
+
+    async def put_policy(self, name: str, knobs: dict[str, Any]) -> dict[str, Any]:
+        return await self._mutate("put_policy", {"name": name, "knobs": knobs})
+
+    async def patch_knobs(self, knobs: dict[str, Any]) -> dict[str, Any]:
+        return await self._mutate("patch_knobs", knobs)
+
+    async def close(self) -> None:
+        pass

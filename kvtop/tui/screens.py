@@ -1,0 +1,257 @@
+"""Modal screens: the decision receipt, help, policy picker, knob form and the confirm-with-diff."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from rich.text import Text
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.screen import ModalScreen
+from textual.validation import Function, Integer, Number
+from textual.widgets import Button, DataTable, Input, Label, OptionList, Static
+from textual.widgets.option_list import Option
+
+from kvtop.tui.model import fmt_int
+
+
+class ReceiptScreen(ModalScreen[None]):
+    """Why one request went where it did: every candidate's terms, the chosen one marked."""
+
+    BINDINGS = [Binding("escape,q,enter", "dismiss", "close", id="kvtop.receipt.close")]
+
+    def __init__(self, ev: dict[str, Any]):
+        super().__init__()
+        self.ev = ev
+
+    def compose(self) -> ComposeResult:
+        ev = self.ev
+        ts = time.strftime("%H:%M:%S", time.localtime(ev.get("ts") or 0))
+        head = (f"[b]request[/b] {ev.get('request_id', '?')}  attempt {ev.get('attempt', 0)}  at {ts}\n"
+                f"[b]session[/b] {ev.get('session', '?')}  turn {ev.get('turn', '?')}  class {ev.get('class', '?')}  "
+                f"input {fmt_int(ev.get('input_tokens'))} tok\n"
+                f"[b]→ {ev.get('instance', '?')}[/b]  reason [b]{ev.get('reason', '?')}[/b]  policy {ev.get('policy', '?')}  "
+                f"est hit {fmt_int(ev.get('est_hit'))}  best {fmt_int(ev.get('best_hit'))} on "
+                f"{ev.get('best_hit_instance') or '-'}  new prefill {fmt_int(ev.get('new_prefill'))}  "
+                f"{ev.get('decision_us', '?')} µs")
+        extra = {k: v for k, v in ev.items() if k not in {
+            "ts", "request_id", "attempt", "session", "turn", "class", "input_tokens", "instance", "reason",
+            "policy", "est_hit", "best_hit", "best_hit_instance", "new_prefill", "decision_us", "terms"}
+            and v not in (None, "", 0)}
+        if extra:
+            head += "\n" + "  ".join(f"{k}={v}" for k, v in extra.items())
+        with Vertical(id="receipt", classes="dialog"):
+            yield Static(head, id="receipt-head")
+            yield DataTable(id="receipt-terms", cursor_type="row", zebra_stripes=True)
+            yield Static("[dim]▶ marks the chosen instance · Esc closes[/dim]")
+
+    def on_mount(self) -> None:
+        table = self.query_one(DataTable)
+        terms = self.ev.get("terms") or []
+        keys: list[str] = []
+        for t in terms:
+            for k in t if isinstance(t, dict) else ():
+                if k not in keys:
+                    keys.append(k)
+        table.add_column("", key="_mark")
+        for k in keys:
+            table.add_column(k, key=k)
+        for n, t in enumerate(terms):
+            if not isinstance(t, dict):
+                continue
+            chosen = t.get("instance") == self.ev.get("instance")
+            cells = [Text("▶", style="bold") if chosen else ""]
+            for k in keys:
+                v = t.get(k)
+                s = f"{v:.4g}" if isinstance(v, float) else ("" if v is None else str(v))
+                cells.append(Text(s, style="bold") if chosen else s)
+            table.add_row(*cells, key=f"c{n}")
+        table.focus()
+
+
+class HelpScreen(ModalScreen[None]):
+    BINDINGS = [Binding("escape,q,question_mark", "dismiss", "close", id="kvtop.help.close")]
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll(id="help", classes="dialog"):
+            yield Static(self.text)
+
+
+class ConfirmScreen(ModalScreen[bool]):
+    """Shows what will change; Enter/y applies, Esc/n cancels."""
+
+    BINDINGS = [Binding("y", "yes", "apply", id="kvtop.confirm.yes"),
+                Binding("escape,n", "no", "cancel", id="kvtop.confirm.no")]
+
+    def __init__(self, title: str, diff: list[tuple[str, Any, Any]]):
+        super().__init__()
+        self.title_text = title
+        self.diff = diff
+
+    def compose(self) -> ComposeResult:
+        lines = [f"[b]{self.title_text}[/b]", ""]
+        for name, before, after in self.diff:
+            lines.append(f"  {name}: [b]{before}[/b] → [b reverse] {after} [/b reverse]")
+        with Vertical(id="confirm", classes="dialog"):
+            yield Static("\n".join(lines), id="confirm-diff")
+            with Horizontal(classes="buttons"):
+                yield Button("Apply (y)", variant="warning", id="yes")
+                yield Button("Cancel (n)", id="no")
+
+    def on_mount(self) -> None:
+        self.query_one("#yes", Button).focus()
+
+    def action_yes(self) -> None:
+        self.dismiss(True)
+
+    def action_no(self) -> None:
+        self.dismiss(False)
+
+    @on(Button.Pressed)
+    def pressed(self, event: Button.Pressed) -> None:
+        self.dismiss(event.button.id == "yes")
+
+
+class PolicyPicker(ModalScreen[str | None]):
+    BINDINGS = [Binding("escape", "dismiss(None)", "cancel", id="kvtop.picker.cancel")]
+
+    def __init__(self, policies: list[dict[str, Any]], current: str | None):
+        super().__init__()
+        self.policies = policies
+        self.current = current
+
+    def compose(self) -> ComposeResult:
+        opts = []
+        for p in self.policies:
+            doc = (p.get("doc") or "").strip().splitlines()
+            mark = " (current)" if p["name"] == self.current else ""
+            opts.append(Option(f"{p['name']}{mark}  [dim]{doc[0][:70] if doc else ''}[/dim]", id=p["name"]))
+        with Vertical(id="picker", classes="dialog"):
+            yield Static("[b]Switch policy[/b]  (Enter picks, Esc cancels)")
+            yield OptionList(*opts, id="picker-list")
+
+    def on_mount(self) -> None:
+        self.query_one(OptionList).focus()
+
+    @on(OptionList.OptionSelected)
+    def picked(self, event: OptionList.OptionSelected) -> None:
+        self.dismiss(event.option.id)
+
+
+def parse_knob(schema: dict[str, Any], text: str) -> Any:
+    t = schema.get("type")
+    text = text.strip()
+    if t == "int":
+        return int(text)
+    if t == "float":
+        return float(text)
+    if t == "bool":
+        low = text.lower()
+        if low in ("true", "yes", "on", "1"):
+            return True
+        if low in ("false", "no", "off", "0"):
+            return False
+        raise ValueError(text)
+    return text
+
+
+class KnobForm(ModalScreen[dict[str, Any] | None]):
+    """Edit the current policy's knobs: value, default and range shown; validated as typed.
+
+    Returns the changed knobs only; the caller confirms and applies them. The router still
+    validates: its message lands in ``#knob-error``.
+    """
+
+    BINDINGS = [Binding("escape", "dismiss(None)", "cancel", id="kvtop.knobs.cancel"),
+                Binding("ctrl+s", "submit", "apply", id="kvtop.knobs.apply")]
+
+    def __init__(self, policy: str, schema: list[dict[str, Any]], current: dict[str, Any]):
+        super().__init__()
+        self.policy = policy
+        self.schema = schema
+        self.current = current
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="knobs", classes="dialog"):
+            yield Static(f"[b]Knobs of {self.policy}[/b]  (Tab moves, ctrl+s or Apply, Esc cancels)")
+            with VerticalScroll(id="knob-fields"):
+                if not self.schema:
+                    yield Static("this policy has no knobs")
+                for k in self.schema:
+                    name = k["name"]
+                    yield Label(f"[b]{name}[/b]  now [b]{self.current.get(name, k.get('default'))}[/b]  "
+                                f"default {k.get('default')}  range {k.get('range') or '-'}", classes="knob-label")
+                    yield Input(str(self.current.get(name, k.get("default"))), id=f"knob-{name}",
+                                validators=self._validators(k), classes="knob-input")
+                    if k.get("doc"):
+                        yield Static(f"[dim]{k['doc']}[/dim]", classes="knob-doc")
+            yield Static("", id="knob-error")
+            with Horizontal(classes="buttons"):
+                yield Button("Apply", variant="warning", id="apply")
+                yield Button("Cancel", id="cancel")
+
+    @staticmethod
+    def _validators(k: dict[str, Any]) -> list:
+        lo, hi = k.get("min"), k.get("max")
+        if k.get("type") == "int":
+            return [Integer(minimum=lo, maximum=hi)]
+        if k.get("type") == "float":
+            return [Number(minimum=lo, maximum=hi)]
+        if k.get("type") == "bool":
+            return [Function(lambda s: s.strip().lower() in ("true", "false", "yes", "no", "on", "off", "1", "0"),
+                             "true or false")]
+        if k.get("choices"):
+            return [Function(lambda s, c=tuple(k["choices"]): s.strip() in c, "one of " + ", ".join(k["choices"]))]
+        return []
+
+    def changed(self) -> tuple[dict[str, Any], list[str]]:
+        out: dict[str, Any] = {}
+        errors: list[str] = []
+        for k in self.schema:
+            name = k["name"]
+            inp = self.query_one(f"#knob-{name}", Input)
+            result = inp.validate(inp.value)
+            if result is not None and not result.is_valid:
+                errors.append(f"{name}: " + "; ".join(result.failure_descriptions))
+                continue
+            try:
+                value = parse_knob(k, inp.value)
+            except ValueError:
+                errors.append(f"{name}: cannot read {inp.value!r} as {k.get('type')}")
+                continue
+            if value != self.current.get(name, k.get("default")):
+                out[name] = value
+        return out, errors
+
+    def show_error(self, message: str) -> None:
+        self.query_one("#knob-error", Static).update(Text(message, style="bold"))
+        self.query_one("#knob-error").add_class("shown")
+
+    def action_submit(self) -> None:
+        changed, errors = self.changed()
+        if errors:
+            self.show_error("not valid: " + " · ".join(errors))
+            return
+        if not changed:
+            self.show_error("nothing changed")
+            return
+        self.dismiss(changed)
+
+    @on(Button.Pressed, "#apply")
+    def apply(self) -> None:
+        self.action_submit()
+
+    @on(Button.Pressed, "#cancel")
+    def cancel(self) -> None:
+        self.dismiss(None)
+
+    @on(Input.Submitted)
+    def submitted(self) -> None:
+        self.action_submit()
