@@ -13,6 +13,12 @@ The engine's KV capacity in tokens is kept the same.
 
 Modes: open (each request at its trace arrival) or closed (a session's next turn is sent
 its think time after the previous answer ended, as agents do; first turns at arrival).
+
+Router-level features (router/features.py) come through ``--knob`` like policy knobs:
+``offload_mode`` runs vLLM's disaggregated two-step in virtual time (P's engine runs the
+prefill-only request; its KV params then go to D's engine, which waits the profile's
+transfer time and holds the blocks); ``admission=fifo|pack`` drives each engine's waiting
+queue through router.admission (the live router keeps that queue in the router instead).
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ from router.classes import route_class
 from router.cluster import Cluster, Ticket
 from router.config import KnobError, parse_knob_args
 from router.core import NoInstance, RoutingCore
+from router.features import FEATURE_KNOBS, set_new_prefill
+from router.offload import decide_offload, loads
 from router.policies import build_policy
 from router.request import RouteRequest
 
@@ -47,6 +55,7 @@ class SimConfig:
     knobs: dict[str, Any] = field(default_factory=dict)
     max_output_tokens: int | None = None
     admission: str | None = None  # engine waiting-queue hook name (see router/admission.py)
+    features: dict[str, Any] = field(default_factory=dict)  # router-level knobs (router/features.py)
 
 
 @dataclass
@@ -61,6 +70,8 @@ class _Live:
     instance: int
     ticket: Ticket
     first_token: float | None = None
+    route_cls: str | None = None  # HEAVY_P2P / HEAVY_COLO when offload was considered
+    prefill_instance: int | None = None  # P when offloaded
 
 
 def _engine_factory(cfg: SimConfig, trace_block_size: int):
@@ -70,15 +81,19 @@ def _engine_factory(cfg: SimConfig, trace_block_size: int):
     prof = get_profile(cfg.profile)
     ebs = cfg.engine_block_size or max(prof.block_size, trace_block_size)
     capacity_tokens = prof.num_gpu_blocks * prof.block_size
-    hook = None
-    if cfg.admission:
+    feats = FEATURE_KNOBS.validate(cfg.features)
+    admission = cfg.admission or (feats["admission"] if feats["admission"] != "off" else None)
+    if admission:
         from router.admission import engine_hook
 
-        hook = engine_hook(cfg.admission, cfg.knobs)
+        hook_knobs = {**feats, **cfg.knobs}
+
+    def make_hook():  # one per engine: each keeps its own round count
+        return engine_hook(admission, hook_knobs) if admission else None
 
     def make(i: int) -> Engine:
         return Engine(prof, block_size=ebs, num_gpu_blocks=capacity_tokens // ebs, engine_id=str(i),
-                      admission=hook)
+                      admission=make_hook())
 
     return make, ebs, capacity_tokens
 
@@ -101,6 +116,9 @@ def simulate(requests: Sequence[Any], policy: str, cfg: SimConfig) -> list[dict[
                       capacity_blocks=max(1, capacity_tokens // cfg.router_block_size),
                       clock=lambda: sim_time[0])
     core = RoutingCore(cluster, build_policy(policy, cfg.knobs), clock=lambda: sim_time[0])
+    feats = FEATURE_KNOBS.validate(cfg.features)
+    offloading = feats["offload_mode"] != "off"
+    prefill_side: dict[str, tuple[_Live, Ticket, list[int]]] = {}  # P-side id -> (request, P ticket, hashes)
 
     # event heap: (time, order, kind, payload)
     heap: list[tuple[float, int, str, Any]] = []
@@ -143,7 +161,9 @@ def simulate(requests: Sequence[Any], policy: str, cfg: SimConfig) -> list[dict[
             "request_id": lv.request_id, "session": lv.session, "turn": lv.turn, "arrival": lv.arrival,
             "input_tokens": lv.input_tokens, "output_tokens": out_tokens, "status": status,
             "error": error, "ttft_ms": ttft, "e2e_ms": e2e if status == "ok" else None, "tpot_ms": tpot,
-            "cached_tokens": cached, "instance": names[lv.instance], "route_class": route_class(lv.input_tokens),
+            "cached_tokens": cached, "instance": names[lv.instance],
+            "route_class": lv.route_cls or route_class(lv.input_tokens),
+            "prefill_instance": names[lv.prefill_instance] if lv.prefill_instance is not None else None,
             "arm": policy,
         })
         nxt = next_turn.get(lv.idx)
@@ -163,17 +183,39 @@ def simulate(requests: Sequence[Any], policy: str, cfg: SimConfig) -> list[dict[
                                 regroup_block_ids(r.hash_ids, tbs, cfg.router_block_size, r.input_tokens),
                                 "tokens", "completions", True, out)
             try:
-                d = core.route(rreq)
+                d = core.decide(rreq)
             except NoInstance as exc:
                 records.append({"request_id": rid, "session": r.session, "turn": r.turn, "arrival": t,
                                 "input_tokens": r.input_tokens, "output_tokens": 0, "status": "error",
                                 "error": str(exc), "instance": None, "arm": policy,
                                 "route_class": route_class(r.input_tokens)})
                 continue
-            lv = _Live(payload, rid, r.session, d.turn, t, r.input_tokens, out, d.instance, d.ticket)
+            off = None
+            if offloading:
+                off = decide_offload(d.instance, d.new_prefill_tokens, loads(cluster), feats)
+            core.dispatch(d)
+            lv = _Live(payload, rid, r.session, d.turn, t, r.input_tokens, out, d.instance, d.ticket,
+                       route_cls=off.route_class if off else None)
+            hashes = regroup_block_ids(r.hash_ids, tbs, ebs, r.input_tokens)
+            if off is not None and off.offload:
+                # P prefills (one token, KV kept for a remote decode); D gets it when P is done.
+                p = off.prefill_instance
+                p_ticket = cluster.dispatch(p, r.input_tokens, cluster.hits(rreq.blocks, r.input_tokens)[p],
+                                            rreq.blocks, decode=False)
+                set_new_prefill(cluster, d.ticket, 0)
+                lv.prefill_instance = p
+                try:
+                    engines[p].add_request(EngineRequest(rid + "#p", r.input_tokens, hashes, 1, t,
+                                                         kv_transfer_params={"do_remote_decode": True}))
+                except EngineRejected as exc:
+                    cluster.finish(p_ticket, error=True)
+                    end(lv, t, "error", error=str(exc))
+                    continue
+                prefill_side[rid + "#p"] = (lv, p_ticket, hashes)
+                kick(p, t)
+                continue
             try:
-                engines[d.instance].add_request(EngineRequest(
-                    rid, r.input_tokens, regroup_block_ids(r.hash_ids, tbs, ebs, r.input_tokens), out, t))
+                engines[d.instance].add_request(EngineRequest(rid, r.input_tokens, hashes, out, t))
             except EngineRejected as exc:
                 end(lv, t, "error", error=str(exc))
                 continue
@@ -194,11 +236,29 @@ def simulate(requests: Sequence[Any], policy: str, cfg: SimConfig) -> list[dict[
         else:  # step_end
             i, res = payload
             for rid in res.first_token:
+                ps = prefill_side.get(rid)
+                if ps is not None:
+                    cluster.first_token(ps[1])
+                    continue
                 lv = live.get(rid)
                 if lv is not None and lv.first_token is None:
                     lv.first_token = t
                     cluster.first_token(lv.ticket)
             for fin in res.finished:
+                ps = prefill_side.pop(fin.request_id, None)
+                if ps is not None:  # P is done: D pulls the KV (the engine models the transfer)
+                    plv, p_ticket, hashes = ps
+                    cluster.finish(p_ticket)
+                    try:
+                        engines[plv.instance].add_request(EngineRequest(
+                            plv.request_id, plv.input_tokens, hashes, plv.output_tokens, t,
+                            kv_transfer_params=fin.kv_transfer_params))
+                    except EngineRejected as exc:
+                        end(plv, t, "error", error=str(exc))
+                        continue
+                    live[plv.request_id] = plv
+                    kick(plv.instance, t)
+                    continue
                 lv = live.pop(fin.request_id, None)
                 if lv is not None:
                     end(lv, t, "ok", out_tokens=fin.num_output_tokens, cached=fin.num_cached_tokens)
@@ -225,7 +285,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="open: trace arrival times; closed: next turn after the answer + think time")
     p.add_argument("--limit", type=int, default=None, help="first N requests of the trace")
     p.add_argument("--knob", action="append", default=[], metavar="KEY=VALUE",
-                   help="policy knob applied to every policy that has it (repeatable)")
+                   help="policy knob applied to every policy that has it, or a router-level knob "
+                        "(offload_mode, heavy_threshold, admission, ...; router/features.py) "
+                        "applied to every run (repeatable)")
     p.add_argument("--router-block-size", type=int, default=512, help="router prefix-index block (default 512)")
     p.add_argument("--engine-block-size", type=int, default=None,
                    help="engine cache block (default: the trace's block size, at least the profile's)")
@@ -252,11 +314,13 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--policies needs at least one policy")
     try:
         knobs = parse_knob_args(args.knob)
+        features = {k: v for k, v in knobs.items() if k in FEATURE_KNOBS.names()}
+        FEATURE_KNOBS.validate(features)
         for pol in policies:
             build_policy(pol, _policy_knobs(pol, knobs))
-        unknown = set(knobs) - {k for pol in policies for k in _policy_knobs(pol, knobs)}
+        unknown = set(knobs) - set(features) - {k for pol in policies for k in _policy_knobs(pol, knobs)}
         if unknown:
-            raise KnobError(sorted(unknown)[0], "no chosen policy has this knob")
+            raise KnobError(sorted(unknown)[0], "no chosen policy has this knob, nor is it a router-level knob")
     except KnobError as exc:
         raise CliError(f"{exc.field}: {exc.message}") from None
     try:
@@ -277,7 +341,8 @@ def run(args: argparse.Namespace) -> int:
     for pol in policies:
         cfg = SimConfig(instances=args.instances, profile=args.profile, mode=args.mode,
                         router_block_size=args.router_block_size, engine_block_size=args.engine_block_size,
-                        knobs=_policy_knobs(pol, knobs), max_output_tokens=args.max_output_tokens)
+                        knobs=_policy_knobs(pol, knobs), max_output_tokens=args.max_output_tokens,
+                        features=features)
         t0 = time.process_time()
         try:
             records = simulate(requests, pol, cfg)

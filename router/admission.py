@@ -58,9 +58,10 @@ def engine_hook(name: str, knobs: dict[str, Any] | None = None):
     """An ``Engine(admission=...)`` hook running ``admit`` over the engine's waiting queue.
 
     The engine's own room is the step's remaining token budget, and chunked prefill lets
-    vLLM start a prompt larger than that, so the hook passes pending 0 (the head can always
-    start, which makes ``fifo`` vLLM's own order) and the step budget as the budget.
-    ``admission_lookahead`` and ``admission_force_fifo_every`` come from ``knobs``.
+    vLLM start a prompt larger than that: a FIFO round (``fifo``, or pack's forced round)
+    returns the window in arrival order, which is vLLM's own behaviour (the engine chunks the
+    last one into what is left). A pack round passes pending 0 and the step budget to
+    ``admit``. ``admission_lookahead`` and ``admission_force_fifo_every`` come from ``knobs``.
     """
     if name not in ("fifo", "pack"):
         raise ValueError(f"unknown admission {name!r}; expected fifo or pack")
@@ -70,7 +71,10 @@ def engine_hook(name: str, knobs: dict[str, Any] | None = None):
     state = {"round": 1}
 
     def hook(views, budget: int) -> list[int]:
-        picked = admit([v.cost for v in views], 0, budget, lookahead, name, state["round"], every)
+        if is_fifo_round(name, state["round"], every):
+            picked = list(range(len(views)))
+        else:
+            picked = admit([v.cost for v in views], 0, budget, lookahead, name, state["round"], every)
         if picked:
             state["round"] += 1
         return picked

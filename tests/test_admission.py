@@ -89,10 +89,10 @@ def test_engine_hook_fifo_is_vllm_order_and_pack_reorders():
 
     views = [WaitingView("a", 20_000, 0, 20_000, 0.0), WaitingView("b", 300, 0, 300, 0.1),
              WaitingView("c", 200, 0, 200, 0.2)]
-    assert engine_hook("fifo")(views, 8192) == [0]  # chunked prefill: the head starts, then no room
+    assert engine_hook("fifo")(views, 8192) == [0, 1, 2]  # vLLM's order; the engine chunks
     assert engine_hook("pack")(views, 8192) == [1, 2]
     hook = engine_hook("pack", {"admission_force_fifo_every": 2, "admission_lookahead": 8})
-    assert hook(views, 8192) == [1, 2] and hook(views, 8192) == [0]  # round 2 is FIFO
+    assert hook(views, 8192) == [1, 2] and hook(views, 8192) == [0, 1, 2]  # round 2 is FIFO
     with pytest.raises(ValueError):
         engine_hook("lifo")
 
