@@ -62,6 +62,8 @@ def open_readonly(path: str | Path) -> sqlite_utils.Database:
         conn = sqlite3.connect(uri, uri=True, check_same_thread=False)
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     except sqlite3.DatabaseError as exc:
+        if "unable to open" in str(exc):  # e.g. a live WAL file in a directory we cannot write
+            raise QueryError(f"cannot open {path} read-only: {exc}") from None
         raise QueryError(f"{path} is not a kvtop database ({exc})") from None
     missing = {"runs", "decisions", "outcomes"} - tables
     if missing:
