@@ -115,3 +115,16 @@ async def test_gate_waits_releases_and_forgets_a_cancelled_waiter():
     for key in ("tiny", "small"):
         gate.release(0, key)
     assert gate.queue.pending(0) == 0 and not gate.futures
+
+
+def test_kvtop_sim_admission_flag_gives_each_engine_its_own_hook():
+    import argparse
+
+    from kvtop.sim.cli import add_arguments, build_instances
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    insts = build_instances(p.parse_args(["--instances", "2", "--admission", "pack"]))
+    hooks = [i.engine.admission for i in insts]
+    assert all(hooks) and hooks[0] is not hooks[1]
+    assert build_instances(p.parse_args([]))[0].engine.admission is None

@@ -51,6 +51,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(current vLLM, default) or at every lookup (older releases)")
     parser.add_argument("--model", default=None, metavar="NAME",
                         help="served model name (default: the profile's model)")
+    parser.add_argument("--admission", choices=("fifo", "pack"), default=None,
+                        help="reorder each engine's waiting queue with router.admission: fifo "
+                             "(vLLM's own order) or pack (cheapest prompts that fit the step "
+                             "first; every 4th round FIFO). Default: the engine's plain FIFO")
+    parser.add_argument("--admission-lookahead", type=int, default=8, metavar="K",
+                        help="pack: waiting requests it may choose from (default 8)")
     parser.add_argument("--duration", type=float, default=None, metavar="S",
                         help="exit after S wall seconds (for tests and scripts)")
 
@@ -74,6 +80,8 @@ def build_instances(args: argparse.Namespace):
         v = getattr(args, flag)
         if v is not None and v <= 0:
             raise CliError(f"--{flag.replace('_', '-')} must be positive")
+    if getattr(args, "admission_lookahead", 8) < 1:
+        raise CliError("--admission-lookahead must be at least 1")
     profile = get_profile(args.profile)
     model = args.model or profile.model
     instances = []
@@ -82,11 +90,22 @@ def build_instances(args: argparse.Namespace):
         engine = Engine(profile, num_gpu_blocks=args.num_gpu_blocks, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
-                        prefix_metrics=args.prefix_metrics, engine_id=f"kvtop-sim-{port}")
+                        prefix_metrics=args.prefix_metrics, engine_id=f"kvtop-sim-{port}",
+                        admission=_admission_hook(args))
         instances.append(SimInstance(engine, model=model, host=args.host, port=port,
                                      speed=args.speed, stream_interval_ms=args.stream_interval_ms,
                                      engine_label=str(i)))
     return instances
+
+
+def _admission_hook(args: argparse.Namespace):
+    """One hook per engine (each keeps its own round count), or None for plain FIFO."""
+    name = getattr(args, "admission", None)
+    if not name:
+        return None
+    from router.admission import engine_hook
+
+    return engine_hook(name, {"admission_lookahead": getattr(args, "admission_lookahead", 8)})
 
 
 def run(args: argparse.Namespace) -> int:
