@@ -305,9 +305,10 @@ def summary(db: sqlite_utils.Database | str | Path, run_id: str | None = None) -
         FROM decisions d JOIN outcomes o
           ON o.request_id = d.request_id AND o.attempt = d.attempt AND o.run_id = d.run_id
         WHERE {run_clause} GROUP BY d.policy, d.policy_version"""
-    # Failures are few: count them from the outcomes side, joining only those rows.
+    # Failures are few: count them from the outcomes side, joining only those rows
+    # (CROSS JOIN keeps SQLite from putting decisions on the outside).
     failure_sql = f"""SELECT d.policy, d.policy_version, o.status, count(*) AS n
-        FROM outcomes o JOIN decisions d
+        FROM outcomes o CROSS JOIN decisions d
           ON d.request_id = o.request_id AND d.attempt = o.attempt AND d.run_id = o.run_id
         WHERE {run_clause.replace("d.", "o.")} AND o.status IS NOT 'ok'
         GROUP BY d.policy, d.policy_version, o.status"""
