@@ -30,9 +30,11 @@ _CELL_MAX = 48
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    db_help = f"decision log to read (default {DEFAULT_DB})"
+    # --db works before or after the command: `kvtop log --db X runs` and `kvtop log runs --db X`.
+    parser.add_argument("--db", dest="parent_db", metavar="PATH", help=db_help)
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--db", default=DEFAULT_DB, metavar="PATH",
-                        help=f"decision log to read (default {DEFAULT_DB})")
+    common.add_argument("--db", metavar="PATH", help=db_help)
     sub = parser.add_subparsers(dest="log_cmd", metavar="COMMAND")
     sub.required = True
 
@@ -73,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     from store import queries
 
     try:
-        db = queries.open_readonly(args.db)
+        db = queries.open_readonly(args.db or args.parent_db or DEFAULT_DB)
         return _COMMANDS[args.log_cmd](queries, db, args)
     except queries.QueryError as exc:
         raise CliError(str(exc)) from None

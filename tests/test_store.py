@@ -295,7 +295,7 @@ def test_cli_summary_and_runs(db_path, capsys):
     assert "== lmetric@1" in out and "== unified@2" in out
     assert "p50 200.0  p90 280.0  p99 298.0" in out
     assert "routing (best-est) 1,600 (mean 400)" in out
-    assert main(["log", "runs", "--db", db_path]) == 0
+    assert main(["log", "--db", db_path, "runs"]) == 0  # --db before the command works too
     out = capsys.readouterr().out
     assert "r1" in out and "lmetric@1 -> unified@2" in out
     assert main(["log", "summary", "--db", db_path, "--format", "json"]) == 0
