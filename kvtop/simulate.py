@@ -75,6 +75,7 @@ class _Live:
 
 
 def _engine_factory(cfg: SimConfig, trace_block_size: int):
+    """Engines with the profile's KV capacity in tokens, caching in blocks the trace can express."""
     from kvtop.sim.engine import Engine
     from kvtop.sim.profiles import get_profile
 
@@ -107,8 +108,10 @@ def simulate(requests: Sequence[Any], policy: str, cfg: SimConfig) -> list[dict[
 
     if not requests:
         return []
-    tbs = requests[0].block_size or 16
-    make_engine, ebs, capacity_tokens = _engine_factory(cfg, tbs)
+    # A built stream can mix sources (64-token Claude Code ids, 512-token Mooncake ids): each
+    # line is regrouped from its own block size; engines use the finest one present.
+    make_engine, ebs, capacity_tokens = _engine_factory(cfg, min(r.block_size or 16 for r in requests))
+    max_len = make_engine(0).max_model_len
     engines = [make_engine(i) for i in range(cfg.instances)]
     names = [f"i{i}" for i in range(cfg.instances)]
     sim_time = [0.0]
@@ -178,7 +181,9 @@ def simulate(requests: Sequence[Any], policy: str, cfg: SimConfig) -> list[dict[
             r = requests[payload]
             rid = f"{payload}"
             out = r.output_tokens if cfg.max_output_tokens is None else min(r.output_tokens, cfg.max_output_tokens)
-            out = max(1, out)
+            # like a client that sizes max_tokens to the context left
+            out = max(1, min(out, max_len - r.input_tokens))
+            tbs = r.block_size or 16
             rreq = RouteRequest(rid, r.session, "header", r.input_tokens,
                                 regroup_block_ids(r.hash_ids, tbs, cfg.router_block_size, r.input_tokens),
                                 "tokens", "completions", True, out)
