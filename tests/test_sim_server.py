@@ -328,3 +328,75 @@ async def test_prefill_decode_two_step(aiohttp_client):
     assert second["kv_transfer_params"] is None
     d_metrics = parse_metrics(await (await d.get("/metrics")).text())
     assert metric(d_metrics, "vllm:prefix_cache_hits_total") == 0   # pulled, not a local hit
+
+
+# ---------------------------------------------------------------- the verb
+
+def _free_ports(n: int) -> int:
+    """A base port with n free consecutive ports on 127.0.0.1."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n > 65535:
+            continue
+        try:
+            socks = []
+            for k in range(n):
+                sk = socket.socket()
+                socks.append(sk)
+                sk.bind(("127.0.0.1", base + k))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sk in socks:
+                sk.close()
+    raise RuntimeError("no free ports")
+
+
+async def test_kvtop_sim_verb_serves_n_instances_and_exits_by_itself(aiohttp_client):
+    import sys
+
+    import aiohttp
+
+    base = _free_ports(2)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvtop.cli", "sim", "--instances", "2", "--port-base", str(base),
+        "--profile", "cpu-tiny", "--speed", "100", "--duration", "3",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        lines = [await proc.stdout.readline() for _ in range(2)]
+        assert [ln.decode().split()[2] for ln in lines] == [f"http://127.0.0.1:{base}",
+                                                           f"http://127.0.0.1:{base + 1}"]
+        async with aiohttp.ClientSession() as session:
+            for port in (base, base + 1):
+                async with session.post(f"http://127.0.0.1:{port}/v1/completions",
+                                        json={"prompt": "hi", "max_tokens": 2}) as resp:
+                    assert resp.status == 200
+                async with session.get(f"http://127.0.0.1:{port}/metrics") as resp:
+                    assert 'block_size="128"' in await resp.text()
+        assert await asyncio.wait_for(proc.wait(), 20) == 0     # --duration ends it
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def test_kvtop_sim_verb_port_in_use_is_a_one_line_error():
+    import socket
+    import sys
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kvtop.cli", "sim", "--port-base", str(port), "--duration", "1",
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+        _, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 2
+    lines = err.decode().strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvtop sim: cannot listen on 127.0.0.1")
