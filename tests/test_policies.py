@@ -195,3 +195,35 @@ def test_docs_list_every_reason_and_policy():
         assert f"`{reason}`" in text, f"docs/policies.md lacks reason {reason}"
     for name in POLICIES:
         assert f"`{name}`" in text, f"docs/policies.md lacks policy {name}"
+
+
+# unified_ab migration fires only when all four DESIGN.md conditions hold; each boundary case
+# sits exactly on a condition's edge. Base: owner 0 with 75% of a 40k prompt cached, BS 8;
+# others BS 1 and 2 -> mean 11/3, 8 > 3.67 x 1.5 = 5.5, target BS 1 < 8 - 2.
+@pytest.mark.parametrize("inp,hit,owner_bs,knobs,migrates,why", [
+    (40_000, 30_000, 8, {}, True, "all four hold"),
+    (20_000, 15_000, 8, {}, True, "input == heavy_threshold counts as HEAVY (>=)"),
+    (19_999, 15_000, 8, {}, False, "one token under heavy_threshold"),
+    (40_000, 20_000, 8, {}, False, "cached share exactly 0.5 is not above the gate (>)"),
+    (40_000, 20_032, 8, {}, True, "just above the gate"),
+    (40_000, 30_000, 8, {"migration_request_factor": 8 / (11 / 3)}, False,
+     "BS_a == mean x factor is not above it"),
+    (40_000, 30_000, 8, {"migration_min_gap": 6}, True, "target BS 1 < 8 - 6 = 2"),
+    (40_000, 30_000, 8, {"migration_min_gap": 7}, False, "target BS 1 == 8 - 7: not strictly below"),
+])
+def test_unified_ab_migration_boundaries(inp, hit, owner_bs, knobs, migrates, why):
+    cs = [cand(0, hit=hit, BS=owner_bs, inp=inp), cand(1, BS=1, inp=inp), cand(2, BS=2, inp=inp)]
+    p = pick("unified_ab", view(cs, session=0, turn=3, inp=inp), **knobs)
+    assert (p.reason == "migrate") == migrates, why
+    if migrates:
+        assert (p.index, p.migrated_from) == (1, 0)
+
+
+def test_unified_ab_never_migrates_without_a_healthy_owner_or_a_peer():
+    inp = 40_000
+    # owner 0 unhealthy (not a candidate): nothing to migrate from
+    p = pick("unified_ab", view([cand(1, BS=1, inp=inp), cand(2, BS=9, inp=inp)], session=0, turn=3, inp=inp))
+    assert p.reason != "migrate"
+    # a single instance: nowhere to go
+    p = pick("unified_ab", view([cand(0, hit=30_000, BS=8, inp=inp)], session=0, turn=3, inp=inp))
+    assert p.reason != "migrate"
