@@ -23,6 +23,7 @@ from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
+from operator import itemgetter
 from pathlib import Path
 from typing import IO, Any, Sequence
 from urllib.parse import quote
@@ -563,26 +564,28 @@ def arms_from_db(db_path: str | Path | sqlite_utils.Database, run_id: str | None
 def _arm(conn: sqlite3.Connection, run_id: str, run_clause: str, seg: dict,
          last_attempt: dict[str, int], has_samples: bool) -> Arm:
     label = seg["label"]
-    rows = conn.execute(
+    cursor = conn.execute(
         f"""SELECT d.request_id, d.attempt, d.session_id, d.turn, d.input_tokens, o.output_tokens,
             o.status = 'ok', o.ttft_ms, o.e2e_ms, o.tpot_ms, o.delivered_hit_tokens, d.instance, d.route_class
         FROM decisions d LEFT JOIN outcomes o
           ON o.request_id = d.request_id AND o.attempt = d.attempt AND o.run_id = d.run_id
         WHERE {run_clause} AND d.policy = ? AND d.policy_version IS ? ORDER BY d.id""",
-        (run_id, seg["policy"], seg["policy_version"])).fetchall()
-    if last_attempt:
-        rows = [r for r in rows if r[0] not in last_attempt or r[1] == last_attempt[r[0]]]
+        (run_id, seg["policy"], seg["policy_version"]))
+    # Streamed from the cursor: no million-tuple list in between. ok is 1 or 0, and NULL
+    # when the attempt has no outcome row (status None here, dropped below).
     records = [
         {"request_id": rid, "session": ses, "turn": turn, "input_tokens": inp,
-         "output_tokens": out, "status": "ok" if ok else "error", "ttft_ms": ttft,
-         "e2e_ms": e2e, "tpot_ms": tpot, "cached_tokens": cached, "instance": inst,
+         "output_tokens": out, "status": "ok" if ok else None if ok is None else "error",
+         "ttft_ms": ttft, "e2e_ms": e2e, "tpot_ms": tpot, "cached_tokens": cached, "instance": inst,
          "route_class": rc, "arm": label}
-        # ok is 1 or 0, NULL when the attempt has no outcome row
-        for rid, _att, ses, turn, inp, out, ok, ttft, e2e, tpot, cached, inst, rc in rows
-        if ok is not None]
+        for rid, att, ses, turn, inp, out, ok, ttft, e2e, tpot, cached, inst, rc in cursor
+        if rid not in last_attempt or att == last_attempt[rid]]
+    missing = len(records) - sum(map(bool, map(itemgetter("status"), records)))
+    if missing:
+        records = [r for r in records if r["status"] is not None]
     return Arm(label=label, records=records, apc=_apc(conn, run_id, seg, records, has_samples),
                run_id=run_id, policy=seg["policy"], policy_version=seg["policy_version"],
-               start_ts=seg["start_ts"], end_ts=seg["end_ts"], missing_outcomes=len(rows) - len(records))
+               start_ts=seg["start_ts"], end_ts=seg["end_ts"], missing_outcomes=missing)
 
 
 def _apc(conn: sqlite3.Connection, run_id: str, seg: dict, records: list[dict],
