@@ -54,7 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a vLLM instance: URL, name=URL, optionally @gpu=N (repeat for each)")
     p.add_argument("--policy", default="unified", help=f"routing policy ({names}); default unified")
     p.add_argument("--knob", action="append", default=[], metavar="KEY=VALUE",
-                   help="set a policy knob (repeatable); validated against the policy's schema")
+                   help="set a knob (repeatable): a policy knob, or a router-level offload/admission knob "
+                        "(docs/policies.md); validated before the router starts")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     p.add_argument("--db", default="kvtop.db", help="SQLite decision log (default kvtop.db; 'none' to disable)")

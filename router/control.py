@@ -25,6 +25,7 @@ from aiohttp import web
 from router import telemetry
 from router.app import STATE, RouterState, error_response
 from router.config import KnobError
+from router.features import FEATURE_KNOBS
 from router.events import (DECISIONS_DEFAULT, DECISIONS_MAX, DEFAULT_TYPES, EVENT_TYPES, HZ_DEFAULT,
                            HZ_MAX, HZ_MIN, Broadcaster, Viewer)
 from router.policies import POLICIES, policy_class
@@ -173,6 +174,7 @@ class Control:
             "router": {"url": self.url, "uptime_s": now - st.started_at, "started_at": st.started_at,
                        "run_id": st.run_id, "policy": slot.label, "policy_name": slot.policy.name,
                        "policy_version": slot.version, "knobs": dict(slot.policy.knobs),
+                       "features": dict(st.features.knobs),
                        "readonly": cfg.control_readonly, "draining": st.draining,
                        "assumed_prefill_tps": tps, "block_size": cfg.block_size,
                        "viewers": len(self.broadcaster.viewers)},
@@ -280,9 +282,13 @@ async def get_policies(request: web.Request) -> web.Response:
         d = POLICIES[name].describe()
         d["current"] = name == slot.policy.name
         out.append(d)
+    features = request.app[STATE].features
     return web.json_response({"current": {"name": slot.policy.name, "version": slot.version,
-                                          "policy": slot.label, "knobs": slot.policy.knobs},
-                              "policies": out}, dumps=_dumps)
+                                          "policy": slot.label, "knobs": slot.policy.knobs,
+                                          "features": features.knobs},
+                              "policies": out,
+                              # router-level knobs (offload, admission): valid with every policy
+                              "features": FEATURE_KNOBS.to_json()}, dumps=_dumps)
 
 
 async def _json_body(request: web.Request) -> Any:
@@ -300,9 +306,9 @@ def _who(request: web.Request) -> str:
     return "".join(ch for ch in who if ch.isprintable())[:64] or "api"
 
 
-def _swap_response(slot) -> web.Response:
+def _swap_response(slot, features) -> web.Response:
     return web.json_response({"policy": slot.label, "name": slot.policy.name, "version": slot.version,
-                              "knobs": slot.policy.knobs}, dumps=_dumps)
+                              "knobs": slot.policy.knobs, "features": features.knobs}, dumps=_dumps)
 
 
 @_bad_params
@@ -330,7 +336,7 @@ async def put_policy(request: web.Request) -> web.Response:
         param = "name" if exc.field == "policy" else exc.field
         prefix = "" if param in ("name", "knobs") else "knobs."
         return error_response(400, f"{prefix}{param}: {exc.message}", param=param)
-    return _swap_response(slot)
+    return _swap_response(slot, request.app[STATE].features)
 
 
 @_bad_params
@@ -346,7 +352,7 @@ async def patch_knobs(request: web.Request) -> web.Response:
         slot = request.app[STATE].set_policy(None, body, _who(request), merge=True)
     except KnobError as exc:
         return error_response(400, f"{exc.field}: {exc.message}", param=exc.field)
-    return _swap_response(slot)
+    return _swap_response(slot, request.app[STATE].features)
 
 
 @_bad_params
