@@ -191,6 +191,7 @@ class KvtopApp(App):
                            ("doc", "doc")]:
             k.add_column(label, key=key)
         self.query_one("#filter", Input).display = False
+        t.focus()
         self._refresh_controls()
         self._read_feed()
         self._load_policies()

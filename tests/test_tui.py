@@ -1,0 +1,386 @@
+"""kvtop attach: the pure core, Pilot behaviour on a fake feed and on a real router, snapshots."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import os
+import time
+
+import pytest
+
+from kvtop.tui import synthetic as syn
+from kvtop.tui.feed import ControlError, FakeFeed, resolve_target
+from kvtop.tui.model import Collected, decision_matches, percentile, render_once, sparkline
+
+SIZE = (120, 40)
+NOW = syn.snapshot(4, 39.0)["ts"]
+
+
+@pytest.fixture(autouse=True)
+def utc(monkeypatch):
+    """Decision times print in local time: pin it so snapshots match on every machine."""
+    monkeypatch.setenv("TZ", "UTC")
+    time.tzset()
+    yield
+    time.tzset()
+
+
+def make_app(feed=None, *, n=4, steps=40, decisions=60, **kw):
+    from kvtop.tui.app import KvtopApp
+
+    if feed is None:
+        feed = FakeFeed(policies=copy.deepcopy(syn.POLICIES), sessions=syn.sessions(60, n))
+        for t in range(steps):
+            feed.push("state", syn.snapshot(n, float(t)))
+        for k in range(decisions):
+            feed.push("decision", syn.decision(k, n))
+            feed.push("outcome", syn.outcome(k))
+    kw.setdefault("apply_timer", False)  # tests apply explicitly instead of waiting on timers
+    kw.setdefault("poll_sessions_s", 0)
+    return KvtopApp(feed, url="http://127.0.0.1:8000", clock=lambda: NOW, **kw), feed
+
+
+async def wait_group(app, group):
+    """Wait for one worker group; the stream worker never ends, so not ``wait_for_complete``."""
+    for w in [w for w in app.workers if w.group == group]:
+        await w.wait()
+
+
+async def settle(pilot, app):
+    """Let the worker drain the fake feed, then draw."""
+    for _ in range(50):
+        await pilot.pause()
+        if app.collected.snapshot is not None and not app.feed.queue.qsize():
+            break
+    app.apply(force=True)
+    await pilot.pause()
+
+
+# -- pure core ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("values, expected", [
+    ([], ""),
+    ([0, 0, 0], "▁▁▁"),            # all idle: flat floor, not a division by zero
+    ([0, 50, 100], "▁▄█"),          # scaled to the window's maximum
+])
+def test_sparkline(values, expected):
+    assert sparkline(values) == expected
+
+
+def test_percentile_matches_numpy_linear():
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([1.0, 2.0, 3.0, 4.0], 90) == pytest.approx(3.7)
+
+
+@pytest.mark.parametrize("query, hit", [
+    ("reason:argmin", True),
+    ("reason:affinity", False),     # field match is a substring of that field only
+    ("instance:vllm-1 sess-005", True),
+    ("nothing-like-this", False),
+])
+def test_decision_filter(query, hit):
+    ev = {"reason": "argmin", "instance": "vllm-1", "session": "sess-005", "class": "HEAVY"}
+    assert decision_matches(ev, query) is hit
+
+
+def test_collected_keeps_bounded_decisions_and_interval_hit_rate():
+    c = Collected(max_decisions=100)
+    for k in range(250):
+        c.ingest("decision", {"k": k})
+    assert len(c.decisions) == 100 and c.decision_seq == 250
+    c.ingest("state", syn.snapshot(2, 0.0))
+    c.ingest("state", syn.snapshot(2, 1.0))
+    assert len(c.hit_rate) == 2 and 0 <= c.hit_rate[-1][1] <= 100
+
+
+def test_render_once_has_every_instance_and_gpu_reason():
+    text = render_once(syn.snapshot(3, 5.0))
+    assert "policy unified@3" in text
+    for i in range(3):
+        assert f"vllm-{i}" in text
+    assert "gpu n/a: no NVIDIA driver" in text
+    assert "totals" in text and "in_flight=" in text
+
+
+def test_resolve_target_reads_locator_and_token(tmp_path, monkeypatch):
+    monkeypatch.delenv("KVTOP_CONTROL_TOKEN", raising=False)
+    (tmp_path / "router-9.token").write_text("tok\n")
+    (tmp_path / "router-9.json").write_text(
+        '{"url": "http://127.0.0.1:9", "pid": %d, "token_file": "%s", "started_at": 1}'
+        % (os.getpid(), tmp_path / "router-9.token"))
+    t = resolve_target(None, state_dir=tmp_path)
+    assert (t.url, t.token, t.token_source) == ("http://127.0.0.1:9", "tok", "locator")
+    monkeypatch.setenv("KVTOP_CONTROL_TOKEN", "from-env")
+    assert resolve_target(None, state_dir=tmp_path).token == "from-env"  # env beats the locator
+    t = resolve_target(None, state_dir=tmp_path / "none")
+    assert t.url == "http://127.0.0.1:8000"
+    with pytest.raises(ControlError, match="cannot read token file"):
+        resolve_target(None, token_file=str(tmp_path / "missing"), state_dir=tmp_path)
+
+
+# -- Pilot on a fake feed -----------------------------------------------------------------------
+
+async def test_pause_freezes_view_while_data_keeps_arriving():
+    app, feed = make_app(steps=1, decisions=0)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, app)
+        table = app.query_one("#instances")
+        before = str(table.get_cell("vllm-0", "backlog_tokens"))
+        await pilot.press("p")
+        assert app.paused
+        feed.push("state", syn.snapshot(4, 17.0))
+        for k in range(5):
+            feed.push("decision", syn.decision(k))
+        await pilot.pause()
+        await pilot.pause()
+        app.apply()
+        await pilot.pause()
+        assert app.collected.snapshot["ts"] == syn.snapshot(4, 17.0)["ts"]  # collected...
+        assert app.collected.decision_seq == 5
+        assert str(table.get_cell("vllm-0", "backlog_tokens")) == before  # ...but not drawn
+        assert app.query_one("#decision-table").row_count == 0
+        assert "PAUSED" in str(app.query_one("#topbar").render())
+        await pilot.press("p")
+        await pilot.pause()
+        assert str(table.get_cell("vllm-0", "backlog_tokens")) != before
+        assert app.query_one("#decision-table").row_count == 5
+
+
+async def test_sort_by_key_and_reverse():
+    app, feed = make_app(steps=5, decisions=0)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, app)
+        table = app.query_one("#instances")
+        names = lambda: [str(table.get_row_at(i)[0]) for i in range(table.row_count)]  # noqa: E731
+        assert names() == ["vllm-0", "vllm-1", "vllm-2", "vllm-3"]
+        app.set_sort("backlog_tokens")
+        await pilot.pause()
+        backlog = {i["name"]: i["pending_prefill_tokens"] for i in app.collected.snapshot["instances"]}
+        assert names() == sorted(backlog, key=lambda n: -backlog[n])  # busiest first
+        await pilot.press("r")
+        assert names() == sorted(backlog, key=lambda n: backlog[n])
+        await pilot.press("s")  # the s key moves to the next column
+        assert app.sort_key == "backlog_s"
+
+
+async def test_decision_filter_and_receipt():
+    from kvtop.tui.screens import ReceiptScreen
+
+    app, feed = make_app(decisions=60)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, app)
+        await pilot.press("4")
+        await settle(pilot, app)
+        table = app.query_one("#decision-table")
+        assert table.row_count == 60
+        await pilot.press("slash")
+        await pilot.press(*"reason:argmin")
+        await pilot.press("enter")
+        await pilot.pause()
+        reasons = {str(table.get_row_at(i)[4]) for i in range(table.row_count)}
+        assert reasons == {"argmin"} and table.row_count == 10
+        table.focus()
+        await pilot.press("enter")
+        await pilot.pause()
+        assert isinstance(app.screen, ReceiptScreen)
+        terms = app.screen.query_one("#receipt-terms")
+        assert terms.row_count == 4  # every candidate, not only the chosen one
+        await pilot.press("escape")
+        await pilot.press("escape")  # clears the filter: all rows back
+        await pilot.pause()
+        assert table.row_count == 60
+
+
+async def test_decision_rows_capped():
+    app, feed = make_app(decisions=150, max_decisions=100)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, app)
+        table = app.query_one("#decision-table")
+        assert table.row_count == 100
+        assert str(table.get_row_at(table.row_count - 1)[1]) == syn.decision(149)["session"]
+
+
+async def test_disconnect_banner():
+    app, feed = make_app(steps=2, decisions=0)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, app)
+        assert not app.query_one("#banner").display
+        feed.push("_status", {"connected": False, "error": "Connection refused", "retry_in_s": 2.0})
+        await settle(pilot, app)
+        banner = app.query_one("#banner")
+        assert banner.display and "Connection refused" in str(banner.render())
+        assert "DISCONNECTED" in str(app.query_one("#topbar").render())
+
+
+async def test_readonly_hides_control():
+    from kvtop.tui.app import PolicyCommands
+
+    app, feed = make_app(steps=2, decisions=0, readonly=True)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, app)
+        assert app.check_action("switch_policy", ()) is False
+        assert app.check_action("edit_knobs", ()) is False
+        assert not app.query_one("#btn-policy").display
+        names = [name for name, _, _ in PolicyCommands(app.screen)._commands()]
+        assert not any(n.startswith("Switch policy") or n.startswith("Edit knobs") for n in names)
+        await pilot.press("P")
+        assert feed.calls == []
+
+
+async def test_knob_form_validates_before_sending():
+    from kvtop.tui.screens import KnobForm
+
+    app, feed = make_app(steps=2, decisions=0)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, app)
+        await pilot.press("k")
+        await pilot.pause()
+        assert isinstance(app.screen, KnobForm)
+        inp = app.screen.query_one("#knob-overload_factor")
+        inp.value = "99"  # above the schema's max of 10
+        app.screen.action_submit()
+        await pilot.pause()
+        assert isinstance(app.screen, KnobForm)
+        assert "overload_factor" in str(app.screen.query_one("#knob-error").render())
+        inp.value = "3.5"
+        app.screen.action_submit()
+        await pilot.pause()
+        await pilot.press("y")  # the confirm-with-diff screen
+        await wait_group(app, "control")
+        assert feed.calls == [("patch_knobs", {"overload_factor": 3.5})]
+
+
+# -- Pilot on a real router over loopback ------------------------------------------------------
+
+TOKEN = "tui-test-token"
+
+
+@pytest.fixture
+async def live_router(aiohttp_server, fake_backends, tmp_path):
+    from router.app import Backend, RouterConfig, create_app
+
+    backends = await fake_backends(2)
+    cfg = RouterConfig(backends=[Backend(f"i{k}", url) for k, (_, url) in enumerate(backends)],
+                       db=None, control_token=TOKEN, state_dir=str(tmp_path / "state"), scrape_interval_s=0.2)
+    app = create_app(cfg)
+    server = await aiohttp_server(app, host="127.0.0.1")
+    return server, app, str(server.make_url("")).rstrip("/")
+
+
+async def wait_for(pilot, app, cond, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        app.apply(force=True)
+        await pilot.pause(0.05)
+        if cond():
+            app.apply(force=True)
+            await pilot.pause()
+            return True
+    return False
+
+
+async def test_policy_switch_through_palette_reaches_router(live_router):
+    from router.app import STATE
+    from kvtop.tui.app import KvtopApp
+    from kvtop.tui.feed import RouterFeed
+
+    server, rapp, url = live_router
+    app = KvtopApp(RouterFeed(url, TOKEN, hz=10), url=url, apply_timer=False, poll_sessions_s=0)
+    async with app.run_test(size=SIZE) as pilot:
+        assert await wait_for(pilot, app, lambda: app.collected.snapshot is not None
+                              and app.policies_body.get("policies"))
+        assert "unified@1" in str(app.query_one("#topbar").render())
+        await pilot.press("ctrl+p")
+        await pilot.pause()
+        await pilot.press(*"Switch policy to lmetric")
+        await pilot.pause(0.3)
+        await pilot.press("enter")
+        await pilot.pause()
+        await pilot.press("y")
+        await wait_group(app, "control")
+        assert rapp[STATE].slot.label == "lmetric@2"
+        assert await wait_for(pilot, app, lambda: "lmetric@2" in str(app.query_one("#topbar").render()))
+        assert any(ev.get("kind") == "policy" for ev in app.collected.config_events)
+
+
+async def test_invalid_knob_shows_router_message(live_router):
+    from router.app import STATE
+    from kvtop.tui.app import KvtopApp
+    from kvtop.tui.feed import RouterFeed
+
+    server, rapp, url = live_router
+    app = KvtopApp(RouterFeed(url, TOKEN, hz=10), url=url, apply_timer=False, poll_sessions_s=0)
+    async with app.run_test(size=SIZE) as pilot:
+        assert await wait_for(pilot, app, lambda: app.collected.snapshot is not None)
+        # Past the form's own checks (as with a schema the client does not know): the router decides.
+        app._apply_change("patch_knobs", None, {"overload_factor": -5})
+        await wait_group(app, "control")
+        await pilot.pause()
+        assert app.last_error and "overload_factor" in app.last_error
+        assert any("overload_factor" in str(n.message) for n in app._notifications)
+        assert rapp[STATE].slot.version == 1  # nothing changed
+
+
+async def test_once_on_real_router(live_router, capsys):
+    from kvtop.cli import main
+
+    server, rapp, url = live_router
+    rc = await asyncio.to_thread(main, ["attach", "--once", url])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "policy unified@1" in out and "i0" in out and "i1" in out and "totals" in out
+
+
+async def test_wrong_token_is_one_line_error(live_router, tmp_path, capsys):
+    from kvtop.cli import main
+
+    server, rapp, url = live_router
+    bad = tmp_path / "bad.token"
+    bad.write_text("not-the-token")
+    rc = await asyncio.to_thread(main, ["attach", url, "--token-file", str(bad)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1
+    assert "refused" in err and "Traceback" not in err
+
+
+def test_wrong_url_is_one_line_error(capsys):
+    from kvtop.cli import main
+
+    rc = main(["attach", "http://127.0.0.1:9", "--state-dir", "/nonexistent"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1
+    assert err.startswith("kvtop attach: cannot reach the router at http://127.0.0.1:9")
+
+
+# -- snapshots (plain def: snap_compare runs its own loop) -------------------------------------
+
+def _snap_app(tab="overview", n=4, **kw):
+    app, _ = make_app(n=n, **kw)
+
+    async def run_before(pilot):
+        await settle(pilot, app)
+        if tab != "overview":
+            await pilot.press(str(["overview", "charts", "sessions", "decisions", "policy"].index(tab) + 1))
+            if tab == "sessions":
+                app._fetch_sessions()
+                await wait_group(app, "sessions")
+            await settle(pilot, app)
+
+    return app, run_before
+
+
+@pytest.mark.parametrize("tab", ["overview", "charts", "sessions", "decisions", "policy"])
+def test_snapshot_tabs(snap_compare, tab):
+    app, run_before = _snap_app(tab)
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+def test_snapshot_overview_80x24(snap_compare):
+    app, run_before = _snap_app("overview")
+    assert snap_compare(app, terminal_size=(80, 24), run_before=run_before)
+
+
+def test_snapshot_colour_blind_theme(snap_compare):
+    app, run_before = _snap_app("overview", theme="kvtop-cb")
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
