@@ -139,12 +139,16 @@ async def test_pause_freezes_view_while_data_keeps_arriving():
         assert app.collected.snapshot["ts"] == syn.snapshot(4, 17.0)["ts"]  # collected...
         assert app.collected.decision_seq == 5
         assert str(table.get_cell("vllm-0", "backlog_tokens")) == before  # ...but not drawn
-        assert app.query_one("#decision-table").row_count == 0
         assert "PAUSED" in str(app.query_one("#topbar").render())
+        await pilot.press("4")  # switching tabs while paused draws nothing new either
+        await pilot.pause()
+        assert app.query_one("#decision-table").row_count == 0
         await pilot.press("p")
         await pilot.pause()
-        assert str(table.get_cell("vllm-0", "backlog_tokens")) != before
         assert app.query_one("#decision-table").row_count == 5
+        await pilot.press("1")
+        await pilot.pause()
+        assert str(table.get_cell("vllm-0", "backlog_tokens")) != before
 
 
 async def test_sort_by_key_and_reverse():
@@ -196,6 +200,8 @@ async def test_decision_rows_capped():
     app, feed = make_app(decisions=150, max_decisions=100)
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot, app)
+        await pilot.press("4")
+        await pilot.pause()
         table = app.query_one("#decision-table")
         assert table.row_count == 100
         assert str(table.get_row_at(table.row_count - 1)[1]) == syn.decision(149)["session"]
@@ -384,3 +390,29 @@ def test_snapshot_overview_80x24(snap_compare):
 def test_snapshot_colour_blind_theme(snap_compare):
     app, run_before = _snap_app("overview", theme="kvtop-cb")
     assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+async def test_save_docs_screenshots():
+    """KVTOP_SAVE_SCREENSHOTS=1 pytest -k docs_screenshots rewrites docs/screenshots/*.svg."""
+    if not os.environ.get("KVTOP_SAVE_SCREENSHOTS"):
+        pytest.skip("set KVTOP_SAVE_SCREENSHOTS=1 to regenerate docs/screenshots")
+    from pathlib import Path
+
+    out = str(Path(__file__).resolve().parents[1] / "docs" / "screenshots")
+    shots = [("overview", (120, 40), None, "overview"), ("charts", (120, 40), None, "charts"),
+             ("sessions", (120, 40), None, "sessions"), ("decisions", (120, 40), None, "decisions"),
+             ("policy", (120, 40), None, "policy"), ("overview", (80, 24), None, "overview-80x24"),
+             ("overview", (120, 40), "kvtop-light", "overview-light"),
+             ("overview", (120, 40), "kvtop-cb", "overview-colour-blind")]
+    for tab, size, theme, name in shots:
+        app, run_before = _snap_app(tab, **({"theme": theme} if theme else {}))
+        async with app.run_test(size=size) as pilot:
+            await run_before(pilot)
+            if name == "decisions":
+                app.query_one("#decision-table").focus()
+                await pilot.press("enter")
+                await pilot.pause()
+                app.save_screenshot("receipt.svg", out)
+                await pilot.press("escape")
+                await pilot.pause()
+            app.save_screenshot(f"{name}.svg", out)

@@ -131,6 +131,8 @@ class KvtopApp(App):
         self._applied_snapshot = 0
         self._applied_decision = 0
         self._applied_sessions: int = -1
+        self._applied_affinity = 0
+        self._static_cache: dict[str, tuple] = {}
         self._sessions_seq = 0
         self._session_order: list[str] = []
         self._cells: dict[str, dict[str, tuple]] = {}
@@ -243,8 +245,12 @@ class KvtopApp(App):
         return not self.readonly and self.can_control
 
     def apply(self, force: bool = False) -> None:
-        """Draw what was collected since the last call. Does nothing while paused."""
-        if self.paused and not force:
+        """Draw what was collected since the last call, on the visible tab only.
+
+        Does nothing but the header while paused. ``force`` draws the charts now instead of
+        waiting for their 1 Hz turn.
+        """
+        if self.paused:
             self._draw_topbar()  # the PAUSED marker and the connection state stay live
             return
         c = self.collected
@@ -252,21 +258,31 @@ class KvtopApp(App):
         with self.batch_update():
             self._draw_topbar()
             self._draw_banner()
-            if c.snapshot_seq != self._applied_snapshot:
+            if active == "overview" and c.snapshot_seq != self._applied_snapshot:
                 self._applied_snapshot = c.snapshot_seq
                 self._draw_instances()
                 self._draw_totals()
-                self._draw_affinity()
-            if c.decision_seq != self._applied_decision:
+            if active == "sessions":
+                if c.snapshot_seq != self._applied_affinity:
+                    self._applied_affinity = c.snapshot_seq
+                    self._draw_affinity()
+                if self._sessions_seq != self._applied_sessions:
+                    self._applied_sessions = self._sessions_seq
+                    self._draw_sessions()
+            if active == "decisions" and c.decision_seq != self._applied_decision:
                 self._draw_decisions()
-            if self._sessions_seq != self._applied_sessions:
-                self._applied_sessions = self._sessions_seq
-                self._draw_sessions()
             now = self.clock()
             # Plots are the expensive part of a frame: at most 1 Hz, and only when on screen.
             if active in ("charts", "overview") and (force or now - self._charts_at >= 1.0):
                 self._charts_at = now
                 self._draw_charts(overview_only=active == "overview")
+
+    def _update_static(self, selector: str, content: Text) -> None:
+        """Update a Static only when its text changed: every update costs a layout pass."""
+        key = (content.plain, tuple((sp.start, sp.end, str(sp.style)) for sp in content.spans))
+        if self._static_cache.get(selector) != key:
+            self._static_cache[selector] = key
+            self.query_one(selector, Static).update(content)
 
     # header and banner
     def _draw_topbar(self) -> None:
@@ -295,22 +311,25 @@ class KvtopApp(App):
         t.append(f"  up {fmt_duration(r.get('uptime_s'))}")
         t.append(f"  {r.get('url') or self.url}")
         t.append(f"  {self.hz:g} Hz", style="dim")
-        self.query_one("#topbar", Static).update(t)
+        self._update_static("#topbar", t)
 
     def _draw_banner(self) -> None:
         c = self.collected
         banner = self.query_one("#banner", Static)
         if c.connected:
-            banner.display = False
+            if banner.display:
+                banner.display = False
             return
-        banner.display = True
+        if not banner.display:
+            banner.display = True
         retry = ""
         if c.retry_at:
             retry = f" — reconnecting in {max(0.0, c.retry_at - self.clock()):.0f} s"
         age = ""
         if c.snapshot:
             age = f"; the view shows data from {fmt_duration(self.clock() - float(c.snapshot.get('ts', 0)))} ago"
-        banner.update(Text(f"✖ router unreachable: {c.error or 'connecting...'}{retry}{age}", style="bold"))
+        self._update_static("#banner", Text(f"✖ router unreachable: {c.error or 'connecting...'}{retry}{age}",
+                                            style="bold"))
 
     # instances
     def _color(self, name: str) -> str:
@@ -324,6 +343,7 @@ class KvtopApp(App):
         self._cells.clear()  # restyle every cell with the new theme's colours
         if self.is_mounted:
             self._applied_snapshot = -1
+            self._static_cache.clear()
 
     def _levelled(self, text: str, level: int, arrow: str = "") -> Text:
         if level == 2:
@@ -446,7 +466,7 @@ class KvtopApp(App):
         if self.collected.dropped:
             sort += f"  events dropped by the router for this viewer: {self.collected.dropped}"
         line.append(sort, style="dim")
-        self.query_one("#totals", Static).update(line)
+        self._update_static("#totals", line)
 
     # sessions
     def _draw_affinity(self) -> None:
@@ -458,7 +478,7 @@ class KvtopApp(App):
                  f"({aff.get('moves', 0)} moves)\n", style="bold")
         parts = [f"{k} {n} ({100 * n / total:.0f}%)" for k, n in per.items()]
         t.append("per instance: " + "  ".join(parts[:16]) + (" …" if len(parts) > 16 else ""))
-        self.query_one("#affinity", Static).update(t)
+        self._update_static("#affinity", t)
 
     def _draw_sessions(self) -> None:
         table = self.query_one("#session-table", DataTable)
@@ -523,6 +543,7 @@ class KvtopApp(App):
         self._applied_decision = c.decision_seq
         if at_end and table.row_count:
             table.move_cursor(row=table.row_count - 1, animate=False)
+            table.scroll_end(animate=False, immediate=True)
 
     @on(DataTable.RowSelected, "#decision-table")
     def open_receipt(self, event: DataTable.RowSelected) -> None:
@@ -637,10 +658,7 @@ class KvtopApp(App):
 
     def action_pause(self) -> None:
         self.paused = not self.paused
-        if not self.paused:
-            self.apply(force=True)
-        else:
-            self._draw_topbar()
+        self.apply(force=True)
 
     def action_sort(self) -> None:
         i = SORT_KEYS.index(self.sort_key) if self.sort_key in SORT_KEYS else -1
@@ -672,6 +690,7 @@ class KvtopApp(App):
             self._fetch_sessions()
         if self.query_one(TabbedContent).active == "policy":
             self._draw_policy()
+        self.apply(force=True)
 
     def action_filter(self) -> None:
         active = self.query_one(TabbedContent).active

@@ -1,0 +1,51 @@
+"""kvtop demo --headless: sim + router + replay for a few seconds, then the report table."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def small_trace(path: Path) -> Path:
+    """Three sessions of growing prompts that share their prefix, like an agent's turns."""
+    lines = [json.dumps({"kvtop_trace": 1})]
+    for s in range(3):
+        ids: list[int] = []
+        for turn in range(1, 7):
+            ids = ids + [s * 1_000_000 + turn * 1000 + k for k in range(40)]  # +40 blocks of 64 each turn
+            lines.append(json.dumps({"arrival": s * 0.5 + turn * 2.0, "session": f"s{s}", "turn": turn,
+                                     "input_tokens": len(ids) * 64, "output_tokens": 16, "hash_ids": ids,
+                                     "block_size": 64, "think_time": 0.0, "parent": None, "source": "test"}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def sample_trace() -> Path | None:
+    try:
+        from kvtop.traces import sample_trace_path
+
+        p = Path(sample_trace_path())
+    except Exception:
+        return None
+    return p if p.is_file() else None
+
+
+@pytest.mark.parametrize("which", ["sample", "small"])
+def test_demo_headless_prints_seed_table(tmp_path, which):
+    if which == "sample":
+        if sample_trace() is None:
+            pytest.skip("the bundled sample trace is not in this checkout yet")
+        extra: list[str] = []
+    else:
+        extra = ["--trace", str(small_trace(tmp_path / "t.jsonl")), "--instances", "2"]
+    env = {**os.environ, "HOME": str(tmp_path)}  # the router's state files stay in the test's dir
+    proc = subprocess.run([sys.executable, "-m", "kvtop", "demo", "--headless", "--duration", "10", *extra],
+                          capture_output=True, text=True, timeout=90, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "TTFT" in proc.stdout and "demo" in proc.stdout
+    assert "Traceback" not in proc.stderr
