@@ -45,8 +45,12 @@ def _route_class(n: int) -> str:
     return "WARM" if n < 5_000 else "MEDIUM" if n < 20_000 else "HEAVY" if n < 50_000 else "HEAVY+"
 
 
-def build(path: str, n_decisions: int, *, seed: int = 7, run_id: str = "bench-run") -> None:
-    """Write one run of about ``n_decisions`` decisions (retries included) with outcomes."""
+def build(path: str, n_decisions: int, *, seed: int = 7, run_id: str = "bench-run",
+          legacy: bool = False) -> None:
+    """Write one run of about ``n_decisions`` decisions (retries included) with outcomes.
+
+    ``legacy``: leave the outcome columns copied from the decision NULL, as a file written
+    before they existed (the queries then join each outcome to its decision)."""
     rnd = random.Random(seed)
     conn = sqlite3.connect(path, isolation_level=None)
     db = sqlite_utils.Database(conn)
@@ -122,7 +126,8 @@ def build(path: str, n_decisions: int, *, seed: int = 7, run_id: str = "bench-ru
             delivered = None if rnd.random() < 0.1 or not ok else max(0, est - 64 * rnd.randrange(4))
             obatch.append((run_id, ts + e2e / 1000.0, rid, attempt, inst, 1, status,
                            200 if ok else 502, None if ok else status, ttft, e2e, tpot, out_toks,
-                           delivered, ts + (ttft or 0) / 1000.0, ts + e2e / 1000.0))
+                           delivered, ts + (ttft or 0) / 1000.0, ts + e2e / 1000.0,
+                           *((None,) * 7 if legacy else (f"s{sid}", s["turn"], pol, ver, rc, inp, est))))
             written += 1
         if len(dbatch) >= 50_000:
             conn.executemany(dsql, dbatch)
@@ -164,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--decisions", type=int, default=1_000_000)
     ap.add_argument("--keep", metavar="DIR", help="build the db in DIR and keep it (default: temp dir, removed)")
+    ap.add_argument("--legacy", action="store_true",
+                    help="outcomes without the decision's columns (a pre-2 file): times the join fallback")
     ap.add_argument("--repeat", type=int, default=3, help="report the best of N runs")
     args = ap.parse_args(argv)
 
@@ -175,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not os.path.exists(path):
             t = time.perf_counter()
-            build(path, args.decisions)
+            build(path, args.decisions, legacy=args.legacy)
             print(f"built {args.decisions:,} decisions in {time.perf_counter() - t:.1f} s "
                   f"({os.path.getsize(path) / 2**20:.0f} MiB)", flush=True)
 

@@ -35,6 +35,7 @@ from router.forward import StreamScan, cached_tokens, completion_tokens, upstrea
 from router.policies import build_policy, policy_class
 from router.policies.base import RETRY
 from router.request import BadRequest, Tokenizer, parse_request
+from store.schema import OUTCOME_DECISION_COLUMNS
 from store.writer import Writer
 
 #: Default estimated-cache capacity per instance, in router blocks: one H20 running
@@ -142,6 +143,8 @@ class RouterState:
         self.emit("decision", ev)
 
     def record_outcome(self, d: Decision, outcome: dict[str, Any]) -> None:
+        decision = d.row(self.run_id)  # copied, so the log segments an outcome without a join
+        outcome.update({c: decision[c] for c in OUTCOME_DECISION_COLUMNS})
         outcome.update(run_id=self.run_id, request_id=d.request.request_id, attempt=d.attempt,
                        instance=d.instance_name, ts=time.time())
         self.outcome_counts[outcome["status"]] = self.outcome_counts.get(outcome["status"], 0) + 1
@@ -247,7 +250,7 @@ async def _read_json(request: web.Request) -> Any:
         return raw, json.loads(raw)
     except UnicodeDecodeError:
         raise BadRequest("the request body is not valid UTF-8") from None
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: arrays nested thousands deep
         raise BadRequest(f"the request body is not valid JSON: {exc}") from None
 
 

@@ -297,7 +297,7 @@ async def _json_body(request: web.Request) -> Any:
         raise _BadParam("body", "the request body is empty; expected a JSON object")
     try:
         return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: deep nesting
         raise _BadParam("body", f"the request body is not valid JSON: {exc}") from None
 
 

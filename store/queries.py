@@ -274,6 +274,45 @@ def _mean(total: float | None, n: int) -> float | None:
     return None if not n or total is None else total / n
 
 
+def _flat(db: sqlite_utils.Database, run_id: str) -> bool:
+    """True when every outcome of the run carries its decision's policy (and the other columns
+    copied from it), so segment questions can read ``outcomes`` alone. Files written before
+    those columns existed, and rows an older router wrote into a newer file, have NULL there:
+    then the queries join each outcome to its decision instead. One index seek."""
+    if "policy" not in db["outcomes"].columns_dict:
+        return False
+    return db.conn.execute("SELECT 1 FROM outcomes WHERE run_id = ? AND policy IS NULL LIMIT 1",
+                           (run_id,)).fetchone() is None
+
+
+def _ranked_dist(conn: sqlite3.Connection, col: str, run_id: str, policy: str, version: int | None,
+                 n: int | None) -> dict:
+    """``_dist`` of a segment's ok ``col`` values without fetching them: each percentile reads
+    its two neighbouring ranks from the (run, policy, version, status, col) index, walking in
+    from the nearer end. Same interpolation as ``percentile``, so the same numbers exactly."""
+    where = (f"FROM outcomes WHERE run_id = ? AND policy IS ? AND policy_version IS ? "
+             f"AND status = 'ok' AND {col} IS NOT NULL ORDER BY {col}")
+    if n is None:  # count them on the index
+        n = conn.execute(f"SELECT count(*) {where}", (run_id, policy, version)).fetchone()[0]
+    out: dict = {"n": n}
+    for q in PERCENTILES:
+        name = f"p{round(q * 100)}"
+        if not n:
+            out[name] = None
+            continue
+        k = (n - 1) * q
+        f = math.floor(k)
+        c = min(f + 1, n - 1)
+        params = (run_id, policy, version, c - f + 1)
+        if f < n - 1 - c:
+            ranks = [v for (v,) in conn.execute(f"SELECT {col} {where} LIMIT ? OFFSET ?", (*params, f))]
+        else:
+            ranks = [v for (v,) in conn.execute(f"SELECT {col} {where} DESC LIMIT ? OFFSET ?",
+                                                (*params, n - 1 - c))][::-1]
+        out[name] = ranks[0] + (ranks[-1] - ranks[0]) * (k - f)
+    return out
+
+
 def summary(db: sqlite_utils.Database | str | Path, run_id: str | None = None) -> dict:
     """Per policy segment of a run (latest when None): counts by reason, route class and
     outcome status; TTFT and E2E p50/p90/p99 of ``ok`` attempts; three-way hit accounting.
@@ -297,22 +336,37 @@ def summary(db: sqlite_utils.Database | str | Path, run_id: str | None = None) -
         sum(d.best_hit_tokens - d.est_hit_tokens) AS regret,
         count(d.best_hit_tokens - d.est_hit_tokens) AS n_regret
         FROM decisions d WHERE {run_clause} GROUP BY d.policy, d.policy_version"""
-    outcome_sql = f"""SELECT d.policy, d.policy_version, count(*) AS n_outcomes, sum(o.status = 'ok') AS n_ok,
-        sum(o.delivered_hit_tokens) AS delivered, count(o.delivered_hit_tokens) AS n_delivered,
-        sum(d.est_hit_tokens - o.delivered_hit_tokens) AS est_error,
-        count(d.est_hit_tokens - o.delivered_hit_tokens) AS n_est_error,
-        json_group_array(o.ttft_ms) FILTER (WHERE o.status = 'ok' AND o.ttft_ms IS NOT NULL) AS ttft,
-        json_group_array(o.e2e_ms) FILTER (WHERE o.status = 'ok' AND o.e2e_ms IS NOT NULL) AS e2e
-        FROM decisions d JOIN outcomes o
-          ON o.request_id = d.request_id AND o.attempt = d.attempt AND o.run_id = d.run_id
-        WHERE {run_clause} GROUP BY d.policy, d.policy_version"""
-    # Failures are few: count them from the outcomes side, joining only those rows
-    # (CROSS JOIN keeps SQLite from putting decisions on the outside).
-    failure_sql = f"""SELECT d.policy, d.policy_version, o.status, count(*) AS n
-        FROM outcomes o CROSS JOIN decisions d
-          ON d.request_id = o.request_id AND d.attempt = o.attempt AND d.run_id = o.run_id
-        WHERE {run_clause.replace("d.", "o.")} AND o.status IS NOT 'ok'
-        GROUP BY d.policy, d.policy_version, o.status"""
+    flat = _flat(db, run_id)
+    o_clause = run_clause.replace("d.", "o.")
+    if flat:  # every outcome knows its segment and its decision's estimate: no join
+        outcome_sql = f"""SELECT policy, policy_version, count(*) AS n_outcomes, sum(status = 'ok') AS n_ok,
+            sum(delivered_hit_tokens) AS delivered, count(delivered_hit_tokens) AS n_delivered,
+            sum(est_hit_tokens - delivered_hit_tokens) AS est_error,
+            count(est_hit_tokens - delivered_hit_tokens) AS n_est_error,
+            sum(status = 'ok' AND ttft_ms IS NOT NULL) AS ttft, NULL AS e2e
+            FROM outcomes o WHERE run_id = ? GROUP BY policy, policy_version"""  # one covering-index pass
+        failure_sql = f"""SELECT policy, policy_version, status, count(*) AS n FROM outcomes o
+            WHERE {o_clause} AND status IS NOT 'ok' GROUP BY policy, policy_version, status"""
+    else:
+        outcome_sql = f"""SELECT d.policy, d.policy_version, count(*) AS n_outcomes, sum(o.status = 'ok') AS n_ok,
+            sum(o.delivered_hit_tokens) AS delivered, count(o.delivered_hit_tokens) AS n_delivered,
+            sum(d.est_hit_tokens - o.delivered_hit_tokens) AS est_error,
+            count(d.est_hit_tokens - o.delivered_hit_tokens) AS n_est_error
+            FROM decisions d JOIN outcomes o
+              ON o.request_id = d.request_id AND o.attempt = d.attempt AND o.run_id = d.run_id
+            WHERE {run_clause} GROUP BY d.policy, d.policy_version"""
+        # Latencies fetched as numbers (JSON text would round them to 15 digits), sorted in Python.
+        latency_sql = f"""SELECT d.policy, d.policy_version, o.ttft_ms, o.e2e_ms
+            FROM decisions d JOIN outcomes o
+              ON o.request_id = d.request_id AND o.attempt = d.attempt AND o.run_id = d.run_id
+            WHERE {run_clause} AND o.status = 'ok'"""
+        # Failures are few: count them from the outcomes side, joining only those rows
+        # (CROSS JOIN keeps SQLite from putting decisions on the outside).
+        failure_sql = f"""SELECT d.policy, d.policy_version, o.status, count(*) AS n
+            FROM outcomes o CROSS JOIN decisions d
+              ON d.request_id = o.request_id AND d.attempt = o.attempt AND d.run_id = o.run_id
+            WHERE {o_clause} AND o.status IS NOT 'ok'
+            GROUP BY d.policy, d.policy_version, o.status"""
 
     def decision_side() -> dict:
         path = _db_file(db)
@@ -322,12 +376,7 @@ def summary(db: sqlite_utils.Database | str | Path, run_id: str | None = None) -
             for r in _rows(own, decision_sql, (run_id,)):
                 r["reasons"] = _counts(r["reasons"], r["decisions"])
                 r["classes"] = _counts(r["classes"], r["decisions"])
-                r["statuses"] = {}
                 out[(r["policy"], r["policy_version"])] = r
-            for r in _rows(own, failure_sql, (run_id,)):
-                seg = out.get((r["policy"], r["policy_version"]))
-                if seg is not None:
-                    seg["statuses"][r["status"] or "(none)"] = r["n"]
             return out
         finally:
             if own is not db:
@@ -337,18 +386,36 @@ def summary(db: sqlite_utils.Database | str | Path, run_id: str | None = None) -
         # In memory there is one connection to share: read the decisions first.
         future = pool.submit(decision_side) if _db_file(db) else _done(decision_side())
         by_segment = {}
+        latencies: dict[tuple, tuple[list, list]] = {}
+        if not flat:
+            for pol, ver, ttft, e2e in db.conn.execute(latency_sql, (run_id,)):
+                ttfts, e2es = latencies.setdefault((pol, ver), ([], []))
+                if ttft is not None:
+                    ttfts.append(ttft)
+                if e2e is not None:
+                    e2es.append(e2e)
         for r in _rows(db, outcome_sql, (run_id,)):
-            r["ttft"] = _dist(json.loads(r["ttft"]))
-            r["e2e"] = _dist(json.loads(r["e2e"]))
-            by_segment[(r["policy"], r["policy_version"])] = r
+            key = (r["policy"], r["policy_version"])
+            if flat:  # r[col] is the count; the index gives the ranks
+                for col in ("ttft", "e2e"):
+                    r[col] = _ranked_dist(db.conn, f"{col}_ms", run_id, *key, r[col])
+            else:
+                ttfts, e2es = latencies.get(key, ([], []))
+                r["ttft"], r["e2e"] = _dist(ttfts), _dist(e2es)
+            r["statuses"] = {}
+            by_segment[key] = r
+        for r in _rows(db, failure_sql, (run_id,)):
+            seg = by_segment.get((r["policy"], r["policy_version"]))
+            if seg is not None:
+                seg["statuses"][r["status"] or "(none)"] = r["n"]
         dec = future.result()
     empty = {"n_outcomes": 0, "n_ok": 0, "delivered": None, "n_delivered": 0, "est_error": None, "n_est_error": 0,
-             "ttft": _dist([]), "e2e": _dist([])}
+             "ttft": _dist([]), "e2e": _dist([]), "statuses": {}}
     segs = []
     for key, r in dec.items():
         o = by_segment.get(key, empty)
         n = r["decisions"]
-        counts = Counter({"ok": o["n_ok"] or 0, **r["statuses"], "no_outcome": n - o["n_outcomes"]})
+        counts = Counter({"ok": o["n_ok"] or 0, **o["statuses"], "no_outcome": n - o["n_outcomes"]})
         statuses = {k: v for k, v in counts.most_common() if v}
         segs.append({
             "label": f"{r['policy']}@{r['policy_version']}",

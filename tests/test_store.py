@@ -36,7 +36,9 @@ R2 = [
 ]
 
 
-def _write(path, runs: dict[str, tuple[float, list]], samples: list[dict] = ()) -> str:
+def _write(path, runs: dict[str, tuple[float, list]], samples: list[dict] = (), *, flat: bool = True) -> str:
+    """``flat``: outcomes carry their decision's columns, as the router writes them; False: as
+    an older router wrote them (NULL there), which the queries answer with a join."""
     w = Writer(str(path), flush_interval=0.01).start()
     for run_id, (started, rows) in runs.items():
         w.put("runs", {"run_id": run_id, "started_at": started, "policy": rows[0][5], "backends": [{"name": "a"}]})
@@ -51,16 +53,19 @@ def _write(path, runs: dict[str, tuple[float, list]], samples: list[dict] = ()) 
             status, ttft, e2e, out_toks, delivered = out
             w.put("outcomes", {"run_id": run_id, "ts": ts + 1, "request_id": rid, "attempt": att, "instance": inst,
                                "status": status, "ttft_ms": ttft, "e2e_ms": e2e, "tpot_ms": 5.0 if ttft else None,
-                               "output_tokens": out_toks, "delivered_hit_tokens": delivered})
+                               "output_tokens": out_toks, "delivered_hit_tokens": delivered,
+                               **({"session_id": ses, "turn": turn, "policy": pol, "policy_version": ver,
+                                   "route_class": rc, "input_tokens": inp, "est_hit_tokens": est} if flat else {})})
     for s in samples:
         w.put("samples", s)
     w.close()
     return str(path)
 
 
-@pytest.fixture
-def db_path(tmp_path):
-    return _write(tmp_path / "kvtop.db", {"r1": (99.0, R1), "r2": (1000.0, R2)})
+@pytest.fixture(params=[True, False], ids=["flat", "joined"])
+def db_path(tmp_path, request):
+    # Every query must answer the same from both layouts.
+    return _write(tmp_path / "kvtop.db", {"r1": (99.0, R1), "r2": (1000.0, R2)}, flat=request.param)
 
 
 @pytest.fixture
@@ -150,6 +155,50 @@ def test_summary_of_a_segment_without_ok_outcomes(tmp_path):
     s = q.summary(q.open_readonly(_write(tmp_path / "t.db", {"x": (1.0, rows)})))["segments"][0]
     assert s["ttft_ms"] == {"n": 0, "p50": None, "p90": None, "p99": None}
     assert s["statuses"] == {"timeout": 1} and s["hits"]["mean_estimate_error"] is None
+
+
+def _random_run(n: int, seed: int) -> list:
+    """n requests over three segments with ties, NULL latencies, failures and retries."""
+    import random
+    rnd = random.Random(seed)
+    rows = []
+    for i in range(n):
+        pol, ver = [("lmetric", 1), ("unified", 2), ("unified", 3)][i * 3 // n]
+        ok = rnd.random() < 0.8
+        ttft = float(rnd.choice([5, 7, 7, 100])) * rnd.randrange(1, 50) if ok and rnd.random() < 0.95 else None
+        out = ("ok" if ok else rnd.choice(["error", "timeout"]), ttft, rnd.random() * 1e4, 3,
+               rnd.choice([None, 0, 64]))
+        rows.append((float(i), f"x{i}", 1, f"s{i % 7}", 1, pol, ver, "ab"[i % 2], "argmin", "WARM",
+                     1000, 64, 128, out))
+        if not ok and rnd.random() < 0.3:  # a retry, sometimes never answered
+            rows.append((i + 0.5, f"x{i}", 2, f"s{i % 7}", 1, pol, ver, "b", "retry", "WARM", 1000, 0, 128,
+                         ("ok", 9.0, 90.0, 3, None) if rnd.random() < 0.7 else None))
+    return rows
+
+
+@pytest.mark.parametrize("n, seed", [(1, 0), (2, 1), (3, 2), (57, 3), (400, 4)])
+def test_flat_and_joined_layouts_agree_exactly(tmp_path, n, seed):
+    # The index-walk percentiles and the outcome-only sums must equal the joined, sorted ones
+    # bit for bit, at every size (1 and 2 values are the edge ranks).
+    rows = _random_run(n, seed)
+    flat = q.open_readonly(_write(tmp_path / "f.db", {"r": (0.0, rows)}, flat=True))
+    joined = q.open_readonly(_write(tmp_path / "j.db", {"r": (0.0, rows)}, flat=False))
+    assert q._flat(flat, "r") and not q._flat(joined, "r")
+    assert q.summary(flat) == q.summary(joined)
+    a, b = q.arms_from_db(flat), q.arms_from_db(joined)
+    assert [(x.label, x.records, x.apc, x.missing_outcomes) for x in a] == \
+        [(x.label, x.records, x.apc, x.missing_outcomes) for x in b]
+
+
+def test_old_rows_in_a_new_file_fall_back_to_the_join(tmp_path):
+    # An older router wrote r1 (NULL copies); a newer one opened the file and wrote r2.
+    path = tmp_path / "mixed.db"
+    _write(path, {"r1": (99.0, R1)}, flat=False)
+    _write(path, {"r2": (1000.0, R2)}, flat=True)
+    db = q.open_readonly(path)
+    assert not q._flat(db, "r1") and q._flat(db, "r2")
+    lm, un = q.summary(db, "r1")["segments"]
+    assert lm["statuses"] == {"ok": 3, "error": 1} and un["ttft_ms"]["p50"] == 700.0
 
 
 @pytest.mark.parametrize("values, pct, expected", [
