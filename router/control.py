@@ -174,7 +174,7 @@ class Control:
             "router": {"url": self.url, "uptime_s": now - st.started_at, "started_at": st.started_at,
                        "run_id": st.run_id, "policy": slot.label, "policy_name": slot.policy.name,
                        "policy_version": slot.version, "knobs": dict(slot.policy.knobs),
-                       "features": dict(st.features.knobs),
+                       "features": dict(st.features.knobs), "db": cfg.db,
                        "readonly": cfg.control_readonly, "draining": st.draining,
                        "assumed_prefill_tps": tps, "block_size": cfg.block_size,
                        "viewers": len(self.broadcaster.viewers)},
@@ -355,6 +355,14 @@ async def patch_knobs(request: web.Request) -> web.Response:
     return _swap_response(slot, request.app[STATE].features)
 
 
+async def get_auth(request: web.Request) -> web.Response:
+    """Check a token without changing anything: 200 if this caller may mutate, else 401/403."""
+    denied = request.app[CONTROL].check_mutation(request)
+    if denied is not None:
+        return denied
+    return web.json_response({"ok": True, "readonly": False})
+
+
 @_bad_params
 async def get_sessions(request: web.Request) -> web.Response:
     st = request.app[STATE]
@@ -414,6 +422,7 @@ def setup(app: web.Application) -> None:
     r.add_get(PREFIX + "/policies", get_policies)
     r.add_put(PREFIX + "/policy", put_policy)
     r.add_patch(PREFIX + "/knobs", patch_knobs)
+    r.add_get(PREFIX + "/auth", get_auth)
     r.add_get(PREFIX + "/sessions", get_sessions)
     r.add_get(PREFIX + "/decisions", get_decisions)
     app.cleanup_ctx.append(_lifecycle)

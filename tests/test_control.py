@@ -386,3 +386,19 @@ async def test_shutdown_closes_streams(aiohttp_server, tmp_path):
         assert time.monotonic() - t0 < 3
         assert not server.app[CONTROL].broadcaster.viewers
         resp.close()
+
+
+async def test_auth_endpoint_checks_a_token_and_changes_nothing(aiohttp_client, tmp_path):
+    from router.app import STATE, Backend, RouterConfig, create_app
+
+    cfg = RouterConfig(backends=[Backend("i0", "http://127.0.0.1:9")], db=None, control_token="t0k",
+                       state_dir=str(tmp_path))
+    client = await aiohttp_client(create_app(cfg))
+    version = client.server.app[STATE].slot.version
+    assert (await client.get("/kvtop/v1/auth")).status == 401
+    assert (await client.get("/kvtop/v1/auth", headers={"Authorization": "Bearer nope"})).status == 401
+    ok = await client.get("/kvtop/v1/auth", headers={"Authorization": "Bearer t0k"})
+    assert ok.status == 200 and (await ok.json())["ok"] is True
+    assert client.server.app[STATE].slot.version == version
+    state = await (await client.get("/kvtop/v1/state")).json()
+    assert state["router"]["db"] is None and "features" in state["router"]

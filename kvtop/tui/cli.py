@@ -57,7 +57,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
     readonly = bool(args.readonly or snap.get("router", {}).get("readonly"))
     if target.token and not readonly:
-        why = check_token(target.url, target.token)
+        try:
+            why = check_token(target.url, target.token)
+        except ControlError as exc:
+            raise CliError(exc.message) from None
         if why is not None:
             raise CliError(f"the token from {target.token_source} was refused by {target.url}: {why}")
     from kvtop.tui.app import KvtopApp

@@ -146,17 +146,16 @@ def fetch_json(url: str, path: str, *, method: str = "GET", body: Any = None, to
 
 
 def check_token(url: str, token: str, timeout: float = 5.0) -> str | None:
-    """None if the router accepts ``token``; else the router's reason.
+    """None if the router accepts ``token`` for changes; else the router's reason.
 
-    Sends ``PATCH knobs`` with a JSON ``null`` body: auth is checked before the body, and a
-    body that is not an object is refused, so nothing changes either way.
+    ``GET /kvtop/v1/auth`` checks the token and changes nothing.
     """
     try:
-        fetch_json(url, "/knobs", method="PATCH", body=None, token=token, timeout=timeout)
+        fetch_json(url, "/auth", token=token, timeout=timeout)
     except ControlError as exc:
         if exc.status in (401, 403):
             return exc.message
-        return None  # 400 about the body: the token passed
+        raise
     return None
 
 
