@@ -422,7 +422,7 @@ class _Runner:
                             continue
                         data = line[5:].strip()
                         if data == b"[DONE]":
-                            break
+                            continue  # read to the end, so the connection can be reused
                         if first is not None and b'"usage"' not in data \
                                 and b'"error"' not in data:
                             continue  # after the first token only usage and errors matter

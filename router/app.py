@@ -330,6 +330,8 @@ async def _forward(request: web.Request, state: RouterState, d: Decision, raw: b
     timeout = aiohttp.ClientTimeout(total=cfg.total_timeout_s, connect=cfg.connect_timeout_s,
                                     sock_read=cfg.read_timeout_s)
     resp: web.StreamResponse | None = None
+    scan: StreamScan | None = None
+    t_first: float | None = None
     try:
         async with state.http.post(inst.url + path, data=raw, headers=headers, timeout=timeout) as up:
             outcome["http_status"] = up.status
@@ -380,7 +382,10 @@ async def _forward(request: web.Request, state: RouterState, d: Decision, raw: b
             usage = scan.usage()
             _done(outcome, t0, t_first, usage, scan.data_events)
             outcome["status"] = "ok"
-            await resp.write_eof()
+            try:
+                await resp.write_eof()
+            except ConnectionResetError:
+                pass  # every event, [DONE] included, was written; a client may leave without the terminator
             return resp
     except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
             asyncio.TimeoutError) as exc:
@@ -397,14 +402,20 @@ async def _forward(request: web.Request, state: RouterState, d: Decision, raw: b
         return error_response(502, f"upstream instance {d.instance_name} failed: {type(exc).__name__}",
                               headers=reply_headers)
     except (ConnectionResetError, asyncio.CancelledError):
-        outcome["status"] = "client_gone"
-        outcome["error"] = "client disconnected"
+        if scan is not None and scan.saw_done and outcome["status"] != "ok":
+            # [DONE] reached the client: the answer is complete, whatever happens after it
+            _done(outcome, t0, t_first, scan.usage(), scan.data_events)
+            outcome["status"] = "ok"
+        elif outcome["status"] != "ok":
+            outcome["status"] = "client_gone"
+            outcome["error"] = "client disconnected"
         raise
     finally:
         if outcome["e2e_ms"] is None:
             outcome["e2e_ms"] = (time.monotonic() - t0) * 1000
             outcome["t_done"] = time.time()
-        cluster.finish(ticket, error=outcome["status"] != "ok")
+        # a client that leaves says nothing about the instance: only upstream failures count
+        cluster.finish(ticket, error=outcome["status"] not in ("ok", "client_gone"))
         state.record_outcome(d, outcome)  # on a retry the caller then routes attempt 2
 
 

@@ -82,9 +82,14 @@ class StreamScan:
         return u if isinstance(u, dict) else None
 
     @property
+    def saw_done(self) -> bool:
+        """True once the stream's closing ``data: [DONE]`` event has passed through."""
+        return b"[DONE]" in self._tail
+
+    @property
     def data_events(self) -> int:
         """Data events other than the closing ``[DONE]`` (a rough token count)."""
-        done = 1 if b"[DONE]" in self._tail else 0
+        done = 1 if self.saw_done else 0
         return max(0, self.events - done)
 
 

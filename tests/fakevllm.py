@@ -23,6 +23,7 @@ class FakeVLLM:
         self.first_delay = first_delay
         self.fail_status: int | None = None
         self.drop_after: int | None = None  # tokens sent before the connection is cut
+        self.linger_after_done = 0.0  # seconds between [DONE] and the end of the stream
         self.seen: list[dict] = []
         self.raw: list[bytes] = []
         self.prefixes: set[tuple] = set()
@@ -92,5 +93,6 @@ class FakeVLLM:
         if (body.get("stream_options") or {}).get("include_usage"):
             await resp.write(b"data: " + json.dumps({"id": "cmpl-1", "choices": [], "usage": usage}).encode() + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
+        await asyncio.sleep(self.linger_after_done)
         await resp.write_eof()
         return resp

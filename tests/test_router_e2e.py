@@ -244,3 +244,36 @@ def test_route_rejects_bad_config(tmp_path):
                            text=True, timeout=30, env=env, cwd=tmp_path)
         assert p.returncode == 2 and msg in p.stderr and "Traceback" not in p.stderr, p.stderr
         assert len(p.stderr.strip().splitlines()) == 1
+
+
+async def test_client_leaving_after_done_is_still_ok(aiohttp_client, fake_backends, tmp_path):
+    """A client may drop the connection once it has [DONE], before the stream's terminator:
+    the response was delivered whole, so the outcome is ok and the instance is not blamed."""
+    fakes = await fake_backends(1)
+    fakes[0][0].linger_after_done = 0.3
+    client, state = await start_router(aiohttp_client, [fakes[0][1]], tmp_path)
+    r = await client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 3, "stream": True})
+    async for line in r.content:
+        if line.strip() == b"data: [DONE]":
+            break
+    r.close()
+    for _ in range(100):
+        if state.cluster.in_flight == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert [x["status"] for x in rows(state, "outcomes")] == ["ok"]
+    assert state.cluster.instances[0].errors_total == 0
+
+
+async def test_client_gone_does_not_count_as_instance_error(aiohttp_client, fake_backends, tmp_path):
+    fakes = await fake_backends(1, token_delay=0.05)
+    client, state = await start_router(aiohttp_client, [fakes[0][1]], tmp_path)
+    r = await client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 200, "stream": True})
+    await r.content.readline()
+    r.close()
+    for _ in range(100):
+        if state.cluster.in_flight == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert [x["status"] for x in rows(state, "outcomes")] == ["client_gone"]
+    assert state.cluster.instances[0].errors_total == 0
