@@ -183,6 +183,10 @@ def run(args: argparse.Namespace) -> int:
     if args.duration is not None and args.duration <= 0:
         raise CliError("--duration must be positive")
     trace = trace_path(args)
+    # A terminal closing (SIGHUP) or a kill (SIGTERM) stops the demo like Ctrl-C does, so the
+    # processes it started are stopped too instead of outliving it.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)
     with tempfile.TemporaryDirectory(prefix="kvtop-demo-") as tmp:
         workdir = Path(tmp)
         db = args.db or str(workdir / "kvtop.db")
@@ -194,6 +198,10 @@ def run(args: argparse.Namespace) -> int:
             return _with_tui(args, stack, trace, url, token, workdir)
         finally:
             stack.stop()
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def _headless(args: argparse.Namespace, stack: Stack, trace: str, url: str, workdir: Path, db: str) -> int:

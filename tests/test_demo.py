@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -48,3 +50,44 @@ def test_demo_headless_prints_seed_table(tmp_path, which):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "TTFT" in proc.stdout and "demo" in proc.stdout
     assert "Traceback" not in proc.stderr
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    """Live processes whose environment mentions ``text`` (every child inherits TMPDIR)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                env = (entry / "environ").read_bytes().decode(errors="replace")
+                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue
+            if text in env and state != "Z":
+                pids.append(int(entry.name))
+    return pids
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc to find the demo's children")
+def test_demo_sigterm_stops_everything_it_started(tmp_path):
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    env = {**os.environ, "HOME": str(tmp_path), "TMPDIR": str(tmpdir)}
+    trace = small_trace(tmp_path / "t.jsonl")
+    proc = subprocess.Popen([sys.executable, "-m", "kvtop", "demo", "--headless", "--duration", "60",
+                             "--trace", str(trace), "--instances", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 30
+        while len(_processes_mentioning(str(tmpdir))) < 4:  # demo, sim, router, replay
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            assert time.monotonic() < deadline, "the demo's processes did not start"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    deadline = time.monotonic() + 15
+    while _processes_mentioning(str(tmpdir)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _processes_mentioning(str(tmpdir)) == [], "processes started by the demo outlived it"
