@@ -6,7 +6,9 @@ chart at 1 Hz) and the Decisions tab. Reports CPU as % of one core (process time
 time; the synthetic data is built beforehand so it is not counted) and the time from
 constructing the app to the first frame with every instance row drawn.
 
-  python benchmarks/bench_attach.py [--seconds 10]
+  python benchmarks/bench_attach.py [--seconds 10] [--instances 8 64] [--repeat 3]
+
+With --repeat N each figure is the median of N runs (the machine may be shared).
 Targets: <= 15% of one core at 64 instances; first full frame <= 1 s.
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import statistics
 import time
 
 from kvtop.tui import synthetic as syn
@@ -66,15 +69,22 @@ async def cpu(n: int, seconds: float, tab: str) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--instances", type=int, nargs="+", default=[8, 64])
+    ap.add_argument("--repeat", type=int, default=1, help="report the median of this many runs")
     args = ap.parse_args()
-    print(f"kvtop attach on a synthetic feed: 4 Hz snapshots, ~50 decisions/s, {SESSIONS:,} sessions, 120x40")
-    for n in (8, 64):
-        ff = asyncio.run(first_frame(n))
-        ov = asyncio.run(cpu(n, args.seconds, "1"))
-        de = asyncio.run(cpu(n, args.seconds, "4"))
-        print(f"{n:3d} instances: CPU {ov:5.1f}% of one core (overview), {de:5.1f}% (decisions); "
-              f"first full frame {ff * 1000:.0f} ms")
-
+    print(f"kvtop attach on a synthetic feed: 4 Hz snapshots, ~50 decisions/s, {SESSIONS:,} sessions, 120x40"
+          + (f"; medians of {args.repeat} runs" if args.repeat > 1 else ""))
+    for n in args.instances:
+        ff, ov, de = [], [], []
+        for _ in range(args.repeat):
+            ff.append(asyncio.run(first_frame(n)))
+            ov.append(asyncio.run(cpu(n, args.seconds, "1")))
+            de.append(asyncio.run(cpu(n, args.seconds, "4")))
+        med = statistics.median
+        print(f"{n:3d} instances: CPU {med(ov):5.1f}% of one core (overview), {med(de):5.1f}% (decisions); "
+              f"first full frame {med(ff) * 1000:.0f} ms"
+              + (f"  [overview {' '.join(f'{x:.1f}' for x in ov)}; decisions {' '.join(f'{x:.1f}' for x in de)}]"
+                 if args.repeat > 1 else ""))
 
 if __name__ == "__main__":
     main()

@@ -28,9 +28,11 @@ from kvtop.tui.model import (INSTANCE_COLUMNS, SORT_KEYS, THRESHOLDS, Collected,
                              fmt_duration, fmt_int, fmt_pct, fmt_secs, gpu_cells, instance_values,
                              sort_value, sparkline, terms_summary)
 from kvtop.tui.screens import ConfirmScreen, HelpScreen, KnobForm, PolicyPicker, ReceiptScreen
+from kvtop.tui.widgets import LiveTable
 
 HZ_STEPS = [0.5, 1.0, 2.0, 4.0, 8.0, 10.0]
 WINDOWS_S = [30, 60, 120, 300, 600]
+TABLE_HZ = 2.0  # tables redraw at most this often; the header follows the refresh rate
 TABS = ["overview", "charts", "sessions", "decisions", "policy"]
 
 THEMES = [
@@ -139,6 +141,7 @@ class KvtopApp(App):
         self._sort_values: dict[str, dict[str, Any]] = {}
         self._dec_events: dict[str, dict[str, Any]] = {}
         self._charts_at = 0.0
+        self._tables_at = 0.0
         self._colors: dict[str, str] = {}
         self._gpu_na: str | None = None
         for t in THEMES:
@@ -151,7 +154,7 @@ class KvtopApp(App):
         yield Static(id="banner")
         with TabbedContent(initial="overview", id="tabs"):
             with TabPane("1 Overview", id="overview"):
-                yield DataTable(id="instances", cursor_type="row", zebra_stripes=True, fixed_columns=1)
+                yield LiveTable(id="instances", cursor_type="row", zebra_stripes=True, fixed_columns=1)
                 yield Static(id="totals")
                 yield PlotextPlot(id="overview-backlog")
             with TabPane("2 Charts", id="charts"):
@@ -162,9 +165,9 @@ class KvtopApp(App):
                         yield PlotextPlot(id="chart-hit")
             with TabPane("3 Sessions", id="sessions"):
                 yield Static(id="affinity")
-                yield DataTable(id="session-table", cursor_type="row", zebra_stripes=True)
+                yield LiveTable(id="session-table", cursor_type="row", zebra_stripes=True)
             with TabPane("4 Decisions", id="decisions"):
-                yield DataTable(id="decision-table", cursor_type="row", zebra_stripes=True)
+                yield LiveTable(id="decision-table", cursor_type="row", zebra_stripes=True)
             with TabPane("5 Policy", id="policy"):
                 yield Static(id="policy-head")
                 yield DataTable(id="knob-table", cursor_type="row", zebra_stripes=True)
@@ -200,7 +203,7 @@ class KvtopApp(App):
         if self.poll_sessions_s > 0:
             self.set_interval(self.poll_sessions_s, self._poll_sessions)
         if self.apply_timer:
-            self._timer = self.set_interval(1 / self.hz, self.apply)
+            self._timer = self.set_interval(1 / self.hz, self._tick)
         self.apply(force=True)
 
     async def on_unmount(self) -> None:
@@ -244,21 +247,31 @@ class KvtopApp(App):
     def control_enabled(self) -> bool:
         return not self.readonly and self.can_control
 
+    def _tick(self) -> None:
+        """The refresh timer. It can fire once more while the app shuts down its widgets."""
+        if self.is_running:
+            self.apply()
+
     def apply(self, force: bool = False) -> None:
         """Draw what was collected since the last call, on the visible tab only.
 
-        Does nothing but the header while paused. ``force`` draws the charts now instead of
-        waiting for their 1 Hz turn.
+        Does nothing but the header while paused. The header follows every frame; tables
+        redraw at most ``TABLE_HZ`` (each redraw re-renders every changed visible cell) and
+        plots at most 1 Hz. ``force`` draws everything now.
         """
         if self.paused:
             self._draw_topbar()  # the PAUSED marker and the connection state stay live
             return
         c = self.collected
         active = self.query_one(TabbedContent).active
+        tick = time.monotonic()
+        tables_due = force or tick - self._tables_at >= 1 / TABLE_HZ - 0.02  # timer jitter
+        if tables_due:
+            self._tables_at = tick
         with self.batch_update():
             self._draw_topbar()
             self._draw_banner()
-            if active == "overview" and c.snapshot_seq != self._applied_snapshot:
+            if active == "overview" and c.snapshot_seq != self._applied_snapshot and tables_due:
                 self._applied_snapshot = c.snapshot_seq
                 self._draw_instances()
                 self._draw_totals()
@@ -269,7 +282,7 @@ class KvtopApp(App):
                 if self._sessions_seq != self._applied_sessions:
                     self._applied_sessions = self._sessions_seq
                     self._draw_sessions()
-            if active == "decisions" and c.decision_seq != self._applied_decision:
+            if active == "decisions" and c.decision_seq != self._applied_decision and tables_due:
                 self._draw_decisions()
             now = self.clock()
             # Plots are the expensive part of a frame: at most 1 Hz, and only when on screen.
@@ -415,11 +428,10 @@ class KvtopApp(App):
                 table.add_row(*[cells[k][1] for k, _, _ in INSTANCE_COLUMNS], key=name)
                 sort_changed = True
             else:
-                for key, _, _ in INSTANCE_COLUMNS:
-                    if old[key][0] != cells[key][0]:
-                        table.update_cell(name, key, cells[key][1], update_width=False)
-                        if key == self.sort_key or (self.sort_key in ("backlog_s",) and key == "backlog_tokens"):
-                            sort_changed = True
+                changed = {key: cells[key][1] for key, _, _ in INSTANCE_COLUMNS if old[key][0] != cells[key][0]}
+                table.set_cells(name, changed)
+                if self.sort_key in changed or (self.sort_key == "backlog_s" and "backlog_tokens" in changed):
+                    sort_changed = True
                 if prev_values.get(name, {}).get(self.sort_key) != self._sort_values[name].get(self.sort_key):
                     sort_changed = True
             self._cells[name] = cells
@@ -495,9 +507,7 @@ class KvtopApp(App):
                      "idle": fmt_duration(s.get("idle_s")), "moves": str(s.get("moves", 0))}
             key = str(s["session"])
             if key in table.rows:
-                for col, val in cells.items():
-                    if table.get_cell(key, col) != val:
-                        table.update_cell(key, col, val)
+                table.set_cells(key, {col: val for col, val in cells.items() if table.get_cell(key, col) != val})
             else:
                 table.add_row(*cells.values(), key=key)
         # The router sends the heaviest first; keep its order (sort only when it changed).
@@ -742,7 +752,7 @@ class KvtopApp(App):
         self.feed.set_hz(hz)
         if self.apply_timer:
             self._timer.stop()
-            self._timer = self.set_interval(1 / hz, self.apply)
+            self._timer = self.set_interval(1 / hz, self._tick)
         self._draw_topbar()
 
     def action_window(self, step: int) -> None:
