@@ -278,6 +278,8 @@ async def _proxy(request: web.Request, endpoint: str, path: str) -> web.StreamRe
     except BadRequest as exc:
         state.counts["bad_requests"] += 1
         return error_response(exc.status, exc.message, param=exc.param)
+    if (busy := limits.admit(state)) is not None:  # again: others were admitted while this body arrived
+        return busy
     state.counts["requests"] += 1
     first: Decision | None = None
     exclude: tuple[int, ...] = ()
