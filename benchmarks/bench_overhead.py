@@ -38,7 +38,12 @@ STREAM_CHUNKS = 8
 # --- the trivial backend -----------------------------------------------------------------------
 
 def serve_backend(port: int) -> None:
+    import logging
+
     from aiohttp import web
+
+    # sglang-router opens with an HTTP/2 preface; aiohttp logs a harmless 400 for each.
+    logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
 
     usage = {"prompt_tokens": 64, "completion_tokens": STREAM_CHUNKS, "total_tokens": 72,
              "prompt_tokens_details": {"cached_tokens": 0}}
