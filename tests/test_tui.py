@@ -328,6 +328,53 @@ async def test_invalid_knob_shows_router_message(live_router):
         assert rapp[STATE].slot.version == 1  # nothing changed
 
 
+async def test_router_level_knobs_show_and_apply_through_the_form(live_router):
+    """Offload/admission knobs are the router's, not the policy's: listed and editable too."""
+    from router.app import STATE
+    from kvtop.tui.app import KvtopApp
+    from kvtop.tui.feed import RouterFeed
+
+    server, rapp, url = live_router
+    app = KvtopApp(RouterFeed(url, TOKEN, hz=10), url=url, apply_timer=False, poll_sessions_s=0)
+    async with app.run_test(size=SIZE) as pilot:
+        assert await wait_for(pilot, app, lambda: app.policies_body.get("features"))
+        app.action_tab("policy")
+        await pilot.pause()
+        table = app.query_one("#knob-table")
+        assert "admission" in [k.value for k in table.rows] and "offload_mode" in [k.value for k in table.rows]
+        app.action_edit_knobs()
+        await pilot.pause()
+        inp = app.screen.query_one("#knob-admission")
+        inp.value = "pack"
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+        await pilot.press("y")
+        await wait_group(app, "control")
+        assert rapp[STATE].features.knobs["admission"] == "pack"
+        assert rapp[STATE].slot.version == 2
+
+
+async def test_policy_docs_are_not_read_as_markup(live_router):
+    """round_robin's doc has [rr_counter mod n]: Rich markup must not swallow it."""
+    from kvtop.tui.app import KvtopApp
+    from kvtop.tui.feed import RouterFeed
+    from kvtop.tui.screens import PolicyPicker
+
+    server, rapp, url = live_router
+    app = KvtopApp(RouterFeed(url, TOKEN, hz=10), url=url, apply_timer=False, poll_sessions_s=0)
+    async with app.run_test(size=SIZE) as pilot:
+        assert await wait_for(pilot, app, lambda: app.policies_body.get("policies"))
+        app.push_screen(PolicyPicker(app.policies_body["policies"], "unified"))
+        await pilot.pause()
+        options = app.screen.query_one("#picker-list")
+        from textual.content import Content
+
+        # what is drawn: the prompt parsed as markup, the way the option list renders it
+        texts = [Content.from_markup(str(options.get_option_at_index(i).prompt)).plain
+                 for i in range(options.option_count)]
+        assert any("[rr_counter mod n]" in t for t in texts), texts
+
+
 async def test_once_on_real_router(live_router, capsys):
     from kvtop.cli import main
 

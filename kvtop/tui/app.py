@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rich.markup import escape
 from rich.text import Text
 from textual import on, work
 from textual.app import App, ComposeResult
@@ -64,7 +65,7 @@ class PolicyCommands(Provider):
                 if p["name"] != current:
                     doc = (p.get("doc") or "").strip().splitlines()
                     out.append((f"Switch policy to {p['name']}",
-                                lambda n=p["name"]: app.switch_policy_to(n), doc[0][:80] if doc else ""))
+                                lambda n=p["name"]: app.switch_policy_to(n), escape(doc[0][:80]) if doc else ""))
             out.append(("Edit knobs of the current policy", app.action_edit_knobs,
                         "validated form; confirm shows the diff"))
         return out
@@ -614,7 +615,7 @@ class KvtopApp(App):
         cur = body.get("current") or {}
         head = Text()
         head.append(f"policy {cur.get('policy', '?')}\n", style="bold")
-        schema = self._schema(cur.get("name"))
+        schema = self._control_schema(cur.get("name"))
         doc = next((p.get("doc", "") for p in body.get("policies", []) if p["name"] == cur.get("name")), "")
         if doc:
             head.append(doc.strip().splitlines()[0] + "\n", style="dim")
@@ -627,13 +628,14 @@ class KvtopApp(App):
             head.append(f"last error: {self.last_error}", style=f"bold {self._color('error')}")
         self.query_one("#policy-head", Static).update(head)
         table = self.query_one("#knob-table", DataTable)
-        knobs = cur.get("knobs") or {}
+        knobs = self._current_knobs()
         keep = {k["name"] for k in schema}
         for key in [k for k in table.rows if k.value not in keep]:
             table.remove_row(key)
         for k in schema:
+            doc = ("router: " if k.get("router") else "") + str(k.get("doc") or "")
             cells = [k["name"], str(knobs.get(k["name"], k.get("default"))), str(k.get("default")),
-                     str(k.get("range") or "-"), str(k.get("doc") or "")[:60]]
+                     str(k.get("range") or "-"), doc[:60]]
             if k["name"] in table.rows:
                 for col, val in zip(("knob", "value", "default", "range", "doc"), cells):
                     table.update_cell(k["name"], col, val)
@@ -653,6 +655,18 @@ class KvtopApp(App):
             if p["name"] == name:
                 return list(p.get("knobs") or [])
         return []
+
+    def _control_schema(self, name: str | None) -> list[dict[str, Any]]:
+        """The policy's knobs, then the router-level ones (offload, admission) not shared with it."""
+        own = self._schema(name)
+        names = {k["name"] for k in own}
+        router = [{**k, "router": True} for k in self.policies_body.get("features") or []
+                  if k["name"] not in names]
+        return own + router
+
+    def _current_knobs(self) -> dict[str, Any]:
+        cur = self.policies_body.get("current") or {}
+        return {**(cur.get("features") or {}), **(cur.get("knobs") or {})}
 
     def _refresh_controls(self) -> None:
         show = self.control_enabled
@@ -808,8 +822,8 @@ class KvtopApp(App):
         if not self.control_enabled:
             return
         cur = self.policies_body.get("current") or {}
-        schema = self._schema(cur.get("name"))
-        knobs = dict(cur.get("knobs") or {})
+        schema = self._control_schema(cur.get("name"))
+        knobs = self._current_knobs()
 
         def edited(changed: dict[str, Any] | None) -> None:
             if not changed:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from rich.markup import escape
 from rich.text import Text
 from textual import on
 from textual.app import ComposeResult
@@ -132,7 +133,7 @@ class PolicyPicker(ModalScreen[str | None]):
         for p in self.policies:
             doc = (p.get("doc") or "").strip().splitlines()
             mark = " (current)" if p["name"] == self.current else ""
-            opts.append(Option(f"{p['name']}{mark}  [dim]{doc[0][:70] if doc else ''}[/dim]", id=p["name"]))
+            opts.append(Option(f"{p['name']}{mark}  [dim]{escape(doc[0][:70]) if doc else ''}[/dim]", id=p["name"]))
         with Vertical(id="picker", classes="dialog"):
             yield Static("[b]Switch policy[/b]  (Enter picks, Esc cancels)")
             yield OptionList(*opts, id="picker-list")
@@ -186,12 +187,14 @@ class KnobForm(ModalScreen[dict[str, Any] | None]):
                     yield Static("this policy has no knobs")
                 for k in self.schema:
                     name = k["name"]
-                    yield Label(f"[b]{name}[/b]  now [b]{self.current.get(name, k.get('default'))}[/b]  "
-                                f"default {k.get('default')}  range {k.get('range') or '-'}", classes="knob-label")
+                    where = "  (router-level)" if k.get("router") else ""
+                    yield Label(f"[b]{name}[/b]{where}  now [b]{escape(str(self.current.get(name, k.get('default'))))}[/b]  "
+                                f"default {escape(str(k.get('default')))}  range {escape(str(k.get('range') or '-'))}",
+                                classes="knob-label")
                     yield Input(str(self.current.get(name, k.get("default"))), id=f"knob-{name}",
                                 validators=self._validators(k), classes="knob-input")
                     if k.get("doc"):
-                        yield Static(f"[dim]{k['doc']}[/dim]", classes="knob-doc")
+                        yield Static(f"[dim]{escape(k['doc'])}[/dim]", classes="knob-doc")
             yield Static("", id="knob-error")
             with Horizontal(classes="buttons"):
                 yield Button("Apply", variant="warning", id="apply")
