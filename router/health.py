@@ -3,8 +3,9 @@
 Each backend has its own watcher task that GETs ``/health`` every ``health_interval_s``
 with a ``health_timeout_s`` limit. A refused connection marks the instance down at once;
 a timeout or a 5xx needs ``FAIL_THRESHOLD`` in a row, so one slow answer from a busy engine
-does not take it out. The proxy marks an instance down the moment a connect fails
-(``passive_down``). A down instance is excluded from picking (``Cluster.set_healthy``) and
+does not take it out, and a soft failure does not count at all while the instance is still
+completing requests (its /health is slow because it is busy, not dead). The proxy marks
+an instance down the moment a connect fails (``passive_down``). A down instance is excluded from picking (``Cluster.set_healthy``) and
 probed with exponential backoff (interval x 2^(failures-1), capped at
 ``health_backoff_max_s``); its first good answer re-admits it. Every transition is a
 ``health`` event and a ``config_events`` row of kind ``health``. docs/reliability.md has the
@@ -35,6 +36,8 @@ class ProbeState:
     last_error: str | None = None
     changed_at: float = 0.0  # wall time of the last transition
     probes: int = 0
+    served_seen: int = 0  # requests this instance had completed without error at the last probe
+    forgiven: int = 0  # soft failures ignored because the instance was completing requests
     wake: asyncio.Event | None = None
 
 
@@ -106,7 +109,17 @@ class HealthChecker:
         """Apply one probe's result; return the delay before the next probe."""
         p = self.probes[index]
         p.probes += 1
-        healthy = self.state.cluster.instances[index].healthy
+        inst = self.state.cluster.instances[index]
+        healthy = inst.healthy
+        # An engine that keeps finishing requests is alive even if its /health is slow under
+        # load: a soft failure then does not count (a refused connect always does).
+        served = inst.routed_total - inst.num_requests - inst.errors_total
+        progressing = served > p.served_seen
+        p.served_seen = served
+        if not ok and not hard and healthy and progressing:
+            p.forgiven += 1
+            p.last_error = why
+            return self.interval_s
         if ok:
             p.failures = 0
             p.last_error = None
@@ -136,7 +149,8 @@ class HealthChecker:
 
     def snapshot(self) -> list[dict[str, Any]]:
         return [{"instance": s.name, "healthy": s.healthy, "failures": p.failures,
-                 "last_error": p.last_error, "since": p.changed_at, "probes": p.probes}
+                 "last_error": p.last_error, "since": p.changed_at, "probes": p.probes,
+                 "forgiven": p.forgiven}
                 for s, p in zip(self.state.cluster.instances, self.probes)]
 
     # -- lifecycle ---------------------------------------------------------------------

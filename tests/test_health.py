@@ -162,3 +162,22 @@ async def test_unhealthy_at_start_is_admitted_when_it_answers(aiohttp_client, fa
     await wait_for(lambda: state.cluster.instances[0].healthy, 2)
     r = await client.post("/v1/completions", json={"prompt": [1], "max_tokens": 1})
     assert r.status == 200
+
+
+async def test_busy_instance_is_not_taken_out_by_slow_probes(aiohttp_client, fake_backends, tmp_path):
+    """Timeouts while the instance keeps completing requests are forgiven; a refusal is not."""
+    fakes = await fake_backends(1)
+    client, state, events = await start(aiohttp_client, [fakes[0][1]], tmp_path, health_interval_s=0)
+    checker = app_checker(client)
+    inst = state.cluster.instances[0]
+    for _ in range(FAIL_THRESHOLD + 2):
+        inst.routed_total += 1  # one more request finished since the last probe
+        checker.after_probe(0, False, False, "/health timed out after 1 s")
+    assert inst.healthy and checker.probes[0].forgiven == FAIL_THRESHOLD + 2
+    for _ in range(FAIL_THRESHOLD):  # no progress: the streak counts
+        checker.after_probe(0, False, False, "/health timed out after 1 s")
+    assert not inst.healthy
+    checker.after_probe(0, True, False, None)
+    inst.routed_total += 1
+    checker.after_probe(0, False, True, "connect failed: refused")  # hard: out at once
+    assert not inst.healthy
