@@ -74,7 +74,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--read-timeout", type=float, default=600.0,
                    help="upstream read timeout between bytes, s (default 600)")
     p.add_argument("--control-token-file", default=None,
-                   help="file holding the control API token (default: generate one)")
+                   help="file holding the control API token, mode 0600 (default: generate one)")
     p.add_argument("--control-readonly", action="store_true", help="refuse every control API mutation")
     p.add_argument("--state-dir", default=None,
                    help="where the token file is written for `kvtop attach` (default ~/.local/state/kvtop)")

@@ -57,8 +57,13 @@ class Control:
         if cfg.control_token:
             return cfg.control_token, "config"
         if cfg.control_token_file:
+            path = Path(cfg.control_token_file).expanduser()
             try:
-                token = Path(cfg.control_token_file).expanduser().read_text().strip()
+                mode = path.stat().st_mode
+                if mode & 0o077:
+                    raise ValueError(f"--control-token-file {cfg.control_token_file} can be read by other "
+                                     f"users (mode {mode & 0o777:o}); run chmod 600 on it")
+                token = path.read_text().strip()
             except OSError as exc:
                 raise ValueError(f"--control-token-file {cfg.control_token_file}: {exc.strerror or exc}") from None
             if not token:

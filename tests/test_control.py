@@ -263,6 +263,7 @@ def test_token_sources(tmp_path, monkeypatch):
     assert create_app(RouterConfig(backends=be, db=None))[CONTROL].token == "from-env"
     f = tmp_path / "tok"
     f.write_text("from-file\n")
+    f.chmod(0o600)
     app = create_app(RouterConfig(backends=be, db=None, control_token_file=str(f)))
     assert app[CONTROL].token == "from-file"  # the file wins over the environment
     f.write_text("  \n")
