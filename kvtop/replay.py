@@ -1,7 +1,8 @@
 """Replay a trace against a router or a vLLM instance over HTTP and record every request.
 
-Each trace request becomes a token-id prompt on ``POST /v1/completions`` (tokens from the
-trace's block hashes, so equal hash ids mean equal prefixes), streamed with usage, sent
+Each trace request becomes a prompt on ``POST /v1/completions`` (tokens from the trace's
+block hashes, so equal hash ids mean equal prefixes; sent as token ids, or with
+``--prompt-format text`` as one 4-character word per token), streamed with usage, sent
 open loop (at arrival / speed) or closed loop (each session's next turn its think time
 after the previous answer ended, as agents behave). Results go to a JSONL file that
 ``kvtop report`` reads: a header line, then one line per request.
@@ -15,6 +16,7 @@ import argparse
 import asyncio
 import json
 import os
+import string
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -26,6 +28,20 @@ from router.classes import route_class
 RESULTS_VERSION = 1
 PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
 PREFIX_HITS = "vllm:prefix_cache_hits_total"
+PROMPT_FORMATS = ("tokens", "text")
+
+# Text prompts: token id i becomes the word " abc" (a space and three letters, i mod 26**3).
+# kvtop sim's stand-in tokenizer reads each such word as exactly one token, and kvtop's
+# text fallback (4 characters a token) counts it exactly, so lengths, block boundaries and
+# shared prefixes are those of the token-id prompt. A real BPE tokenizer splits them otherwise.
+_LETTERS = string.ascii_lowercase
+TEXT_VOCAB = len(_LETTERS) ** 3  # 17,576 distinct words
+_WORDS = [" " + a + b + c for a in _LETTERS for b in _LETTERS for c in _LETTERS]
+
+
+def ids_to_text(ids: Sequence[int]) -> str:
+    """One 4-character word per token id (ids taken modulo 26**3)."""
+    return "".join([_WORDS[i % TEXT_VOCAB] for i in ids])
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,7 +56,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="open: send at arrival/speed; closed: a session's next turn is sent "
                         "think_time/speed after the previous answer ended (default open)")
     p.add_argument("--vocab-size", type=int, default=32000, metavar="V",
-                   help="token ids are drawn below V; match the served model (default 32000)")
+                   help="token ids are drawn below V; match the served model (default 32000; "
+                        f"text prompts draw below {TEXT_VOCAB:,}, one word each)")
+    p.add_argument("--prompt-format", choices=PROMPT_FORMATS, default="tokens",
+                   help="tokens: the prompt is a list of token ids (default); text: each id "
+                        "becomes one 4-character word (' abc'), for routers that reject token "
+                        "ids (sglang-router). Only kvtop sim's tokenizer reads one token per "
+                        "word, and only there is kvtop's 4-characters-a-token estimate exact; a "
+                        "real model's tokenizer gives other lengths and block boundaries")
     p.add_argument("--out", default="results.jsonl", metavar="FILE",
                    help="results file, JSONL (default results.jsonl)")
     p.add_argument("--arm", default=None, metavar="LABEL",
@@ -71,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
     requests = _load(args.trace, args.limit)
     cfg = ReplayConfig(
         target=args.target.rstrip("/"), speed=args.speed, mode=args.mode,
-        vocab_size=args.vocab_size, arm=args.arm or _stem(args.out), model=args.model,
+        vocab_size=args.vocab_size, prompt_format=args.prompt_format,
+        arm=args.arm or _stem(args.out), model=args.model,
         session_header=args.session_header, max_concurrency=max(0, args.max_concurrency),
         timeout=args.timeout, scrape=[u.rstrip("/") for u in args.scrape], trace=args.trace,
         progress=not args.no_progress and sys.stderr.isatty())
@@ -117,6 +141,8 @@ class ReplayConfig:
     speed: float = 1.0
     mode: str = "open"
     vocab_size: int = 32000
+    #: "tokens" (token-id prompts) or "text" (one 4-character word per token, ids_to_text)
+    prompt_format: str = "tokens"
     arm: str = "replay"
     model: str | None = None
     session_header: str = "X-Session-ID"
@@ -147,10 +173,13 @@ def _tokens_fn(cfg: ReplayConfig) -> Callable[[Any, int], list[int]]:
         return cfg.tokens
     from kvtop.traces.synth import tokens_for_request
 
+    # Text prompts have one word per id below TEXT_VOCAB: draw there, so no two ids share a word.
+    vocab = min(cfg.vocab_size, TEXT_VOCAB) if cfg.prompt_format == "text" else cfg.vocab_size
+
     def tokens(req: Any, index: int) -> list[int]:
         # The salt makes each request's tail unique, so two requests share exactly the
         # blocks whose hash ids they share and nothing more.
-        return tokens_for_request(req, vocab_size=cfg.vocab_size,
+        return tokens_for_request(req, vocab_size=vocab,
                                   request_salt=f"{req.session}/{req.turn}/{index}")
     return tokens
 
@@ -163,6 +192,9 @@ async def replay(requests: Sequence[Any], cfg: ReplayConfig) -> ReplayResult:
 
     from kvtop.cli import CliError
 
+    if cfg.prompt_format not in PROMPT_FORMATS:
+        raise ValueError(f"prompt_format must be one of {PROMPT_FORMATS}, "
+                         f"not {cfg.prompt_format!r}")
     tokens = _tokens_fn(cfg)
     limit = cfg.max_concurrency
     connector = aiohttp.TCPConnector(limit=limit, limit_per_host=limit, ttl_dns_cache=300)
@@ -191,6 +223,7 @@ async def replay(requests: Sequence[Any], cfg: ReplayConfig) -> ReplayResult:
     engine = _delta(before, after)
     header = {"kvtop_results": RESULTS_VERSION, "arm": cfg.arm, "target": cfg.target,
               "trace": cfg.trace, "mode": cfg.mode, "speed": cfg.speed,
+              "prompt_format": cfg.prompt_format,
               "started_at": started_wall, "ended_at": ended_wall,
               "engine_prefix_cache": engine}
     if interrupted:
@@ -364,8 +397,9 @@ class _Runner:
             await asyncio.gather(*list(self.tasks), return_exceptions=True)
 
     def _payload(self, index: int, req: Any) -> bytes:
+        ids = self.tokens(req, index)
         body: dict[str, Any] = {
-            "prompt": self.tokens(req, index),
+            "prompt": ids_to_text(ids) if self.cfg.prompt_format == "text" else ids,
             "max_tokens": max(1, int(req.output_tokens)),
             "ignore_eos": True,
             "temperature": 0.0,

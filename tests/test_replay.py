@@ -16,7 +16,8 @@ import pytest
 from aiohttp import web
 
 from kvtop.cli import main
-from kvtop.replay import ReplayConfig, parse_prefix_counters, replay
+from kvtop.replay import ReplayConfig, ids_to_text, parse_prefix_counters, replay
+from kvtop.sim.tokenizer import count_tokens
 from kvtop.traces.loader import TraceRequest
 
 TOKEN_DELAY_S = 0.005  # between streamed tokens
@@ -175,6 +176,28 @@ def test_request_body_and_record_fields(fake):
     assert r["ttft_ms"] >= PREFILL_S * 1000 * 0.9
     assert r["tpot_ms"] == pytest.approx((r["e2e_ms"] - r["ttft_ms"]) / 2, abs=0.01)
     assert r["tpot_ms"] >= TOKEN_DELAY_S * 1000 * 0.9
+
+
+def test_text_prompts_are_one_four_character_word_per_token(fake):
+    # Blocks of 64: a and b share the blocks of hash ids 7 and 8, c shares nothing.
+    trace = [req(0.0, "a", inp=200, hash_ids=[7, 8, 9]), req(0.01, "b", inp=150, hash_ids=[7, 8]),
+             req(0.02, "c", inp=64, hash_ids=[5])]
+    result = asyncio.run(replay(trace, ReplayConfig(target=fake.url, prompt_format="text")))
+    assert result.header["prompt_format"] == "text"
+    a, b, c = (next(r["body"]["prompt"] for r in fake.received if r["session"] == s)
+               for s in "abc")
+    assert all(isinstance(p, str) for p in (a, b, c))
+    # 4 characters a token: kvtop's text estimate is exact, and the sim reads one token a word.
+    assert (len(a), len(b), len(c)) == (800, 600, 256)
+    assert count_tokens(a) == 200 and count_tokens(b) == 150
+    assert a[:4 * 128] == b[:4 * 128]       # same hash ids -> same text
+    assert a[4 * 128:4 * 129] != b[4 * 128:4 * 129]  # block 9 vs b's own tail
+    assert a[:4 * 64] != c                  # different hash id -> different text
+
+
+def test_text_prompt_words_are_distinct_per_id():
+    assert ids_to_text([0, 1, 17_575, 17_576]) == " aaa aab zzz aaa"
+    assert len({ids_to_text([i]) for i in range(17_576)}) == 17_576
 
 
 def test_cli_writes_results_file_with_header_and_engine_counters(fake, tmp_path):

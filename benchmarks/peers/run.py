@@ -11,7 +11,8 @@ What it does, in order:
    arm gets its own, never-used set of ports, so every arm starts with cold engine caches
    and no arm sees another's traffic.
 4. Per arm: starts the router on loopback, replays the trace through it (closed loop, text
-   prompts, see text_replay.py) scraping that arm's engines, stops the router by pid.
+   prompts: ``kvtop replay --prompt-format text``, since sglang-router rejects token ids)
+   scraping that arm's engines, stops the router by pid.
 5. Writes ``report.md`` (``kvtop report --format md``) over all arms to ``--out``.
 
 Everything binds 127.0.0.1 (peers get ``--host`` and ``--prometheus-host`` 127.0.0.1 and
@@ -79,25 +80,12 @@ def build_trace(args: argparse.Namespace, out: Path) -> Path:
                     "--stagger", str(args.stagger), "--max-gap", str(args.max_gap),
                     "--seed", str(args.seed), "--out", str(built)], check=True)
     subprocess.run([*kvtop, "trace", "cap", str(built), "--max-turns", str(args.max_turns),
-                    "--out", str(out / "capped.jsonl")], check=True)
-    clamp_think(out / "capped.jsonl", capped, args.max_gap)
+                    "--out", str(capped)], check=True)
     stats = subprocess.run([*kvtop, "trace", "stats", str(capped)], check=True,
                            capture_output=True, text=True).stdout
     (out / "trace-stats.txt").write_text(stats)
     log("trace:\n" + stats)
     return capped
-
-
-def clamp_think(src: Path, dst: Path, max_gap: float) -> None:
-    """Clamp each request's ``think_time`` to ``max_gap``: ``trace build --max-gap`` clamps the
-    arrival gaps but closed-loop replay waits ``think_time``, and one 20-minute think would
-    otherwise set the length of every arm."""
-    with open(src) as f, open(dst, "w") as g:
-        for line in f:
-            row = json.loads(line)
-            if isinstance(row.get("think_time"), (int, float)) and row["think_time"] > max_gap:
-                row["think_time"] = max_gap
-            g.write(json.dumps(row, separators=(",", ":")) + "\n")
 
 
 def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None,
@@ -173,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="cap input tokens at this max_model_len (default 200,000)")
     p.add_argument("--sessions", type=int, default=10)
     p.add_argument("--stagger", type=float, default=10.0, help="trace seconds between session starts")
-    p.add_argument("--max-gap", type=float, default=20.0, help="clamp think gaps (trace s)")
+    p.add_argument("--max-gap", type=float, default=20.0, help="clamp idle gaps and think times (trace s; `trace build --max-gap`)")
     p.add_argument("--max-turns", type=int, default=8)
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--instances", type=int, default=4, help="engines per arm")
@@ -229,9 +217,9 @@ def main(argv: list[str] | None = None) -> int:
                 t0 = time.monotonic()
                 log(f"arm {arm.label}: replaying through {' '.join(cmd[:4])} ...")
                 rc = subprocess.run(
-                    [sys.executable, str(HERE / "text_replay.py"), str(trace),
-                     "--target", f"http://127.0.0.1:{port}", "--mode", "closed",
-                     "--speed", str(args.speed), "--vocab-size", "17576", "--model", model,
+                    [sys.executable, "-m", "kvtop", "replay", str(trace), "--prompt-format",
+                     "text", "--target", f"http://127.0.0.1:{port}", "--mode", "closed",
+                     "--speed", str(args.speed), "--model", model,
                      "--arm", arm.label, "--out", str(res), "--timeout", str(args.timeout),
                      "--no-progress", *sum((["--scrape", b] for b in arm.backends), [])]).returncode
                 meta["arms"].append({"label": arm.label, "cmd": cmd, "rc": rc,
