@@ -274,6 +274,20 @@ def test_build_stagger_rate_and_shared_prefix():
     assert len({h for r in copies for h in r.hash_ids}) > len({h for r in shared for h in r.hash_ids})
 
 
+@pytest.mark.parametrize("think, max_gap, expected", [
+    (1200.0, 20.0, 20.0),  # a 20-minute think: closed-loop replay would wait all of it
+    (5.0, 20.0, 5.0),      # below the cap: kept
+    (None, 20.0, None),    # no think time in the source: stays unknown, not 0
+    (1200.0, None, 1200.0),  # no --max-gap: untouched
+])
+def test_build_max_gap_clamps_think_time_like_the_arrival_gap(think, max_gap, expected):
+    first = req("s", 1, 0.0, 100, [1])
+    second = TraceRequest(1200.0, "s", 2, 100, 10, [1, 2], 64, think, None, "test")
+    built = build_stream([[first, second]], sessions=1, stagger=0.0, max_gap=max_gap).requests
+    assert built[1].think_time == expected
+    assert built[1].arrival - built[0].arrival == (1200.0 if max_gap is None else max_gap)
+
+
 # ------------------------------------------------------------------ stats arithmetic
 
 def test_stats_on_hand_made_trace():

@@ -83,7 +83,8 @@ def build_stream(inputs: Sequence[Sequence[TraceRequest]], *, sessions: int | No
       [0, window) (default 300 s), drawn from the same seeded generator.
     * ``keep_times`` keeps every session's own start instead (to merge streams built already).
     * A session keeps its internal gaps (``max_gap`` clamps each idle gap, compressing hours
-      of think time); ``duration`` drops requests arriving after it.
+      of think time, and each ``think_time`` too, which closed-loop replay and simulation
+      wait instead of the gap); ``duration`` drops requests arriving after it.
     * Ids are renumbered densely per (input, copy) namespace - or per session with
       ``isolate_sessions`` - so only genuinely shared blocks keep equal ids.
     * ``shared_prefix_tokens=T`` maps each session's first floor(T / block_size) blocks (as
@@ -165,8 +166,11 @@ def build_stream(inputs: Sequence[Sequence[TraceRequest]], *, sessions: int | No
             if duration is not None and arrival > duration:
                 continue
             smap = shared.get(r.session, {})
+            think = r.think_time
+            if max_gap is not None and think is not None and think > max_gap:
+                think = max_gap
             out.append(replace(
-                r, arrival=arrival, session=session_name(g, r.session, copy),
+                r, arrival=arrival, think_time=think, session=session_name(g, r.session, copy),
                 parent=session_name(g, r.parent, copy) if r.parent else None,
                 hash_ids=[new_id(smap[h]) if h in smap else new_id(ns + (h,))
                           for h in r.hash_ids]))
