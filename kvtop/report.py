@@ -14,7 +14,7 @@ import json
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,9 +37,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 @dataclass
 class Arm:
+    """One arm: its figures come from ``columns``; ``records`` are read only to plot."""
+
     label: str
-    records: list[dict[str, Any]]
+    columns: seedtable.RequestColumns
     apc: dict[str, Any] | None = None  # engine counters {queries, hits} or {value, source}
+    load_records: Callable[[], Sequence[Mapping[str, Any]]] | None = None
+
+    @property
+    def requests(self) -> int:
+        return self.columns.counts()[0]
+
+    @property
+    def records(self) -> Sequence[Mapping[str, Any]]:
+        if isinstance(self.columns, seedtable.RecordColumns):
+            return self.columns.records
+        return self.load_records() if self.load_records else []
 
 
 def load_results(path: str) -> Arm:
@@ -73,7 +86,7 @@ def load_results(path: str) -> Arm:
         raise CliError(f"{path} is empty")
     base = os.path.basename(path)
     label = header.get("arm") or (base[:-6] if base.endswith(".jsonl") else base)
-    return Arm(str(label), records, header.get("engine_prefix_cache"))
+    return Arm(str(label), seedtable.RecordColumns(records), header.get("engine_prefix_cache"))
 
 
 def load_db_arms(db_path: str, run_id: str | None) -> list[Arm]:
@@ -90,7 +103,10 @@ def load_db_arms(db_path: str, run_id: str | None) -> list[Arm]:
         arms = arms_from_db(db_path, run_id)
     except LookupError as exc:  # e.g. an unknown run id
         raise CliError(str(exc).strip("'\"")) from None
-    return [Arm(a.label, list(a.records), a.apc) for a in arms]
+    # A log's arm answers the seed table from SQL (``columns``); its records, a dict per
+    # request, are built only if --plot asks. Stand-ins without ``columns`` give records.
+    return [Arm(a.label, getattr(a, "columns", None) or seedtable.RecordColumns(a.records), a.apc,
+                lambda a=a: a.records) for a in arms]
 
 
 def _unique_labels(arms: list[Arm]) -> None:
@@ -104,8 +120,8 @@ def _unique_labels(arms: list[Arm]) -> None:
 
 def render(arms: Sequence[Arm], fmt: str = "text") -> str:
     """The seed table, then the per-class TTFT table, in ``fmt``."""
-    seed = [(a.label, seedtable.seed_row(a.records, a.apc)) for a in arms]
-    classes = [(a.label, seedtable.class_rows(a.records)) for a in arms]
+    seed = [(a.label, seedtable.seed_row(a.columns, a.apc)) for a in arms]
+    classes = [(a.label, seedtable.class_rows(a.columns)) for a in arms]
     seed_text = seedtable.format_seed_table(seed, fmt)
     class_text = seedtable.format_class_table(classes, fmt)
     if fmt == "csv":  # two CSV tables, separated by a blank line
@@ -169,8 +185,8 @@ def run(args: argparse.Namespace) -> int:
     arms = [load_results(path) for path in args.results]
     if args.db:
         arms += load_db_arms(args.db, args.run)
-    empty = [a.label for a in arms if not a.records]
-    arms = [a for a in arms if a.records]
+    empty = [a.label for a in arms if not a.requests]
+    arms = [a for a in arms if a.requests]
     if not arms:
         sources = ", ".join(args.results + ([args.db] if args.db else []))
         raise CliError(f"no request records in {sources}: nothing to report")

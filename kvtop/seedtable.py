@@ -1,8 +1,10 @@
 """The seed table's arithmetic: latency percentiles, APC, balance and per-class TTFT.
 
-Pure functions over result records (the dicts ``kvtop replay`` writes, one per request), so
-``kvtop report``, the offline simulator and tests compute every figure the same way.
-Latencies stay in milliseconds in the rows; the formatters show seconds.
+Pure functions over a ``RequestColumns`` source (counts, exact sums, k-th smallest values):
+result records (the dicts ``kvtop replay`` writes, one per request) or, for ``kvtop report
+--db``, SQL over the decision log (``store.queries.SegmentColumns``), so ``kvtop report``,
+the offline simulator and tests compute every figure the same way. Latencies stay in
+milliseconds in the rows; the formatters show seconds.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import io
 import math
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from router.classes import CLASSES, HEAVY_COLO, HEAVY_P2P, route_class
 
@@ -31,20 +33,127 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     Same as numpy's default (``method="linear"``): position ``(n - 1) * q / 100`` in the
     sorted values, interpolated between its two neighbours. None for no values.
     """
+    return ranked_percentile(SortedValues(values), q)
+
+
+def ranked_percentile(values: Values, q: float) -> float | None:
+    """``percentile`` from a ``Values``: reads only the two ranks around the position."""
     if not 0 <= q <= 100:
         raise ValueError(f"percentile q must be in [0, 100], got {q}")
-    data = sorted(values)
-    if not data:
+    n = values.n
+    if not n:
         return None
-    pos = (len(data) - 1) * q / 100.0
+    pos = (n - 1) * q / 100.0
     lo = math.floor(pos)
-    hi = min(lo + 1, len(data) - 1)
+    hi = min(lo + 1, n - 1)
     frac = pos - lo
-    return data[lo] + (data[hi] - data[lo]) * frac
+    low = values.kth(lo)
+    high = low if hi == lo else values.kth(hi)
+    return low + (high - low) * frac
 
 
 def mean(values: Sequence[float]) -> float | None:
-    return sum(values) / len(values) if values else None
+    """The mean, from the correctly rounded sum (``math.fsum``): the same float whatever the
+    order of the values, so a database's sum matches a list's exactly."""
+    return math.fsum(values) / len(values) if values else None
+
+
+# --- column sources -----------------------------------------------------------------------
+# Every figure below is a count, a sum, or a k-th smallest value of one column over one arm's
+# requests. A source answers those three questions; records answer them from a list, the
+# decision log (store.queries) from SQL aggregates and index ranks, without a dict per request.
+
+class Values(Protocol):
+    """One column's present values over a set of requests."""
+
+    @property
+    def n(self) -> int: ...
+
+    def total(self) -> float:
+        """The correctly rounded sum (``math.fsum``'s)."""
+
+    def kth(self, k: int) -> float:
+        """The k-th smallest value, from 0."""
+
+
+class RequestColumns(Protocol):
+    """One arm's requests as the seed table reads them."""
+
+    def counts(self) -> tuple[int, int]:
+        """(requests, ok requests)."""
+
+    def ok_values(self, column: str, route_class: str | None = None) -> Values:
+        """``column`` over ok requests that have it (of one route class, when given)."""
+
+    def class_counts(self) -> dict[str, tuple[int, int]]:
+        """Per route class with any request: (ok requests with a TTFT, failed requests)."""
+
+    def instance_counts(self) -> dict[str, int]:
+        """Requests per instance, ok or not, over requests that name one."""
+
+    def usage_tokens(self) -> tuple[int, int]:
+        """(Σ cached_tokens, Σ input_tokens) over ok requests that reported cached tokens."""
+
+
+class SortedValues:
+    """``Values`` of a list, sorted once."""
+
+    def __init__(self, values: Iterable[float]):
+        self.data = sorted(values)
+
+    @property
+    def n(self) -> int:
+        return len(self.data)
+
+    def total(self) -> float:
+        return math.fsum(self.data)
+
+    def kth(self, k: int) -> float:
+        return self.data[k]
+
+
+class RecordColumns:
+    """``RequestColumns`` of result records (the dicts ``kvtop replay`` writes)."""
+
+    def __init__(self, records: Iterable[Mapping[str, Any]]):
+        self.records = list(records)
+        self.ok = _ok(self.records)
+        self._values: dict[tuple[str, str | None], SortedValues] = {}
+
+    def counts(self) -> tuple[int, int]:
+        return len(self.records), len(self.ok)
+
+    def ok_values(self, column: str, route_class: str | None = None) -> SortedValues:
+        key = (column, route_class)
+        if key not in self._values:
+            rows = self.ok if route_class is None else \
+                [r for r in self.ok if record_class(r) == route_class]
+            self._values[key] = SortedValues(_present(rows, column))
+        return self._values[key]
+
+    def class_counts(self) -> dict[str, tuple[int, int]]:
+        out: dict[str, tuple[int, int]] = {}
+        for r in self.records:
+            cls = record_class(r)
+            timed, failed = out.get(cls, (0, 0))
+            if r.get("status") != "ok":
+                failed += 1
+            elif r.get("ttft_ms") is not None:
+                timed += 1
+            out[cls] = (timed, failed)
+        return out
+
+    def instance_counts(self) -> dict[str, int]:
+        return dict(Counter(str(r["instance"]) for r in self.records if r.get("instance")))
+
+    def usage_tokens(self) -> tuple[int, int]:
+        cached = total = 0
+        for r in self.ok:
+            if r.get("cached_tokens") is None or not r.get("input_tokens"):
+                continue
+            cached += int(r["cached_tokens"])
+            total += int(r["input_tokens"])
+        return cached, total
 
 
 def _ok(records: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
@@ -53,6 +162,14 @@ def _ok(records: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
 
 def _present(records: Iterable[Mapping[str, Any]], key: str) -> list[float]:
     return [float(r[key]) for r in records if r.get(key) is not None]
+
+
+def _columns(source: RequestColumns | Iterable[Mapping[str, Any]]) -> RequestColumns:
+    return source if hasattr(source, "ok_values") else RecordColumns(source)  # type: ignore[arg-type]
+
+
+def _mean(values: Values) -> float | None:
+    return values.total() / values.n if values.n else None
 
 
 def apc_from_engine(counters: Mapping[str, Any] | None) -> float | None:
@@ -65,23 +182,18 @@ def apc_from_engine(counters: Mapping[str, Any] | None) -> float | None:
     return float(hits) / float(queries)
 
 
-def apc_from_usage(records: Iterable[Mapping[str, Any]]) -> float | None:
+def apc_from_usage(records: Iterable[Mapping[str, Any]] | RequestColumns) -> float | None:
     """Σ cached_tokens / Σ input_tokens over ok requests that reported cached_tokens.
 
     Requests without ``cached_tokens`` (an engine that does not report it) are left out of
     both sums rather than counted as misses; None when no ok request reported it.
     """
-    cached = total = 0
-    for r in _ok(records):
-        if r.get("cached_tokens") is None or not r.get("input_tokens"):
-            continue
-        cached += int(r["cached_tokens"])
-        total += int(r["input_tokens"])
+    cached, total = _columns(records).usage_tokens()
     return cached / total if total else None
 
 
-def choose_apc(records: Sequence[Mapping[str, Any]], apc: Mapping[str, Any] | None = None
-               ) -> tuple[float | None, str]:
+def choose_apc(records: Sequence[Mapping[str, Any]] | RequestColumns,
+               apc: Mapping[str, Any] | None = None) -> tuple[float | None, str]:
     """(APC, source). Engine counters win when given and meaningful, then usage, then none.
 
     ``apc`` is either engine counter deltas ``{"queries": Δ, "hits": Δ}`` (a results file's
@@ -101,8 +213,8 @@ def choose_apc(records: Sequence[Mapping[str, Any]], apc: Mapping[str, Any] | No
     return None, APC_NONE
 
 
-def balance(records: Iterable[Mapping[str, Any]], instances: Iterable[str] | None = None
-            ) -> tuple[float | None, dict[str, int], str]:
+def balance(records: Iterable[Mapping[str, Any]] | RequestColumns,
+            instances: Iterable[str] | None = None) -> tuple[float | None, dict[str, int], str]:
     """(max:min requests per instance, requests per instance, note).
 
     Counts every request that was routed (has an ``instance``), ok or not: balance is about
@@ -111,9 +223,7 @@ def balance(records: Iterable[Mapping[str, Any]], instances: Iterable[str] | Non
     names an instance (e.g. replay straight at one engine, which sends no instance header).
     """
     per: Counter[str] = Counter({name: 0 for name in instances or ()})
-    for r in records:
-        if r.get("instance"):
-            per[str(r["instance"])] += 1
+    per.update(_columns(records).instance_counts())
     counts = dict(sorted(per.items()))
     if not any(counts.values()):
         return None, counts, "no instance recorded"
@@ -123,29 +233,29 @@ def balance(records: Iterable[Mapping[str, Any]], instances: Iterable[str] | Non
     return max(counts.values()) / min(counts.values()), counts, ""
 
 
-def seed_row(records: Sequence[Mapping[str, Any]], apc: Mapping[str, Any] | None = None,
-             *, instances: Iterable[str] | None = None) -> dict[str, Any]:
-    """One arm's row of the seed table.
+def seed_row(records: Sequence[Mapping[str, Any]] | RequestColumns,
+             apc: Mapping[str, Any] | None = None, *, instances: Iterable[str] | None = None
+             ) -> dict[str, Any]:
+    """One arm's row of the seed table, from records or any ``RequestColumns``.
 
     Latencies are over ok requests only (an error has no meaningful TTFT); TPOT only over
     requests with more than one output token, since it is undefined for the others.
     """
-    ok = _ok(records)
-    ttft = _present(ok, "ttft_ms")
-    e2e = _present(ok, "e2e_ms")
-    tpot = _present(ok, "tpot_ms")
-    apc_value, apc_source = choose_apc(records, apc)
-    bal, per_instance, bal_note = balance(records, instances)
+    source = _columns(records)
+    requests, ok = source.counts()
+    ttft, e2e = source.ok_values("ttft_ms"), source.ok_values("e2e_ms")
+    apc_value, apc_source = choose_apc(source, apc)
+    bal, per_instance, bal_note = balance(source, instances)
     return {
-        "requests": len(records),
-        "ok": len(ok),
-        "errors": len(records) - len(ok),
-        "ttft_mean_ms": mean(ttft),
-        "ttft_p90_ms": percentile(ttft, 90),
-        "e2e_mean_ms": mean(e2e),
-        "e2e_p90_ms": percentile(e2e, 90),
-        "e2e_p99_ms": percentile(e2e, 99),
-        "tpot_p90_ms": percentile(tpot, 90),
+        "requests": requests,
+        "ok": ok,
+        "errors": requests - ok,
+        "ttft_mean_ms": _mean(ttft),
+        "ttft_p90_ms": ranked_percentile(ttft, 90),
+        "e2e_mean_ms": _mean(e2e),
+        "e2e_p90_ms": ranked_percentile(e2e, 90),
+        "e2e_p99_ms": ranked_percentile(e2e, 99),
+        "tpot_p90_ms": ranked_percentile(source.ok_values("tpot_ms"), 90),
         "apc": apc_value,
         "apc_source": apc_source,
         "balance": bal,
@@ -159,28 +269,21 @@ def record_class(record: Mapping[str, Any]) -> str:
     return record.get("route_class") or route_class(int(record.get("input_tokens") or 0))
 
 
-def class_rows(records: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+def class_rows(records: Iterable[Mapping[str, Any]] | RequestColumns) -> dict[str, dict[str, Any]]:
     """Per route class: ``{count, errors, ttft_mean, ttft_p50, ttft_p90}`` (TTFT in ms).
 
     ``count`` is the class's ok requests with a TTFT, the ones the statistics cover;
     ``errors`` the class's failed requests. Classes with no requests are left out; the
     order is report order (WARM, MEDIUM, HEAVY, HEAVY+, HEAVY_P2P, HEAVY_COLO).
     """
-    ttfts: dict[str, list[float]] = {}
-    errors: Counter[str] = Counter()
-    for r in records:
-        cls = record_class(r)
-        bucket = ttfts.setdefault(cls, [])
-        if r.get("status") != "ok":
-            errors[cls] += 1
-        elif r.get("ttft_ms") is not None:
-            bucket.append(float(r["ttft_ms"]))
+    source = _columns(records)
     order = {name: i for i, name in enumerate(CLASS_ORDER)}
     out: dict[str, dict[str, Any]] = {}
-    for cls in sorted(ttfts, key=lambda c: (order.get(c, len(order)), c)):
-        values = ttfts[cls]
-        out[cls] = {"count": len(values), "errors": errors[cls], "ttft_mean": mean(values),
-                    "ttft_p50": percentile(values, 50), "ttft_p90": percentile(values, 90)}
+    counts = source.class_counts()
+    for cls in sorted(counts, key=lambda c: (order.get(c, len(order)), c)):
+        values = source.ok_values("ttft_ms", cls)
+        out[cls] = {"count": values.n, "errors": counts[cls][1], "ttft_mean": _mean(values),
+                    "ttft_p50": ranked_percentile(values, 50), "ttft_p90": ranked_percentile(values, 90)}
     return out
 
 

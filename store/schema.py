@@ -144,6 +144,12 @@ INDEXES: list[tuple[str, list[str]]] = [
     ("outcomes", ["run_id", "policy", "policy_version", "status", "ttft_ms",
                   "delivered_hit_tokens", "est_hit_tokens"]),
     ("outcomes", ["run_id", "policy", "policy_version", "status", "e2e_ms"]),
+    # kvtop report --db: TPOT ranks; counts and TTFT sums and ranks per route class; requests,
+    # delivered hits, E2E sums and TPOT counts per instance. Each a covering pass, no sort.
+    ("outcomes", ["run_id", "policy", "policy_version", "status", "tpot_ms"]),
+    ("outcomes", ["run_id", "policy", "policy_version", "status", "route_class", "ttft_ms"]),
+    ("outcomes", ["run_id", "policy", "policy_version", "instance", "status",
+                  "delivered_hit_tokens", "input_tokens", "e2e_ms", "tpot_ms"]),
     ("config_events", ["run_id", "ts"]),
     ("samples", ["run_id", "ts"]),
 ]

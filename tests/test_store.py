@@ -190,6 +190,48 @@ def test_flat_and_joined_layouts_agree_exactly(tmp_path, n, seed):
         [(x.label, x.records, x.apc, x.missing_outcomes) for x in b]
 
 
+def _random_report_run(n: int, seed: int, tiny: bool) -> list:
+    """n requests for the seed table: three segments, several classes and instances, fractional
+    latencies with ties, failures, and retries of ok attempts too (so the superseded values
+    sit among the ranks). ``tiny``: some sub-millisecond TTFTs, which the exact SQL sum
+    cannot split and so sums from fetched values."""
+    import random
+    rnd = random.Random(seed)
+    rows = []
+    for i in range(n):
+        pol, ver = [("lmetric", 1), ("unified", 2), ("unified", 3)][i * 3 // n]
+        cls, inst = rnd.choice(["WARM", "MEDIUM", "HEAVY_P2P"]), rnd.choice("abc")
+        ok = rnd.random() < 0.85
+        ttft = rnd.choice([rnd.uniform(1, 5000), 7.25, 0.3 if tiny else 3.5]) if ok and rnd.random() < 0.9 else None
+        out = ("ok" if ok else "timeout", ttft, rnd.uniform(1, 9e4), 3, rnd.choice([None, 0, 64]))
+        rows.append((float(i), f"x{i}", 1, "s", 1, pol, ver, inst, "argmin", cls, rnd.choice([0, 100, 1000]),
+                     64, 128, out))
+        if rnd.random() < 0.1:  # retried, failed first or not; the retry sometimes unanswered
+            rows.append((i + 0.5, f"x{i}", 2, "s", 1, pol, ver, "c", "retry", cls, 1000, 0, 128,
+                         ("ok", rnd.uniform(1, 50), 90.5, 3, 8) if rnd.random() < 0.8 else None))
+    return rows
+
+
+@pytest.mark.parametrize("n, seed, tiny", [(1, 0, False), (2, 1, False), (5, 2, True), (60, 3, False),
+                                           (500, 4, False), (500, 5, True)])
+def test_report_columns_equal_the_records(tmp_path, n, seed, tiny):
+    # kvtop report --db computes from SQL aggregates and index ranks; every figure must equal
+    # the records' bit for bit (means too), with superseded attempts and unanswered retries.
+    from kvtop import seedtable
+    arms = q.arms_from_db(_write(tmp_path / "r.db", {"r": (0.0, _random_report_run(n, seed, tiny))}))
+    assert arms
+    for arm in arms:
+        assert arm.columns is not None and arm._records is None  # no records built yet
+        assert seedtable.seed_row(arm.columns, arm.apc) == seedtable.seed_row(arm.records, arm.apc)
+        assert seedtable.class_rows(arm.columns) == seedtable.class_rows(arm.records)
+        assert arm.columns.delivered_tokens == (
+            sum(r["cached_tokens"] for r in arm.records if r["cached_tokens"] is not None and r["input_tokens"]),
+            sum(r["input_tokens"] for r in arm.records if r["cached_tokens"] is not None and r["input_tokens"]))
+    joined = q.arms_from_db(_write(tmp_path / "j.db", {"r": (0.0, _random_report_run(n, seed, tiny))}, flat=False))
+    assert [(a.label, a.records, a.apc, a.missing_outcomes) for a in joined] == \
+        [(a.label, a.records, a.apc, a.missing_outcomes) for a in arms]
+
+
 def test_old_rows_in_a_new_file_fall_back_to_the_join(tmp_path):
     # An older router wrote r1 (NULL copies); a newer one opened the file and wrote r2.
     path = tmp_path / "mixed.db"
