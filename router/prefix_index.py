@@ -10,6 +10,11 @@ and the walk stops when the mask is empty.
 Insertion touches a request's blocks from last to first, so the first (most shared) blocks
 are the most recently used and the tail is evicted first, as vLLM frees a request's blocks
 in reverse order.
+
+This keeps each instance's cached blocks of any chain a prefix of it: a block's hash covers
+its whole prefix, so every request that touches block k also touches blocks 0..k-1, after
+k; block k-1 is therefore always at least as recent as block k and is evicted later. The
+one-pass ``match`` relies on this (tests compare it with a block-by-block walk).
 """
 
 from __future__ import annotations
@@ -40,27 +45,31 @@ class PrefixIndex:
         return len(self._lru[instance])
 
     def match(self, blocks: Sequence[int]) -> list[int]:
-        """Return, per instance, how many leading blocks of ``blocks`` it holds."""
-        n = len(self._lru)
-        matched = [0] * n
-        if not blocks:
-            return matched
-        owners = self._owners
-        alive = owners.get(blocks[0], 0)
-        if not alive:
-            return matched
-        depth = 1
-        for h in blocks[1:]:
-            nxt = alive & owners.get(h, 0)
-            dropped = alive & ~nxt
-            if dropped:
-                _assign(matched, dropped, depth)
-            alive = nxt
-            if not alive:
-                break
-            depth += 1
-        if alive:
-            _assign(matched, alive, depth)
+        """Return, per instance, how many leading blocks of ``blocks`` it holds.
+
+        Each instance's cached blocks of a chain form a prefix of it (see the module doc), so
+        the owner mask only loses bits along ``blocks``: mask(k+1) is a subset of mask(k). The
+        depth at which each bit drops is found by bisecting for the end of each run of equal
+        masks: at most (instances + 1) x log2(len(blocks)) lookups, not a walk of every block.
+        """
+        matched = [0] * len(self._lru)
+        nb = len(blocks)
+        get = self._owners.get
+        pos = 0
+        v = get(blocks[0], 0) if nb else 0
+        while v:
+            lo, hi = pos, nb - 1  # mask(lo) == v; find the last index whose mask is still v
+            if get(blocks[hi], 0) != v:
+                while hi - lo > 1:  # invariant: mask(lo) == v != mask(hi)
+                    mid = (lo + hi) >> 1
+                    if get(blocks[mid], 0) == v:
+                        lo = mid
+                    else:
+                        hi = mid
+                hi = lo
+            nxt = get(blocks[hi + 1], 0) if hi + 1 < nb else 0
+            _assign(matched, v & ~nxt, hi + 1)
+            pos, v = hi + 1, nxt
         return matched
 
     def insert(self, instance: int, blocks: Sequence[int]) -> None:

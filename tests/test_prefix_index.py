@@ -65,3 +65,40 @@ def test_text_fallback_chunks():
     base = "x" * 2048 * 3
     assert hash_text_blocks(base, 512)[:2] == hash_text_blocks(base[:4096] + "y" * 2048, 512)[:2]
     assert len(hash_text_blocks("a" * 2047, 512)) == 0
+
+
+def test_long_prefixes_take_the_fast_path_and_agree():
+    """Chains longer than the short walk (16) go through the accumulate path: same answers."""
+    rng = random.Random(11)
+    idx = PrefixIndex(6, 2_000, 512)
+    chains = [[rng.getrandbits(60) for _ in range(400)] for _ in range(4)]
+    for _ in range(300):
+        chain = rng.choice(chains)
+        idx.insert(rng.randrange(6), chain[: rng.randint(1, 400)])
+        probe = rng.choice(chains)[: rng.randint(0, 400)]
+        assert idx.match(probe) == brute_match(idx, probe)
+    full = chains[0]
+    for k in range(6):
+        idx.insert(k, full[: 50 * (k + 1)])
+    assert idx.match(full) == brute_match(idx, full)
+
+
+def test_bisection_holds_under_heavy_eviction_with_branching_chains():
+    """Chains branch off shared prefixes (a system prompt, forked sessions) and caches are far
+    smaller than the traffic, so eviction is constant: the prefix-closed invariant that the
+    bisection relies on must survive all of it."""
+    rng = random.Random(5)
+    idx = PrefixIndex(5, 60, 64)
+    trunk = [rng.getrandbits(60) for _ in range(40)]
+    chains = []
+    for _ in range(12):
+        cut = rng.randint(0, 40)
+        chains.append(trunk[:cut] + [rng.getrandbits(60) for _ in range(rng.randint(1, 120))])
+    for _ in range(2_000):
+        chain = rng.choice(chains)
+        idx.insert(rng.randrange(5), chain[: rng.randint(1, len(chain))])
+        probe = rng.choice(chains)
+        assert idx.match(probe) == brute_match(idx, probe)
+        for lru in idx._lru:  # the invariant itself: whatever is cached of a chain is a prefix of it
+            held = [h in lru for h in probe]
+            assert held == sorted(held, reverse=True)
