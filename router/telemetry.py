@@ -284,6 +284,10 @@ class GpuSampler:
 # -- Prometheus histograms for the router's own /metrics ----------------------------------------
 
 class Histogram:
+    """A Prometheus histogram: the router's own /metrics and the simulated vLLM's both use it."""
+
+    __slots__ = ("buckets", "counts", "sum", "count")
+
     def __init__(self, buckets: Iterable[float]):
         self.buckets = sorted(buckets)
         self.counts = [0] * (len(self.buckets) + 1)
@@ -295,17 +299,21 @@ class Histogram:
         self.sum += value
         self.count += 1
 
-    def render(self, name: str, labels: str = "") -> list[str]:
+    def render(self, name: str, labels: str = "", *, float_counts: bool = False) -> list[str]:
+        """Exposition lines. ``float_counts`` writes counts as ``5.0`` and bounds as floats, the
+        way prometheus_client (and so vLLM) does; the router writes plain numbers."""
+        num = (lambda x: repr(float(x))) if float_counts else _num
+        cnt = (lambda x: f"{x}.0") if float_counts else str
         lines = []
         acc = 0
         sep = "," if labels else ""
         for le, c in zip(self.buckets, self.counts):
             acc += c
-            lines.append(f'{name}_bucket{{{labels}{sep}le="{_num(le)}"}} {acc}')
-        lines.append(f'{name}_bucket{{{labels}{sep}le="+Inf"}} {self.count}')
+            lines.append(f'{name}_bucket{{{labels}{sep}le="{num(le)}"}} {cnt(acc)}')
+        lines.append(f'{name}_bucket{{{labels}{sep}le="+Inf"}} {cnt(self.count)}')
         lab = f"{{{labels}}}" if labels else ""
-        lines.append(f"{name}_sum{lab} {_num(self.sum)}")
-        lines.append(f"{name}_count{lab} {self.count}")
+        lines.append(f"{name}_count{lab} {cnt(self.count)}")
+        lines.append(f"{name}_sum{lab} {num(self.sum)}")
         return lines
 
 

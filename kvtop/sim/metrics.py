@@ -8,10 +8,10 @@ time; histograms are fed from the engine's step results by the server.
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Sequence
 
 from kvtop.sim.engine import Engine, FinishedRequest
+from router.telemetry import Histogram as RouterHistogram
 
 # vLLM loggers.py bucket lists.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -42,32 +42,20 @@ def _fmt(v: float) -> str:
     return repr(float(v))
 
 
-class Histogram:
-    __slots__ = ("name", "help", "buckets", "counts", "sum", "count")
+class Histogram(RouterHistogram):
+    """A vLLM histogram: the router's implementation, named, with HELP/TYPE and float counts."""
+
+    __slots__ = ("name", "help")
 
     def __init__(self, name: str, help_text: str, buckets: Sequence[float]):
+        super().__init__(buckets)
         self.name = name
         self.help = help_text
-        self.buckets = tuple(buckets)
-        self.counts = [0] * (len(self.buckets) + 1)
-        self.sum = 0.0
-        self.count = 0
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.sum += value
-        self.count += 1
-
-    def render(self, labels: str, out: list[str]) -> None:
+    def render(self, labels: str, out: list[str]) -> None:  # type: ignore[override]
         out.append(f"# HELP {self.name} {self.help}")
         out.append(f"# TYPE {self.name} histogram")
-        cumulative = 0
-        for bound, n in zip(self.buckets, self.counts):
-            cumulative += n
-            out.append(f'{self.name}_bucket{{{labels},le="{_fmt(bound)}"}} {cumulative}.0')
-        out.append(f'{self.name}_bucket{{{labels},le="+Inf"}} {self.count}.0')
-        out.append(f"{self.name}_count{{{labels}}} {self.count}.0")
-        out.append(f"{self.name}_sum{{{labels}}} {_fmt(self.sum)}")
+        out.extend(super().render(self.name, labels, float_counts=True))
 
 
 class SimMetrics:
