@@ -21,13 +21,13 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
+from kvtop.procs import stop_process
 
 PEERS_BIN = Path(os.environ.get("KVTOP_PEERS_VENV",
                                 Path.home() / ".cache" / "kvtop-peers" / "venv")) / "bin"
@@ -127,16 +127,6 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
             pass
         time.sleep(0.2)
     raise RuntimeError(f"{url} not ready after {timeout} s")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def target_cmd(name: str, port: int, backend: str, tmp: str) -> list[str] | None:
@@ -254,9 +244,9 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as exc:  # one broken peer must not lose the others' figures
                 print(f"{name}: {exc}", file=sys.stderr)
             finally:
-                stop(proc)
+                stop_process(proc)
     finally:
-        stop(backend)
+        stop_process(backend)
 
     base = rows.get("direct")
     print(f"\n{args.requests} sequential requests per mode for latency; {args.concurrency} "

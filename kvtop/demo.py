@@ -26,6 +26,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from kvtop.procs import stop_processes
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--instances", type=int, default=4, metavar="N", help="simulated vLLM instances (default 4)")
@@ -69,19 +71,8 @@ class Stack:
         with self.lock:
             procs = list(reversed(self.procs))
             self.procs.clear()
-        for _, proc in procs:
-            if proc.poll() is None:
-                try:
-                    proc.send_signal(signal.SIGINT)  # each verb shuts down cleanly on SIGINT
-                except ProcessLookupError:
-                    pass
-        deadline = time.monotonic() + grace_s
-        for _, proc in procs:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        # each verb shuts down cleanly on SIGINT
+        stop_processes([proc for _, proc in procs], grace_s=grace_s, sig=signal.SIGINT)
 
 
 def _port_free(port: int) -> bool:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -18,6 +17,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from kvtop.procs import stop_process
 
 PEERS_PYTHON = os.environ.get(
     "KVTOP_PEERS_PYTHON", str(Path.home() / ".cache" / "kvtop-peers" / "venv" / "bin" / "python"))
@@ -79,16 +79,6 @@ def _wait(url: str, proc: subprocess.Popen, timeout: float, want: bytes | None =
     raise TimeoutError(url)
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def _requests_total(base: str) -> float:
     """Finished requests the engine counted (vllm:request_success_total, all reasons)."""
     with urllib.request.urlopen(base + "/metrics", timeout=5) as r:
@@ -110,7 +100,7 @@ def sim():
             _wait(u + "/health", proc, 30)
         yield urls
     finally:
-        _stop(proc)
+        stop_process(proc)
 
 
 @pytest.mark.parametrize("policy", ["round_robin", "cache_aware"])
@@ -147,4 +137,4 @@ def test_sglang_router_routes_to_kvtop_sim(sim, policy):
         if policy == "round_robin":
             assert min(served) > 0, served  # and round robin used both
     finally:
-        _stop(proc)
+        stop_process(proc)

@@ -17,7 +17,6 @@ import json
 import os
 import random
 import re
-import signal
 import socket
 import statistics
 import subprocess
@@ -27,6 +26,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from kvtop.procs import stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -135,16 +135,6 @@ def _wait(url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise TimeoutError(url)
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 @pytest.fixture(scope="module")
 def report():
     data: dict = {}
@@ -184,7 +174,7 @@ def router(vllm, model_dir, tmp_path_factory):
     url = f"http://127.0.0.1:{port}"
     _wait(url + "/health", proc, 30)
     yield {"url": url, "state_dir": tmp}
-    _stop(proc)
+    stop_process(proc, grace_s=15)
     log.close()
 
 
@@ -299,7 +289,7 @@ def test_cpu_tiny_profile_matches_real_ttft(vllm, report):
         _wait(f"http://127.0.0.1:{port}/health", sim, 30)
         simulated = _measure(f"http://127.0.0.1:{port}", salt=7)
     finally:
-        _stop(sim)
+        stop_process(sim, grace_s=15)
     report["cpu_tiny_profile"] = profile
     report["cpu_tiny_ttft_s"] = {str(n): {"real": round(real[n], 4), "sim": round(simulated[n], 4),
                                           "ratio": round(simulated[n] / real[n], 3)}

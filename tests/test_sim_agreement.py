@@ -9,7 +9,6 @@ of wall time at speed 5) that the proxy's few milliseconds stay far below the to
 from __future__ import annotations
 
 import asyncio
-import signal
 import socket
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import aiohttp
 import pytest
 
 from conftest import free_port
+from kvtop.procs import stop_processes
 from kvtop.replay import ReplayConfig, replay
 from kvtop.seedtable import percentile
 from kvtop.simulate import SimConfig, simulate
@@ -87,13 +87,7 @@ async def live_ttfts(policy: str, trace, tmp_path) -> list[float]:
         assert all(r["status"] == "ok" for r in result.records), result.records[:2]
         return [r["ttft_ms"] * SPEED for r in result.records]
     finally:
-        for p in (route, sim):
-            if p is not None and p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                try:
-                    p.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+        stop_processes([p for p in (route, sim) if p is not None], grace_s=20)
 
 
 @pytest.mark.parametrize("policy", ["leastwork", "round_robin"])
