@@ -342,7 +342,7 @@ def summary(db: sqlite_utils.Database | str | Path, run_id: str | None = None) -
     flat = _flat(db, run_id)
     o_clause = run_clause.replace("d.", "o.")
     if flat:  # every outcome knows its segment and its decision's estimate: no join
-        outcome_sql = f"""SELECT policy, policy_version, count(*) AS n_outcomes, sum(status = 'ok') AS n_ok,
+        outcome_sql = """SELECT policy, policy_version, count(*) AS n_outcomes, sum(status = 'ok') AS n_ok,
             sum(delivered_hit_tokens) AS delivered, count(delivered_hit_tokens) AS n_delivered,
             sum(est_hit_tokens - delivered_hit_tokens) AS est_error,
             count(est_hit_tokens - delivered_hit_tokens) AS n_est_error,

@@ -11,7 +11,6 @@ import sys
 import time
 
 import aiohttp
-import pytest
 import sqlite_utils
 
 from conftest import free_port

@@ -158,7 +158,7 @@ def metrics_backend(state: dict) -> web.Application:
             return web.Response(status=500, text="boom")
         state["n"] = state.get("n", 0) + 1
         q, h = 1000 * state["n"], 600 * state["n"]
-        extra = f"kvtop_sim:busy_ratio 0.4\n" if state.get("sim") else ""
+        extra = "kvtop_sim:busy_ratio 0.4\n" if state.get("sim") else ""
         return web.Response(text=VLLM_CURRENT.replace("8192.0", str(q)).replace("3968.0", str(h))
                             .replace("4096.0", "0")
                             .replace("3072.0", "0") + extra)

@@ -252,7 +252,7 @@ class Engine:
 
     def add_request(self, request: EngineRequest) -> None:
         """Queue a request; raises ``EngineRejected`` if it can never run."""
-        p, bs = self.profile, self.block_size
+        bs = self.block_size
         if request.request_id in self._requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         if request.num_prompt_tokens <= 0:
