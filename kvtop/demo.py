@@ -159,9 +159,14 @@ def trace_path(args: argparse.Namespace) -> str:
     return str(path)
 
 
-def replay_args(trace: str, url: str, speed: float, out: Path) -> list[str]:
-    return ["replay", trace, "--target", url, "--speed", f"{speed:g}", "--out", str(out), "--arm", "demo",
+def replay_args(trace: str, url: str, speed: float, out: Path, duration: float | None = None) -> list[str]:
+    args = ["replay", trace, "--target", url, "--speed", f"{speed:g}", "--out", str(out), "--arm", "demo",
             "--no-progress"]
+    return args + ["--duration", f"{duration:g}"] if duration else args
+
+
+#: How long a bounded run waits, after it stops sending, for answers still on their way.
+ANSWER_GRACE_S = 60.0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -174,6 +179,13 @@ def run(args: argparse.Namespace) -> int:
     if args.duration is not None and args.duration <= 0:
         raise CliError("--duration must be positive")
     trace = trace_path(args)
+    if not args.headless and not (sys.stdout.isatty() and sys.stdin.isatty()):
+        # No terminal to draw on (a pipe, a CI log): give the numbers instead of escape codes.
+        args.headless = True
+        if args.duration is None:
+            args.duration = 60.0
+        print(f"kvtop demo: no terminal, so no dashboard; running headless for {args.duration:g} s "
+              "and printing the report (choose with --headless --duration S)", file=sys.stderr)
     # A terminal closing (SIGHUP) or a kill (SIGTERM) stops the demo like Ctrl-C does, so the
     # processes it started are stopped too instead of outliving it.
     for sig in (signal.SIGTERM, signal.SIGHUP):
@@ -199,11 +211,12 @@ def _headless(args: argparse.Namespace, stack: Stack, trace: str, url: str, work
     from kvtop.report import load_db_arms, load_results, render
 
     out = workdir / "results.jsonl"
-    replay = stack.start("replay", replay_args(trace, url, args.speed, out))
+    # replay stops sending at --duration and waits for what it asked, so no answer is cut off
+    replay = stack.start("replay", replay_args(trace, url, args.speed, out, args.duration))
     print(f"kvtop demo: {args.instances} simulated instances, router {url} (policy {args.policy}), "
           f"replaying {Path(trace).name} at {args.speed:g}x", file=sys.stderr)
     try:
-        replay.wait(timeout=args.duration)
+        replay.wait(timeout=None if args.duration is None else args.duration + ANSWER_GRACE_S)
     except subprocess.TimeoutExpired:
         replay.send_signal(signal.SIGINT)  # replay writes the results it has, then exits
         try:

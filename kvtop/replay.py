@@ -79,6 +79,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scrape", action="append", default=[], metavar="URL",
                    help="engine base URL whose /metrics prefix-cache counters are read before "
                         "and after the run (repeat for each engine)")
+    p.add_argument("--duration", type=float, default=None, metavar="S",
+                   help="send only requests due in the first S wall seconds, then wait for their "
+                        "answers (a bounded run whose every request completes)")
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
 
 
@@ -91,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--limit must be positive")
     if args.timeout <= 0:
         raise CliError("--timeout must be positive")
+    if args.duration is not None and args.duration <= 0:
+        raise CliError("--duration must be positive")
     requests = _load(args.trace, args.limit)
     cfg = ReplayConfig(
         target=args.target.rstrip("/"), speed=args.speed, mode=args.mode,
@@ -98,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         arm=args.arm or _stem(args.out), model=args.model,
         session_header=args.session_header, max_concurrency=max(0, args.max_concurrency),
         timeout=args.timeout, scrape=[u.rstrip("/") for u in args.scrape], trace=args.trace,
-        progress=not args.no_progress and sys.stderr.isatty())
+        progress=not args.no_progress and sys.stderr.isatty(), duration=args.duration)
     result = asyncio.run(replay(requests, cfg))
     write_results(args.out, result)
     ok = sum(r["status"] == "ok" for r in result.records)
@@ -151,6 +156,8 @@ class ReplayConfig:
     scrape: list[str] = field(default_factory=list)
     trace: str = ""
     progress: bool = False
+    #: wall seconds during which requests are sent; None = the whole trace
+    duration: float | None = None
     #: token synthesis; None = kvtop.traces.synth.tokens_for_request (tests inject their own)
     tokens: Callable[[Any, int], list[int]] | None = None
 
@@ -340,6 +347,10 @@ class _Runner:
                 progress.cancel()
                 print(file=sys.stderr)
 
+    def _past_duration(self, due: float) -> bool:
+        """True once a send would fall after ``--duration``: stop sending, keep receiving."""
+        return self.cfg.duration is not None and due > self.cfg.duration
+
     def _due(self, req: Any) -> float:
         return (req.arrival - self.arrival0) / self.cfg.speed
 
@@ -352,6 +363,8 @@ class _Runner:
         for index, req in enumerate(self.requests):
             # Build the body before the wait, so synthesis and JSON encoding of a long prompt
             # happen in slack time instead of delaying this send and other streams' tokens.
+            if self._past_duration(self._due(req)):
+                break
             payload = self._payload(index, req)
             await self._sleep_until(self._due(req))
             if self.sem:
@@ -385,6 +398,8 @@ class _Runner:
             else:
                 # No think time in the trace: keep its schedule, never before the answer.
                 due = max(prev_end, self._due(req))
+            if self._past_duration(due):
+                return
             await self._sleep_until(due)
             # Built after the wait: a payload per waiting session would hold too much memory.
             await self._send(index, req, self._payload(index, req), acquired=False)

@@ -97,3 +97,15 @@ def test_demo_sigterm_stops_everything_it_started(tmp_path):
         except ProcessLookupError:
             pass
     assert survivors == [], "processes started by the demo outlived it"
+
+
+def test_demo_without_a_terminal_prints_the_report_instead(tmp_path):
+    """No TTY (a pipe, a CI log): no escape codes, a note on stderr and the report on stdout."""
+    env = {**os.environ, "HOME": str(tmp_path)}
+    trace = small_trace(tmp_path / "t.jsonl")
+    proc = subprocess.run([sys.executable, "-m", "kvtop", "demo", "--duration", "6", "--trace", str(trace),
+                           "--instances", "2"], capture_output=True, text=True, timeout=120, env=env,
+                          cwd=tmp_path, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "no terminal" in proc.stderr and "TTFT" in proc.stdout
+    assert "\x1b[" not in proc.stdout

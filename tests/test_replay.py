@@ -232,6 +232,19 @@ def test_limit_bounds_the_run(fake, tmp_path):
     assert [r["session"] for r in fake.received] == ["s0", "s1"]
 
 
+@pytest.mark.parametrize("mode", ["open", "closed"])
+def test_duration_stops_sending_but_waits_for_answers(fake, mode):
+    """A bounded run: nothing is sent after --duration, and what was sent completes (no request
+    is cut off and reported as an error just because the run ended)."""
+    trace = [req(0.0, "a", out=100), req(0.02, "b", 1, out=5), req(0.02, "b", 2, out=5, think=0.0),
+             req(5.0, "late")]
+    result = asyncio.run(replay(trace, ReplayConfig(target=fake.url, duration=0.2, mode=mode)))
+    assert not result.interrupted
+    assert {r["session"] for r in result.records} == {"a", "b"}
+    assert all(r["status"] == "ok" for r in result.records)
+    assert "late" not in [r["session"] for r in fake.received]
+
+
 def test_interrupt_keeps_what_it_has(fake):
     trace = [req(0.0, "a", out=200), req(5.0, "late")]  # a streams for ~1 s; late never sent
 

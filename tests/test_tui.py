@@ -375,6 +375,15 @@ async def test_policy_docs_are_not_read_as_markup(live_router):
         assert any("[rr_counter mod n]" in t for t in texts), texts
 
 
+async def test_attach_without_a_terminal_points_to_once(live_router, capsys):
+    from kvtop.cli import main
+
+    server, rapp, url = live_router
+    rc = await asyncio.to_thread(main, ["attach", url])  # pytest captures stdout: no TTY
+    err = capsys.readouterr().err
+    assert rc == 2 and "--once" in err and "Traceback" not in err
+
+
 async def test_once_on_real_router(live_router, capsys):
     from kvtop.cli import main
 

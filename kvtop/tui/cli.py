@@ -55,6 +55,8 @@ def run(args: argparse.Namespace) -> int:
 
         sys.stdout.write(render_once(snap))
         return 0
+    if not (sys.stdout.isatty() and sys.stdin.isatty()):
+        raise CliError("no terminal to draw the dashboard on; use --once for a plain-text snapshot")
     readonly = bool(args.readonly or snap.get("router", {}).get("readonly"))
     if target.token and not readonly:
         try:
