@@ -55,8 +55,6 @@ def run(args: argparse.Namespace) -> int:
 
         sys.stdout.write(render_once(snap))
         return 0
-    if not (sys.stdout.isatty() and sys.stdin.isatty()):
-        raise CliError("no terminal to draw the dashboard on; use --once for a plain-text snapshot")
     readonly = bool(args.readonly or snap.get("router", {}).get("readonly"))
     if target.token and not readonly:
         try:
@@ -65,6 +63,8 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(exc.message) from None
         if why is not None:
             raise CliError(f"the token from {target.token_source} was refused by {target.url}: {why}")
+    if not (sys.stdout.isatty() and sys.stdin.isatty()):
+        raise CliError("no terminal to draw the dashboard on; use --once for a plain-text snapshot")
     from kvtop.tui.app import KvtopApp
     from kvtop.tui.feed import RouterFeed
 
