@@ -107,6 +107,10 @@ class RouterState:
         self.core = RoutingCore(cluster, policy)
         self.admission = router_features.attach(self)
         self.tokenizer = Tokenizer(config.tokenizer) if config.tokenizer else None
+        #: one ClientTimeout for every upstream call (the config does not change while running)
+        self.upstream_timeout = aiohttp.ClientTimeout(total=config.total_timeout_s,
+                                                      connect=config.connect_timeout_s,
+                                                      sock_read=config.read_timeout_s)
         self.run_id = config.run_id
         self.started_at = time.time()
         self.writer: Writer | None = None
@@ -328,9 +332,7 @@ async def _forward(request: web.Request, state: RouterState, d: Decision, raw: b
     headers = upstream_headers(request.headers, req.request_id)
     reply_headers = {"X-Kvtop-Instance": d.instance_name, "X-Kvtop-Request-Id": req.request_id,
                      "X-Kvtop-Policy": d.slot.label}
-    cfg = state.config
-    timeout = aiohttp.ClientTimeout(total=cfg.total_timeout_s, connect=cfg.connect_timeout_s,
-                                    sock_read=cfg.read_timeout_s)
+    timeout = state.upstream_timeout
     resp: web.StreamResponse | None = None
     scan: StreamScan | None = None
     t_first: float | None = None
