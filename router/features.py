@@ -180,9 +180,11 @@ async def _admit(state, t: Ticket) -> float:
 
 
 def _gone(state, d, tickets, where: str) -> None:
-    """The client left before any upstream call for ``d``: release and record."""
+    """The client left before any upstream call for ``d``: release and record.
+
+    Not an instance error: as in app._forward, a client that leaves says nothing about it."""
     for t in tickets:
-        state.cluster.finish(t, error=True)
+        state.cluster.finish(t)
     state.record_decision(d)
     state.record_outcome(d, {"stream": int(d.request.stream), "status": "client_gone",
                              "error": f"client disconnected {where}", "t_done": time.time()})
