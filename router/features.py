@@ -197,13 +197,12 @@ async def _prefill_leg(state, p_index: int, request, body: dict, path: str,
 
     from router.forward import upstream_headers
 
-    cfg = state.config
     inst = state.cluster.instances[p_index]
     headers = upstream_headers(request.headers, request_id)  # the same id on both legs, as vLLM's P/D proxy does
-    timeout = aiohttp.ClientTimeout(total=None, connect=cfg.connect_timeout_s, sock_read=cfg.read_timeout_s)
     try:
+        # the leg is one upstream attempt: --total-timeout bounds it like any other
         async with state.http.post(inst.url + path, json=prefill_leg_body(body), headers=headers,
-                                   timeout=timeout) as up:
+                                   timeout=state.upstream_timeout) as up:
             data = await up.read()
             if up.status != 200:
                 return None, f"HTTP {up.status}"

@@ -93,6 +93,25 @@ async def test_failed_prefill_leg_falls_back_to_d(aiohttp_client, aiohttp_server
     assert state.cluster.instances[1].errors_total == 1
 
 
+async def test_total_timeout_bounds_the_prefill_leg(aiohttp_client, aiohttp_server, fake_backends, tmp_path):
+    # P answers only after 5 s; with --total-timeout 0.5 the leg gives up and D prefills itself
+    (s0, u0), = await sims(aiohttp_server, 1)
+    (fake, uf), = await fake_backends(1, first_delay=5.0)
+    cfg = RouterConfig(backends=[Backend("i0", u0), Backend("i1", uf)], policy="sticky", knobs=KNOBS,
+                       db=str(tmp_path / "kvtop.db"), state_dir=str(tmp_path / "st"), total_timeout_s=0.5)
+    client = await aiohttp_client(create_app(cfg))
+    state = client.server.app[STATE]
+    bg = await start_decoding(client, "s", max_tokens=3000)
+    t0 = asyncio.get_running_loop().time()
+    r = await client.post("/v1/completions", headers={"X-Session-ID": "s"},
+                          json={"prompt": HEAVY, "max_tokens": 4})
+    assert r.status == 200 and len(fake.seen) == 1  # the leg went to P
+    assert asyncio.get_running_loop().time() - t0 < 4.0  # not P's 5 s
+    await bg.read()
+    d = {x["input_tokens"]: x for x in rows(state, "decisions")}[3000]
+    assert (d["offload"], d["offload_reason"]) == (0, "prefill_failed")
+
+
 async def test_admission_queue_records_wait_and_counters_return(aiohttp_client, aiohttp_server, tmp_path):
     (s0, u0), = await sims(aiohttp_server, 1, speed=20.0)
     knobs = {"admission": "pack", "admission_budget_tokens": "2000"}
