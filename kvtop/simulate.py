@@ -336,16 +336,23 @@ def run(args: argparse.Namespace) -> int:
         get_profile(args.profile)
     except KeyError as exc:
         raise CliError(str(exc.args[0])) from None
-    if args.instances < 1:
-        raise CliError("--instances must be at least 1")
+    for flag, value in (("--instances", args.instances), ("--limit", args.limit),
+                        ("--router-block-size", args.router_block_size),
+                        ("--engine-block-size", args.engine_block_size),
+                        ("--max-output-tokens", args.max_output_tokens)):
+        if value is not None and value < 1:
+            raise CliError(f"{flag} must be at least 1")
     requests = load_trace(args.trace)
-    if args.limit:
+    if args.limit is not None:
         requests = requests[: args.limit]
     if not requests:
         raise CliError(f"{args.trace}: the trace has no requests")
     out_dir = Path(args.out) if args.out else None
     if out_dir:
-        out_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CliError(f"cannot create --out {out_dir}: {exc.strerror or exc}") from None
     rows, classes = [], []
     for pol in policies:
         cfg = SimConfig(instances=args.instances, profile=args.profile, mode=args.mode,

@@ -79,9 +79,21 @@ def test_cli_prints_seed_table(tmp_path, capsys):
     (["--policies", "nope"], "unknown policy"),
     (["--policies", "unified", "--knob", "kappa=1e-6"], "no chosen policy has this knob"),
     (["--policies", "unified", "--profile", "a100"], "unknown profile"),
+    # 0 used to mean "no limit" and -5 "all but the last 5" (a bare slice)
+    (["--policies", "lmetric", "--limit", "0"], "--limit must be at least 1"),
+    (["--policies", "lmetric", "--limit", "-5"], "--limit must be at least 1"),
+    # 0 was a ZeroDivisionError traceback
+    (["--policies", "lmetric", "--router-block-size", "0"], "--router-block-size must be at least 1"),
+    # 0 was silently replaced by the default
+    (["--policies", "lmetric", "--engine-block-size", "0"], "--engine-block-size must be at least 1"),
+    # 0 was silently run as 1
+    (["--policies", "lmetric", "--max-output-tokens", "0"], "--max-output-tokens must be at least 1"),
+    # an unusable --out was a FileExistsError/PermissionError traceback
+    (["--policies", "lmetric", "--out", "{tmp}/t.jsonl"], "cannot create --out"),
 ])
 def test_cli_errors(tmp_path, capsys, args, msg):
     path = tmp_path / "t.jsonl"
     write_trace(path, session_trace(sessions=1, turns=1))
-    assert main(["simulate", str(path), *args]) == 2
-    assert msg in capsys.readouterr().err
+    assert main(["simulate", str(path), *[a.format(tmp=tmp_path) for a in args]]) == 2
+    err = capsys.readouterr().err
+    assert msg in err and err.count("\n") == 1
