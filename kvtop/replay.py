@@ -96,12 +96,20 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--timeout must be positive")
     if args.duration is not None and args.duration <= 0:
         raise CliError("--duration must be positive")
+    if args.vocab_size < 1:
+        raise CliError("--vocab-size must be positive")
+    if args.max_concurrency < 0:
+        raise CliError("--max-concurrency must be 0 (no cap) or more")
+    # Fail before the run, not after it: a replay can take hours and its results would be lost.
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK):
+        raise CliError(f"cannot write --out {args.out}: {out_dir} is not a writable directory")
     requests = _load(args.trace, args.limit)
     cfg = ReplayConfig(
         target=args.target.rstrip("/"), speed=args.speed, mode=args.mode,
         vocab_size=args.vocab_size, prompt_format=args.prompt_format,
         arm=args.arm or _stem(args.out), model=args.model,
-        session_header=args.session_header, max_concurrency=max(0, args.max_concurrency),
+        session_header=args.session_header, max_concurrency=args.max_concurrency,
         timeout=args.timeout, scrape=[u.rstrip("/") for u in args.scrape], trace=args.trace,
         progress=not args.no_progress and sys.stderr.isatty(), duration=args.duration)
     result = asyncio.run(replay(requests, cfg))

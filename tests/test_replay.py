@@ -268,13 +268,21 @@ def _free_port() -> int:
     ("unreachable", "cannot reach target http://127.0.0.1:"),
     ("missing", "trace file not found"),
     ("empty", "has no requests"),
+    # both were tracebacks: a ZeroDivisionError drawing token ids, and a FileNotFoundError
+    # writing the results only after the whole run
+    ("vocab0", "--vocab-size must be positive"),
+    ("outdir", "cannot write --out"),
+    # was silently "no cap"
+    ("conc-1", "--max-concurrency must be 0"),
 ])
 def test_user_errors_are_one_line_exit_2(tmp_path, capsys, setup, message):
     trace = str(tmp_path / "missing.jsonl")
     if setup != "missing":
         trace = write_trace(tmp_path / "t.jsonl", [] if setup == "empty" else [req(0, "a")])
+    out = str(tmp_path / ("nodir/r.jsonl" if setup == "outdir" else "r.jsonl"))
+    extra = {"vocab0": ["--vocab-size", "0"], "conc-1": ["--max-concurrency", "-1"]}.get(setup, [])
     rc = main(["replay", trace, "--target", f"http://127.0.0.1:{_free_port()}",
-               "--out", str(tmp_path / "r.jsonl"), "--no-progress"])
+               "--out", out, "--no-progress", *extra])
     err = capsys.readouterr().err
     assert rc == 2 and message in err and err.count("\n") == 1
     assert not (tmp_path / "r.jsonl").exists()
