@@ -11,20 +11,17 @@ from collections.abc import Sequence
 from typing import Any
 
 from router.classes import CLASSES, route_class
+from kvtop.seedtable import percentile as seedtable_percentile
 from kvtop.traces.loader import TraceRequest
 
 LONG_THRESHOLDS = (20_000, 50_000, 100_000, 200_000)
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0-100) with linear interpolation; nan for no values."""
-    if not values:
-        return math.nan
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+    """``kvtop.seedtable.percentile`` (q in 0-100, linear), but nan for no values: stats are
+    printed and JSON-dumped as numbers."""
+    p = seedtable_percentile(values, q)
+    return math.nan if p is None else p
 
 
 def _dist(values: Sequence[float]) -> dict[str, float]:
