@@ -132,6 +132,18 @@ def test_cli_convert_reports_cut_requests(tmp_path, capsys):
     assert stats["requests"] == len(reqs)
 
 
+@pytest.mark.parametrize("content", [
+    "",                          # empty file
+    "not json\n",               # nothing parses: the usual sign of a wrong --format
+])
+def test_cli_convert_with_no_requests_is_an_error(tmp_path, capsys, content):
+    src, out = tmp_path / "m.jsonl", tmp_path / "o.jsonl"
+    src.write_text(content)
+    assert main(["trace", "convert", str(src), "--format", "mooncake", "--out", str(out)]) == 2
+    assert "no mooncake requests" in capsys.readouterr().err
+    assert not out.exists()
+
+
 # ------------------------------------------------------------------ session derivation
 
 @needs_traces

@@ -115,6 +115,9 @@ def _convert(args: argparse.Namespace) -> int:
     reqs = CONVERTERS[args.src_format](files, on_error=args.on_error)
     report = CapReport()
     reqs = cap_input(reqs, args.max_input, drop=args.drop_over, report=report)
+    if not report.total:   # every later verb rejects an empty trace: say so here, at the cause
+        raise CliError(f"no {args.src_format} requests in {', '.join(args.src)} "
+                       f"(is --format right?); nothing written")
     header = {
         "converted_from": args.src_format,
         "inputs": [f.name for f in files],
