@@ -246,7 +246,10 @@ async def json_errors(request: web.Request, handler):
 
 # -- data plane ----------------------------------------------------------------------
 
-async def _read_json(request: web.Request) -> Any:
+async def read_json(request: web.Request) -> tuple[bytes, Any]:
+    """The body, raw and parsed, within --client-timeout; BadRequest (400, or 408) otherwise.
+
+    The proxy and the control API's mutations both read their bodies through this."""
     raw = await limits.read_body(request, request.app[STATE].config.client_timeout_s)
     if not raw:
         raise BadRequest("the request body is empty; expected a JSON object")
@@ -275,7 +278,7 @@ async def _proxy(request: web.Request, endpoint: str, path: str) -> web.StreamRe
     if (busy := limits.admit(state)) is not None:
         return busy
     try:
-        raw, body = await _read_json(request)
+        raw, body = await read_json(request)
         req = parse_request(body, endpoint, headers=request.headers, session_header=cfg.session_header,
                             block_size=cfg.block_size, tokenizer=state.tokenizer,
                             max_input_tokens=cfg.max_input_tokens)

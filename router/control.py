@@ -23,12 +23,13 @@ from typing import Any
 from aiohttp import web
 
 from router import telemetry
-from router.app import STATE, RouterState, error_response
+from router.app import STATE, RouterState, error_response, read_json
 from router.config import KnobError
 from router.features import FEATURE_KNOBS
 from router.events import (DECISIONS_DEFAULT, DECISIONS_MAX, DEFAULT_TYPES, EVENT_TYPES, HZ_DEFAULT,
                            HZ_MAX, HZ_MIN, Broadcaster, Viewer)
 from router.policies import POLICIES, policy_class
+from router.request import BadRequest
 
 SCHEMA_VERSION = 1
 PREFIX = "/kvtop/v1"
@@ -235,10 +236,11 @@ def _float_param(request: web.Request, name: str, default: float, lo: float, hi:
 
 
 class _BadParam(Exception):
-    def __init__(self, param: str, message: str):
+    def __init__(self, param: str, message: str, status: int = 400):
         super().__init__(message)
         self.param = param
         self.message = message
+        self.status = status
 
 
 def _bad_params(handler):
@@ -247,7 +249,7 @@ def _bad_params(handler):
             return await handler(request)
         except _BadParam as exc:
             msg = exc.message if exc.message.startswith(exc.param) else f"{exc.param}: {exc.message}"
-            return error_response(400, msg, param=exc.param)
+            return error_response(exc.status, msg, param=exc.param)
     wrapped.__name__ = handler.__name__
     return wrapped
 
@@ -297,13 +299,10 @@ async def get_policies(request: web.Request) -> web.Response:
 
 
 async def _json_body(request: web.Request) -> Any:
-    raw = await request.read()
-    if not raw:
-        raise _BadParam("body", "the request body is empty; expected a JSON object")
     try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: deep nesting
-        raise _BadParam("body", f"the request body is not valid JSON: {exc}") from None
+        return (await read_json(request))[1]
+    except BadRequest as exc:
+        raise _BadParam("body", exc.message, status=exc.status) from None
 
 
 def _who(request: web.Request) -> str:

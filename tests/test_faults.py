@@ -217,6 +217,21 @@ async def test_stalled_client_body_gets_408(aiohttp_client, fake_backends, tmp_p
     assert state.cluster.counters_zero() and state.counts["requests"] == 0
 
 
+async def test_stalled_control_body_gets_408(aiohttp_client, fake_backends, tmp_path):
+    # PATCH knobs reads its body like the proxy does: bounded by --client-timeout, not forever
+    fakes = await fake_backends(1)
+    client, state = await start(aiohttp_client, [fakes[0][1]], tmp_path, client_timeout_s=0.3,
+                                control_token="t0k")
+    reader, writer = await asyncio.open_connection("127.0.0.1", client.port)
+    writer.write(b"PATCH /kvtop/v1/knobs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer t0k\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"overload")
+    await writer.drain()
+    head = await asyncio.wait_for(reader.read(4096), 3)
+    writer.close()
+    assert head.startswith(b"HTTP/1.1 408") and b'"param": "body"' in head
+    assert state.slot.version == 1
+
+
 def test_route_flags_reach_the_config():
     import argparse
 
