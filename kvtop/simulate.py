@@ -111,8 +111,8 @@ def simulate(requests: Sequence[Any], policy: str, cfg: SimConfig) -> list[dict[
     # A built stream can mix sources (64-token Claude Code ids, 512-token Mooncake ids): each
     # line is regrouped from its own block size; engines use the finest one present.
     make_engine, ebs, capacity_tokens = _engine_factory(cfg, min(r.block_size or 16 for r in requests))
-    max_len = make_engine(0).max_model_len
     engines = [make_engine(i) for i in range(cfg.instances)]
+    max_len = engines[0].max_model_len
     names = [f"i{i}" for i in range(cfg.instances)]
     sim_time = [0.0]
     cluster = Cluster(names, block_size=cfg.router_block_size,
@@ -268,12 +268,7 @@ def simulate(requests: Sequence[Any], policy: str, cfg: SimConfig) -> list[dict[
                 if lv is not None:
                     end(lv, t, "ok", out_tokens=fin.num_output_tokens, cached=fin.num_cached_tokens)
             stepping[i] = False
-            kick(i, t)
-            if not stepping[i]:
-                nxt = eng_next = engines[i].next_event_time()
-                if eng_next is not None and engines[i].has_work():
-                    stepping[i] = True
-                    push(max(nxt, t), "step", i)
+            kick(i, t)   # an engine with no work waits for the next arrival to kick it
     if not cluster.counters_zero():  # a bug, not a user error: say so loudly
         raise RuntimeError("simulation ended with counters not at zero")
     return records
