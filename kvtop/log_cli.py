@@ -147,7 +147,10 @@ def _sql(queries, db, args) -> int:
 
 
 def _export(queries, db, args) -> int:
-    n = queries.export(db, args.table or args.query, args.format, args.out)
+    try:
+        n = queries.export(db, args.table or args.query, args.format, args.out)
+    except OSError as exc:
+        raise CliError(f"cannot write {args.out}: {exc.strerror or exc}") from None
     if args.out:
         print(f"wrote {n} rows to {args.out}", file=sys.stderr)
     return 0

@@ -413,6 +413,8 @@ def test_cli_decisions_sql_export(db_path, capsys, tmp_path):
     (["log", "sql", "SELEC 1", "--db", "{db}"], "only read-only"),
     (["log", "sql", "SELECT nope FROM runs", "--db", "{db}"], "no such column: nope"),
     (["log", "decisions", "--since", "whenever", "--db", "{db}"], "cannot read time"),
+    # was a FileNotFoundError traceback
+    (["log", "export", "--table", "runs", "--out", "{tmp}/nodir/x.csv", "--db", "{db}"], "cannot write"),
 ])
 def test_cli_user_errors_are_one_line(db_path, tmp_path, capsys, argv, message):
     argv = [a.format(tmp=tmp_path, db=db_path) for a in argv]
