@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
+import socket
+import sqlite3
 import sys
 
 import aiohttp
@@ -151,14 +153,21 @@ async def serve(config: RouterConfig, *, allow_unreachable: bool = False, drain_
     limits.raise_open_file_limit()
     # After the drain deadline, requests still running get 1 s before they are cancelled
     # (their outcomes are still recorded, as client_gone, before the log is flushed).
-    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
-    await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
+    # Bind before start-up writes anything: a second router on a taken port must not replace,
+    # then delete, the running one's router-<port>.json and token file in the shared state dir.
     try:
-        await site.start()
+        sock = socket.create_server((config.host, config.port),
+                                    family=socket.AF_INET6 if ":" in config.host else socket.AF_INET)
     except OSError as exc:
-        await runner.cleanup()
         raise CliError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}") from None
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
+    try:
+        await runner.setup()
+    except sqlite3.Error as exc:  # the writer opens --db at start-up
+        sock.close()
+        raise CliError(f"cannot open the decision log --db {config.db}: {exc}") from None
+    site = web.SockSite(runner, sock)
+    await site.start()
     if config.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"kvtop route: warning: listening on {config.host}, beyond loopback", file=sys.stderr)
     print(f"kvtop route: http://{config.host}:{config.port}  policy {state.slot.label}  "

@@ -337,3 +337,32 @@ def test_group_readable_token_file_is_refused(tmp_path):
     with pytest.raises(ValueError, match="chmod 600"):
         create_app(RouterConfig(backends=[Backend("i0", "http://127.0.0.1:9")], db=None,
                                 control_token_file=str(f), state_dir=str(tmp_path / "st")))
+
+
+@pytest.mark.parametrize("case", ["port_taken", "bad_db"])
+def test_route_start_failure_is_one_line_and_leaves_state_dir_alone(tmp_path, case):
+    # A second router on a taken port used to overwrite, then delete, the running one's
+    # router-<port>.json and token file; an unopenable --db ended in a traceback.
+    import socket
+
+    state_dir = tmp_path / "st"
+    state_dir.mkdir()
+    holder = socket.create_server(("127.0.0.1", 0))
+    port = holder.getsockname()[1] if case == "port_taken" else free_port()
+    if case == "bad_db":
+        holder.close()
+    info = state_dir / f"router-{port}.json"
+    info.write_text("the running router's\n")
+    db = str(tmp_path / "kvtop.db") if case == "port_taken" else str(tmp_path / "no" / "such" / "x.db")
+    try:
+        r = subprocess.run([sys.executable, "-m", "kvtop", "route", "--port", str(port), "--db", db,
+                            "--state-dir", str(state_dir), "--allow-unreachable",
+                            "--backend", f"http://127.0.0.1:{free_port()}"],
+                           capture_output=True, text=True, timeout=30)
+    finally:
+        holder.close()
+    lines = [ln for ln in r.stderr.splitlines() if "warning" not in ln]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert lines[0].startswith("kvtop route: cannot " + ("listen" if case == "port_taken" else "open"))
+    assert sorted(p.name for p in state_dir.iterdir()) == [info.name]
+    assert info.read_text() == "the running router's\n"
