@@ -415,6 +415,21 @@ def test_wrong_url_is_one_line_error(capsys):
     assert err.startswith("kvtop attach: cannot reach the router at http://127.0.0.1:9")
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--theme", "nope"], "unknown theme 'nope'; one of: kvtop-dark"),  # was a Textual traceback
+    (["--max-decisions", "0"], "--max-decisions must be at least 1"),  # -1 crashed the row cap
+    (["--hz", "0"], "--hz must be between 0.5 and 10"),
+])
+def test_bad_attach_flags_are_one_line_errors_before_connecting(capsys, flags, message):
+    from kvtop.cli import main
+
+    # port 9 has no router: a flag error must come first, without a network call
+    rc = main(["attach", "http://127.0.0.1:9", "--state-dir", "/nonexistent", *flags])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1
+    assert err.startswith(f"kvtop attach: {message}")
+
+
 # -- snapshots (plain def: snap_compare runs its own loop) -------------------------------------
 
 def _snap_app(tab="overview", n=4, **kw):

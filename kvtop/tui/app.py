@@ -50,6 +50,13 @@ THEMES = [
 ]
 
 
+def theme_names() -> list[str]:
+    """Every name ``--theme`` accepts: kvtop's own themes, then Textual's built-in ones."""
+    from textual.theme import BUILTIN_THEMES
+
+    return [t.name for t in THEMES] + sorted(set(BUILTIN_THEMES) - {t.name for t in THEMES})
+
+
 class PolicyCommands(Provider):
     """Command palette: switch policy, edit knobs, pause. Nothing when read-only."""
 

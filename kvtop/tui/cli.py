@@ -43,6 +43,14 @@ def run(args: argparse.Namespace) -> int:
 
     if not 0.5 <= args.hz <= 10:
         raise CliError("--hz must be between 0.5 and 10")
+    if args.max_decisions < 1:
+        raise CliError("--max-decisions must be at least 1")
+    if args.theme is not None:
+        # checked before connecting: an unknown name would otherwise be a Textual traceback
+        from kvtop.tui.app import theme_names
+
+        if args.theme not in theme_names():
+            raise CliError(f"unknown theme {args.theme!r}; one of: {', '.join(theme_names())}")
     try:
         target = resolve_target(args.url, token_file=args.token_file, state_dir=args.state_dir)
         snap = fetch_json(target.url, "/state", timeout=5.0)
