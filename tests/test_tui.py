@@ -11,7 +11,7 @@ import pytest
 
 from kvtop.tui import synthetic as syn
 from kvtop.tui.feed import ControlError, FakeFeed, resolve_target
-from kvtop.tui.model import Collected, decision_matches, percentile, render_once, sparkline
+from kvtop.tui.model import Collected, decision_matches, render_once, sparkline
 
 SIZE = (120, 40)
 NOW = syn.snapshot(4, 39.0)["ts"]
@@ -68,9 +68,15 @@ def test_sparkline(values, expected):
     assert sparkline(values) == expected
 
 
-def test_percentile_matches_numpy_linear():
-    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
-    assert percentile([1.0, 2.0, 3.0, 4.0], 90) == pytest.approx(3.7)
+def test_ttft_series_buckets_and_percentiles():
+    c = Collected()
+    for ts, ttft in [(95.0, 4.0), (91.0, 1.0), (93.0, 3.0), (92.0, 2.0),  # one bucket, out of order
+                     (85.0, 10.0),                                         # the bucket before
+                     (10.0, 999.0)]:                                       # outside the window
+        c.ingest("outcome", {"ts": ts, "ttft_ms": ttft})
+    xs, p50, p90 = c.ttft_series(window_s=30, now=100.0, bucket_s=10)
+    assert xs == [-15.0, -5.0]  # bucket midpoints, seconds before now
+    assert p50 == [10.0, 2.5] and p90 == [10.0, pytest.approx(3.7)]  # numpy's linear percentile
 
 
 @pytest.mark.parametrize("query, hit", [

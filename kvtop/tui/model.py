@@ -14,6 +14,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtop.seedtable import percentile
+
 SPARK = "▁▂▃▄▅▆▇█"
 HISTORY = 600  # samples kept per series: 10 min at 1 Hz, 2.5 min at 4 Hz
 
@@ -215,21 +217,11 @@ class Collected:
                 buckets.setdefault(int(ts // bucket_s), []).append(v)
         xs, p50, p90 = [], [], []
         for b in sorted(buckets):
-            vals = sorted(buckets[b])
+            vals = buckets[b]
             xs.append(b * bucket_s + bucket_s / 2 - now)
             p50.append(percentile(vals, 50))
             p90.append(percentile(vals, 90))
         return xs, p50, p90
-
-
-def percentile(sorted_vals: list[float], q: float) -> float:
-    """numpy's default linear interpolation."""
-    if not sorted_vals:
-        return float("nan")
-    k = (len(sorted_vals) - 1) * q / 100
-    lo = int(math.floor(k))
-    hi = min(lo + 1, len(sorted_vals) - 1)
-    return sorted_vals[lo] + (sorted_vals[hi] - sorted_vals[lo]) * (k - lo)
 
 
 # -- decisions ---------------------------------------------------------------------------------
