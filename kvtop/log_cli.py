@@ -105,6 +105,8 @@ def _runs(queries, db, args) -> int:
 
 
 def _decisions(queries, db, args) -> int:
+    if args.limit < 0:
+        raise CliError("--limit must be >= 0 (0: all)")
     rows = queries.decisions(db, run=args.run, session=args.session, instance=args.instance,
                              reason=args.reason, policy=args.policy, route_class=args.route_class,
                              since=args.since, until=args.until, limit=args.limit or None)

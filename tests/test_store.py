@@ -421,3 +421,8 @@ def test_cli_user_errors_are_one_line(db_path, tmp_path, capsys, argv, message):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_cli_decisions_negative_limit_is_refused(db_path, capsys):
+    assert main(["log", "decisions", "--db", db_path, "--limit", "-1"]) == 2
+    assert "--limit must be >= 0" in capsys.readouterr().err

@@ -373,3 +373,13 @@ def test_sample_trace_is_small_and_valid():
     assert max(r.input_tokens for r in reqs) <= 60_000
     assert [r.arrival for r in reqs] == sorted(r.arrival for r in reqs)
     assert (Path(str(path)).parent / "ATTRIBUTION.md").exists()
+
+
+def test_cap_of_an_empty_trace_is_a_one_line_error(tmp_path, capsys):
+    from kvtop.cli import main
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert main(["trace", "cap", str(empty), "--max-turns", "8", "--out", str(tmp_path / "o.jsonl")]) == 2
+    assert "no requests" in capsys.readouterr().err
+    assert not (tmp_path / "o.jsonl").exists()

@@ -171,6 +171,8 @@ def _cap(args: argparse.Namespace) -> int:
     if args.max_turns < 1:
         raise CliError("--max-turns must be >= 1")
     reqs = load_trace(args.input, on_error=args.on_error)
+    if not reqs:
+        raise CliError(f"{args.input}: no requests")  # like stats, build and convert
     kept = cap_turns(reqs, args.max_turns)
     header = dict(read_header(args.input) or {})
     header.pop("kvtop_trace", None)
