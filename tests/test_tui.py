@@ -11,7 +11,7 @@ import pytest
 
 from kvtop.tui import synthetic as syn
 from kvtop.tui.feed import ControlError, FakeFeed, resolve_target
-from kvtop.tui.model import Collected, decision_matches, render_once, sparkline
+from kvtop.tui.model import Collected, decision_matches, doc_summary, render_once, sparkline
 
 SIZE = (120, 40)
 NOW = syn.snapshot(4, 39.0)["ts"]
@@ -66,6 +66,16 @@ async def settle(pilot, app):
 ])
 def test_sparkline(values, expected):
     assert sparkline(values) == expected
+
+
+@pytest.mark.parametrize("doc, summary", [
+    (None, ""),
+    ("One line.", "One line."),
+    ("unified: stick while hit / input > gate and\n    BS_a <= mean(BS) x factor.\n\nKnobs: ...",
+     "unified: stick while hit / input > gate and BS_a <= mean(BS) x factor."),  # the whole sentence
+])
+def test_doc_summary_is_the_first_paragraph(doc, summary):
+    assert doc_summary(doc) == summary
 
 
 def test_ttft_series_buckets_and_percentiles():

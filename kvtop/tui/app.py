@@ -26,8 +26,8 @@ from textual_plotext import PlotextPlot
 
 from kvtop.tui.feed import ControlError
 from kvtop.tui.model import (INSTANCE_COLUMNS, SORT_KEYS, THRESHOLDS, Collected, decision_matches,
-                             fmt_duration, fmt_int, fmt_pct, fmt_secs, gpu_cells, instance_values,
-                             sort_value, sparkline, terms_summary)
+                             doc_summary, fmt_duration, fmt_int, fmt_pct, fmt_secs, gpu_cells,
+                             instance_values, sort_value, sparkline, terms_summary)
 from kvtop.tui.screens import ConfirmScreen, HelpScreen, KnobForm, PolicyPicker, ReceiptScreen
 from kvtop.tui.widgets import LiveTable
 
@@ -70,9 +70,8 @@ class PolicyCommands(Provider):
             current = (app.policies_body.get("current") or {}).get("name")
             for p in app.policies_body.get("policies", []):
                 if p["name"] != current:
-                    doc = (p.get("doc") or "").strip().splitlines()
                     out.append((f"Switch policy to {p['name']}",
-                                lambda n=p["name"]: app.switch_policy_to(n), escape(doc[0][:80]) if doc else ""))
+                                lambda n=p["name"]: app.switch_policy_to(n), escape(doc_summary(p.get("doc"))[:80])))
             out.append(("Edit knobs of the current policy", app.action_edit_knobs,
                         "validated form; confirm shows the diff"))
         return out
@@ -624,8 +623,8 @@ class KvtopApp(App):
         head.append(f"policy {cur.get('policy', '?')}\n", style="bold")
         schema = self._control_schema(cur.get("name"))
         doc = next((p.get("doc", "") for p in body.get("policies", []) if p["name"] == cur.get("name")), "")
-        if doc:
-            head.append(doc.strip().splitlines()[0] + "\n", style="dim")
+        if doc_summary(doc):
+            head.append(doc_summary(doc) + "\n", style="dim")
         if self.readonly:
             head.append("read-only: policy and knob changes are hidden\n", style="bold")
         elif not self.can_control:

@@ -224,6 +224,12 @@ class Collected:
         return xs, p50, p90
 
 
+def doc_summary(doc: str | None) -> str:
+    """A policy docstring's first paragraph as one line (its first line alone stops mid-sentence)."""
+    first = (doc or "").strip().split("\n\n", 1)[0]
+    return " ".join(line.strip() for line in first.splitlines())
+
+
 # -- decisions ---------------------------------------------------------------------------------
 
 def decision_matches(ev: dict[str, Any], query: str) -> bool:
