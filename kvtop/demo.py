@@ -178,6 +178,8 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--speed must be positive")
     if args.duration is not None and args.duration <= 0:
         raise CliError("--duration must be positive")
+    if args.loops < 1:
+        raise CliError("--loops must be at least 1")
     trace = trace_path(args)
     if not args.headless and not (sys.stdout.isatty() and sys.stdin.isatty()):
         # No terminal to draw on (a pipe, a CI log): give the numbers instead of escape codes.
@@ -236,9 +238,8 @@ def _headless(args: argparse.Namespace, stack: Stack, trace: str, url: str, work
         from kvtop.cli import CliError
 
         raise CliError(f"the run produced no results: {stack.log_tail('replay') or stack.log_tail('route')}")
-    sys.stdout.write(render(arms, "text"))
-    if not render(arms, "text").endswith("\n"):
-        sys.stdout.write("\n")
+    table = render(arms, "text")
+    sys.stdout.write(table if table.endswith("\n") else table + "\n")
     return 0
 
 
@@ -250,7 +251,7 @@ def _with_tui(args: argparse.Namespace, stack: Stack, trace: str, url: str, toke
     stop = threading.Event()
 
     def loop_replay() -> None:
-        for k in range(max(1, args.loops)):
+        for k in range(args.loops):
             if stop.is_set():
                 return
             proc = stack.start(f"replay-{k}", replay_args(trace, url, args.speed, workdir / f"results-{k}.jsonl"))

@@ -109,3 +109,17 @@ def test_demo_without_a_terminal_prints_the_report_instead(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "no terminal" in proc.stderr and "TTFT" in proc.stdout
     assert "\x1b[" not in proc.stdout
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--loops", "0"], "--loops must be at least 1"),  # was silently one loop
+    (["--instances", "0"], "--instances must be at least 1"),
+    (["--speed", "0"], "--speed must be positive"),
+    (["--duration", "-3"], "--duration must be positive"),
+])
+def test_bad_demo_flags_are_one_line_errors_before_starting_anything(capsys, flags, message):
+    from kvtop.cli import main
+
+    rc = main(["demo", "--headless", *flags])
+    err = capsys.readouterr().err
+    assert rc == 2 and err == f"kvtop demo: {message}\n"
