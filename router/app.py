@@ -376,11 +376,12 @@ async def _forward(request: web.Request, state: RouterState, d: Decision, raw: b
                     aiohttp.ClientOSError) as exc:
                 if isinstance(exc, aiohttp.ClientOSError) and request.transport is None:
                     raise ConnectionResetError() from exc
-                outcome["status"] = "upstream_error"
+                outcome["status"] = _failure_status(exc)
                 outcome["error"] = f"upstream failed mid-stream: {exc!r}"[:500]
                 err = {"error": {"message": f"upstream instance {d.instance_name} failed mid-stream",
                                  "type": "APIError", "param": None, "code": 502}}
-                await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
+                # the blank line first ends whatever partial event the upstream left behind
+                await resp.write(b"\n\ndata: " + json.dumps(err).encode() + b"\n\n")
                 await resp.write_eof()
                 return resp
             if scan.finish() and t_first is None:
@@ -397,10 +398,10 @@ async def _forward(request: web.Request, state: RouterState, d: Decision, raw: b
     except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
             asyncio.TimeoutError) as exc:
         if resp is not None and resp.prepared:
-            outcome["status"] = "client_gone" if request.transport is None else "upstream_error"
+            outcome["status"] = "client_gone" if request.transport is None else _failure_status(exc)
             outcome["error"] = repr(exc)[:500]
             return resp
-        outcome["status"] = "upstream_error"
+        outcome["status"] = _failure_status(exc)
         outcome["error"] = f"{type(exc).__name__}: {exc}"[:500]
         if isinstance(exc, aiohttp.ClientConnectorError):
             backend_health.passive_down(request.app, d.instance, exc)
@@ -424,6 +425,11 @@ async def _forward(request: web.Request, state: RouterState, d: Decision, raw: b
         # a client that leaves says nothing about the instance: only upstream failures count
         cluster.finish(ticket, error=outcome["status"] not in ("ok", "client_gone"))
         state.record_outcome(d, outcome)  # on a retry the caller then routes attempt 2
+
+
+def _failure_status(exc: BaseException) -> str:
+    """An upstream that stopped answering in time is a ``timeout``; anything else failed."""
+    return "timeout" if isinstance(exc, asyncio.TimeoutError) else "upstream_error"
 
 
 def _done(outcome: dict[str, Any], t0: float, t_first: float | None, usage: dict | None,

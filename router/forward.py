@@ -18,6 +18,9 @@ from typing import Any
 # "reasoning_content". Chat streams open with an empty-content role delta, which must not count.
 _TOKEN_RE = re.compile(rb'"(?:text|content|reasoning_content)":\s*"(?!")')
 _TAIL_BYTES = 16384
+# The closing event itself, at the start of a line: "[DONE]" inside generated text is inside a
+# JSON string, where a newline is escaped, so it can never match this.
+_DONE_RE = re.compile(rb"(?:^|\n)data:\s*\[DONE\]")
 
 #: Request headers not forwarded upstream (hop-by-hop, or recomputed by the client library).
 HOP_HEADERS = frozenset(h.lower() for h in (
@@ -84,7 +87,7 @@ class StreamScan:
     @property
     def saw_done(self) -> bool:
         """True once the stream's closing ``data: [DONE]`` event has passed through."""
-        return b"[DONE]" in self._tail
+        return _DONE_RE.search(self._tail) is not None
 
     @property
     def data_events(self) -> int:

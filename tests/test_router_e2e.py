@@ -276,3 +276,23 @@ async def test_client_gone_does_not_count_as_instance_error(aiohttp_client, fake
         await asyncio.sleep(0.02)
     assert [x["status"] for x in rows(state, "outcomes")] == ["client_gone"]
     assert state.cluster.instances[0].errors_total == 0
+
+
+def test_done_inside_generated_text_is_not_the_end_of_the_stream():
+    from router.forward import StreamScan
+
+    scan = StreamScan()
+    scan.feed(b'data: {"choices":[{"text":"say [DONE] now"}]}\n\n')
+    assert not scan.saw_done, "[DONE] in the model's text is not the closing event"
+    scan.feed(b"data: [DONE]\n\n")
+    assert scan.saw_done
+
+
+async def test_upstream_read_timeout_is_recorded_as_timeout(aiohttp_client, fake_backends, tmp_path):
+    fakes = await fake_backends(1, token_delay=0.5)
+    client, state = await start_router(aiohttp_client, [fakes[0][1]], tmp_path, read_timeout_s=0.2)
+    r = await client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 5, "stream": True})
+    events = await read_sse(r)
+    assert b'"error"' in events[-1]
+    assert [x["status"] for x in rows(state, "outcomes")] == ["timeout"]
+    assert state.cluster.counters_zero()
