@@ -400,3 +400,29 @@ async def test_kvtop_sim_verb_port_in_use_is_a_one_line_error():
     assert proc.returncode == 2
     lines = err.decode().strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kvtop sim: cannot listen on 127.0.0.1")
+
+
+def test_kvtop_sim_stops_on_sigint_even_when_started_with_it_ignored():
+    """A shell starts background jobs with SIGINT ignored; kvtop demo stops its sim with SIGINT."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "kvtop", "sim", "--instances", "1", "--port-base", str(port),
+                             "--duration", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        assert proc.stdout.readline().startswith(b"instance 0:")  # serving
+        proc.send_signal(signal.SIGINT)
+        t0 = time.monotonic()
+        assert proc.wait(timeout=10) == 0
+        assert time.monotonic() - t0 < 10
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
+import signal
 
 from kvtop.cli import CliError
 
@@ -123,8 +124,20 @@ def run(args: argparse.Namespace) -> int:
                   f"{e.num_gpu_blocks} blocks x {e.block_size} tokens, max_model_len "
                   f"{e.max_model_len}, speed {inst.speed:g}", flush=True)
 
+    async def main() -> None:
+        # SIGINT and SIGTERM stop it cleanly, even when started in the background by a shell
+        # (which starts background jobs with SIGINT ignored): kvtop demo stops it with SIGINT.
+        task = asyncio.ensure_future(serve(instances, duration=args.duration, on_ready=ready))
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, task.cancel)
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+
     try:
-        asyncio.run(serve(instances, duration=args.duration, on_ready=ready))
+        asyncio.run(main())
     except OSError as exc:
         if exc.errno in (errno.EADDRINUSE, errno.EACCES, errno.EADDRNOTAVAIL):
             raise CliError(f"cannot listen on {args.host} ports {args.port_base}.."
