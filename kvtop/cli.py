@@ -3,6 +3,8 @@
 Each verb lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``;
 this file only wires them together, so adding a verb never touches another verb's code.
 Heavy imports (Textual, the engine) happen inside ``run``, keeping ``kvtop --help`` fast.
+A verb whose module fails to import stays listed; running it prints the import error on one line
+and exits 2, and the other verbs keep working.
 """
 
 from __future__ import annotations
@@ -39,15 +41,31 @@ def build_parser() -> argparse.ArgumentParser:
     for verb, module_name, help_text in VERBS:
         try:
             module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name != module_name:
-                raise
-            continue  # verb not built yet
+        except Exception as exc:
+            # A broken verb stays listed and says why when run, instead of vanishing
+            # (a missing verb looks like a typo) or taking every other verb down with it.
+            _add_broken_verb(sub, verb, module_name, help_text, exc)
+            continue
         p = sub.add_parser(verb, help=help_text, description=(module.__doc__ or help_text).strip(),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(p)
         p.set_defaults(_run=module.run)
     return parser
+
+
+def _add_broken_verb(sub, verb: str, module_name: str, help_text: str, exc: Exception) -> None:
+    """List ``verb`` with its import error; running it (any arguments, even --help) fails."""
+    reason = f"cannot import {module_name}: {type(exc).__name__}: {' '.join(str(exc).split())}"
+    # No option prefix and a catch-all positional: whatever follows the verb reaches _run,
+    # so `kvtop VERB --help` reports the import error rather than an empty usage line.
+    p = sub.add_parser(verb, help=f"{help_text} [unavailable: cannot import {module_name}]",
+                       add_help=False, prefix_chars="\0")
+    p.add_argument("_ignored", nargs=argparse.REMAINDER)
+
+    def run(_args: argparse.Namespace) -> int:
+        raise CliError(reason)
+
+    p.set_defaults(_run=run)
 
 
 def _version() -> str:
