@@ -68,6 +68,40 @@ def test_sparkline(values, expected):
     assert sparkline(values) == expected
 
 
+@pytest.mark.parametrize("lo, hi, max_ticks, integer, ticks", [
+    (0, 139925, 7, True, [0, 25e3, 50e3, 75e3, 100e3, 125e3, 150e3]),  # round steps, past the top
+    (505.8, 2518.4, 7, False, [500, 1000, 1500, 2000, 2500, 3000]),  # first tick at or below lo
+    (0, 100, 7, False, [0, 20, 40, 60, 80, 100]),
+    (0, 139925, 3, True, [0, 100e3, 200e3]),  # a short chart gets fewer ticks, not crowded ones
+    (0.1, 0.35, 5, False, [0.1, 0.2, 0.3, 0.4]),  # no float noise such as 0.30000000000000004
+    (0, 1, 7, True, [0, 1]),  # tokens: never a half-token step
+    (0, 0, 7, True, [0, 1]),  # all idle: an axis from 0, not plotext's -1 to 1
+])
+def test_nice_ticks(lo, hi, max_ticks, integer, ticks):
+    from kvtop.tui.axis import nice_ticks
+
+    assert nice_ticks(lo, hi, max_ticks, integer=integer) == ticks
+
+
+@pytest.mark.parametrize("ticks, unit, labels", [
+    ([0, 25e3, 50e3, 75e3], "count", ["0", "25k", "50k", "75k"]),  # 62630.0 was the complaint
+    ([62000, 62200, 62400, 62600], "count", ["62k", "62.2k", "62.4k", "62.6k"]),  # enough digits
+    ([0, 0.4e6, 0.8e6, 1.2e6], "count", ["0", "0.4M", "0.8M", "1.2M"]),
+    ([0, 3e9], "count", ["0", "3G"]),
+    ([0, 2000, 4000, 6000, 8000], "count", ["0", "2000", "4000", "6000", "8000"]),  # short as is
+    ([0, 0.5, 1, 1.5], "count", ["0", "0.5", "1", "1.5"]),  # integers without .0
+    ([500, 1000, 1500, 2000], "ms", ["0.5s", "1s", "1.5s", "2s"]),  # a second or more: seconds
+    ([0, 250, 500, 750], "ms", ["0", "250ms", "500ms", "750ms"]),
+    ([0.1, 0.2, 0.3], "ms", ["0.1ms", "0.2ms", "0.3ms"]),
+    ([0, 50, 100], "%", ["0", "50%", "100%"]),
+    ([-5, 0, 5], "count", ["-5", "0", "5"]),
+])
+def test_tick_labels(ticks, unit, labels):
+    from kvtop.tui.axis import tick_labels
+
+    assert tick_labels(ticks, unit) == labels
+
+
 @pytest.mark.parametrize("doc, summary", [
     (None, ""),
     ("One line.", "One line."),
@@ -233,6 +267,27 @@ async def test_disconnect_banner():
         banner = app.query_one("#banner")
         assert banner.display and "Connection refused" in str(banner.render())
         assert "DISCONNECTED" in str(app.query_one("#topbar").render())
+
+
+async def test_chart_y_labels_are_round_and_compact():
+    """The charts' y axes read 150k, 1.5s and 80%, not plotext's 139925.0, 2518.4 and 83.3."""
+    import re
+
+    label = re.compile(r"^(0|-?\d+(\.\d+)?(k|M|G|ms|s|%)?)$")
+    app, _ = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, app)
+        await pilot.press("2")
+        await settle(pilot, app)
+        seen = {}
+        for chart, unit_label in [("#chart-backlog", "150k"), ("#chart-ttft", "1.5s"), ("#chart-hit", "80%")]:
+            text = re.sub(r"\x1b\[[0-9;]*m", "", app.query_one(chart).plt.build())
+            labels = [line.split("┤")[0].strip() for line in text.splitlines() if "┤" in line]
+            assert len(labels) >= 3, (chart, text)
+            assert all(label.match(y) and not y.endswith(".0") for y in labels), (chart, labels)
+            assert unit_label in labels, (chart, labels)
+            seen[chart] = labels
+        assert seen["#chart-hit"][0] == "100%" and seen["#chart-hit"][-1] == "0"  # pinned 0 to 100
 
 
 async def test_readonly_hides_control():

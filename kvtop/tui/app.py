@@ -24,6 +24,7 @@ from textual.theme import Theme
 from textual.widgets import (Button, DataTable, Footer, Input, Static, TabbedContent, TabPane)
 from textual_plotext import PlotextPlot
 
+from kvtop.tui.axis import set_y_ticks
 from kvtop.tui.feed import ControlError
 from kvtop.tui.model import (INSTANCE_COLUMNS, SORT_KEYS, THRESHOLDS, Collected, decision_matches,
                              doc_summary, fmt_duration, fmt_int, fmt_pct, fmt_secs, gpu_cells,
@@ -582,10 +583,13 @@ class KvtopApp(App):
         plt.clear_figure()
         plt.title(f"prefill backlog tokens per instance (last {w}s; [ ] window)")
         ranked = sorted(c.backlog.items(), key=lambda kv: -(kv[1][-1][1] if kv[1] else 0))
+        plotted: list[float] = []
         for name, ring in ranked[:8]:  # more lines than this is noise; the table has every instance
             pts = [(ts - now, v) for ts, v in ring if ts >= now - w]
             if pts:
                 plt.plot([p[0] for p in pts], [p[1] for p in pts], label=name, marker="braille")
+                plotted += [p[1] for p in pts]
+        set_y_ticks(plt, plotted, "count", rows=backlog.size.height, integer=True)
         plt.xlim(-w, 0)
         plt.xlabel("seconds ago")
         backlog.refresh()
@@ -595,11 +599,12 @@ class KvtopApp(App):
         plt = ttft.plt
         plt.clear_data()
         plt.clear_figure()
-        plt.title("TTFT ms p50 / p90")
+        plt.title("TTFT p50 / p90")  # the tick labels carry the unit, ms or s
         xs, p50, p90 = c.ttft_series(w, now)
         if xs:
             plt.plot(xs, p50, label="p50", marker="braille")
             plt.plot(xs, p90, label="p90", marker="braille")
+        set_y_ticks(plt, p50 + p90, "ms", rows=ttft.size.height)
         plt.xlim(-w, 0)
         ttft.refresh()
         hit = self.query_one("#chart-hit", PlotextPlot)
@@ -612,7 +617,7 @@ class KvtopApp(App):
             if pts:
                 plt.plot([p[0] for p in pts], [p[1] for p in pts], label=label, marker="braille")
         plt.xlim(-w, 0)
-        plt.ylim(0, 100)
+        set_y_ticks(plt, [], "%", rows=hit.size.height, lo=0, hi=100)
         hit.refresh()
 
     # policy tab
