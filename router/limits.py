@@ -1,9 +1,9 @@
 """Overload bounds, client timeouts and the reliability flags of ``kvtop route``.
 
-The router never queues without limit: past ``max_inflight`` requests in total it answers
-429 with ``Retry-After`` before reading the body, and an instance already holding
-``max_inflight_per_instance`` requests is left out of the pick (429 when every healthy
-instance is full). docs/reliability.md lists every path and flag.
+The router never queues without limit: past ``max_inflight`` requests in total (those waiting
+in the admission queue included) it answers 429 with ``Retry-After`` before reading the body,
+and an instance already holding ``max_inflight_per_instance`` requests is left out of the pick
+(429 when every healthy instance is full). docs/reliability.md lists every path and flag.
 """
 
 from __future__ import annotations
@@ -36,7 +36,10 @@ def _too_many(state: Any, message: str) -> web.Response:
 
 
 def admit(state: Any) -> web.Response | None:
-    """A 429 when the router already holds ``max_inflight`` requests, else None."""
+    """A 429 when the router already holds ``max_inflight`` requests, else None.
+
+    ``in_flight`` counts every dispatched ticket, and a request is dispatched before it waits in
+    the admission queue (router/features.py), so queued requests hold their places too."""
     limit = state.config.max_inflight
     if limit and state.cluster.in_flight >= limit:
         return _too_many(state, f"the router is at its limit of {limit} requests in flight; retry later")
@@ -101,7 +104,8 @@ def _positive(kind):
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("reliability (docs/reliability.md)")
     g.add_argument("--max-inflight", type=_positive(int), default=MAX_INFLIGHT, metavar="N",
-                   help=f"answer 429 past N requests in flight in total (default {MAX_INFLIGHT:,}; 0 = no bound)")
+                   help=f"answer 429 past N requests in flight in total, admission queue included "
+                        f"(default {MAX_INFLIGHT:,}; 0 = no bound)")
     g.add_argument("--max-inflight-per-instance", type=_positive(int), default=MAX_INFLIGHT_PER_INSTANCE,
                    metavar="N", help="skip an instance holding N requests; 429 when all do "
                                      f"(default {MAX_INFLIGHT_PER_INSTANCE:,}; 0 = no bound)")

@@ -195,6 +195,56 @@ async def test_overload_429_total_and_per_instance(aiohttp_client, fake_backends
         await client.close()
 
 
+async def test_requests_waiting_for_admission_count_toward_max_inflight(aiohttp_client, fake_backends,
+                                                                        tmp_path):
+    # fifo with a 1000-token budget lets one 900-token prompt at a time reach the backend, which
+    # holds each for 0.4 s: the others wait in the router's admission queue. A request is
+    # dispatched (and counted) before it waits, so the queue cannot grow past --max-inflight.
+    (fake, url), = await fake_backends(1, first_delay=0.4)
+    client, state = await start(aiohttp_client, [url], tmp_path, max_inflight=3, policy="round_robin",
+                                knobs={"admission": "fifo", "admission_budget_tokens": "1000"})
+
+    def waiting():  # the queue replaces its list on every change: read it fresh
+        return len(state.admission.queue.waiting[0])
+
+    def post(k):
+        return asyncio.create_task(client.post("/v1/completions", json={
+            "prompt": list(range(k * 1000, k * 1000 + 900)), "max_tokens": 1}))
+
+    async def until(cond):
+        for _ in range(300):
+            if cond():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("timed out")
+
+    at_backend = post(0)
+    await until(lambda: len(fake.seen) == 1)
+    queued = [post(1), post(2)]
+    await until(lambda: waiting() == 2)
+    assert state.cluster.in_flight == 3 and len(fake.seen) == 1
+
+    r = await client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1})
+    assert r.status == 429  # one at the backend + two queued = the bound
+    assert r.headers["Retry-After"] == "1" and (await r.json())["error"]["type"] == "RateLimitError"
+
+    queued[1].cancel()  # a client that leaves the queue gives its place back, once
+    with pytest.raises(asyncio.CancelledError):
+        await queued[1]
+    await until(lambda: waiting() == 1)
+    assert state.cluster.in_flight == 2
+    queued[1] = post(3)  # the freed place is usable
+    await until(lambda: waiting() == 2)
+    r = await client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1})
+    assert r.status == 429 and state.counts["rejected"] == 2
+
+    assert [r.status for r in await asyncio.gather(at_backend, *queued)] == [200, 200, 200]
+    await until(lambda: state.cluster.in_flight == 0)
+    assert state.cluster.counters_zero() and not waiting() and state.admission.queue.pending(0) == 0
+    assert len(fake.seen) == 3  # neither the rejected requests nor the one that left reached it
+    assert sorted(outcome_statuses(state)) == ["client_gone", "ok", "ok", "ok"]
+
+
 async def test_oversized_body_is_json_413(aiohttp_client, fake_backends, tmp_path):
     fakes = await fake_backends(1)
     client, state = await start(aiohttp_client, [fakes[0][1]], tmp_path, max_body_bytes=1024 * 1024)
