@@ -35,7 +35,7 @@ from router.forward import StreamScan, cached_tokens, completion_tokens, upstrea
 from router.policies import build_policy, policy_class
 from router.policies.base import RETRY
 from router.request import BadRequest, Tokenizer, parse_request
-from store.schema import OUTCOME_DECISION_COLUMNS
+from router.upstream import ConnectFailed, Pool, UpstreamError
 from store.writer import Writer
 
 #: Default estimated-cache capacity per instance, in router blocks: one H20 running
@@ -114,7 +114,9 @@ class RouterState:
         self.run_id = config.run_id
         self.started_at = time.time()
         self.writer: Writer | None = None
-        self.http: aiohttp.ClientSession | None = None
+        self.http: aiohttp.ClientSession | None = None  # side calls: /v1/models, prefill legs
+        self.upstream: Pool | None = None  # the data plane's upstream connections
+        self.app: web.Application | None = None
         self.ring: deque[dict[str, Any]] = deque(maxlen=config.decision_ring)
         #: Called with ("decision" | "outcome" | "config" | "health", payload) on the loop thread.
         self.listeners: list[Callable[[str, dict[str, Any]], None]] = []
@@ -140,6 +142,7 @@ class RouterState:
                 print(f"kvtop route: listener failed: {exc!r}", file=sys.stderr)
 
     def record_decision(self, d: Decision) -> None:
+        d.recorded = True
         if self.writer:
             self.writer.put("decisions", d.row(self.run_id))
         ev = d.event()
@@ -147,8 +150,7 @@ class RouterState:
         self.emit("decision", ev)
 
     def record_outcome(self, d: Decision, outcome: dict[str, Any]) -> None:
-        decision = d.row(self.run_id)  # copied, so the log segments an outcome without a join
-        outcome.update({c: decision[c] for c in OUTCOME_DECISION_COLUMNS})
+        outcome.update(d.outcome_columns())  # copied, so the log segments an outcome without a join
         outcome.update(run_id=self.run_id, request_id=d.request.request_id, attempt=d.attempt,
                        instance=d.instance_name, ts=time.time())
         self.outcome_counts[outcome["status"]] = self.outcome_counts.get(outcome["status"], 0) + 1
@@ -213,15 +215,21 @@ def _version() -> str:
         return "unknown"
 
 
-def error_response(status: int, message: str, *, param: str | None = None,
-                   err_type: str | None = None, headers: dict[str, str] | None = None) -> web.Response:
-    """An OpenAI-shaped JSON error."""
+def error_body(status: int, message: str, *, param: str | None = None,
+               err_type: str | None = None) -> dict[str, Any]:
+    """An OpenAI-shaped error object."""
     err_type = err_type or {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
                             404: "NotFoundError", 405: "MethodNotAllowed", 408: "RequestTimeout",
                             413: "RequestTooLarge",
                             429: "RateLimitError", 503: "ServiceUnavailableError"}.get(status, "APIError")
-    body = {"error": {"message": message, "type": err_type, "param": param, "code": status}}
-    return web.json_response(body, status=status, headers=headers)
+    return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+
+
+def error_response(status: int, message: str, *, param: str | None = None,
+                   err_type: str | None = None, headers: dict[str, str] | None = None) -> web.Response:
+    """An OpenAI-shaped JSON error."""
+    return web.json_response(error_body(status, message, param=param, err_type=err_type),
+                             status=status, headers=headers)
 
 
 @web.middleware
@@ -246,19 +254,64 @@ async def json_errors(request: web.Request, handler):
 
 # -- data plane ----------------------------------------------------------------------
 
-async def read_json(request: web.Request) -> tuple[bytes, Any]:
-    """The body, raw and parsed, within --client-timeout; BadRequest (400, or 408) otherwise.
-
-    The proxy and the control API's mutations both read their bodies through this."""
-    raw = await limits.read_body(request, request.app[STATE].config.client_timeout_s)
+def parse_json(raw: bytes) -> Any:
+    """A request body parsed as JSON; BadRequest (400) otherwise."""
     if not raw:
         raise BadRequest("the request body is empty; expected a JSON object")
     try:
-        return raw, json.loads(raw)
+        return json.loads(raw)
     except UnicodeDecodeError:
         raise BadRequest("the request body is not valid UTF-8") from None
     except (ValueError, RecursionError) as exc:  # RecursionError: arrays nested thousands deep
         raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+
+
+async def read_json(request: web.Request) -> tuple[bytes, Any]:
+    """The body, raw and parsed, within --client-timeout; BadRequest (400, or 408) otherwise.
+
+    The aiohttp handlers (the control API's mutations) read their bodies through this."""
+    raw = await limits.read_body(request, request.app[STATE].config.client_timeout_s)
+    return raw, parse_json(raw)
+
+
+class AioExchange:
+    """One request's answer through aiohttp (the proxy's client side; see front.Exchange).
+
+    The proxy writes the answer itself, so bookkeeping after it (counters, the outcome row)
+    runs after the client has its bytes."""
+
+    __slots__ = ("request", "headers", "response")
+
+    def __init__(self, request: web.Request):
+        self.request = request
+        self.headers = request.headers
+        self.response: web.StreamResponse | None = None
+
+    @property
+    def started(self) -> bool:
+        return self.response is not None and self.response.prepared
+
+    @property
+    def gone(self) -> bool:
+        return self.request.transport is None
+
+    async def send(self, resp: web.StreamResponse) -> None:
+        self.response = resp
+        await resp.prepare(self.request)
+        await resp.write_eof()
+
+    async def respond(self, status: int, headers, body: bytes) -> None:
+        await self.send(web.Response(body=body, status=status, headers=headers))
+
+    async def start(self, status: int, headers) -> None:
+        self.response = web.StreamResponse(status=status, headers=headers)
+        await self.response.prepare(self.request)
+
+    async def write(self, chunk: bytes) -> None:
+        await self.response.write(chunk)
+
+    async def finish(self) -> None:
+        await self.response.write_eof()
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -270,23 +323,43 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _proxy(request: web.Request, endpoint: str, path: str) -> web.StreamResponse:
+    """The aiohttp handler: refuse early (before reading the body), then ``proxy``."""
     state = request.app[STATE]
-    cfg = state.config
     t_recv = time.time()
     if state.draining:
         return error_response(503, "the router is shutting down", headers={"Retry-After": "1"})
     if (busy := limits.admit(state)) is not None:
         return busy
     try:
-        raw, body = await read_json(request)
-        req = parse_request(body, endpoint, headers=request.headers, session_header=cfg.session_header,
+        raw = await limits.read_body(request, state.config.client_timeout_s)
+    except BadRequest as exc:
+        state.counts["bad_requests"] += 1
+        return error_response(exc.status, exc.message, param=exc.param)
+    x = AioExchange(request)
+    await proxy(state, x, raw, endpoint, path, t_recv)
+    return x.response
+
+
+async def proxy(state: RouterState, x, raw: bytes, endpoint: str, path: str, t_recv: float) -> None:
+    """Route and forward one data-plane request whose body is ``raw``; the answer goes to ``x``.
+
+    Shared by the listening front (router/front.py) and the aiohttp handlers."""
+    cfg = state.config
+    if state.draining:
+        await x.send(error_response(503, "the router is shutting down", headers={"Retry-After": "1"}))
+        return
+    try:
+        body = parse_json(raw)
+        req = parse_request(body, endpoint, headers=x.headers, session_header=cfg.session_header,
                             block_size=cfg.block_size, tokenizer=state.tokenizer,
                             max_input_tokens=cfg.max_input_tokens)
     except BadRequest as exc:
         state.counts["bad_requests"] += 1
-        return error_response(exc.status, exc.message, param=exc.param)
+        await x.send(error_response(exc.status, exc.message, param=exc.param))
+        return
     if (busy := limits.admit(state)) is not None:  # again: others were admitted while this body arrived
-        return busy
+        await x.send(busy)
+        return
     state.counts["requests"] += 1
     first: Decision | None = None
     exclude: tuple[int, ...] = ()
@@ -297,50 +370,58 @@ async def _proxy(request: web.Request, endpoint: str, path: str) -> web.StreamRe
                                   reason_override=RETRY if attempt > 1 else None)
         except NoInstance as exc:
             if full and first is None:
-                return limits.all_full(state)
+                await x.send(limits.all_full(state))
+                return
             state.counts["no_instance"] += 1
             msg = str(exc) if first is None else f"{first.instance_name} failed and {exc}"
-            return error_response(503 if first is None else 502, msg, headers={"Retry-After": "1"})
+            await x.send(error_response(503 if first is None else 502, msg, headers={"Retry-After": "1"}))
+            return
         if first is not None:
             d.turn = first.turn
             state.counts["retries"] += 1
         d.extra["t_proxy_recv"] = t_recv
         if state.features.active:  # offload and/or admission (router/features.py)
-            resp = await router_features.serve(request, state, d, body, raw, path, _forward,
+            done = await router_features.serve(x, state, d, body, raw, path, _forward,
                                                attempt=attempt, new_turn=first is None,
                                                exclude=exclude + full)
         else:
             state.core.dispatch(d, new_turn=first is None)
-            state.record_decision(d)
-            resp = await _forward(request, state, d, raw, path, can_retry=attempt == 1)
-        if resp is not None:
-            return resp
+            done = await _forward(x, state, d, raw, path, can_retry=attempt == 1, record=True)
+        if done:
+            return
         first = d
         exclude = (d.instance,)
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-async def _forward(request: web.Request, state: RouterState, d: Decision, raw: bytes, path: str,
-                   *, can_retry: bool) -> web.StreamResponse | None:
-    """Run one attempt. Returns the client's response, or None to retry elsewhere."""
+async def _forward(x, state: RouterState, d: Decision, raw: bytes, path: str,
+                   *, can_retry: bool, record: bool = False) -> bool | None:
+    """Run one attempt, answering through ``x``. Returns True once the client has an answer,
+    or None to retry elsewhere (nothing was sent).
+
+    ``record``: write the decision row here, once the request is on its way upstream, so
+    that serializing it overlaps the backend's work instead of delaying the request."""
     cluster = state.cluster
     ticket = d.ticket
     inst = cluster.instances[d.instance]
     req = d.request
+    cfg = state.config
     t0 = time.monotonic()
     outcome: dict[str, Any] = {"stream": int(req.stream), "status": "error", "http_status": None,
                                "error": None, "ttft_ms": None, "e2e_ms": None, "tpot_ms": None,
                                "output_tokens": None, "delivered_hit_tokens": None,
                                "t_first_token": None, "t_done": None}
-    headers = upstream_headers(request.headers, req.request_id)
+    headers = upstream_headers(x.headers, req.request_id)
     reply_headers = {"X-Kvtop-Instance": d.instance_name, "X-Kvtop-Request-Id": req.request_id,
                      "X-Kvtop-Policy": d.slot.label}
-    timeout = state.upstream_timeout
-    resp: web.StreamResponse | None = None
     scan: StreamScan | None = None
     t_first: float | None = None
     try:
-        async with state.http.post(inst.url + path, data=raw, headers=headers, timeout=timeout) as up:
+        up = await state.upstream.request(inst.url, "POST", path, headers.items(), raw,
+                                          total_timeout=cfg.total_timeout_s,
+                                          on_sent=(lambda: state.record_decision(d)) if record else None)
+        record = False
+        async with up:
             outcome["http_status"] = up.status
             if up.status != 200:
                 data = await up.read()
@@ -350,65 +431,56 @@ async def _forward(request: web.Request, state: RouterState, d: Decision, raw: b
                     return None
                 outcome["status"] = "error"
                 ctype = up.headers.get("Content-Type", "application/json")
-                return web.Response(body=data, status=up.status, headers={**reply_headers, "Content-Type": ctype})
+                await x.respond(up.status, {**reply_headers, "Content-Type": ctype}, data)
+                return True
             if not req.stream:
                 data = await up.read()
-                usage = usage_of(data)
-                cluster.first_token(ticket)
-                _done(outcome, t0, None, usage, None)
                 outcome["status"] = "ok"
-                ctype = up.headers.get("Content-Type", "application/json")
-                return web.Response(body=data, status=200, headers={**reply_headers, "Content-Type": ctype})
-            resp = web.StreamResponse(status=200, headers={
-                **reply_headers, "Content-Type": up.headers.get("Content-Type", "text/event-stream"),
-                "Cache-Control": "no-cache"})
-            await resp.prepare(request)
+                await x.respond(200, {**reply_headers, "Content-Type": up.headers.get(
+                    "Content-Type", "application/json")}, data)
+                # the client has its answer: the bookkeeping below is off its path
+                cluster.first_token(ticket)
+                _done(outcome, t0, None, usage_of(data), None)
+                return True
+            await x.start(200, {**reply_headers, "Content-Type": up.headers.get(
+                "Content-Type", "text/event-stream"), "Cache-Control": "no-cache"})
             scan = StreamScan()
-            t_first = None
             try:
-                async for chunk in up.content.iter_any():
+                async for chunk in up.iter_chunks():
                     if scan.feed(chunk) and t_first is None:
                         t_first = time.monotonic()
                         cluster.first_token(ticket)
                         outcome["t_first_token"] = time.time()
-                    await resp.write(chunk)
-            except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, asyncio.TimeoutError,
-                    aiohttp.ClientOSError) as exc:
-                if isinstance(exc, aiohttp.ClientOSError) and request.transport is None:
-                    raise ConnectionResetError() from exc
+                    await x.write(chunk)
+            except (UpstreamError, TimeoutError) as exc:
                 outcome["status"] = _failure_status(exc)
                 outcome["error"] = f"upstream failed mid-stream: {exc!r}"[:500]
                 err = {"error": {"message": f"upstream instance {d.instance_name} failed mid-stream",
                                  "type": "APIError", "param": None, "code": 502}}
                 # the blank line first ends whatever partial event the upstream left behind
-                await resp.write(b"\n\ndata: " + json.dumps(err).encode() + b"\n\n")
-                await resp.write_eof()
-                return resp
+                await x.write(b"\n\ndata: " + json.dumps(err).encode() + b"\n\n")
+                await x.finish()
+                return True
             if scan.finish() and t_first is None:
                 t_first = time.monotonic()
                 cluster.first_token(ticket)
-            usage = scan.usage()
-            _done(outcome, t0, t_first, usage, scan.data_events)
+            _done(outcome, t0, t_first, scan.usage(), scan.data_events)
             outcome["status"] = "ok"
             try:
-                await resp.write_eof()
+                await x.finish()
             except ConnectionResetError:
                 pass  # every event, [DONE] included, was written; a client may leave without the terminator
-            return resp
-    except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
-            asyncio.TimeoutError) as exc:
-        if resp is not None and resp.prepared:
-            outcome["status"] = "client_gone" if request.transport is None else _failure_status(exc)
-            outcome["error"] = repr(exc)[:500]
-            return resp
+            return True
+    except (UpstreamError, TimeoutError) as exc:
         outcome["status"] = _failure_status(exc)
         outcome["error"] = f"{type(exc).__name__}: {exc}"[:500]
-        if isinstance(exc, aiohttp.ClientConnectorError):
-            backend_health.passive_down(request.app, d.instance, exc)
+        if isinstance(exc, ConnectFailed):
+            backend_health.passive_down(state.app, d.instance, exc)
         if can_retry:
             return None
-        return error_response(502, f"upstream instance {d.instance_name} failed: {type(exc).__name__}",
-                              headers=reply_headers)
+        await x.send(error_response(502, f"upstream instance {d.instance_name} failed: {type(exc).__name__}",
+                                    headers=reply_headers))
+        return True
     except (ConnectionResetError, asyncio.CancelledError):
         if scan is not None and scan.saw_done and outcome["status"] != "ok":
             # [DONE] reached the client: the answer is complete, whatever happens after it
@@ -419,6 +491,8 @@ async def _forward(request: web.Request, state: RouterState, d: Decision, raw: b
             outcome["error"] = "client disconnected"
         raise
     finally:
+        if record and not d.recorded:  # the upstream call failed before its request went out
+            state.record_decision(d)
         if outcome["e2e_ms"] is None:
             outcome["e2e_ms"] = (time.monotonic() - t0) * 1000
             outcome["t_done"] = time.time()
@@ -484,6 +558,7 @@ def create_app(config: RouterConfig) -> web.Application:
     state = RouterState(config)
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[json_errors])
     app[STATE] = state
+    state.app = app
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
@@ -508,9 +583,11 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
                                                     "features": state.features.knobs})
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60)
     state.http = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+    state.upstream = Pool(connect_timeout=cfg.connect_timeout_s, read_timeout=cfg.read_timeout_s)
     try:
         yield
     finally:
+        state.upstream.close()
         await state.http.close()
         if state.writer:
             state.writer.put("runs", state.run_row(ended=True))

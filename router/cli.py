@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import socket
 import sqlite3
@@ -29,6 +30,7 @@ from kvtop.cli import CliError
 from router import limits
 from router.app import DEFAULT_CAPACITY_TOKENS, STATE, Backend, RouterConfig, create_app
 from router.config import KnobError, parse_knob_args
+from router.front import FrontServer
 from router.policies import POLICIES, ALIASES
 
 
@@ -166,8 +168,12 @@ async def serve(config: RouterConfig, *, allow_unreachable: bool = False, drain_
     except sqlite3.Error as exc:  # the writer opens --db at start-up
         sock.close()
         raise CliError(f"cannot open the decision log --db {config.db}: {exc}") from None
-    site = web.SockSite(runner, sock)
-    await site.start()
+    # The listening socket is served by the HTTP/1.1 front (router/front.py): the data plane
+    # directly, everything else relayed to the aiohttp application on a private Unix socket.
+    internal = f"\0kvtop-route-{os.getpid()}-{config.port}-{state.run_id}"
+    await web.UnixSite(runner, internal).start()
+    front = FrontServer(state, "unix:" + internal)
+    await front.start(sock)
     if config.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"kvtop route: warning: listening on {config.host}, beyond loopback", file=sys.stderr)
     print(f"kvtop route: http://{config.host}:{config.port}  policy {state.slot.label}  "
@@ -187,6 +193,7 @@ async def serve(config: RouterConfig, *, allow_unreachable: bool = False, drain_
     deadline = loop.time() + drain_timeout
     while state.cluster.in_flight and loop.time() < deadline:
         await asyncio.sleep(0.05)
+    await front.close()
     await runner.cleanup()
     print(f"kvtop route: stopped; {state.counts['requests']} requests routed", file=sys.stderr)
     return 0

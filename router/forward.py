@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 # A data event carrying a non-empty text piece: completions' "text", chat's "content" or
@@ -36,12 +36,23 @@ class StreamScan:
     first_token: bool = False
     events: int = 0
     _carry: bytes = b""
-    _tail: bytes = b""
+    #: the stream's last chunks, at least _TAIL_BYTES of them once there are that many;
+    #: kept as a list so that a chunk costs an append, not a copy of the tail
+    _chunks: list = field(default_factory=list)
+    _kept: int = 0
 
     def feed(self, chunk: bytes) -> bool:
         """Account ``chunk``; return True if it holds the stream's first token."""
         self.events += chunk.count(b"data:")
-        self._tail = (self._tail + chunk)[-_TAIL_BYTES:]
+        chunks = self._chunks
+        chunks.append(chunk)
+        self._kept += len(chunk)
+        if self._kept > 2 * _TAIL_BYTES:  # trim, keeping at least _TAIL_BYTES
+            drop = 0
+            while self._kept - len(chunks[drop]) >= _TAIL_BYTES:
+                self._kept -= len(chunks[drop])
+                drop += 1
+            del chunks[:drop]
         if self.first_token:
             return False
         buf = self._carry + chunk
@@ -63,6 +74,10 @@ class StreamScan:
             self.first_token = True
             return True
         return False
+
+    @property
+    def _tail(self) -> bytes:
+        return b"".join(self._chunks)[-_TAIL_BYTES:]
 
     def usage(self) -> dict[str, Any] | None:
         """The last non-null ``usage`` object in the stream, if any."""

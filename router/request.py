@@ -12,7 +12,7 @@ records which (``token_source``: tokens | tokenizer | text_approx).
 
 from __future__ import annotations
 
-import uuid
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -177,7 +177,7 @@ def parse_request(body: Any, endpoint: str, *, headers: Any = None, session_head
             session_id = "blk-short"
         source = "first_block"
     return RouteRequest(
-        request_id=request_id or uuid.uuid4().hex[:16],
+        request_id=request_id or os.urandom(8).hex(),
         session_id=session_id[:256],
         session_source=source,
         input_tokens=input_tokens,

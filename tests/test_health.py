@@ -101,7 +101,7 @@ async def test_connect_failure_marks_down_at_once(aiohttp_client, fake_backends,
     assert r.status == 200 and r.headers["X-Kvtop-Instance"] == "i1"  # retried elsewhere
     assert not state.cluster.instances[0].healthy
     assert [(e["instance"], e["healthy"], e["source"]) for e in events] == [("i0", False, "proxy")]
-    assert "ClientConnectorError" in events[0]["reason"]
+    assert "ConnectFailed" in events[0]["reason"]
     for _ in range(3):  # round robin no longer offers i0, so no more retries
         r = await client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1})
         assert r.headers["X-Kvtop-Instance"] == "i1"

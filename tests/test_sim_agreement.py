@@ -34,7 +34,9 @@ def agentic_trace() -> list[TraceRequest]:
         ids = [(s + 1) * 10**7 + k for k in range(32_000 // 64)]
         for t in range(4):
             n = 8_000 + 6_000 * t + 500 * s
-            reqs.append(TraceRequest(arrival=3.0 * s + 9.0 * t, session=f"s{s}", turn=t + 1,
+            # 3.1 s apart, not 3: no two arrivals coincide, so the live router sees them in
+            # the offline order (a tie is a race on loopback, and round_robin follows the order)
+            reqs.append(TraceRequest(arrival=3.1 * s + 9.0 * t, session=f"s{s}", turn=t + 1,
                                      input_tokens=n, output_tokens=20, hash_ids=ids[: n // 64],
                                      block_size=64, think_time=None, parent=None, source="test"))
     return sorted(reqs, key=lambda r: r.arrival)

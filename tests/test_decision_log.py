@@ -1,0 +1,39 @@
+
+
+def test_outcome_columns_are_the_decision_row_s():
+    """Decision.outcome_columns copies exactly OUTCOME_DECISION_COLUMNS, with the row's values."""
+    from router.blocks import hash_token_blocks
+    from router.cluster import Cluster
+    from router.core import RoutingCore
+    from router.policies import build_policy
+    from router.request import RouteRequest
+    from store.schema import OUTCOME_DECISION_COLUMNS
+
+    core = RoutingCore(Cluster(["a", "b"], block_size=16, capacity_blocks=100), build_policy("unified", {}))
+    toks = list(range(100))
+    req = RouteRequest("r1", "s1", "header", len(toks), hash_token_blocks(toks, 16), "tokens",
+                       "completions", False, 10)
+    d = core.route(req)
+    d.extra["route_class"] = "HEAVY_COLO"
+    row = d.row("run")
+    assert d.outcome_columns() == {c: row[c] for c in OUTCOME_DECISION_COLUMNS}
+
+
+def test_stream_scan_keeps_a_bounded_tail_and_finds_the_final_usage():
+    """Thousands of token events: the tail stays near 16 KB and usage/[DONE] are still found."""
+    from router.forward import _TAIL_BYTES, StreamScan
+
+    scan = StreamScan()
+    ev = b'data: {"choices":[{"index":0,"text":"tok"}]}\n\n'
+    assert scan.feed(ev)  # the first token
+    for _ in range(5000):
+        assert not scan.feed(ev)
+    scan.feed(b'data: {"choices":[],"usage":{"prompt_tokens":9,"completion_tokens":5001}}\n\n')
+    scan.feed(b"data: [DONE]\n\n")
+    assert sum(map(len, scan._chunks)) <= 2 * _TAIL_BYTES + len(ev)
+    assert scan.usage() == {"prompt_tokens": 9, "completion_tokens": 5001}
+    assert scan.saw_done and scan.data_events == 5002
+    big = StreamScan()
+    big.feed(b"data: " + b"x" * 100_000 + b"\n\n")
+    big.feed(b"data: [DONE]\n\n")
+    assert len(big._chunks) <= 2 and big.saw_done
