@@ -26,6 +26,9 @@ _DONE_RE = re.compile(rb"(?:^|\n)data:\s*\[DONE\]")
 HOP_HEADERS = frozenset(h.lower() for h in (
     "Host", "Content-Length", "Connection", "Keep-Alive", "Transfer-Encoding", "TE", "Trailer",
     "Upgrade", "Proxy-Authorization", "Proxy-Connection", "Accept-Encoding",
+    # the router holds the whole body already; passed on, the backend's interim
+    # "100 Continue" would be one more answer on a pooled connection
+    "Expect",
 ))
 
 

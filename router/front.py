@@ -160,6 +160,7 @@ class FrontProtocol(asyncio.Protocol):
         self._body: list[bytes] = []
         self._size = 0
         self._t_recv = 0.0
+        self._continue = False  # a 100 Continue owed once the answers before it are out
 
     # -- connection ---------------------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -200,7 +201,7 @@ class FrontProtocol(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            self.reject(400, "protocol upgrades are not supported by this router")
+            self.reject(400, "protocol upgrades are not supported by this router", upgrade=True)
         except httptools.HttpParserError as exc:
             self.reject(400, f"malformed HTTP request: {exc}")
         if self._in_message and self._timer is None and not self.closing:
@@ -208,18 +209,19 @@ class FrontProtocol(asyncio.Protocol):
             if timeout:  # the rest of this request must arrive within --client-timeout
                 self._timer = self.loop.call_later(timeout, self._body_timeout)
 
-    def reject(self, status: int, message: str) -> None:
+    def reject(self, status: int, message: str, *, upgrade: bool = False) -> None:
         """Answer with a JSON error and close: the rest of the stream cannot be trusted."""
         if self.closing or self.gone:
             return
         self.closing = True
         self._cancel_timer()
         self.server.state.counts["bad_requests"] += 1
+        if upgrade and self.queue and "upgrade" in getattr(self.queue[-1], "headers", ()):
+            self.queue.pop()  # the upgrade request itself is what gets the 400
         if self.task is None:  # nothing is being answered: this answer goes out now
             self.transport.write(_error_bytes(status, message, keep_alive=False))
             self.transport.close()
-        else:  # answer in order, after the request in progress
-            self.queue.clear()
+        else:  # in order: after the requests that came whole before the bad bytes
             self.queue.append(_Rejection(status, message))
 
     def _body_timeout(self) -> None:
@@ -255,7 +257,10 @@ class FrontProtocol(asyncio.Protocol):
                 self.reject(413, "request body too large")
                 raise httptools.HttpParserCallbackError("body too large")
             if kl == "expect" and v.lower() == "100-continue":
-                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                if self.task is None:
+                    self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                else:  # not inside the answer being written: after it (_serve sends it)
+                    self._continue = True
 
     def on_body(self, body: bytes) -> None:
         self._size += len(body)
@@ -266,6 +271,7 @@ class FrontProtocol(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self._in_message = False
+        self._continue = False  # the body came without waiting for it
         self._cancel_timer()
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         req = FrontRequest(self.parser.get_method().decode("latin-1"), self._url,
@@ -305,6 +311,9 @@ class FrontProtocol(asyncio.Protocol):
                 if not req.keep_alive:
                     self.transport.close()
                     return
+                if self._continue and not self.queue and not self.gone:
+                    self._continue = False
+                    self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         finally:
             self.task = None
             if self.queue and not self.gone and not self.closing:  # raced in while finishing

@@ -59,7 +59,8 @@ class _Conn(asyncio.Protocol):
 
     __slots__ = ("pool", "key", "transport", "parser", "status", "headers", "chunks", "buffered",
                  "complete", "error", "got_bytes", "waiter", "headers_done", "last_data", "paused",
-                 "keep_alive", "reused", "deadline", "watch", "head_only")
+                 "keep_alive", "reused", "deadline", "watch", "head_only", "interim",
+                 "idle")
 
     def __init__(self, pool: Pool, key: str):
         self.pool = pool
@@ -84,6 +85,8 @@ class _Conn(asyncio.Protocol):
         self.deadline: float | None = None
         self.watch: asyncio.TimerHandle | None = None
         self.head_only = False
+        self.interim = False
+        self.idle = False
 
     # -- asyncio.Protocol ---------------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -91,6 +94,10 @@ class _Conn(asyncio.Protocol):
         set_nodelay(transport)
 
     def data_received(self, data: bytes) -> None:
+        if self.idle:  # nobody asked: whatever this is, the connection is out of step
+            self.pool.forget(self)
+            self.transport.close()
+            return
         self.got_bytes = True
         self.last_data = self.pool.loop.time()
         try:
@@ -114,7 +121,11 @@ class _Conn(asyncio.Protocol):
         self.headers.add(name.decode("latin-1"), value.decode("latin-1"))
 
     def on_headers_complete(self) -> None:
-        self.status = self.parser.get_status_code()
+        status = self.parser.get_status_code()
+        if 100 <= status < 200:  # an interim answer (100 Continue, 103): the real one follows
+            self.interim = True
+            return
+        self.status = status
         self.keep_alive = self.parser.should_keep_alive()
         self.headers_done = True
         if self.head_only:  # an answer to HEAD has no body, whatever Content-Length says
@@ -130,6 +141,10 @@ class _Conn(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if self.interim:
+            self.interim = False
+            self.headers = CIMultiDict()
+            return
         self.complete = True
         self._wake()
 
@@ -201,24 +216,39 @@ class Response:
         self.headers = conn.headers
         self._released = False
 
+    def _take(self) -> bytes:
+        """Everything buffered, as one piece: a read from the backend often holds several
+        HTTP chunks (several SSE events), and the client gets them in one write."""
+        c = self._conn
+        chunks = c.chunks
+        data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        c.buffered = 0
+        if c.paused:
+            c.paused = False
+            c.transport.resume_reading()
+        return data
+
     async def iter_chunks(self) -> AsyncIterator[bytes]:
         c = self._conn
         while True:
-            while c.chunks:
-                chunk = c.chunks.popleft()
-                c.buffered -= len(chunk)
-                if c.paused and c.buffered <= HIGH_WATER // 4:
-                    c.paused = False
-                    c.transport.resume_reading()
-                yield chunk
-            if c.complete:
+            if c.chunks:
+                yield self._take()
+            if c.complete and not c.chunks:
                 self.release()
                 return
-            await c.wait()
+            if not c.chunks:
+                await c.wait()
 
     async def read(self) -> bytes:
-        parts = [chunk async for chunk in self.iter_chunks()]
-        return parts[0] if len(parts) == 1 else b"".join(parts)
+        c = self._conn
+        parts = []
+        while not c.complete:
+            await c.wait()
+        if c.chunks:
+            parts.append(self._take())
+        self.release()
+        return parts[0] if parts else b""
 
     def release(self) -> None:
         """Back to the pool when the answer is complete and the connection may be reused,
@@ -288,6 +318,7 @@ class Pool:
             conn = idle.pop()
             if not conn.transport.is_closing():
                 conn.reused = True
+                conn.idle = False
                 return conn
         return None
 
@@ -344,6 +375,7 @@ class Pool:
                 if conn.paused:
                     conn.transport.resume_reading()
                 conn._reset()
+                conn.idle = True
                 idle.append(conn)
                 return
         conn.transport.close()

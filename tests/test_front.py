@@ -180,8 +180,6 @@ async def test_pipelining_past_the_read_pause_bound(front_router, fake_backends,
     writer.close()
 
 
-@pytest.mark.xfail(strict=True, reason="router/front.py reject() clears the queue: requests parsed before "
-                                       "the malformed bytes are dropped unanswered")
 async def test_requests_before_malformed_bytes_are_still_answered(front_router, fake_backends, tmp_path):
     router, (fake,) = await start(front_router, fake_backends, tmp_path)
     reader, writer = await connect(router)
@@ -193,8 +191,6 @@ async def test_requests_before_malformed_bytes_are_still_answered(front_router, 
     writer.close()
 
 
-@pytest.mark.xfail(strict=True, reason="router/front.py on_headers_complete writes 100 Continue at once, "
-                                       "inside the answer still streaming to the same connection")
 async def test_100_continue_waits_for_the_answer_before_it(front_router, fake_backends, tmp_path):
     router, _ = await start(front_router, fake_backends, tmp_path, fake_kw={"token_delay": 0.05})
     body = json.dumps({"name": "round_robin"}).encode()
@@ -246,8 +242,6 @@ async def test_expect_100_continue_on_a_relayed_request(front_router, fake_backe
     writer.close()
 
 
-@pytest.mark.xfail(strict=True, reason="router/forward.py HOP_HEADERS lets Expect through to the backend, and "
-                                       "router/upstream.py takes the backend's interim 100 Continue for the answer")
 async def test_expect_100_continue_on_a_completion(front_router, fake_backends, tmp_path):
     router, (fake,) = await start(front_router, fake_backends, tmp_path)
     body = completion(max_tokens=2)
@@ -262,8 +256,6 @@ async def test_expect_100_continue_on_a_completion(front_router, fake_backends, 
     writer.close()
 
 
-@pytest.mark.xfail(strict=True, reason="router/upstream.py: the answer that follows an upstream 100 Continue "
-                                       "is parsed into the idle pooled connection and handed to the next request")
 async def test_expect_100_continue_does_not_desync_the_upstream_pool(front_router, fake_backends, tmp_path):
     # what a client sees is its own answer, whatever the request before it on the same
     # pooled upstream connection did

@@ -14,7 +14,6 @@ import sys
 import time
 
 import aiohttp
-import pytest
 import sqlite_utils
 
 from conftest import free_port
@@ -302,9 +301,6 @@ async def test_upstream_read_timeout_is_recorded_as_timeout(router_client, fake_
     assert state.cluster.counters_zero()
 
 
-@pytest.mark.xfail(strict=True, reason="router/forward.py HOP_HEADERS passes Expect to the backend and "
-                                       "router/upstream.py takes its interim 100 Continue for the answer; the "
-                                       "real answer then waits on the pooled connection for the next request")
 async def test_expect_100_continue_gets_each_client_its_own_answer(router_client, fake_backends, tmp_path):
     # curl sends Expect: 100-continue on its own for large bodies (long prompts)
     fakes = await fake_backends(1)
