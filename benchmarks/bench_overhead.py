@@ -10,6 +10,7 @@ streaming with 8 SSE chunks):
 
     python benchmarks/bench_overhead.py                      # about 2 minutes
     python benchmarks/bench_overhead.py --targets direct,kvtop --requests 200
+    python benchmarks/bench_overhead.py --repeat 3           # the figures in docs/performance.md
 
 Every process binds 127.0.0.1. On a 2-core machine the client, router and backend share the
 cores, so throughput is a ceiling of the whole loop, not the router alone.
@@ -22,6 +23,7 @@ import asyncio
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -212,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--seconds", type=float, default=3.0, help="throughput window per mode")
     p.add_argument("--max-requests", type=int, default=20_000, help="cap per throughput window")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="measure every target this many times, interleaved, and report the median "
+                        "of each figure (the machine's noise moves one run's p50 by 20-50%%)")
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     p.add_argument("--serve-backend", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -224,33 +229,38 @@ def main(argv: list[str] | None = None) -> int:
     bport = free_port()
     backend = subprocess.Popen([sys.executable, __file__, "--serve-backend", str(bport)])
     backend_url = f"http://127.0.0.1:{bport}"
-    rows: dict[str, dict[str, float]] = {}
+    runs: dict[str, list[dict[str, float]]] = {}
+    if args.repeat < 1:
+        raise SystemExit("--repeat must be 1 or more")
     try:
         wait_ready(backend_url + "/v1/models", backend)
-        for name in args.targets.split(","):
-            if name == "direct":
-                rows[name] = asyncio.run(measure(backend_url, args))
-                continue
-            port = free_port()
-            cmd = target_cmd(name, port, backend_url, tmp)
-            if cmd is None:
-                print(f"skip {name}: not installed (python benchmarks/peers/run.py makes the venv)",
-                      file=sys.stderr)
-                continue
-            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            try:
-                wait_ready(f"http://127.0.0.1:{port}/v1/models", proc)
-                rows[name] = asyncio.run(measure(f"http://127.0.0.1:{port}", args))
-            except Exception as exc:  # one broken peer must not lose the others' figures
-                print(f"{name}: {exc}", file=sys.stderr)
-            finally:
-                stop_process(proc)
+        for _ in range(args.repeat):  # interleaved, so a noisy minute hits every target alike
+            for name in args.targets.split(","):
+                if name == "direct":
+                    runs.setdefault(name, []).append(asyncio.run(measure(backend_url, args)))
+                    continue
+                port = free_port()
+                cmd = target_cmd(name, port, backend_url, tmp)
+                if cmd is None:
+                    print(f"skip {name}: not installed (python benchmarks/peers/run.py makes the venv)",
+                          file=sys.stderr)
+                    continue
+                proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                try:
+                    wait_ready(f"http://127.0.0.1:{port}/v1/models", proc)
+                    runs.setdefault(name, []).append(asyncio.run(measure(f"http://127.0.0.1:{port}", args)))
+                except Exception as exc:  # one broken peer must not lose the others' figures
+                    print(f"{name}: {exc}", file=sys.stderr)
+                finally:
+                    stop_process(proc)
     finally:
         stop_process(backend)
+    rows = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
 
     base = rows.get("direct")
     print(f"\n{args.requests} sequential requests per mode for latency; {args.concurrency} "
-          f"concurrent clients for {args.seconds:g} s for throughput; {os.cpu_count()} cores\n")
+          f"concurrent clients for {args.seconds:g} s for throughput; {os.cpu_count()} cores; "
+          f"median of {args.repeat} run(s) per target\n")
     print("| target | plain p50 ms | p99 ms | added p50 ms | req/s | stream p50 ms | p99 ms "
           "| added p50 ms | req/s |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
