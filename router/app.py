@@ -417,7 +417,7 @@ async def _forward(x, state: RouterState, d: Decision, raw: bytes, path: str,
     scan: StreamScan | None = None
     t_first: float | None = None
     try:
-        up = await state.upstream.request(inst.url, "POST", path, headers.items(), raw,
+        up = await state.upstream.request(inst.url, "POST", path, headers, raw,
                                           total_timeout=cfg.total_timeout_s,
                                           on_sent=(lambda: state.record_decision(d)) if record else None)
         record = False

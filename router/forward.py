@@ -139,7 +139,10 @@ def completion_tokens(usage: dict[str, Any] | None) -> int | None:
     return None
 
 
-def upstream_headers(headers: Any, request_id: str) -> dict[str, str]:
-    out = {k: v for k, v in headers.items() if k.lower() not in HOP_HEADERS}
-    out["X-Request-Id"] = request_id
+def upstream_headers(headers: Any, request_id: str) -> list[tuple[str, str]]:
+    """The client's headers to pass on, as pairs (a repeated header stays repeated), with
+    ``X-Request-Id`` set to the router's id."""
+    out = [(k, v) for k, v in headers.items()
+           if (kl := k.lower()) not in HOP_HEADERS and kl != "x-request-id"]
+    out.append(("X-Request-Id", request_id))
     return out

@@ -47,15 +47,26 @@ _HOP = frozenset(("host", "content-length", "connection", "keep-alive", "transfe
 _REASON = {s.value: s.phrase for s in HTTPStatus}
 #: Requests parsed ahead of the one being answered before reading pauses (pipelining bound).
 _MAX_QUEUED = 8
+#: Largest request line plus headers; aiohttp's limit was 8,190 bytes a line (431 past this).
+MAX_HEAD_BYTES = 64 * 1024
+#: An idle keep-alive connection is closed after this long (aiohttp's default).
+KEEPALIVE_TIMEOUT_S = 75.0
+SWEEP_EVERY_S = 5.0
 
 
 def _head(status: int, headers, keep_alive: bool, length: int | None) -> bytes:
-    """Status line and headers; ``length`` None means a chunked body."""
+    """Status line and headers. ``length`` None: a chunked body; -1: a body ended by closing
+    the connection (HTTP/1.0 clients, who cannot read chunks)."""
     out = [f"HTTP/1.1 {status} {_REASON.get(status, 'Unknown')}\r\n"]
     for k, v in (headers.items() if hasattr(headers, "items") else headers):
         if k.lower() not in _OWN:
             out.append(f"{k}: {v}\r\n")
-    out.append(f"Content-Length: {length}\r\n" if length is not None else "Transfer-Encoding: chunked\r\n")
+    if status in (204, 304):
+        pass  # no body, and no framing header (RFC 9110 8.6)
+    elif length is None:
+        out.append("Transfer-Encoding: chunked\r\n")
+    elif length >= 0:
+        out.append(f"Content-Length: {length}\r\n")
     if not keep_alive:
         out.append("Connection: close\r\n")
     out.append("\r\n")
@@ -83,10 +94,11 @@ _PROXY = None
 
 
 class FrontRequest:
-    __slots__ = ("method", "url", "path", "headers", "body", "keep_alive", "t_recv")
+    __slots__ = ("method", "url", "path", "headers", "body", "keep_alive", "t_recv", "http10")
 
     def __init__(self, method: str, url: bytes, headers: CIMultiDict[str], body: bytes,
-                 keep_alive: bool, t_recv: float):
+                 keep_alive: bool, t_recv: float, http10: bool = False):
+        self.http10 = http10
         self.method = method
         self.url = url
         self.path = url.partition(b"?")[0]
@@ -124,18 +136,30 @@ class Exchange:
     async def send(self, resp: web.Response) -> None:
         await self.respond(resp.status, resp.headers, resp.body or b"")
 
+    async def respond_head(self, status: int, headers, length: int | None) -> None:
+        """An answer to HEAD: the headers a GET would get, with its Content-Length, no body."""
+        self._write(_head(status, headers, self.request.keep_alive, -1 if length is None else length))
+        self.started = True
+
     async def start(self, status: int, headers) -> None:
-        self._write(_head(status, headers, self.request.keep_alive, None))
-        self.started = self.chunked = True
+        req = self.request
+        if req.http10:  # no chunked coding in HTTP/1.0: the body ends when the connection does
+            req.keep_alive = False
+            self._write(_head(status, headers, False, -1))
+        else:
+            self._write(_head(status, headers, req.keep_alive, None))
+            self.chunked = True
+        self.started = True
 
     async def write(self, chunk: bytes) -> None:
         if chunk:
-            self._write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+            self._write(b"%x\r\n%b\r\n" % (len(chunk), chunk) if self.chunked else chunk)
             if self.proto.write_paused:
                 await self.proto.drain()
 
     async def finish(self) -> None:
-        self._write(b"0\r\n\r\n")
+        if self.chunked:
+            self._write(b"0\r\n\r\n")
 
 
 class FrontProtocol(asyncio.Protocol):
@@ -161,6 +185,9 @@ class FrontProtocol(asyncio.Protocol):
         self._size = 0
         self._t_recv = 0.0
         self._continue = False  # a 100 Continue owed once the answers before it are out
+        self._in_head = False
+        self._head_bytes = 0
+        self.last_active = self.loop.time()
 
     # -- connection ---------------------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -175,7 +202,7 @@ class FrontProtocol(asyncio.Protocol):
         if self.task is not None:
             self.task.cancel()  # the proxy records client_gone and releases its counters
         if self._drain is not None and not self._drain.done():
-            self._drain.set_exception(ConnectionResetError("the client disconnected"))
+            self._drain.set_result(None)  # the next write sees `gone` and raises
 
     def eof_received(self) -> bool:
         return False  # a client that half-closes is treated as gone, as aiohttp does
@@ -190,21 +217,35 @@ class FrontProtocol(asyncio.Protocol):
         self._drain = None
 
     async def drain(self) -> None:
+        """Wait while the client's socket buffer is full. A client that reads nothing for
+        ``--client-timeout`` seconds is dropped (and its request recorded as client_gone)."""
         if self.write_paused and not self.gone:
             if self._drain is None:
                 self._drain = self.loop.create_future()
-            await self._drain
+            limit = self.server.client_timeout_s or None
+            try:
+                async with asyncio.timeout(limit):
+                    await asyncio.shield(self._drain)
+            except TimeoutError:
+                self.transport.abort()
+                raise ConnectionResetError(f"the client read nothing for {limit:g} s") from None
 
     def data_received(self, data: bytes) -> None:
         if self.closing:
             return
+        self.last_active = self.loop.time()
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self.reject(400, "protocol upgrades are not supported by this router", upgrade=True)
         except httptools.HttpParserError as exc:
             self.reject(400, f"malformed HTTP request: {exc}")
-        if self._in_message and self._timer is None and not self.closing:
+        if self._in_head and not self.closing:  # still in the request line and headers
+            self._head_bytes += len(data)
+        if self._in_head and self._head_bytes > MAX_HEAD_BYTES and not self.closing:
+            self.reject(431, f"the request line and headers exceed {MAX_HEAD_BYTES} bytes")
+            return
+        if self._in_message and self._timer is None and not self.closing and not self.read_paused:
             timeout = self.server.client_timeout_s
             if timeout:  # the rest of this request must arrive within --client-timeout
                 self._timer = self.loop.call_later(timeout, self._body_timeout)
@@ -220,9 +261,20 @@ class FrontProtocol(asyncio.Protocol):
             self.queue.pop()  # the upgrade request itself is what gets the 400
         if self.task is None:  # nothing is being answered: this answer goes out now
             self.transport.write(_error_bytes(status, message, keep_alive=False))
-            self.transport.close()
+            self.linger()
         else:  # in order: after the requests that came whole before the bad bytes
             self.queue.append(_Rejection(status, message))
+
+    def linger(self, linger_s: float = 2.0) -> None:
+        """Close after an error answer without resetting it away: send FIN, keep reading
+        (and dropping) what the client still sends for up to ``linger_s``, then close.
+        Closing a socket with unread bytes sends RST, and the client may lose the answer."""
+        self.closing = True
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+            self.loop.call_later(linger_s, self.transport.close)
+        else:
+            self.transport.close()
 
     def _body_timeout(self) -> None:
         self._timer = None
@@ -237,6 +289,7 @@ class FrontProtocol(asyncio.Protocol):
     # -- httptools callbacks ------------------------------------------------------------
     def on_message_begin(self) -> None:
         self._in_message = True
+        self._in_head = True
         self._url = b""
         self._headers = []
         self._body = []
@@ -250,6 +303,8 @@ class FrontProtocol(asyncio.Protocol):
         self._headers.append((name.decode("latin-1"), value.decode("latin-1")))
 
     def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._head_bytes = 0
         limit = self.server.max_body_bytes
         for k, v in self._headers:
             kl = k.lower()
@@ -276,13 +331,15 @@ class FrontProtocol(asyncio.Protocol):
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         req = FrontRequest(self.parser.get_method().decode("latin-1"), self._url,
                            CIMultiDict(self._headers), body,
-                           self.parser.should_keep_alive(), self._t_recv)
+                           self.parser.should_keep_alive(), self._t_recv,
+                           self.parser.get_http_version() == "1.0")
         self.queue.append(req)
         if self.task is None:
             self.task = self.loop.create_task(self._serve())
         elif len(self.queue) >= _MAX_QUEUED and not self.read_paused:
             self.read_paused = True
             self.transport.pause_reading()
+            self._cancel_timer()  # the client is not slow: we are not reading
 
     # -- answering, in order --------------------------------------------------------------
     async def _serve(self) -> None:
@@ -292,9 +349,11 @@ class FrontProtocol(asyncio.Protocol):
                 if self.read_paused and len(self.queue) < _MAX_QUEUED // 2:
                     self.read_paused = False
                     self.transport.resume_reading()
+                    if self._in_message and self._timer is None and self.server.client_timeout_s:
+                        self._timer = self.loop.call_later(self.server.client_timeout_s, self._body_timeout)
                 if isinstance(req, _Rejection):
                     self.transport.write(_error_bytes(req.status, req.message, keep_alive=False))
-                    self.transport.close()
+                    self.linger()
                     return
                 x = Exchange(self, req)
                 try:
@@ -316,7 +375,8 @@ class FrontProtocol(asyncio.Protocol):
                     self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         finally:
             self.task = None
-            if self.queue and not self.gone and not self.closing:  # raced in while finishing
+            self.last_active = self.loop.time()
+            if self.queue and not self.gone and not self.closing and not self.server.closing:
                 self.task = self.loop.create_task(self._serve())
 
 
@@ -341,13 +401,29 @@ class FrontServer:
         self.relay_pool = Pool(connect_timeout=5.0, read_timeout=None)
         self.connections: set[FrontProtocol] = set()
         self.server: asyncio.AbstractServer | None = None
+        self.closing = False
+        self._sweeper: asyncio.Task | None = None
 
     async def start(self, sock) -> asyncio.AbstractServer:
         self.server = await self.loop.create_server(lambda: FrontProtocol(self), sock=sock)
+        self._sweeper = self.loop.create_task(self._sweep_idle())
         return self.server
+
+    async def _sweep_idle(self) -> None:
+        """Close keep-alive connections idle for KEEPALIVE_TIMEOUT_S: clients that vanish
+        without closing would otherwise hold a descriptor each for ever."""
+        while True:
+            await asyncio.sleep(SWEEP_EVERY_S)
+            cutoff = self.loop.time() - KEEPALIVE_TIMEOUT_S
+            for c in list(self.connections):
+                if c.task is None and not c._in_message and c.last_active < cutoff:
+                    c.transport.close()
 
     async def close(self, grace_s: float = 1.0) -> None:
         """Stop listening; give open answers ``grace_s``, then drop the connections."""
+        self.closing = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         if self.server is not None:
             self.server.close()
         deadline = self.loop.time() + grace_s
@@ -381,11 +457,21 @@ class FrontServer:
             return
         async with up:
             out = [(k, v) for k, v in up.headers.items() if k.lower() not in _OWN]
+            if req.method == "HEAD":
+                length = up.headers.get("content-length")
+                await x.respond_head(up.status, out, int(length) if length and length.isdigit() else None)
+                return
             if "content-length" in up.headers:
                 await x.respond(up.status, out, await up.read())
                 return
             await x.start(up.status, out)
-            async for chunk in up.iter_chunks():
-                await x.write(chunk)
+            try:
+                async for chunk in up.iter_chunks():
+                    await x.write(chunk)
+            except (UpstreamError, TimeoutError):
+                # the application ended the stream (shutting down, or it dropped the viewer):
+                # end the client's connection the same way, without a chunk terminator
+                x.proto.transport.close()
+                return
             await x.finish()
 

@@ -108,8 +108,8 @@ class _Conn(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         self.pool.forget(self)
-        if self.headers_done and not self.complete and "content-length" not in self.headers \
-                and "transfer-encoding" not in self.headers:
+        if exc is None and self.headers_done and not self.complete \
+                and "content-length" not in self.headers and "transfer-encoding" not in self.headers:
             self.on_message_complete()  # an answer delimited by the connection's close
             return
         if not self.complete:
@@ -138,6 +138,7 @@ class _Conn(asyncio.Protocol):
         if self.buffered > HIGH_WATER and not self.paused:
             self.paused = True
             self.transport.pause_reading()
+            self.disarm()  # a slow consumer is not a silent backend: the clock restarts on resume
         self._wake()
 
     def on_message_complete(self) -> None:
@@ -227,6 +228,9 @@ class Response:
         if c.paused:
             c.paused = False
             c.transport.resume_reading()
+            c.last_data = c.pool.loop.time()
+            if c.watch is None:
+                c.arm()
         return data
 
     async def iter_chunks(self) -> AsyncIterator[bytes]:
@@ -243,12 +247,14 @@ class Response:
     async def read(self) -> bytes:
         c = self._conn
         parts = []
-        while not c.complete:
+        while True:
+            if c.chunks:  # taken as they come: past HIGH_WATER the backend would be paused
+                parts.append(self._take())
+            if c.complete:
+                break
             await c.wait()
-        if c.chunks:
-            parts.append(self._take())
         self.release()
-        return parts[0] if parts else b""
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def release(self) -> None:
         """Back to the pool when the answer is complete and the connection may be reused,

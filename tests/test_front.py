@@ -101,7 +101,8 @@ async def read_chunk(reader) -> bytes:
 
 async def read_response(reader) -> Resp:
     status, headers = await read_head(reader)
-    if 100 <= status < 200:
+    if 100 <= status < 200 or status in (204, 304):  # no body, and no framing header
+        assert "content-length" not in headers or status >= 300, headers
         return Resp(status, headers, b"", False)
     if headers.get("transfer-encoding") == "chunked":
         parts = []

@@ -128,10 +128,6 @@ def front_buffered(router) -> int:
 
 # -- answers larger than the upstream read buffer ---------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason=(
-    "upstream.py:138-140 + 246-247: Response.read() waits for the whole answer without taking "
-    "chunks, but on_body pauses reading at HIGH_WATER (256 KiB): an answer over 256 KiB never "
-    "completes, the read timeout fires and the client gets a 502"))
 async def test_non_streaming_answer_over_256k_reaches_the_client(front_router, fake_backends, tmp_path):
     # 2M characters of text (2 MB): what n>1, logprobs or echo+prompt_logprobs make of ordinary prompts
     router, (fake,) = await start(front_router, fake_backends, tmp_path, read_timeout_s=1.0)
@@ -144,10 +140,6 @@ async def test_non_streaming_answer_over_256k_reaches_the_client(front_router, f
     writer.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "front.py:384-385 + upstream.py:138-140: the relay reads a sized answer with read(), which "
-    "stalls at HIGH_WATER; relay_pool has no read timeout (front.py:341), so GET "
-    "/kvtop/v1/decisions?limit=2000 on a full ring hangs for ever"))
 async def test_relayed_answer_over_256k_reaches_the_client(front_router, fake_backends, tmp_path):
     router, _ = await start(front_router, fake_backends, tmp_path)
     reader, writer = await connect(router)
@@ -172,9 +164,6 @@ HUGE_HEADS = [
 ]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "front.py:246-250: no limit on the request line or headers; httptools buffers a 1 MiB (or "
-    "1 GiB) head until --client-timeout, where aiohttp answered 400 past 8190 bytes a line"))
 @pytest.mark.parametrize("why,raw", HUGE_HEADS, ids=[w for w, _ in HUGE_HEADS])
 async def test_oversized_request_head_is_refused_early(front_router, fake_backends, tmp_path, why, raw):
     router, _ = await start(front_router, fake_backends, tmp_path, client_timeout_s=30)
@@ -214,10 +203,6 @@ async def test_stalled_reader_bounds_the_routers_memory(raw_backend, front_route
     assert [o["status"] for o in rows(router.state, "outcomes")] == ["client_gone"]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "upstream.py:138-140 + 196-205: the read timeout keeps running while the front itself has "
-    "paused the upstream read for a slow client (aiohttp drops it while paused): the stream is "
-    "cut with an error event, recorded as timeout and counted against the instance"))
 async def test_slow_reader_is_not_an_upstream_timeout(raw_backend, front_router, tmp_path):
     total = 16 << 20
     backend, url = await raw_backend(lambda b, w: b.stream(w, total))
@@ -239,10 +224,6 @@ async def test_slow_reader_is_not_an_upstream_timeout(raw_backend, front_router,
     writer.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "front.py:134-135 + 192-196: Exchange.write waits on drain() with no bound; after the "
-    "watchdog has closed the upstream, the proxy task stays parked for as long as the client "
-    "keeps its socket open: in_flight and the instance's num_requests never return to 0"))
 async def test_stalled_reader_does_not_hold_its_request_for_ever(raw_backend, front_router, tmp_path):
     backend, url = await raw_backend(lambda b, w: b.stream(w, 1 << 30))
     router = await start_raw(front_router, url, tmp_path, read_timeout_s=1.0, client_timeout_s=1.0)
@@ -337,10 +318,6 @@ async def test_body_of_several_mb_in_many_reads(raw_backend, front_router, tmp_p
 
 # -- HTTP/1.1 details a client sees -----------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason=(
-    "front.py:58 + 127-129: a streaming answer to an HTTP/1.0 request is sent with "
-    "Transfer-Encoding: chunked (RFC 9112 6.1: MUST NOT); an HTTP/1.0 client reads the chunk "
-    "sizes as part of the body"))
 async def test_streaming_answer_to_http10_is_not_chunked(front_router, fake_backends, tmp_path):
     router, _ = await start(front_router, fake_backends, tmp_path)
     reader, writer = await connect(router)
@@ -354,9 +331,6 @@ async def test_streaming_answer_to_http10_is_not_chunked(front_router, fake_back
     writer.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "front.py:384-385: a relayed HEAD answer is re-framed with the (empty) body read, so HEAD "
-    "/health says Content-Length: 0 where GET's body is longer (RFC 9110 8.6: MUST NOT differ)"))
 async def test_head_answer_keeps_the_get_content_length(front_router, fake_backends, tmp_path):
     router, _ = await start(front_router, fake_backends, tmp_path)
     reader, writer = await connect(router)
@@ -368,10 +342,6 @@ async def test_head_answer_keeps_the_get_content_length(front_router, fake_backe
     writer.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "front.py:207-210 + 283-285: the --client-timeout timer keeps running while the front has "
-    "paused reading (8 pipelined requests queued), so a request the front would not read "
-    "gets a 408 once the queue ahead of it takes longer than the timeout"))
 async def test_pipelined_request_held_back_by_the_front_is_not_408(front_router, fake_backends, tmp_path):
     router, _ = await start(front_router, fake_backends, tmp_path, client_timeout_s=0.5,
                             fake_kw={"token_delay": 0.2})
@@ -388,3 +358,22 @@ async def test_pipelined_request_held_back_by_the_front_is_not_408(front_router,
         statuses.append((await read_response(reader)).status)
     assert statuses == [200] * 10
     writer.close()
+
+
+async def test_idle_keep_alive_connections_are_closed(front_router, fake_backends, tmp_path, monkeypatch):
+    """A client that vanishes without closing must not hold a descriptor for ever."""
+    import router.front as front
+
+    monkeypatch.setattr(front, "KEEPALIVE_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(front, "SWEEP_EVERY_S", 0.1)
+    router, _ = await start(front_router, fake_backends, tmp_path)
+    reader, writer = await connect(router)
+    writer.write(post("/v1/completions", completion()))
+    assert (await read_response(reader)).status == 200
+    busy_reader, busy_writer = await connect(router)
+    busy_writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Length: 100\r\n\r\n{")
+    await busy_writer.drain()  # mid-request: not idle, left to --client-timeout
+    assert await closed_by_server(reader)  # idle after its answer: closed by the sweep
+    assert not busy_reader.at_eof()
+    writer.close()
+    busy_writer.close()
