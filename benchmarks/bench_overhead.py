@@ -1,7 +1,8 @@
 """Added latency and max throughput of kvtop's proxy against a direct call and the peer routers.
 
 A trivial OpenAI-compatible backend (an aiohttp app in this file, its own process) answers
-instantly; each target sits in front of it on loopback: direct, ``kvtop route`` (``--db none``),
+instantly; each target sits in front of it on loopback: direct, ``kvtop route`` (``--db none``;
+``kvtop-db`` with the SQLite decision log on),
 and, when their venv exists, sglang-router and vllm-router. Per target and mode (non-streaming,
 streaming with 8 SSE chunks):
   - latency: ``--requests`` sequential requests, p50/p99 client-side, and the p50 added over direct;
@@ -133,9 +134,10 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
 
 def target_cmd(name: str, port: int, backend: str, tmp: str) -> list[str] | None:
     prom = str(free_port())
-    if name == "kvtop":
+    if name in ("kvtop", "kvtop-db"):  # kvtop-db: with the decision log on, as deployed
+        db = str(Path(tmp) / f"overhead-{port}.db") if name == "kvtop-db" else "none"
         return [sys.executable, "-m", "kvtop", "route", "--host", "127.0.0.1", "--port", str(port),
-                "--backend", backend, "--policy", "lmetric", "--db", "none", "--state-dir", tmp]
+                "--backend", backend, "--policy", "lmetric", "--db", db, "--state-dir", tmp]
     peer = ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", backend,
             "--prometheus-host", "127.0.0.1", "--prometheus-port", prom]
     if name.startswith("sglang-"):
@@ -207,7 +209,7 @@ async def measure(base: str, args: argparse.Namespace) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--targets", default="direct,kvtop,sglang-round_robin,sglang-cache_aware,"
+    p.add_argument("--targets", default="direct,kvtop,kvtop-db,sglang-round_robin,sglang-cache_aware,"
                    "vllm-round_robin,vllm-cache_aware")
     p.add_argument("--requests", type=int, default=300, help="sequential requests per mode")
     p.add_argument("--warmup", type=int, default=20)
