@@ -275,7 +275,7 @@ class Pool:
     """Idle keep-alive connections per backend (``http://host:port``, or ``unix:/path``)."""
 
     def __init__(self, *, connect_timeout: float | None = 5.0, read_timeout: float | None = 600.0,
-                 max_idle_per_backend: int = 256):
+                 max_idle_per_backend: int = 1024):
         self.loop = asyncio.get_running_loop()
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
