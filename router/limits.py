@@ -112,7 +112,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-body-mb", type=_positive(float), default=MAX_BODY_MB, metavar="MB",
                    help=f"largest request body; bigger gets a JSON 413 (default {MAX_BODY_MB})")
     g.add_argument("--client-timeout", type=_positive(float), default=CLIENT_TIMEOUT_S, metavar="S",
-                   help=f"a client must send its whole body within S s, else 408 (default {CLIENT_TIMEOUT_S:g}; 0 = none)")
+                   help=f"a client must send its whole body within S s, else 408, and may stop reading an "
+                        f"answer for at most S s (default {CLIENT_TIMEOUT_S:g}; 0 = none)")
     g.add_argument("--total-timeout", type=_positive(float), default=0.0, metavar="S",
                    help="upstream limit on one attempt, start to last byte (default 0 = none; "
                         "--read-timeout bounds the gap between bytes)")
