@@ -455,8 +455,7 @@ async def _forward(x, state: RouterState, d: Decision, raw: bytes, path: str,
             except (UpstreamError, TimeoutError) as exc:
                 outcome["status"] = _failure_status(exc)
                 outcome["error"] = f"upstream failed mid-stream: {exc!r}"[:500]
-                err = {"error": {"message": f"upstream instance {d.instance_name} failed mid-stream",
-                                 "type": "APIError", "param": None, "code": 502}}
+                err = error_body(502, f"upstream instance {d.instance_name} failed mid-stream")
                 # the blank line first ends whatever partial event the upstream left behind
                 await x.write(b"\n\ndata: " + json.dumps(err).encode() + b"\n\n")
                 await x.finish()

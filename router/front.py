@@ -29,12 +29,11 @@ from typing import TYPE_CHECKING
 import httptools
 from multidict import CIMultiDict
 
+from router.app import RouterState, error_body, proxy
 from router.upstream import Pool, UpstreamError, set_nodelay
 
 if TYPE_CHECKING:
     from aiohttp import web
-
-    from router.app import RouterState
 
 DATA_PLANE = {b"/v1/completions": ("completions", "/v1/completions"),
               b"/v1/chat/completions": ("chat", "/v1/chat/completions")}
@@ -74,23 +73,8 @@ def _head(status: int, headers, keep_alive: bool, length: int | None) -> bytes:
 
 
 def _error_bytes(status: int, message: str, keep_alive: bool) -> bytes:
-    from router.app import error_body
-
     body = json.dumps(error_body(status, message)).encode()
     return _head(status, {"Content-Type": "application/json"}, keep_alive, len(body)) + body
-
-
-def _proxy():
-    """router.app.proxy, imported once (router.app imports this module's users)."""
-    global _PROXY
-    if _PROXY is None:
-        from router.app import proxy
-
-        _PROXY = proxy
-    return _PROXY
-
-
-_PROXY = None
 
 
 class FrontRequest:
@@ -439,7 +423,7 @@ class FrontServer:
         req = x.request
         target = DATA_PLANE.get(req.path) if req.method == "POST" else None
         if target is not None:
-            await _proxy()(self.state, x, req.body, target[0], target[1], req.t_recv)
+            await proxy(self.state, x, req.body, target[0], target[1], req.t_recv)
             return
         await self.relay(x)
 
@@ -452,8 +436,7 @@ class FrontServer:
                                                headers, req.body)
         except UpstreamError as exc:
             await x.respond(502, {"Content-Type": "application/json"},
-                            json.dumps({"error": {"message": f"router internal relay failed: {exc}",
-                                                  "type": "APIError", "param": None, "code": 502}}).encode())
+                            json.dumps(error_body(502, f"router internal relay failed: {exc}")).encode())
             return
         async with up:
             out = [(k, v) for k, v in up.headers.items() if k.lower() not in _OWN]
