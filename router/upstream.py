@@ -59,7 +59,7 @@ class _Conn(asyncio.Protocol):
 
     __slots__ = ("pool", "key", "transport", "parser", "status", "headers", "chunks", "buffered",
                  "complete", "error", "got_bytes", "waiter", "headers_done", "last_data", "paused",
-                 "keep_alive", "reused", "deadline", "watch", "head_only", "interim",
+                 "keep_alive", "deadline", "watch", "head_only", "interim",
                  "idle")
 
     def __init__(self, pool: Pool, key: str):
@@ -67,7 +67,6 @@ class _Conn(asyncio.Protocol):
         self.key = key
         self.transport: asyncio.Transport | None = None
         self.error: BaseException | None = None
-        self.reused = False
         self._reset()
 
     def _reset(self) -> None:
@@ -318,12 +317,11 @@ class Pool:
         self._open.add(conn)
         return conn
 
-    def _take(self, base: str) -> _Conn | None:
+    def _idle_conn(self, base: str) -> _Conn | None:
         idle = self._idle.get(base)
         while idle:
             conn = idle.pop()
             if not conn.transport.is_closing():
-                conn.reused = True
                 conn.idle = False
                 return conn
         return None
@@ -345,7 +343,7 @@ class Pool:
         data = "".join(head).encode("latin-1") + body
         deadline = self.loop.time() + total_timeout if total_timeout else None
         for attempt in (1, 2):
-            conn = self._take(base)
+            conn = self._idle_conn(base)
             fresh = conn is None
             if fresh:
                 conn = await self._connect(base, deadline)
