@@ -73,25 +73,37 @@ async def load(base: str, stop: asyncio.Event, got: list[dict], *, max_tokens: i
                 await asyncio.sleep(0.05)
 
 
-async def test_sigterm_under_load_loses_nothing(fake_backends, tmp_path):
-    fakes = await fake_backends(2, token_delay=0.02)  # a request streams for about 0.4 s
-    proc, base, db = await start_route(fakes, tmp_path, "--drain-timeout", "10")
+async def sigterm_under_load(proc, base: str, *, clients: int, warm_s: float, exit_within: float,
+                             **load_kw) -> tuple[int | None, float, str, list[dict], list[dict]]:
+    """``clients`` loops of ``load`` for ``warm_s``, then SIGTERM; waits for the exit.
+
+    Returns (exit code, seconds from SIGTERM to exit, stderr, every record, the records
+    finished before SIGTERM)."""
     stop = asyncio.Event()
     got: list[dict] = []
     try:
-        clients = [asyncio.create_task(load(base, stop, got)) for _ in range(24)]
-        await asyncio.sleep(1.5)
-        assert all(r["status"] == 200 for r in got) and len(got) >= 24
+        tasks = [asyncio.create_task(load(base, stop, got, **load_kw)) for _ in range(clients)]
+        await asyncio.sleep(warm_s)
+        before = list(got)
         t_term = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        rc = await exit_code(proc, 15)
+        rc = await exit_code(proc, exit_within)
         t_exit = time.monotonic() - t_term
         stop.set()
-        await asyncio.gather(*clients)
+        await asyncio.gather(*tasks)
     finally:
         if proc.poll() is None:
             proc.kill()
         err = proc.stderr.read().decode()
+    return rc, t_exit, err, got, before
+
+
+async def test_sigterm_under_load_loses_nothing(fake_backends, tmp_path):
+    fakes = await fake_backends(2, token_delay=0.02)  # a request streams for about 0.4 s
+    proc, base, db = await start_route(fakes, tmp_path, "--drain-timeout", "10")
+    rc, t_exit, err, got, before = await sigterm_under_load(proc, base, clients=24, warm_s=1.5,
+                                                            exit_within=15)
+    assert all(r["status"] == 200 for r in before) and len(before) >= 24
     assert rc == 0, err
     assert t_exit < 5, "the drain waits for in-flight requests only, not the whole deadline"
     ok = [r for r in got if r["status"] == 200]
@@ -114,21 +126,8 @@ async def test_drain_deadline_bounds_the_exit(fake_backends, tmp_path):
     """Requests still streaming at the deadline are cut; their outcomes are still written."""
     fakes = await fake_backends(1, token_delay=0.1)  # 200 tokens: 20 s, far past the deadline
     proc, base, db = await start_route(fakes, tmp_path, "--drain-timeout", "0.5")
-    stop = asyncio.Event()
-    got: list[dict] = []
-    try:
-        clients = [asyncio.create_task(load(base, stop, got, max_tokens=200)) for _ in range(3)]
-        await asyncio.sleep(0.8)
-        t_term = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        rc = await exit_code(proc, 10)
-        t_exit = time.monotonic() - t_term
-        stop.set()
-        await asyncio.gather(*clients)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        err = proc.stderr.read().decode()
+    rc, t_exit, err, _, _ = await sigterm_under_load(proc, base, clients=3, warm_s=0.8, exit_within=10,
+                                                     max_tokens=200)
     assert rc == 0, err
     assert t_exit < 0.5 + 1.0 + 2.0, "drain deadline plus the 1 s shutdown grace, with slack"
     d = sqlite_utils.Database(db)
