@@ -17,6 +17,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from router.classes import CLASSES, HEAVY_COLO, HEAVY_P2P, route_class
+from store import stats
+from store.stats import percentile  # noqa: F401  (kvtop.tui and tests import it from here)
 
 #: APC sources, in order of preference.
 APC_ENGINE = "engine"  # the engines' own vllm:prefix_cache_{hits,queries}_total counters
@@ -27,29 +29,14 @@ APC_NONE = "none"  # neither is known
 CLASS_ORDER: tuple[str, ...] = tuple(name for name, _, _ in CLASSES) + (HEAVY_P2P, HEAVY_COLO)
 
 
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The q-th percentile (0-100) by linear interpolation between closest ranks.
-
-    Same as numpy's default (``method="linear"``): position ``(n - 1) * q / 100`` in the
-    sorted values, interpolated between its two neighbours. None for no values.
-    """
-    return ranked_percentile(SortedValues(values), q)
-
-
 def ranked_percentile(values: Values, q: float) -> float | None:
-    """``percentile`` from a ``Values``: reads only the two ranks around the position."""
-    if not 0 <= q <= 100:
-        raise ValueError(f"percentile q must be in [0, 100], got {q}")
-    n = values.n
-    if not n:
-        return None
-    pos = (n - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, n - 1)
-    frac = pos - lo
-    low = values.kth(lo)
-    high = low if hi == lo else values.kth(hi)
-    return low + (high - low) * frac
+    """``store.stats.percentile`` (q in 0-100, linear) of a ``Values``: reads only the one or
+    two ranks around the position."""
+    def ranks(lo: int, hi: int) -> tuple[float, float]:
+        low = values.kth(lo)
+        return low, (low if hi == lo else values.kth(hi))
+
+    return stats.ranked_percentile(values.n, q, ranks)
 
 
 def mean(values: Sequence[float]) -> float | None:

@@ -34,12 +34,13 @@ from urllib.parse import quote
 import sqlite_utils
 
 from store.schema import JSON_COLUMNS, TABLES
+from store.stats import ranked_percentile
 
 #: Outcome columns that ``decisions()`` adds to each decision (the rest repeat the decision's).
 OUTCOME_COLUMNS = ("status", "http_status", "error", "ttft_ms", "e2e_ms", "tpot_ms", "output_tokens",
                    "delivered_hit_tokens", "t_first_token", "t_done")
 STATUSES = ("ok", "error", "upstream_error", "client_gone", "timeout")
-PERCENTILES = (0.5, 0.9, 0.99)
+PERCENTILES = (50, 90, 99)
 _SEP = "\x1f"  # unit separator: cannot appear in a reason, class or status
 
 
@@ -240,22 +241,11 @@ def segments(db: sqlite_utils.Database | str | Path, run_id: str | None = None) 
     return rows
 
 
-def percentile(sorted_values: Sequence[float], q: float) -> float | None:
-    """Linear-interpolation percentile (numpy's default) of already sorted values; q in [0, 1]."""
-    n = len(sorted_values)
-    if n == 0:
-        return None
-    k = (n - 1) * q
-    f = math.floor(k)
-    c = min(f + 1, n - 1)
-    return sorted_values[f] + (sorted_values[c] - sorted_values[f]) * (k - f)
-
-
 def _dist(values: list[float]) -> dict:
     values.sort()
     out = {"n": len(values)}
     for q in PERCENTILES:
-        out[f"p{round(q * 100)}"] = percentile(values, q)
+        out[f"p{q}"] = ranked_percentile(len(values), q, lambda lo, hi: (values[lo], values[hi]))
     return out
 
 
@@ -292,27 +282,24 @@ def _ranked_dist(conn: sqlite3.Connection, col: str, run_id: str, policy: str, v
                  n: int | None) -> dict:
     """``_dist`` of a segment's ok ``col`` values without fetching them: each percentile reads
     its two neighbouring ranks from the (run, policy, version, status, col) index, walking in
-    from the nearer end. Same interpolation as ``percentile``, so the same numbers exactly."""
+    from the nearer end. ``store.stats.ranked_percentile``, as ``_dist``: the same numbers exactly."""
     where = (f"FROM outcomes WHERE run_id = ? AND policy IS ? AND policy_version IS ? "
              f"AND status = 'ok' AND {col} IS NOT NULL ORDER BY {col}")
     if n is None:  # count them on the index
         n = conn.execute(f"SELECT count(*) {where}", (run_id, policy, version)).fetchone()[0]
+
+    def ranks(lo: int, hi: int) -> tuple[float, float]:
+        params = (run_id, policy, version, hi - lo + 1)
+        if lo < n - 1 - hi:
+            got = [v for (v,) in conn.execute(f"SELECT {col} {where} LIMIT ? OFFSET ?", (*params, lo))]
+        else:
+            got = [v for (v,) in conn.execute(f"SELECT {col} {where} DESC LIMIT ? OFFSET ?",
+                                              (*params, n - 1 - hi))][::-1]
+        return got[0], got[-1]
+
     out: dict = {"n": n}
     for q in PERCENTILES:
-        name = f"p{round(q * 100)}"
-        if not n:
-            out[name] = None
-            continue
-        k = (n - 1) * q
-        f = math.floor(k)
-        c = min(f + 1, n - 1)
-        params = (run_id, policy, version, c - f + 1)
-        if f < n - 1 - c:
-            ranks = [v for (v,) in conn.execute(f"SELECT {col} {where} LIMIT ? OFFSET ?", (*params, f))]
-        else:
-            ranks = [v for (v,) in conn.execute(f"SELECT {col} {where} DESC LIMIT ? OFFSET ?",
-                                                (*params, n - 1 - c))][::-1]
-        out[name] = ranks[0] + (ranks[-1] - ranks[0]) * (k - f)
+        out[f"p{q}"] = ranked_percentile(n, q, ranks)
     return out
 
 
@@ -938,5 +925,5 @@ def table_names(db: sqlite_utils.Database) -> list[str]:
 
 
 __all__ = ["Arm", "QueryError", "SegmentColumns", "arms_from_db", "decisions", "decode_json_columns", "export",
-           "open_readonly", "parse_time", "percentile", "resolve_run", "run_sql", "runs", "segments",
+           "open_readonly", "parse_time", "resolve_run", "run_sql", "runs", "segments",
            "summary", "table_names"]

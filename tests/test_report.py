@@ -11,30 +11,7 @@ import pytest
 
 from kvtop import seedtable
 from kvtop.cli import main
-from kvtop.seedtable import (APC_ENGINE, APC_NONE, APC_USAGE, balance, choose_apc, class_rows,
-                             percentile, seed_row)
-
-
-@pytest.mark.parametrize("values,q,expected", [
-    ([1, 2, 3, 4], 90, 3.7),  # position 3 * 0.9 = 2.7: 3 + 0.7 * (4 - 3)
-    ([4, 1, 3, 2], 90, 3.7),  # order of input does not matter
-    ([1, 2, 3, 4, 5], 50, 3.0),  # odd count: the middle value exactly
-    ([1, 2, 3, 4], 50, 2.5),  # even count: halfway between the two middle values
-    (list(range(1, 11)), 90, 9.1),  # position 8.1 -> 9 + 0.1; numpy.percentile agrees
-    (list(range(1, 11)), 99, 9.91),  # position 8.91
-    ([15, 20, 35, 40, 50], 40, 29.0),  # position 1.6: 20 + 0.6 * 15
-    ([7], 90, 7.0),  # one value is every percentile
-    ([1, 2], 0, 1.0), ([1, 2], 100, 2.0),  # the ends are min and max, not extrapolated
-    ([], 50, None),  # nothing to summarize
-])
-def test_percentile_matches_numpy_linear(values, q, expected):
-    got = percentile(values, q)
-    assert got == expected if expected is None else got == pytest.approx(expected)
-
-
-def test_percentile_rejects_out_of_range_q():
-    with pytest.raises(ValueError):
-        percentile([1, 2], 101)
+from kvtop.seedtable import APC_ENGINE, APC_NONE, APC_USAGE, balance, choose_apc, class_rows, seed_row
 
 
 def _rec(ttft, e2e, tpot, cached, inp, instance, status="ok", out=10, route_class=None):

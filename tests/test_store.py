@@ -243,18 +243,6 @@ def test_old_rows_in_a_new_file_fall_back_to_the_join(tmp_path):
     assert lm["statuses"] == {"ok": 3, "error": 1} and un["ttft_ms"]["p50"] == 700.0
 
 
-@pytest.mark.parametrize("values, pct, expected", [
-    ([1, 2, 3, 4], 0.5, 2.5),  # between the two middle values
-    ([1, 2, 3, 4], 0.9, 3.7),  # rank 2.7
-    ([5], 0.99, 5),
-    ([], 0.5, None),
-    ([0, 10], 1.0, 10),
-])
-def test_percentile_is_linear_interpolation(values, pct, expected):
-    assert q.percentile(values, pct) == pytest.approx(expected) if expected is not None else \
-        q.percentile(values, pct) is None
-
-
 # -- arms for kvtop report --db ------------------------------------------------------------
 def test_arms_from_db_records_are_final_attempts(db_path):
     arms = q.arms_from_db(db_path, "r1")

@@ -1,7 +1,7 @@
 """Describe a normalized trace: counts, length percentiles, class mix, rate, prefix ceiling.
 
-Percentiles use linear interpolation (numpy's default), as in the traces README, so the
-figures here can be checked against it.
+Percentiles are ``store.stats.percentile`` (linear interpolation, numpy's default), as in the
+traces README, so the figures here can be checked against it.
 """
 
 from __future__ import annotations
@@ -11,23 +11,22 @@ from collections.abc import Sequence
 from typing import Any
 
 from router.classes import CLASSES, route_class
-from kvtop.seedtable import percentile as seedtable_percentile
 from kvtop.traces.loader import TraceRequest
+from store.stats import percentile
 
 LONG_THRESHOLDS = (20_000, 50_000, 100_000, 200_000)
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """``kvtop.seedtable.percentile`` (q in 0-100, linear), but nan for no values: stats are
-    printed and JSON-dumped as numbers."""
-    p = seedtable_percentile(values, q)
+def _pct(values: Sequence[float], q: float) -> float:
+    """``percentile``, but nan for no values: stats are printed and JSON-dumped as numbers."""
+    p = percentile(values, q)
     return math.nan if p is None else p
 
 
 def _dist(values: Sequence[float]) -> dict[str, float]:
     return {
-        "p50": percentile(values, 50), "p90": percentile(values, 90),
-        "p99": percentile(values, 99), "max": max(values) if values else math.nan,
+        "p50": _pct(values, 50), "p90": _pct(values, 90),
+        "p99": _pct(values, 99), "max": max(values) if values else math.nan,
         "mean": sum(values) / len(values) if values else math.nan,
     }
 
@@ -84,8 +83,8 @@ def trace_stats(requests: Sequence[TraceRequest]) -> dict[str, Any]:
         "sessions": len(turns),
         "sub_agent_sessions": len({r.session for r in requests if r.parent}),
         "sources": sources,
-        "turns_per_session": {"p50": percentile(per_session, 50),
-                              "p90": percentile(per_session, 90),
+        "turns_per_session": {"p50": _pct(per_session, 50),
+                              "p90": _pct(per_session, 90),
                               "max": max(per_session) if per_session else 0},
         "input_tokens": _dist(inputs),
         "output_tokens": _dist(outputs),
