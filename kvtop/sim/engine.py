@@ -24,6 +24,15 @@ What it follows (vllm/v1/core/sched/scheduler.py, kv_cache_manager.py, block_poo
   the first token ends the last prefill chunk, then one token per decode step; the request
   finishes at ``max_tokens`` (the simulated model never emits EOS).
 
+* Time: a request enters the scheduler ``profile.frontend_s(prompt tokens)`` after it
+  arrives (HTTP, parsing, hashing; the engine keeps stepping meanwhile) and is QUEUED at the
+  first step boundary after that, as vLLM's engine core takes new requests between steps.
+  Its first SCHEDULED time is kept through preemptions (vLLM's request stats do the same).
+  A step lasts ``profile.step_time``: fixed, per-request and per-admitted-request costs, the
+  linear layers, causal
+  attention of prefill chunks, and the KV read of every decoding request, the sum of their
+  contexts (so a batch of long contexts decodes slower than one of short ones).
+
 Blocks filled by generated tokens are not hashed (the engine never sees token ids), so only
 prompt blocks can be hits. Prompts whose KV could never fit are rejected up front.
 """
@@ -110,8 +119,8 @@ class FinishedRequest:
     num_cached_tokens: int   # prefix hit (local + pulled remote KV) at its first scheduling
     num_preemptions: int
     arrival_time: float
-    queued_time: float | None        # entered the scheduler (after the frontend overhead)
-    scheduled_time: float | None     # latest SCHEDULED (restarts after a preemption)
+    queued_time: float | None        # QUEUED: the first step boundary after the frontend overhead
+    scheduled_time: float | None     # first SCHEDULED (vLLM's stats ignore later, after preemption)
     first_token_time: float | None
     finish_time: float
     kv_transfer_params: dict[str, Any] | None = None
@@ -276,7 +285,8 @@ class Engine:
             raise ExceedsKVCapacity(
                 f"request needs {total - 1} tokens of KV but the cache holds "
                 f"{self.num_gpu_blocks * bs} ({self.num_gpu_blocks} blocks of {bs})")
-        req = _Req(request, request.arrival_time + self.frontend_overhead_s)
+        req = _Req(request, request.arrival_time + self.frontend_overhead_s
+                   + self.profile.frontend_s_per_token * request.num_prompt_tokens)
         req.max_tokens = max_tokens
         self._requests[req.id] = req
         self._seq += 1
@@ -407,6 +417,7 @@ class Engine:
             i += 1
 
         # 2. WAITING, only if nothing was preempted this step.
+        num_new = 0
         if not result.preempted and self.waiting:
             for req in self._admission_order(budget):
                 if budget <= 0 or len(running) >= self.max_num_seqs:
@@ -420,12 +431,13 @@ class Engine:
                 attn_sum += got * (2 * computed + got)
                 budget -= got
                 scheduled.append(req)
+                num_new += 1
 
         if not scheduled:
             return result
 
         num_tokens = self.max_num_batched_tokens - budget
-        duration = self.profile.step_time(num_tokens, len(scheduled), attn_sum, decode_ctx)
+        duration = self.profile.step_time(num_tokens, len(scheduled), attn_sum, decode_ctx, num_new)
         end = now + duration
         result.duration = duration
         result.end_time = end
@@ -472,7 +484,9 @@ class Engine:
             while k < len(pending) and pending[k][0] <= now:
                 req = pending[k][2]
                 req.state = _WAITING
-                req.queued_time = req.ready_at
+                # vLLM's engine core takes new requests between steps (the QUEUED event):
+                # one that is ready mid-step is queued when that step ends, i.e. at ``now``.
+                req.queued_time = now
                 self.waiting.append(req)
                 k += 1
             del pending[:k]
@@ -616,7 +630,8 @@ class Engine:
         if req.cached_tokens is None:
             req.cached_tokens = hit_tokens
         req.computed = hit_tokens + num_new
-        req.scheduled_time = now
+        if req.scheduled_time is None:
+            req.scheduled_time = now
         req.state = _RUNNING
         if self.waiting and self.waiting[0] is req:
             self.waiting.popleft()

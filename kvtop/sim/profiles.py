@@ -1,16 +1,22 @@
-"""Named hardware/model profiles for the simulated engine, and the step-time model they feed.
+"""Named hardware/model profiles for the simulated engine, the step-time model they feed, and
+profile files (TOML) such as ``kvtop sim calibrate`` writes.
 
 A profile is a frozen set of numbers: the vLLM scheduler limits (block size, KV blocks,
 token budget, max sequences, context length), the step-time coefficients from
 ``reference/vllm-engine-model.md`` section 2, a per-request frontend overhead and the P/D KV
 transfer cost. ``step_time`` is the whole step-time model; the engine calls it once a step.
+``get_profile`` takes a built-in name or the path of a profile file, so every verb that takes
+``--profile`` takes a calibrated profile too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass, replace
+import math
+import tomllib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -19,7 +25,8 @@ class Profile:
 
     Step time (one vLLM step, N scheduled tokens over B requests)::
 
-        t_fixed + t_req*B + max(b*N, W(N)/bw)           linear layers: compute vs weight read
+        t_fixed + t_req*B + t_new_req*B_new + max(b*N, W(N)/bw)   fixed, per request, linear
+                                                        layers (compute vs weight read)
         + c * sum_i(2*q_i*ctx_i + q_i**2)               causal attention of prefill chunks
         + kappa * sum_j C_j                             KV read of decoding requests
         W(N) = w_dense + w_experts * nEff(N)/E,  nEff(N) = E*(1 - ((E-k)/E)**N)
@@ -40,6 +47,7 @@ class Profile:
     # step-time model
     t_fixed: float = 0.0
     t_req: float = 0.0
+    t_new_req: float = 0.0
     b: float = 0.0
     c: float = 0.0
     kappa: float = 0.0
@@ -48,11 +56,18 @@ class Profile:
     w_experts: float = 0.0
     num_experts: int = 0
     experts_per_token: int = 0
-    # outside the step loop
+    # outside the step loop: a request enters the scheduler this long after it arrived
+    # (frontend_overhead_s + frontend_s_per_token * prompt tokens: HTTP, parsing, validation,
+    # block hashing, the output path); the engine keeps stepping meanwhile
     frontend_overhead_s: float = 0.0
+    frontend_s_per_token: float = 0.0
     kv_transfer_fixed_s: float = 0.0
     kv_transfer_s_per_token: float = 0.0
     estimated: bool = False
+    # Where the numbers come from: "built-in", or the profile file's path; and for a calibrated
+    # profile what was measured, where and when (the file's [measured] table, as read).
+    source: str = field(default="built-in", compare=False)
+    measured: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
 
     def weight_read_s(self, num_tokens: int) -> float:
         """Seconds to read the weights a step touches when it runs ``num_tokens`` tokens."""
@@ -62,14 +77,22 @@ class Profile:
         n_eff = e * (1.0 - ((e - k) / e) ** num_tokens)
         return (self.w_dense + self.w_experts * n_eff / e) / self.bw
 
-    def step_time(self, num_tokens: int, num_reqs: int, attn_sum: float, decode_ctx_sum: int) -> float:
-        """Duration of one step; ``attn_sum`` = sum(2*q*ctx + q*q) over prefill chunks."""
+    def step_time(self, num_tokens: int, num_reqs: int, attn_sum: float, decode_ctx_sum: int,
+                  num_new_reqs: int = 0) -> float:
+        """Duration of one step; ``attn_sum`` = sum(2*q*ctx + q*q) over prefill chunks,
+        ``decode_ctx_sum`` = the contexts of the decoding requests summed over the batch,
+        ``num_new_reqs`` = requests scheduled for the first time (input-batch setup)."""
         if num_tokens <= 0:
             return 0.0
         linear = self.b * num_tokens
         weights = self.weight_read_s(num_tokens)
-        return (self.t_fixed + self.t_req * num_reqs + (linear if linear > weights else weights)
+        return (self.t_fixed + self.t_req * num_reqs + self.t_new_req * num_new_reqs
+                + (linear if linear > weights else weights)
                 + self.c * attn_sum + self.kappa * decode_ctx_sum)
+
+    def frontend_s(self, num_prompt_tokens: int) -> float:
+        """Arrival to entering the scheduler, for a prompt of ``num_prompt_tokens``."""
+        return self.frontend_overhead_s + self.frontend_s_per_token * num_prompt_tokens
 
     def kv_transfer_s(self, num_tokens: int) -> float:
         """Time for a decode instance to pull ``num_tokens`` tokens of KV from its prefill peer."""
@@ -211,9 +234,188 @@ def cpu_profile_for_this_machine(cpuinfo: str | Path = "/proc/cpuinfo") -> str:
     return cpu_profile_for_flags(flags)
 
 
-def get_profile(name: str) -> Profile:
-    """The profile called ``name``; KeyError lists the known names."""
+class ProfileError(KeyError):
+    """A profile name that is not built in, or a profile file that cannot be used.
+
+    A KeyError, so callers that catch an unknown name (and print ``exc.args[0]``) also catch
+    a bad file; ``str()`` is the message itself, not its repr."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+def get_profile(name: str | Path) -> Profile:
+    """The built-in profile called ``name``, or the profile file at path ``name``.
+
+    A name that is not built in is read as a path when it ends in ``.toml``, contains a path
+    separator or names an existing file. Raises ``ProfileError`` (a KeyError) for an unknown
+    name, or for a file that is missing or malformed, with a one-line message."""
+    key = str(name)
+    if key in PROFILES:
+        return PROFILES[key]
+    path = Path(key).expanduser()
+    if key.endswith(".toml") or "/" in key or path.is_file():
+        return load_profile_file(path)
+    raise ProfileError(f"unknown profile {key!r}; known: {', '.join(PROFILES)}, "
+                       "or the path of a profile file (.toml, `kvtop sim calibrate --out`)")
+
+
+# ---------------------------------------------------------------------------- profile files
+
+#: Version of the file layout below; a reader refuses a newer one.
+PROFILE_FORMAT = 1
+
+_PROFILE_FIELDS = {f.name: f for f in fields(Profile) if f.name not in ("source", "measured")}
+_REQUIRED = ("model", "block_size", "num_gpu_blocks", "max_num_batched_tokens", "max_num_seqs",
+             "max_model_len")
+
+
+def load_profile_file(path: str | Path) -> Profile:
+    """Read a profile file::
+
+        format = 1
+        base = "cpu-tiny"        # optional: a built-in profile for every field not set below
+        [profile]                # any Profile field: name, model, block_size, t_fixed, b, ...
+        name = "my-cpu"
+        t_fixed = 0.0021
+        [measured]               # optional, free-form: where, when and how it was measured
+        url = "http://127.0.0.1:8101"
+
+    Without ``base`` the scheduler fields (``model``, ``block_size``, ``num_gpu_blocks``,
+    ``max_num_batched_tokens``, ``max_num_seqs``, ``max_model_len``) are required."""
+    path = Path(path)
     try:
-        return PROFILES[name]
-    except KeyError:
-        raise KeyError(f"unknown profile {name!r}; known: {', '.join(PROFILES)}") from None
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ProfileError(f"profile file {str(path)!r} does not exist "
+                           f"(built-in profiles: {', '.join(PROFILES)})") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ProfileError(f"cannot read profile file {str(path)!r}: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ProfileError(f"profile file {str(path)!r} is not valid TOML: {exc}") from None
+
+    def bad(msg: str) -> ProfileError:
+        return ProfileError(f"profile file {str(path)!r}: {msg}")
+
+    fmt = data.get("format", PROFILE_FORMAT)
+    if not isinstance(fmt, int) or fmt > PROFILE_FORMAT:
+        raise bad(f"format {fmt!r} is newer than this kvtop reads ({PROFILE_FORMAT})")
+    unknown_top = set(data) - {"format", "base", "profile", "measured"}
+    if unknown_top:
+        raise bad(f"unknown top-level key(s) {', '.join(sorted(unknown_top))}")
+    values = data.get("profile", {})
+    if not isinstance(values, dict):
+        raise bad("[profile] must be a table")
+    unknown = set(values) - set(_PROFILE_FIELDS)
+    if unknown:
+        raise bad(f"unknown [profile] key(s) {', '.join(sorted(unknown))}; known: "
+                  f"{', '.join(_PROFILE_FIELDS)}")
+    checked: dict[str, Any] = {}
+    for key, value in values.items():
+        kind = _PROFILE_FIELDS[key].type
+        if kind == "int":
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif kind == "float":
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            value = float(value) if ok else value
+        elif kind == "bool":
+            ok = isinstance(value, bool)
+        else:
+            ok = isinstance(value, str)
+        if not ok:
+            raise bad(f"{key} must be {'a ' + kind if kind != 'str' else 'a string'}, got {value!r}")
+        if kind in ("int", "float") and value < 0:
+            raise bad(f"{key} must not be negative, got {value!r}")
+        checked[key] = value
+    base_name = data.get("base")
+    if base_name is not None:
+        if base_name not in PROFILES:
+            raise bad(f"base {base_name!r} is not a built-in profile ({', '.join(PROFILES)})")
+        base = PROFILES[base_name]
+        checked.setdefault("description", f"{base.description} (modified by {path.name})")
+    else:
+        missing = [k for k in _REQUIRED if k not in checked]
+        if missing:
+            raise bad(f"missing [profile] key(s) {', '.join(missing)} (or set base = \"NAME\")")
+        base = Profile(name="", description="", model="", block_size=1, num_gpu_blocks=1,
+                       max_num_batched_tokens=1, max_num_seqs=1, max_model_len=1)
+        checked.setdefault("description", f"profile file {path.name}")
+    checked.setdefault("name", path.stem)
+    for key in ("block_size", "num_gpu_blocks", "max_num_batched_tokens", "max_num_seqs",
+                "max_model_len"):
+        if key in checked and checked[key] <= 0:
+            raise bad(f"{key} must be positive")
+    measured = data.get("measured")
+    if measured is not None and not isinstance(measured, dict):
+        raise bad("[measured] must be a table")
+    return replace(base, **checked, source=str(path), measured=measured)
+
+
+def _toml_key(key: str) -> str:
+    return key if key and all(c.isalnum() or c in "_-" for c in key) else _toml_value(key)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"cannot write {value!r} to TOML")
+        return repr(value)
+    if isinstance(value, str):
+        out = ['"']
+        for ch in value:
+            if ch in '"\\':
+                out.append("\\" + ch)
+            elif ch == "\n":
+                out.append("\\n")
+            elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+                out.append(f"\\u{ord(ch):04x}")
+            else:
+                out.append(ch)
+        out.append('"')
+        return "".join(out)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{_toml_key(str(k))} = {_toml_value(v)}"
+                               for k, v in value.items()) + "}"
+    raise TypeError(f"cannot write {type(value).__name__} to TOML")
+
+
+def _toml_table(name: str, table: Mapping[str, Any], out: list[str]) -> None:
+    """``[name]`` with its scalar/array keys, then its sub-tables as ``[name.sub]``."""
+    out.append(f"[{name}]")
+    subs = []
+    for key, value in table.items():
+        if isinstance(value, Mapping):
+            subs.append((key, value))
+        else:
+            out.append(f"{_toml_key(key)} = {_toml_value(value)}")
+    for key, value in subs:
+        out.append("")
+        _toml_table(f"{name}.{_toml_key(key)}", value, out)
+
+
+def profile_to_toml(profile: Profile, *, base: str | None = None,
+                    measured: Mapping[str, Any] | None = None, header: str = "") -> str:
+    """A profile file's text; ``load_profile_file`` reads it back to an equal profile.
+
+    Every field is written (the file stands alone); ``base`` only records the prior it was
+    made from. ``measured`` (default: the profile's own) becomes the [measured] table."""
+    out = [f"# {line}" if line else "#" for line in header.splitlines()]
+    if out:
+        out.append("")
+    out.append(f"format = {PROFILE_FORMAT}")
+    if base is not None:
+        out.append(f"base = {_toml_value(base)}")
+    out.append("")
+    _toml_table("profile", {k: getattr(profile, k) for k in _PROFILE_FIELDS}, out)
+    measured = profile.measured if measured is None else measured
+    if measured:
+        out.append("")
+        _toml_table("measured", measured, out)
+    out.append("")
+    return "\n".join(out)

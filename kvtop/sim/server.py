@@ -4,7 +4,8 @@ Each instance is one aiohttp application driving one ``Engine`` from an asyncio 
 while there is work, sleep ``duration / speed`` wall seconds per step, then hand out what the
 step produced. Engine time is ``wall * speed`` while the host keeps up; when it cannot (very
 high ``--speed``), engine time simply runs slower and every latency stays engine-consistent.
-Streams coalesce tokens: a client gets at most one SSE event per ``stream_interval_ms``.
+A stream gets one SSE event per engine step that gave it tokens, as vLLM sends one per token;
+``stream_interval_ms`` > 0 coalesces them into at most one event per interval (speed runs).
 Handlers only translate between HTTP and the engine; all serving behaviour is the engine's.
 """
 
@@ -19,7 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from kvtop.sim.engine import Engine, EngineRejected, EngineRequest, FinishedRequest
-from kvtop.sim.metrics import SimMetrics
+from kvtop.sim.metrics import CONTENT_TYPE, SimMetrics
 from kvtop.sim.tokenizer import filler_text, render_chat, token_strs, tokenize
 from router.blocks import hash_token_blocks
 
@@ -66,7 +67,7 @@ class SimInstance:
     """One simulated vLLM: an engine, its driver task, its metrics and its HTTP identity."""
 
     def __init__(self, engine: Engine, *, model: str, host: str = "127.0.0.1", port: int = 8100,
-                 speed: float = 1.0, stream_interval_ms: float = 20.0, engine_label: str = "0"):
+                 speed: float = 1.0, stream_interval_ms: float = 0.0, engine_label: str = "0"):
         if speed <= 0:
             raise ValueError("speed must be positive")
         self.engine = engine
@@ -524,9 +525,8 @@ async def load(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    text = request.app[INSTANCE].metrics.render()
-    return web.Response(text=text, content_type="text/plain", charset="utf-8",
-                        headers={"X-Prometheus-Format": "0.0.4"})
+    body = request.app[INSTANCE].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
 @web.middleware
