@@ -27,8 +27,7 @@ VERBS: list[tuple[str, str, str]] = [
 ]
 
 
-class CliError(Exception):
-    """A user-facing error: printed as one line, exit status 2."""
+from store.errors import CliError  # noqa: E402  (the one user-facing error, shared by every layer)
 
 
 def build_parser() -> argparse.ArgumentParser:

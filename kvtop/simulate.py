@@ -14,11 +14,14 @@ The engine's KV capacity in tokens is kept the same.
 Modes: open (each request at its trace arrival) or closed (a session's next turn is sent
 its think time after the previous answer ended, as agents do; first turns at arrival).
 
-Router-level features (router/features.py) come through ``--knob`` like policy knobs:
-``offload_mode`` runs vLLM's disaggregated two-step in virtual time (P's engine runs the
-prefill-only request; its KV params then go to D's engine, which waits the profile's
-transfer time and holds the blocks); ``admission=fifo|pack`` drives each engine's waiting
-queue through router.admission (the live router keeps that queue in the router instead).
+The requests go through the router's own pipeline object (router/pipeline.py), the one
+``kvtop route`` drives over HTTP: decide, offload plan, admission queue, first token,
+finish, with TTFT and E2E counted from each request's arrival at the router. Router-level
+features (router/features.py) come through ``--knob`` like policy knobs: ``offload_mode``
+runs vLLM's disaggregated two-step in virtual time (P's engine runs the prefill-only
+request; its KV params then go to D's engine, which waits the profile's transfer time and
+holds the blocks); ``admission=fifo|pack`` queues requests in the router before they reach
+an engine, as the live router does.
 """
 
 from __future__ import annotations
@@ -36,11 +39,11 @@ from typing import Any
 from kvtop.cli import CliError
 from router.blocks import regroup_block_ids
 from router.classes import route_class
-from router.cluster import Cluster, Ticket
+from router.cluster import Cluster
 from router.config import KnobError, parse_knob_args
 from router.core import NoInstance, RoutingCore
-from router.features import FEATURE_KNOBS, set_new_prefill
-from router.offload import decide_offload, loads
+from router.features import FEATURE_KNOBS, Features
+from router.pipeline import ERROR, OK, PREFILL, Flow, Pipeline
 from router.policies import build_policy
 from router.request import RouteRequest
 
@@ -58,22 +61,6 @@ class SimConfig:
     features: dict[str, Any] = field(default_factory=dict)  # router-level knobs (router/features.py)
 
 
-@dataclass
-class _Live:
-    idx: int
-    request_id: str
-    session: str
-    turn: int
-    arrival: float
-    input_tokens: int
-    output_tokens: int
-    instance: int
-    ticket: Ticket
-    first_token: float | None = None
-    route_cls: str | None = None  # HEAVY_P2P / HEAVY_COLO when offload was considered
-    prefill_instance: int | None = None  # P when offloaded
-
-
 def _engine_factory(cfg: SimConfig, trace_block_size: int):
     """Engines with the profile's KV capacity in tokens, caching in blocks the trace can express."""
     from kvtop.sim.engine import Engine
@@ -82,12 +69,11 @@ def _engine_factory(cfg: SimConfig, trace_block_size: int):
     prof = get_profile(cfg.profile)
     ebs = cfg.engine_block_size or max(prof.block_size, trace_block_size)
     capacity_tokens = prof.num_gpu_blocks * prof.block_size
-    feats = FEATURE_KNOBS.validate(cfg.features)
-    admission = cfg.admission or (feats["admission"] if feats["admission"] != "off" else None)
+    admission = cfg.admission  # the engine's own waiting queue; the router's is the pipeline's
     if admission:
         from router.admission import engine_hook
 
-        hook_knobs = {**feats, **cfg.knobs}
+        hook_knobs = {**FEATURE_KNOBS.validate(cfg.features), **cfg.knobs}
 
     def make_hook():  # one per engine: each keeps its own round count
         return engine_hook(admission, hook_knobs) if admission else None
@@ -99,10 +85,38 @@ def _engine_factory(cfg: SimConfig, trace_block_size: int):
     return make, ebs, capacity_tokens
 
 
+class _Results:
+    """The pipeline's sink offline: one result record per outcome (the replay results format,
+    so kvtop.seedtable reads it unchanged)."""
+
+    def __init__(self, arm: str):
+        self.arm = arm
+        self.records: list[dict[str, Any]] = []
+
+    def decision(self, d) -> None:
+        pass
+
+    def outcome(self, d, o) -> None:
+        r = d.request
+        ok = o.status == OK
+        self.records.append({
+            "request_id": r.request_id, "session": r.session_id, "turn": d.turn, "arrival": o.t_recv,
+            "input_tokens": r.input_tokens, "output_tokens": o.output_tokens or 0, "status": o.status,
+            "error": o.error, "ttft_ms": o.ttft_ms, "e2e_ms": o.e2e_ms if ok else None,
+            "tpot_ms": o.tpot_ms, "cached_tokens": o.delivered_hit_tokens, "instance": d.instance_name,
+            "route_class": d.extra.get("route_class", r.route_class),
+            "prefill_instance": d.extra.get("prefill_instance") if d.extra.get("offload") else None,
+            "admission_wait_ms": o.admission_wait_ms, "prefill_leg_ms": o.prefill_leg_ms,
+            "arm": self.arm,
+        })
+
+
 def simulate(requests: Sequence[Any], policy: str, cfg: SimConfig) -> list[dict[str, Any]]:
     """Run ``requests`` (TraceRequest-like) through ``policy``; return result records.
 
-    Records have the replay results format, so kvtop.seedtable reads them unchanged.
+    The router's pipeline (router/pipeline.py) routes, plans offloads, queues admission and
+    keeps the books, exactly as in ``kvtop route``; only the clock is virtual and the
+    upstream calls are engine requests.
     """
     from kvtop.sim.engine import EngineRejected, EngineRequest
 
@@ -115,13 +129,12 @@ def simulate(requests: Sequence[Any], policy: str, cfg: SimConfig) -> list[dict[
     max_len = engines[0].max_model_len
     names = [f"i{i}" for i in range(cfg.instances)]
     sim_time = [0.0]
+    clock = lambda: sim_time[0]  # noqa: E731
     cluster = Cluster(names, block_size=cfg.router_block_size,
-                      capacity_blocks=max(1, capacity_tokens // cfg.router_block_size),
-                      clock=lambda: sim_time[0])
-    core = RoutingCore(cluster, build_policy(policy, cfg.knobs), clock=lambda: sim_time[0])
-    feats = FEATURE_KNOBS.validate(cfg.features)
-    offloading = feats["offload_mode"] != "off"
-    prefill_side: dict[str, tuple[_Live, Ticket, list[int]]] = {}  # P-side id -> (request, P ticket, hashes)
+                      capacity_blocks=max(1, capacity_tokens // cfg.router_block_size), clock=clock)
+    core = RoutingCore(cluster, build_policy(policy, cfg.knobs), clock=clock)
+    features = Features.build(cfg.features)
+    results = _Results(policy)
 
     # event heap: (time, order, kind, payload)
     heap: list[tuple[float, int, str, Any]] = []
@@ -131,6 +144,9 @@ def simulate(requests: Sequence[Any], policy: str, cfg: SimConfig) -> list[dict[
         nonlocal seq
         seq += 1
         heapq.heappush(heap, (t, seq, kind, payload))
+
+    pipe = Pipeline(core, lambda: features, results, clock=clock,
+                    on_admit=lambda flow: push(sim_time[0], "send", flow))
 
     by_session: dict[str, list[int]] = {}
     for k, r in enumerate(requests):
@@ -146,34 +162,44 @@ def simulate(requests: Sequence[Any], policy: str, cfg: SimConfig) -> list[dict[
             push(r.arrival, "arrive", k)
 
     stepping = [False] * cfg.instances
-    live: dict[str, _Live] = {}
-    records: list[dict[str, Any]] = []
+    # engine request id -> (flow, trace index, output tokens, engine block hashes)
+    upstream: dict[str, tuple[Flow, int, int, list[int]]] = {}
+    kv_params: dict[str, dict] = {}
 
     def kick(i: int, t: float) -> None:
         if not stepping[i] and engines[i].has_work():
             stepping[i] = True
             push(t, "step", i)
 
-    def end(lv: _Live, t: float, status: str, *, out_tokens: int = 0, cached: int | None = None,
-            error: str | None = None) -> None:
-        cluster.finish(lv.ticket, error=status != "ok")
-        ttft = (lv.first_token - lv.arrival) * 1000 if lv.first_token is not None else None
-        e2e = (t - lv.arrival) * 1000
-        tpot = (e2e - ttft) / (out_tokens - 1) if ttft is not None and out_tokens > 1 else None
-        records.append({
-            "request_id": lv.request_id, "session": lv.session, "turn": lv.turn, "arrival": lv.arrival,
-            "input_tokens": lv.input_tokens, "output_tokens": out_tokens, "status": status,
-            "error": error, "ttft_ms": ttft, "e2e_ms": e2e if status == "ok" else None, "tpot_ms": tpot,
-            "cached_tokens": cached, "instance": names[lv.instance],
-            "route_class": lv.route_cls or route_class(lv.input_tokens),
-            "prefill_instance": names[lv.prefill_instance] if lv.prefill_instance is not None else None,
-            "arm": policy,
-        })
-        nxt = next_turn.get(lv.idx)
+    def ended(k: int, t: float) -> None:
+        nxt = next_turn.get(k)
         if nxt is not None:
-            think = requests[nxt].think_time or 0.0
-            push(t + think, "arrive", nxt)
+            push(t + (requests[nxt].think_time or 0.0), "arrive", nxt)
 
+    def send(flow: Flow, t: float) -> None:
+        """The current leg goes upstream: an engine request on its instance."""
+        pipe.sent(flow)
+        rid = flow.request.request_id
+        k, out, hashes = meta[rid]
+        leg = flow.leg
+        if leg.kind == PREFILL:  # P prefills (one token, KV kept for a remote decode)
+            ereq = EngineRequest(rid + "#p", flow.request.input_tokens, hashes, 1, t,
+                                 kv_transfer_params={"do_remote_decode": True})
+            key = rid + "#p"
+        else:
+            ereq = EngineRequest(rid, flow.request.input_tokens, hashes, out, t,
+                                 kv_transfer_params=kv_params.pop(rid, None))
+            key = rid
+        try:
+            engines[leg.instance].add_request(ereq)
+        except EngineRejected as exc:
+            pipe.finish(flow, ERROR, error=str(exc))
+            ended(k, t)
+            return
+        upstream[key] = (flow, k, out, hashes)
+        kick(leg.instance, t)
+
+    meta: dict[str, tuple[int, int, list[int]]] = {}
     while heap:
         t, _, kind, payload = heapq.heappop(heap)
         sim_time[0] = t
@@ -187,45 +213,20 @@ def simulate(requests: Sequence[Any], policy: str, cfg: SimConfig) -> list[dict[
             rreq = RouteRequest(rid, r.session, "header", r.input_tokens,
                                 regroup_block_ids(r.hash_ids, tbs, cfg.router_block_size, r.input_tokens),
                                 "tokens", "completions", True, out)
+            flow = pipe.receive(rreq, t)
             try:
-                d = core.decide(rreq)
+                pipe.route(flow)
             except NoInstance as exc:
-                records.append({"request_id": rid, "session": r.session, "turn": r.turn, "arrival": t,
-                                "input_tokens": r.input_tokens, "output_tokens": 0, "status": "error",
-                                "error": str(exc), "instance": None, "arm": policy,
-                                "route_class": route_class(r.input_tokens)})
+                results.records.append({"request_id": rid, "session": r.session, "turn": r.turn, "arrival": t,
+                                        "input_tokens": r.input_tokens, "output_tokens": 0, "status": "error",
+                                        "error": str(exc), "instance": None, "arm": policy,
+                                        "route_class": route_class(r.input_tokens)})
                 continue
-            off = None
-            if offloading:
-                off = decide_offload(d.instance, d.new_prefill_tokens, loads(cluster), feats)
-            core.dispatch(d)
-            lv = _Live(payload, rid, r.session, d.turn, t, r.input_tokens, out, d.instance, d.ticket,
-                       route_cls=off.route_class if off else None)
-            hashes = regroup_block_ids(r.hash_ids, tbs, ebs, r.input_tokens)
-            if off is not None and off.offload:
-                # P prefills (one token, KV kept for a remote decode); D gets it when P is done.
-                p = off.prefill_instance
-                p_ticket = cluster.dispatch(p, r.input_tokens, cluster.hits(rreq.blocks, r.input_tokens)[p],
-                                            rreq.blocks, decode=False)
-                set_new_prefill(cluster, d.ticket, 0)
-                lv.prefill_instance = p
-                try:
-                    engines[p].add_request(EngineRequest(rid + "#p", r.input_tokens, hashes, 1, t,
-                                                         kv_transfer_params={"do_remote_decode": True}))
-                except EngineRejected as exc:
-                    cluster.finish(p_ticket, error=True)
-                    end(lv, t, "error", error=str(exc))
-                    continue
-                prefill_side[rid + "#p"] = (lv, p_ticket, hashes)
-                kick(p, t)
-                continue
-            try:
-                engines[d.instance].add_request(EngineRequest(rid, r.input_tokens, hashes, out, t))
-            except EngineRejected as exc:
-                end(lv, t, "error", error=str(exc))
-                continue
-            live[rid] = lv
-            kick(d.instance, t)
+            meta[rid] = (payload, out, regroup_block_ids(r.hash_ids, tbs, ebs, r.input_tokens))
+            if pipe.admit(flow):
+                send(flow, t)
+        elif kind == "send":  # admitted by the router's admission queue
+            send(payload, t)
         elif kind == "step":
             i = payload
             eng = engines[i]
@@ -241,37 +242,28 @@ def simulate(requests: Sequence[Any], policy: str, cfg: SimConfig) -> list[dict[
         else:  # step_end
             i, res = payload
             for rid in res.first_token:
-                ps = prefill_side.get(rid)
-                if ps is not None:
-                    cluster.first_token(ps[1])
-                    continue
-                lv = live.get(rid)
-                if lv is not None and lv.first_token is None:
-                    lv.first_token = t
-                    cluster.first_token(lv.ticket)
+                up = upstream.get(rid)
+                if up is not None and up[0].leg.kind != PREFILL:
+                    pipe.first_token(up[0])
             for fin in res.finished:
-                ps = prefill_side.pop(fin.request_id, None)
-                if ps is not None:  # P is done: D pulls the KV (the engine models the transfer)
-                    plv, p_ticket, hashes = ps
-                    cluster.finish(p_ticket)
-                    try:
-                        engines[plv.instance].add_request(EngineRequest(
-                            plv.request_id, plv.input_tokens, hashes, plv.output_tokens, t,
-                            kv_transfer_params=fin.kv_transfer_params))
-                    except EngineRejected as exc:
-                        end(plv, t, "error", error=str(exc))
-                        continue
-                    live[plv.request_id] = plv
-                    kick(plv.instance, t)
+                up = upstream.pop(fin.request_id, None)
+                if up is None:
                     continue
-                lv = live.pop(fin.request_id, None)
-                if lv is not None:
-                    end(lv, t, "ok", out_tokens=fin.num_output_tokens, cached=fin.num_cached_tokens)
+                flow, k, _, _ = up
+                if flow.leg.kind == PREFILL:  # P is done: D pulls the KV (the engine models the transfer)
+                    kv_params[flow.request.request_id] = fin.kv_transfer_params
+                    pipe.prefill_done(flow, fin.kv_transfer_params or None)
+                    if pipe.admit(flow):
+                        send(flow, t)
+                    continue
+                pipe.finish(flow, OK, output_tokens=fin.num_output_tokens, cached_tokens=fin.num_cached_tokens)
+                meta.pop(flow.request.request_id, None)
+                ended(k, t)
             stepping[i] = False
             kick(i, t)   # an engine with no work waits for the next arrival to kick it
-    if not cluster.counters_zero():  # a bug, not a user error: say so loudly
+    if not pipe.idle():  # a bug, not a user error: say so loudly
         raise RuntimeError("simulation ended with counters not at zero")
-    return records
+    return results.records
 
 
 # -- CLI -----------------------------------------------------------------------------

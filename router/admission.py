@@ -1,7 +1,8 @@
 """Prefill admission packing: which waiting requests an instance takes now (pure core + a gate).
 
-``admit`` is the whole rule; the live router (``AdmissionGate``, asyncio futures, no I/O) and
-the simulated engine's waiting queue (``engine_hook``) both call it.
+``admit`` is the whole rule. The routing pipeline (router/pipeline.py) keeps one
+``AdmissionQueue`` per router, for the live router and the offline simulator alike; an
+experiment can also drive the simulated engine's own waiting queue with it (``engine_hook``).
 
 - An instance with nothing pending always admits one (the head), so nothing stalls forever.
 - ``fifo`` takes the head while pending + cost fits ``budget``, and stops at the first misfit.
@@ -15,8 +16,6 @@ the simulated engine's waiting queue (``engine_hook``) both call it.
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -124,41 +123,3 @@ class AdmissionQueue:
             out.append(key)
         self.waiting[instance] = [e for k, e in enumerate(q) if k not in chosen]
         return out
-
-
-class AdmissionGate:
-    """The live router's queue: ``wait`` blocks a routed request until it is admitted."""
-
-    def __init__(self, num_instances: int, knobs_fn):
-        self.queue = AdmissionQueue(num_instances)
-        self.knobs_fn = knobs_fn  # () -> the current feature knobs (a live swap applies at once)
-        self.futures: dict[Any, asyncio.Future] = {}
-
-    async def wait(self, instance: int, key: Any, cost: int) -> float:
-        """Wait until admitted; return the wait in ms. Cancelled (client gone): forgotten."""
-        t0 = time.monotonic()
-        fut = asyncio.get_running_loop().create_future()
-        self.futures[key] = fut
-        self.queue.enqueue(instance, key, cost)
-        self.pump(instance)
-        try:
-            await fut
-        except BaseException:
-            self.release(instance, key)
-            raise
-        finally:
-            self.futures.pop(key, None)
-        return (time.monotonic() - t0) * 1000
-
-    def release(self, instance: int, key: Any) -> None:
-        """``key``'s prefill is over (first token, end, or it left the queue): re-evaluate."""
-        self.queue.remove(instance, key)
-        self.pump(instance)
-
-    def pump(self, instance: int | None = None) -> None:
-        knobs = self.knobs_fn()
-        for i in (range(len(self.queue.waiting)) if instance is None else (instance,)):
-            for key in self.queue.pump(i, knobs):
-                fut = self.futures.get(key)
-                if fut is not None and not fut.done():
-                    fut.set_result(None)

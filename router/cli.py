@@ -17,21 +17,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
+import logging
 import signal
 import socket
 import sqlite3
 import sys
 
-import aiohttp
-from aiohttp import web
-
-from kvtop.cli import CliError
 from router import limits
-from router.app import DEFAULT_CAPACITY_TOKENS, STATE, Backend, RouterConfig, create_app
+from router.app import STATE, create_app, start_server, tls_context
 from router.config import KnobError, parse_knob_args
-from router.front import FrontServer
 from router.policies import POLICIES, ALIASES
+from router.state import DEFAULT_CAPACITY_TOKENS, Backend, RouterConfig
+from router.upstream import Pool, UpstreamError
+from store.errors import CliError
+
+log = logging.getLogger("kvtop.route")
 
 
 def parse_backend(spec: str, index: int) -> Backend:
@@ -48,7 +48,7 @@ def parse_backend(spec: str, index: int) -> Backend:
     if sep and "://" not in head:
         name, url = head, rest
     if not url.startswith(("http://", "https://")) or len(url.split("://", 1)[1]) == 0:
-        raise CliError(f"--backend {spec!r}: expected http://HOST:PORT")
+        raise CliError(f"--backend {spec!r}: expected http://HOST:PORT or https://HOST:PORT")
     return Backend(name=name, url=url.rstrip("/"), gpu=gpu)
 
 
@@ -85,6 +85,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--assumed-prefill-tps", type=float, default=5000.0,
                    help="prefill tokens/s assumed per instance to show pending prefill as seconds "
                         "of backlog in the control API (default 5000)")
+    p.add_argument("--tls-cert", default=None, metavar="PEM",
+                   help="serve HTTPS with this certificate chain (with --tls-key)")
+    p.add_argument("--tls-key", default=None, metavar="PEM", help="the private key for --tls-cert")
+    p.add_argument("--backend-ca-file", default=None, metavar="PEM",
+                   help="trust this CA bundle (besides the system's) for https:// backends")
     p.add_argument("--allow-unreachable", action="store_true",
                    help="start even if no backend answers yet")
     p.add_argument("--drain-timeout", type=float, default=30.0,
@@ -119,30 +124,60 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         connect_timeout_s=args.connect_timeout, read_timeout_s=args.read_timeout,
         control_token_file=args.control_token_file, control_readonly=args.control_readonly,
         state_dir=args.state_dir, argv=" ".join(sys.argv),
-        assumed_prefill_tps=args.assumed_prefill_tps, **limits.config_kwargs(args),
+        assumed_prefill_tps=args.assumed_prefill_tps, tls_cert=args.tls_cert, tls_key=args.tls_key,
+        backend_ca_file=args.backend_ca_file, **limits.config_kwargs(args),
     )
 
 
-async def probe_backends(backends: list[Backend], timeout: float = 3.0) -> list[bool]:
-    async with aiohttp.ClientSession() as http:
-        async def one(b: Backend) -> bool:
-            try:
-                async with http.get(b.url + "/health", timeout=aiohttp.ClientTimeout(total=timeout)) as r:
-                    return r.status < 500
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-                return False
+async def probe_backends(backends: list[Backend], timeout: float = 3.0,
+                         ca_file: str | None = None) -> list[bool]:
+    pool = Pool(connect_timeout=timeout, read_timeout=timeout, ssl_ca_file=ca_file)
+
+    async def one(b: Backend) -> bool:
+        try:
+            async with asyncio.timeout(timeout):
+                r = await pool.request(b.url, "GET", "/health", (), b"")
+                async with r:
+                    await r.read(limit=64 * 1024)
+            return r.status < 500
+        except (UpstreamError, TimeoutError, OSError):
+            return False
+    try:
         return list(await asyncio.gather(*(one(b) for b in backends)))
+    finally:
+        pool.close()
+
+
+class _Format(logging.Formatter):
+    """``kvtop route: message``, with ``warning:`` before warnings, as the CLI always printed."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        msg = super().format(record)
+        level = "" if record.levelno < logging.WARNING else record.levelname.lower() + ": "
+        return f"kvtop route: {level}{msg}"
+
+
+def setup_logging() -> None:
+    logger = logging.getLogger("kvtop")
+    if not any(getattr(h, "_kvtop", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(_Format("%(message)s"))
+        handler._kvtop = True
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
 
 
 async def serve(config: RouterConfig, *, allow_unreachable: bool = False, drain_timeout: float = 30.0,
                 ready: asyncio.Event | None = None) -> int:
     try:
         app = create_app(config)
+        ssl_context = tls_context(config.tls_cert, config.tls_key)
     except KnobError as exc:
         raise CliError(f"{exc.field}: {exc.message}") from None
     except ValueError as exc:
         raise CliError(str(exc)) from None
-    up = await probe_backends(config.backends)
+    up = await probe_backends(config.backends, ca_file=config.backend_ca_file)
     if not any(up) and not allow_unreachable:
         raise CliError("no backend answered /health: " + ", ".join(b.url for b in config.backends)
                        + " (use --allow-unreachable to start anyway)")
@@ -150,8 +185,7 @@ async def serve(config: RouterConfig, *, allow_unreachable: bool = False, drain_
     for i, ok in enumerate(up):
         if not ok:
             state.cluster.set_healthy(i, False)
-            print(f"kvtop route: warning: {config.backends[i].url} did not answer; marked unhealthy",
-                  file=sys.stderr)
+            log.warning("%s did not answer; marked unhealthy", config.backends[i].url)
     limits.raise_open_file_limit()
     # After the drain deadline, requests still running get 1 s before they are cancelled
     # (their outcomes are still recorded, as client_gone, before the log is flushed).
@@ -162,21 +196,16 @@ async def serve(config: RouterConfig, *, allow_unreachable: bool = False, drain_
                                     family=socket.AF_INET6 if ":" in config.host else socket.AF_INET)
     except OSError as exc:
         raise CliError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}") from None
-    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
     try:
-        await runner.setup()
+        runner = await start_server(app, sock, ssl_context)
     except sqlite3.Error as exc:  # the writer opens --db at start-up
         sock.close()
         raise CliError(f"cannot open the decision log --db {config.db}: {exc}") from None
-    # The listening socket is served by the HTTP/1.1 front (router/front.py): the data plane
-    # directly, everything else relayed to the aiohttp application on a private Unix socket.
-    internal = f"\0kvtop-route-{os.getpid()}-{config.port}-{state.run_id}"
-    await web.UnixSite(runner, internal).start()
-    front = FrontServer(state, "unix:" + internal)
-    await front.start(sock)
     if config.host not in ("127.0.0.1", "localhost", "::1"):
-        print(f"kvtop route: warning: listening on {config.host}, beyond loopback", file=sys.stderr)
-    print(f"kvtop route: http://{config.host}:{config.port}  policy {state.slot.label}  "
+        log.warning("listening on %s, beyond loopback%s", config.host,
+                    "" if ssl_context else " without TLS (--tls-cert/--tls-key)")
+    scheme = "https" if ssl_context else "http"
+    print(f"kvtop route: {scheme}://{config.host}:{config.port}  policy {state.slot.label}  "
           f"{len(config.backends)} backends  db {config.db or 'off'}  run {state.run_id}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -193,13 +222,20 @@ async def serve(config: RouterConfig, *, allow_unreachable: bool = False, drain_
     deadline = loop.time() + drain_timeout
     while state.cluster.in_flight and loop.time() < deadline:
         await asyncio.sleep(0.05)
-    await front.close()
     await runner.cleanup()
-    print(f"kvtop route: stopped; {state.counts['requests']} requests routed", file=sys.stderr)
+    log.info("stopped; %d requests routed", state.counts["requests"])
     return 0
 
 
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
+    setup_logging()
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency; without it asyncio's loop serves
+        uvloop = None
+    if uvloop is not None:
+        return uvloop.run(serve(config, allow_unreachable=args.allow_unreachable,
+                                drain_timeout=args.drain_timeout))
     return asyncio.run(serve(config, allow_unreachable=args.allow_unreachable,
                              drain_timeout=args.drain_timeout))

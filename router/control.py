@@ -14,7 +14,7 @@ import json
 import heapq
 import os
 import secrets
-import sys
+import logging
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -23,13 +23,16 @@ from typing import Any
 from aiohttp import web
 
 from router import telemetry
-from router.app import STATE, RouterState, error_response, read_json
+from router.http import error_response, read_json
+from router.state import STATE, RouterState
 from router.config import KnobError
 from router.features import FEATURE_KNOBS
 from router.events import (DECISIONS_DEFAULT, DECISIONS_MAX, DEFAULT_TYPES, EVENT_TYPES, HZ_DEFAULT,
                            HZ_MAX, HZ_MIN, Broadcaster, Viewer)
 from router.policies import POLICIES, policy_class
 from router.request import BadRequest
+
+log = logging.getLogger("kvtop.route")
 
 SCHEMA_VERSION = 1
 PREFIX = "/kvtop/v1"
@@ -80,7 +83,7 @@ class Control:
     def url(self) -> str:
         cfg = self.state.config
         host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
-        return f"http://{host}:{cfg.port}"
+        return f"{'https' if cfg.tls_cert else 'http'}://{host}:{cfg.port}"
 
     def write_files(self) -> None:
         port = self.state.config.port
@@ -249,7 +252,10 @@ def _bad_params(handler):
             return await handler(request)
         except _BadParam as exc:
             msg = exc.message if exc.message.startswith(exc.param) else f"{exc.param}: {exc.message}"
-            return error_response(exc.status, msg, param=exc.param)
+            resp = error_response(exc.status, msg, param=exc.param)
+            if exc.status in (408, 413):  # the body is unread: close behind the answer
+                resp.force_close()
+            return resp
     wrapped.__name__ = handler.__name__
     return wrapped
 
@@ -300,7 +306,7 @@ async def get_policies(request: web.Request) -> web.Response:
 
 async def _json_body(request: web.Request) -> Any:
     try:
-        return (await read_json(request))[1]
+        return (await read_json(request, request.app[STATE].config.client_timeout_s))[1]
     except BadRequest as exc:
         raise _BadParam("body", exc.message, status=exc.status) from None
 
@@ -439,15 +445,15 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     try:
         ctl.write_files()
     except OSError as exc:  # attach discovery is a convenience; the router still serves
-        print(f"kvtop route: warning: cannot write to state dir {ctl.state_dir}: {exc}", file=sys.stderr)
+        log.warning("cannot write to state dir %s: %s", ctl.state_dir, exc)
     where = {"generated": f"written to {ctl.token_path}", "file": f"from {ctl.token_path}",
              "env": f"from ${TOKEN_ENV}", "config": "from the config"}[ctl.token_source]
     mode = "read-only (every mutation refused)" if cfg.control_readonly else f"control token {where}"
-    print(f"kvtop route: control API {PREFIX}/ {mode}", file=sys.stderr)
+    log.info("control API %s/ %s", PREFIX, mode)
     if cfg.host not in LOOPBACK:
-        print(f"kvtop route: warning: the control API is reachable beyond loopback on {cfg.host}: "
+        log.warning(f"the control API is reachable beyond loopback on {cfg.host}: "
               "reads (state, events, sessions, decisions) need no token; mutations need the bearer token, "
-              "sent in clear over plain HTTP", file=sys.stderr)
+                    "sent in clear over plain HTTP unless --tls-cert is set")
     try:
         yield
     finally:

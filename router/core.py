@@ -51,7 +51,7 @@ class Decision:
     migrated_from: str | None = None
     ticket: Ticket | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # offload / admission fields
-    recorded: bool = False  # the decision row has been written (RouterState.record_decision)
+    recorded: bool = False  # the decision row has been written (Pipeline.sent or finish)
 
     def row(self, run_id: str) -> dict[str, Any]:
         """The ``decisions`` table row (store/schema.py)."""
@@ -71,14 +71,6 @@ class Decision:
         }
         row.update(self.extra)
         return row
-
-    def outcome_columns(self) -> dict[str, Any]:
-        """The decision columns an ``outcomes`` row repeats (store.schema.OUTCOME_DECISION_COLUMNS)."""
-        r = self.request
-        return {"session_id": r.session_id, "turn": self.turn, "policy": self.slot.policy.name,
-                "policy_version": self.slot.version,
-                "route_class": self.extra.get("route_class", r.route_class),
-                "input_tokens": r.input_tokens, "est_hit_tokens": self.est_hit_tokens}
 
     def event(self) -> dict[str, Any]:
         """A compact form for the control API's decision ring and event stream."""

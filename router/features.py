@@ -10,18 +10,10 @@ applied to the features and to any policy that has the knob. Setting either sets
 
 from __future__ import annotations
 
-import asyncio
-import json
-import sys
-import time
 from dataclasses import dataclass
 from typing import Any
 
-from router.admission import AdmissionGate
-from router.classes import HEAVY_COLO
-from router.cluster import Cluster, Ticket
 from router.config import Knob, KnobError, KnobSchema
-from router.offload import PREFILL_FAILED, decide_offload, loads
 
 OFFLOAD_MODES = ("off", "simple", "cost")
 ADMISSION_MODES = ("off", "fifo", "pack")
@@ -101,7 +93,7 @@ class Features:
 
     @property
     def active(self) -> bool:
-        """Whether any feature needs the request path (else app.py's plain path runs)."""
+        """Whether offload or admission is on."""
         return self.knobs["offload_mode"] != "off" or self.knobs["admission"] != "off"
 
     def shared_for(self, policy_schema: KnobSchema) -> dict[str, Any]:
@@ -128,153 +120,3 @@ def decode_leg_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, A
 
 FEATURE_DOC = """Router-level knobs (any policy): """ + ", ".join(
     f"{k.name} ({k.default})" for k in FEATURE_KNOBS.knobs)
-
-
-# -- live glue for router/app.py ------------------------------------------------------
-# Everything below runs on the router's event loop. app.py calls ``serve`` instead of its
-# plain dispatch-and-forward when an offload mode or an admission mode is on.
-
-
-class ObservedCluster(Cluster):
-    """A Cluster that reports when a request's prefill is over on an instance.
-
-    ``on_prefill_over(instance, ticket)`` runs after every first token and every end, which
-    are exactly the moments the admission gate must look at its queue again.
-    """
-
-    def __init__(self, *args, **kw):
-        super().__init__(*args, **kw)
-        self.on_prefill_over = None
-
-    def first_token(self, t: Ticket) -> None:
-        super().first_token(t)
-        if self.on_prefill_over is not None:
-            self.on_prefill_over(t.instance, t)
-
-    def finish(self, t: Ticket, *, error: bool = False) -> None:
-        super().finish(t, error=error)
-        if self.on_prefill_over is not None:
-            self.on_prefill_over(t.instance, t)
-
-
-def set_new_prefill(cluster: Cluster, t: Ticket, new_prefill: int) -> None:
-    """Change what a not-yet-prefilled ticket owes: 0 when the KV arrives from P, back to the
-    full amount when P failed and D prefills itself. The ticket keeps releasing exactly."""
-    assert t.phase == "prefill"
-    cluster.instances[t.instance].pending_prefill_tokens += new_prefill - t.new_prefill
-    t.new_prefill = new_prefill
-
-
-def attach(state) -> AdmissionGate:
-    """Give a RouterState its admission gate and wire the cluster's prefill signal to it."""
-    gate = AdmissionGate(len(state.cluster.instances), lambda: state.features.knobs)
-    state.cluster.on_prefill_over = lambda i, t: gate.release(i, id(t))
-    return gate
-
-
-async def _admit(state, t: Ticket) -> float:
-    """Wait for the admission gate when it is on; return the wait in ms (0 when off)."""
-    if state.features.admission == "off" or t.new_prefill <= 0:
-        return 0.0
-    return await state.admission.wait(t.instance, id(t), t.new_prefill)
-
-
-def _gone(state, d, tickets, where: str) -> None:
-    """The client left before any upstream call for ``d``: release and record.
-
-    Not an instance error: as in app._forward, a client that leaves says nothing about it."""
-    for t in tickets:
-        state.cluster.finish(t)
-    state.record_decision(d)
-    state.record_outcome(d, {"stream": int(d.request.stream), "status": "client_gone",
-                             "error": f"client disconnected {where}", "t_done": time.time()})
-
-
-async def _prefill_leg(state, p_index: int, request, body: dict, path: str,
-                       request_id: str) -> tuple[dict | None, str | None]:
-    """POST the prefill-only request to P; return (its kv_transfer_params, None) or (None, why)."""
-    import aiohttp
-
-    from router.forward import upstream_headers
-
-    inst = state.cluster.instances[p_index]
-    headers = upstream_headers(request.headers, request_id)  # the same id on both legs, as vLLM's P/D proxy does
-    try:
-        # the leg is one upstream attempt: --total-timeout bounds it like any other
-        async with state.http.post(inst.url + path, json=prefill_leg_body(body), headers=headers,
-                                   timeout=state.upstream_timeout) as up:
-            data = await up.read()
-            if up.status != 200:
-                return None, f"HTTP {up.status}"
-        params = json.loads(data).get("kv_transfer_params")
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError) as exc:
-        return None, f"{type(exc).__name__}: {exc}"[:200]
-    if not isinstance(params, dict) or not params:
-        return None, "the prefill response has no kv_transfer_params"
-    return params, None
-
-
-async def serve(request, state, d, body: dict, raw: bytes, path: str, forward, *, attempt: int,
-                new_turn: bool, exclude: tuple[int, ...] = ()):
-    """Dispatch ``d`` with the router-level features on, then ``forward`` it (app._forward).
-
-    Offload (first attempts only): P gets a prefill-only ticket (decode=False) and D a ticket
-    owing no prefill; both are released on every path. A failed P leg falls back to D.
-    Admission: the instance that prefills waits in the gate before the upstream call.
-    """
-    feats = state.features
-    cluster = state.cluster
-    req = d.request
-    off = None
-    if attempt == 1 and feats.offload_mode != "off":
-        t0 = time.perf_counter()
-        cands = [c for c in loads(cluster) if c.index not in exclude or c.index == d.instance]
-        off = decide_offload(d.instance, d.new_prefill_tokens, cands, feats.knobs)
-        d.decision_us += (time.perf_counter() - t0) * 1e6
-        d.extra["offload_reason"] = off.reason
-        if off.route_class:
-            d.extra["route_class"] = off.route_class
-        if off.prefill_instance is not None:
-            d.extra["prefill_instance"] = cluster.instances[off.prefill_instance].name
-    if off is None or not off.offload:
-        state.core.dispatch(d, new_turn=new_turn)
-        try:
-            d.extra["admission_wait_ms"] = await _admit(state, d.ticket)
-        except BaseException:
-            _gone(state, d, [d.ticket], "while waiting for admission")
-            raise
-        state.record_decision(d)
-        return await forward(request, state, d, raw, path, can_retry=attempt == 1)
-
-    # Elastic P2P: P prefills, D decodes.
-    p = off.prefill_instance
-    p_ticket = cluster.dispatch(p, req.input_tokens, cluster.hits(req.blocks, req.input_tokens)[p],
-                                req.blocks, decode=False)
-    state.core.dispatch(d, new_turn=new_turn)
-    set_new_prefill(cluster, d.ticket, 0)  # the KV arrives from P
-    d.extra["offload"] = 1
-    try:
-        d.extra["admission_wait_ms"] = await _admit(state, p_ticket)
-        d.extra["t_prefill_sent"] = time.time()
-        params, why = await _prefill_leg(state, p, request, body, path, req.request_id)
-        d.extra["t_prefill_done"] = time.time()
-    except BaseException:
-        _gone(state, d, [p_ticket, d.ticket], "during the prefill leg")
-        raise
-    if params is not None:
-        cluster.first_token(p_ticket)
-        cluster.finish(p_ticket)
-        raw = json.dumps(decode_leg_body(body, params)).encode()
-    else:
-        print(f"kvtop route: prefill leg on {cluster.instances[p].name} failed ({why}); "
-              f"prefilling on {d.instance_name}", file=sys.stderr)
-        cluster.finish(p_ticket, error=True)
-        set_new_prefill(cluster, d.ticket, d.new_prefill_tokens)
-        d.extra.update(offload=0, offload_reason=PREFILL_FAILED, route_class=HEAVY_COLO)
-        try:
-            d.extra["admission_wait_ms"] += await _admit(state, d.ticket)
-        except BaseException:
-            _gone(state, d, [d.ticket], "while waiting for admission")
-            raise
-    state.record_decision(d)
-    return await forward(request, state, d, raw, path, can_retry=True)

@@ -15,14 +15,15 @@ timing figures.
 from __future__ import annotations
 
 import asyncio
-import sys
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
-from aiohttp import web
+from router.upstream import ConnectFailed, UpstreamError
+
+log = logging.getLogger("kvtop.route")
 
 #: Consecutive soft failures (timeout, 5xx) before a healthy instance is marked down.
 FAIL_THRESHOLD = 2
@@ -57,7 +58,6 @@ class HealthChecker:
         self.backoff_max_s = max(cfg.health_backoff_max_s, cfg.health_interval_s)
         self.probes = [ProbeState(changed_at=time.time()) for _ in state.cluster.instances]
         self.transitions = 0
-        self._http: aiohttp.ClientSession | None = None
 
     # -- transitions -------------------------------------------------------------------
     def _set(self, index: int, healthy: bool, source: str, why: str | None) -> bool:
@@ -73,7 +73,7 @@ class HealthChecker:
         payload = {"instance": inst.name, "url": inst.url, "healthy": healthy, "source": source,
                    "reason": why, "failures": p.failures, "previous_state_s": round(was_for, 3)}
         word = "healthy again" if healthy else f"unhealthy ({source}: {why})"
-        print(f"kvtop route: {inst.name} {inst.url} {word}", file=sys.stderr, flush=True)
+        log.warning("%s %s %s", inst.name, inst.url, word)
         st.emit("health", payload)
         st.record_config("health", source, {"instance": inst.name, "healthy": not healthy},
                          {"instance": inst.name, "healthy": healthy, "reason": why})
@@ -90,19 +90,19 @@ class HealthChecker:
     async def probe(self, index: int) -> tuple[bool, bool, str | None]:
         """GET /health once. Returns (ok, hard_failure, why)."""
         inst = self.state.cluster.instances[index]
-        assert self._http is not None
         try:
-            async with self._http.get(inst.url + "/health",
-                                      timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as r:
-                await r.read()
-                if r.status < 500:
-                    return True, False, None
-                return False, False, f"/health answered HTTP {r.status}"
-        except aiohttp.ClientConnectorError as exc:
-            return False, True, f"connect failed: {exc.os_error.strerror if exc.os_error else exc}"
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self.timeout_s):
+                r = await self.state.upstream.request(inst.url, "GET", "/health", (), b"")
+                async with r:
+                    await r.read(limit=64 * 1024)
+            if r.status < 500:
+                return True, False, None
+            return False, False, f"/health answered HTTP {r.status}"
+        except ConnectFailed as exc:
+            return False, True, f"connect failed: {exc}"
+        except TimeoutError:
             return False, False, f"/health timed out after {self.timeout_s:g} s"
-        except (aiohttp.ClientError, OSError) as exc:
+        except (UpstreamError, OSError) as exc:
             return False, False, f"{type(exc).__name__}: {exc}"[:300]
 
     def after_probe(self, index: int, ok: bool, hard: bool, why: str | None) -> float:
@@ -155,7 +155,6 @@ class HealthChecker:
 
     # -- lifecycle ---------------------------------------------------------------------
     async def run(self) -> AsyncIterator[None]:
-        self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True))
         tasks = [asyncio.create_task(self._watch(i), name=f"kvtop-health-{i}")
                  for i in range(len(self.probes))]
         try:
@@ -164,23 +163,12 @@ class HealthChecker:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            await self._http.close()
 
 
-HEALTH = web.AppKey("health", HealthChecker)
-
-
-def setup(app: web.Application, state: Any) -> HealthChecker:
+def setup(app, state: Any) -> HealthChecker:
     """Called by create_app: the checker, started and stopped with the app."""
     checker = HealthChecker(state)
-    app[HEALTH] = checker
+    state.health = checker
     if checker.interval_s > 0:
         app.cleanup_ctx.append(lambda _app: checker.run())
     return checker
-
-
-def passive_down(app: web.Application, index: int, exc: BaseException) -> None:
-    """For the proxy: a connect to backend ``index`` failed."""
-    checker = app.get(HEALTH)
-    if checker is not None:
-        checker.passive_down(index, exc)

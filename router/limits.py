@@ -9,12 +9,14 @@ and an instance already holding ``max_inflight_per_instance`` requests is left o
 from __future__ import annotations
 
 import argparse
-import asyncio
 import resource
-import sys
+import logging
 from typing import Any
 
 from aiohttp import web
+
+from router.http import error_response
+from store.errors import CliError
 
 RETRY_AFTER_S = "1"
 
@@ -29,8 +31,6 @@ HEALTH_BACKOFF_MAX_S = 5.0
 
 
 def _too_many(state: Any, message: str) -> web.Response:
-    from router.app import error_response
-
     state.counts["rejected"] = state.counts.get("rejected", 0) + 1
     return error_response(429, message, err_type="RateLimitError", headers={"Retry-After": RETRY_AFTER_S})
 
@@ -59,19 +59,6 @@ def all_full(state: Any) -> web.Response:
     return _too_many(state, f"every healthy instance holds its limit of {limit} requests; retry later")
 
 
-async def read_body(request: web.Request, timeout_s: float | None) -> bytes:
-    """The request body within ``timeout_s`` (a slow or stalled client gets a 408)."""
-    from router.request import BadRequest
-
-    if not timeout_s or request.content.is_eof():
-        return await request.read()  # no limit, or the whole body is already here: no timer needed
-    try:
-        async with asyncio.timeout(timeout_s):  # unlike wait_for, no extra task per request
-            return await request.read()
-    except TimeoutError:
-        raise BadRequest(f"the request body did not arrive within {timeout_s:g} s", status=408) from None
-
-
 def raise_open_file_limit() -> int:
     """Lift the soft RLIMIT_NOFILE to the hard limit: each request holds two sockets."""
     try:
@@ -82,7 +69,7 @@ def raise_open_file_limit() -> int:
             return want
         return soft
     except (ValueError, OSError) as exc:  # not fatal: the router still runs, with fewer sockets
-        print(f"kvtop route: warning: cannot raise the open-file limit: {exc}", file=sys.stderr)
+        logging.getLogger("kvtop.route").warning("cannot raise the open-file limit: %s", exc)
         return -1
 
 
@@ -129,8 +116,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """RouterConfig fields from the flags above."""
     if args.max_body_mb <= 0:
-        from kvtop.cli import CliError
-
         raise CliError("--max-body-mb must be positive")
     return {"max_inflight": args.max_inflight, "max_inflight_per_instance": args.max_inflight_per_instance,
             "max_body_bytes": int(args.max_body_mb * 1024 * 1024), "client_timeout_s": args.client_timeout,

@@ -79,8 +79,13 @@ TABLES: dict[str, dict[str, type]] = {
         "tpot_ms": float,
         "output_tokens": int,
         "delivered_hit_tokens": int,
+        # ttft_ms and e2e_ms count from t_recv, the router's receipt of the request: the
+        # admission wait and the offload prefill leg are inside them, and on their own here
+        "t_recv": float,
         "t_first_token": float,
         "t_done": float,
+        "admission_wait_ms": float,
+        "prefill_leg_ms": float,
         # Copied from the attempt's decision when the router writes the outcome, so per-segment
         # questions (kvtop log summary, kvtop report --db) read one table, not a 1M-row join.
         # NULL in files written before they existed: the queries then join the decision.

@@ -33,43 +33,41 @@ def fake_backends(aiohttp_server):
     return make
 
 
-class FrontRouter:
-    """A router served as ``kvtop route`` serves it: the HTTP/1.1 front (router/front.py) on a
-    loopback socket, the aiohttp application behind it on a private abstract Unix socket."""
+class RouterServer:
+    """A router served as ``kvtop route`` serves it (router.app.start_server on a loopback
+    socket), plus clients for it."""
 
-    def __init__(self, app, front, runner, sock):
+    def __init__(self, app, runner, sock):
         from router.app import STATE
 
         self.app = app
         self.state = app[STATE]
-        self.front = front
         self.runner = runner
         self.host, self.port = sock.getsockname()[:2]
         self.url = f"http://{self.host}:{self.port}"
-        self.clients: list[FrontClient] = []
+        self.clients: list[RouterClient] = []
 
-    def client(self) -> FrontClient:
-        c = FrontClient(self)
+    def client(self) -> RouterClient:
+        c = RouterClient(self)
         self.clients.append(c)
         return c
 
     async def close(self) -> None:
         for c in self.clients:
             await c.close()
-        # the order of router/cli.py serve(): the front first, so nothing new reaches the app
-        await self.front.close()
         await self.runner.cleanup()
 
 
-class FrontClient:
+class RouterClient:
     """Enough of pytest-aiohttp's TestClient for the e2e tests: relative URLs and
-    ``client.server.app``, over a plain aiohttp.ClientSession to the front."""
+    ``client.server.app``, over a plain aiohttp.ClientSession to the router."""
 
-    def __init__(self, router: FrontRouter):
+    def __init__(self, router: RouterServer):
         import aiohttp
 
         self.router = router
         self.server = router  # tests reach the app as client.server.app, as with TestClient
+        self.host, self.port = router.host, router.port
         self.session = aiohttp.ClientSession(base_url=router.url)
 
     def request(self, method, path, **kw):
@@ -81,45 +79,38 @@ class FrontClient:
     def post(self, path, **kw):
         return self.session.post(path, **kw)
 
+    def put(self, path, **kw):
+        return self.session.put(path, **kw)
+
+    def patch(self, path, **kw):
+        return self.session.patch(path, **kw)
+
     async def close(self) -> None:
         await self.session.close()
 
 
 @pytest.fixture
-async def front_router():
-    """Serve ``create_app(cfg)`` the way router/cli.py ``serve()`` does; a factory
-    app -> FrontRouter. Everything started is stopped at teardown.
+async def router_server():
+    """Serve ``create_app(cfg)`` exactly as router/cli.py ``serve()`` does; a factory
+    app -> RouterServer. Everything started is stopped at teardown.
 
     Unlike serve() the backends are not probed first: tests that point the router at a dead
     backend need it to start healthy (serve() would mark it down before the first request)."""
-    import os
-    import uuid
+    from router.app import STATE, start_server
 
-    from aiohttp import web
+    started: list[RouterServer] = []
 
-    from router.app import STATE
-    from router.front import FrontServer
-
-    started: list[FrontRouter] = []
-
-    async def make(app) -> FrontRouter:
+    async def make(app) -> RouterServer:
         state = app[STATE]
         # serve() binds first; the port then names the discovery files, as it would for real
         sock = socket.create_server(("127.0.0.1", 0))
         state.config.host, state.config.port = "127.0.0.1", sock.getsockname()[1]
-        runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
         try:
-            await runner.setup()
-            # unique per test: abstract names live in one namespace for the whole machine
-            internal = f"\0kvtop-test-{os.getpid()}-{state.config.port}-{uuid.uuid4().hex}"
-            await web.UnixSite(runner, internal).start()
-            front = FrontServer(state, "unix:" + internal)
-            await front.start(sock)
+            runner = await start_server(app, sock)
         except BaseException:
             sock.close()
-            await runner.cleanup()
             raise
-        router = FrontRouter(app, front, runner, sock)
+        router = RouterServer(app, runner, sock)
         started.append(router)
         return router
 
@@ -128,17 +119,11 @@ async def front_router():
         await router.close()
 
 
-@pytest.fixture(params=["aiohttp", "front"])
-def router_client(request):
-    """Serve an app for the e2e tests through each serving path; a factory app -> client.
+@pytest.fixture
+def router_client(router_server):
+    """A client of a router served for real (``router_server``); a factory app -> client."""
 
-    "aiohttp": pytest-aiohttp's test server (the aiohttp handlers call ``proxy``);
-    "front": the production path, router/front.py in front of the same app."""
-    if request.param == "aiohttp":
-        return request.getfixturevalue("aiohttp_client")
-    make_router = request.getfixturevalue("front_router")
-
-    async def make(app) -> FrontClient:
-        return (await make_router(app)).client()
+    async def make(app) -> RouterClient:
+        return (await router_server(app)).client()
 
     return make

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.admission import AdmissionGate, admit, engine_hook
+from router.admission import admit, engine_hook
 from router.features import FEATURE_KNOBS
 
 
@@ -97,24 +97,59 @@ def test_engine_hook_fifo_is_vllm_order_and_pack_reorders():
         engine_hook("lifo")
 
 
-async def test_gate_waits_releases_and_forgets_a_cancelled_waiter():
-    knobs = FEATURE_KNOBS.validate({"admission": "pack", "admission_budget_tokens": 1000})
-    gate = AdmissionGate(2, lambda: knobs)
-    assert await gate.wait(0, "big", 900) >= 0  # nothing pending: admitted at once
-    small = asyncio.create_task(gate.wait(0, "small", 200))
-    tiny = asyncio.create_task(gate.wait(0, "tiny", 50))
-    gone = asyncio.create_task(gate.wait(0, "gone", 150))
-    await asyncio.sleep(0.01)
-    assert tiny.done() and not small.done() and not gone.done()  # 900 + 50 fits, 200 does not
-    gone.cancel()
-    await asyncio.sleep(0.01)
-    assert [k for k, _ in gate.queue.waiting[0]] == ["small"]  # the cancelled one left the queue
-    gate.release(0, "big")  # first token of the big one
-    await asyncio.sleep(0.01)
-    assert small.done()
-    for key in ("tiny", "small"):
-        gate.release(0, key)
-    assert gate.queue.pending(0) == 0 and not gate.futures
+def test_pipeline_queue_waits_releases_and_forgets_a_request_that_left():
+    """The router's admission queue, as the live router and the simulator both drive it."""
+    from router.cluster import Cluster
+    from router.core import RoutingCore
+    from router.features import Features
+    from router.pipeline import OK, Pipeline
+    from router.policies import build_policy
+    from router.request import RouteRequest
+
+    class Sink:
+        def __init__(self):
+            self.outcomes = []
+
+        def decision(self, d):
+            pass
+
+        def outcome(self, d, o):
+            self.outcomes.append((d.request.request_id, o.status, o.admission_wait_ms))
+
+    now = [0.0]
+    cluster = Cluster(["a"], block_size=16, capacity_blocks=1000, clock=lambda: now[0])
+    core = RoutingCore(cluster, build_policy("round_robin", {}), clock=lambda: now[0])
+    feats = Features.build({"admission": "pack", "admission_budget_tokens": 1000})
+    admitted = []
+    sink = Sink()
+    pipe = Pipeline(core, lambda: feats, sink, clock=lambda: now[0], on_admit=admitted.append)
+
+    def arrive(name, tokens, base):
+        flow = pipe.receive(RouteRequest(name, name, "header", tokens, list(range(base, base + tokens // 16)),
+                                         "tokens", "completions", True, 1))
+        pipe.route(flow)
+        return flow, pipe.admit(flow)
+
+    big, ok_big = arrive("big", 900, 0)
+    small, ok_small = arrive("small", 200, 10_000)
+    tiny, ok_tiny = arrive("tiny", 50, 20_000)
+    gone, ok_gone = arrive("gone", 150, 30_000)
+    assert (ok_big, ok_small, ok_tiny, ok_gone) == (True, False, True, False)  # 900 + 50 fits, 200 does not
+    now[0] = 1.0
+    pipe.abandon(gone, "while waiting for admission")  # the client left: it leaves the queue
+    assert [k for k, _ in pipe.queue.waiting[0]] == [id(small.leg.ticket)]
+    assert admitted == []
+    now[0] = 2.0
+    pipe.first_token(big)  # big's prefill is over: small fits now
+    assert admitted == [small]
+    for f in (big, tiny, small):
+        pipe.sent(f)
+        pipe.first_token(f)
+        pipe.finish(f, OK, output_tokens=1)
+    assert pipe.idle() and pipe.queue.pending(0) == 0
+    waits = {rid: (status, wait) for rid, status, wait in sink.outcomes}
+    assert waits["small"] == ("ok", 2000.0) and waits["tiny"] == ("ok", 0.0)
+    assert waits["gone"] == ("client_gone", 0.0)
 
 
 def test_kvtop_sim_admission_flag_gives_each_engine_its_own_hook():

@@ -53,7 +53,7 @@ def fake_vllm(delay_s: float = 0.0) -> web.Application:
 
 
 @pytest.fixture
-async def router(aiohttp_server, aiohttp_client, tmp_path):
+async def router(aiohttp_server, router_client, tmp_path):
     """Factory: start N fake backends and a router over them; returns the router's client."""
 
     async def make(n: int = 2, *, readonly: bool = False, db: bool = False, policy: str = "unified",
@@ -63,7 +63,7 @@ async def router(aiohttp_server, aiohttp_client, tmp_path):
             backends=[Backend(f"i{k}", str(s.make_url("")).rstrip("/")) for k, s in enumerate(servers)],
             policy=policy, db=str(tmp_path / "kvtop.db") if db else None, control_token=TOKEN,
             control_readonly=readonly, state_dir=str(tmp_path / "state"), scrape_interval_s=0.2, **cfg_kw)
-        return await aiohttp_client(create_app(cfg))
+        return await router_client(create_app(cfg))
 
     return make
 
@@ -389,12 +389,12 @@ async def test_shutdown_closes_streams(aiohttp_server, tmp_path):
         resp.close()
 
 
-async def test_auth_endpoint_checks_a_token_and_changes_nothing(aiohttp_client, tmp_path):
+async def test_auth_endpoint_checks_a_token_and_changes_nothing(router_client, tmp_path):
     from router.app import STATE, Backend, RouterConfig, create_app
 
     cfg = RouterConfig(backends=[Backend("i0", "http://127.0.0.1:9")], db=None, control_token="t0k",
                        state_dir=str(tmp_path))
-    client = await aiohttp_client(create_app(cfg))
+    client = await router_client(create_app(cfg))
     version = client.server.app[STATE].slot.version
     assert (await client.get("/kvtop/v1/auth")).status == 401
     assert (await client.get("/kvtop/v1/auth", headers={"Authorization": "Bearer nope"})).status == 401

@@ -1,13 +1,15 @@
 
 
-def test_outcome_columns_are_the_decision_row_s():
-    """Decision.outcome_columns copies exactly OUTCOME_DECISION_COLUMNS, with the row's values."""
+def test_outcome_row_repeats_the_decision_row_and_fits_the_schema():
+    """Outcome.row copies OUTCOME_DECISION_COLUMNS from its decision, with the decision row's
+    values, and every key it writes is an ``outcomes`` column."""
     from router.blocks import hash_token_blocks
     from router.cluster import Cluster
     from router.core import RoutingCore
     from router.policies import build_policy
     from router.request import RouteRequest
-    from store.schema import OUTCOME_DECISION_COLUMNS
+    from router.pipeline import Outcome
+    from store.schema import OUTCOME_DECISION_COLUMNS, TABLES
 
     core = RoutingCore(Cluster(["a", "b"], block_size=16, capacity_blocks=100), build_policy("unified", {}))
     toks = list(range(100))
@@ -16,7 +18,9 @@ def test_outcome_columns_are_the_decision_row_s():
     d = core.route(req)
     d.extra["route_class"] = "HEAVY_COLO"
     row = d.row("run")
-    assert d.outcome_columns() == {c: row[c] for c in OUTCOME_DECISION_COLUMNS}
+    out = Outcome(status="ok", stream=0, t_recv=1.0, t_done=2.0, ttft_ms=500.0, e2e_ms=1000.0).row(d, "run")
+    assert {c: out[c] for c in OUTCOME_DECISION_COLUMNS} == {c: row[c] for c in OUTCOME_DECISION_COLUMNS}
+    assert set(out) <= set(TABLES["outcomes"]), set(out) - set(TABLES["outcomes"])
 
 
 def test_stream_scan_keeps_a_bounded_tail_and_finds_the_final_usage():

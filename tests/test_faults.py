@@ -145,10 +145,10 @@ async def test_instance_killed_mid_replay(tmp_path):
 
 # -- timeouts, overload and limits, in-process ----------------------------------------------
 
-async def start(aiohttp_client, urls, tmp_path, **kw):
+async def start(router_client, urls, tmp_path, **kw):
     cfg = RouterConfig(backends=[Backend(f"i{k}", u) for k, u in enumerate(urls)], db=str(tmp_path / "f.db"),
                        state_dir=str(tmp_path / "st"), health_interval_s=0, **kw)
-    client = await aiohttp_client(create_app(cfg))
+    client = await router_client(create_app(cfg))
     return client, client.server.app[STATE]
 
 
@@ -157,9 +157,9 @@ def outcome_statuses(state) -> list[str]:
     return [r["status"] for r in sqlite_utils.Database(state.config.db)["outcomes"].rows]
 
 
-async def test_read_timeout_before_first_byte_is_retried_then_502(aiohttp_client, fake_backends, tmp_path):
+async def test_read_timeout_before_first_byte_is_retried_then_502(router_client, fake_backends, tmp_path):
     fakes = await fake_backends(2, first_delay=2.0)
-    client, state = await start(aiohttp_client, [u for _, u in fakes], tmp_path, read_timeout_s=0.2)
+    client, state = await start(router_client, [u for _, u in fakes], tmp_path, read_timeout_s=0.2)
     t0 = time.monotonic()
     r = await client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "stream": True})
     assert r.status == 502 and "failed" in (await r.json())["error"]["message"]
@@ -168,9 +168,9 @@ async def test_read_timeout_before_first_byte_is_retried_then_502(aiohttp_client
     assert state.cluster.counters_zero()
 
 
-async def test_total_timeout_mid_stream_ends_with_error_event(aiohttp_client, fake_backends, tmp_path):
+async def test_total_timeout_mid_stream_ends_with_error_event(router_client, fake_backends, tmp_path):
     fakes = await fake_backends(1, token_delay=0.05)
-    client, state = await start(aiohttp_client, [fakes[0][1]], tmp_path, total_timeout_s=0.3)
+    client, state = await start(router_client, [fakes[0][1]], tmp_path, total_timeout_s=0.3)
     r = await client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 100, "stream": True})
     assert r.status == 200
     body = await r.read()
@@ -179,11 +179,11 @@ async def test_total_timeout_mid_stream_ends_with_error_event(aiohttp_client, fa
     assert state.cluster.counters_zero()
 
 
-async def test_overload_429_total_and_per_instance(aiohttp_client, fake_backends, tmp_path):
+async def test_overload_429_total_and_per_instance(router_client, fake_backends, tmp_path):
     fakes = await fake_backends(2, first_delay=0.5)
     body = {"prompt": [1, 2], "max_tokens": 1}
     for kw, n_ok in (({"max_inflight": 3}, 3), ({"max_inflight_per_instance": 1}, 2)):
-        client, state = await start(aiohttp_client, [u for _, u in fakes], tmp_path, **kw)
+        client, state = await start(router_client, [u for _, u in fakes], tmp_path, **kw)
         rs = await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(6)))
         codes = sorted(r.status for r in rs)
         assert codes == [200] * n_ok + [429] * (6 - n_ok), (kw, codes)
@@ -195,17 +195,17 @@ async def test_overload_429_total_and_per_instance(aiohttp_client, fake_backends
         await client.close()
 
 
-async def test_requests_waiting_for_admission_count_toward_max_inflight(aiohttp_client, fake_backends,
+async def test_requests_waiting_for_admission_count_toward_max_inflight(router_client, fake_backends,
                                                                         tmp_path):
     # fifo with a 1000-token budget lets one 900-token prompt at a time reach the backend, which
     # holds each for 0.4 s: the others wait in the router's admission queue. A request is
     # dispatched (and counted) before it waits, so the queue cannot grow past --max-inflight.
     (fake, url), = await fake_backends(1, first_delay=0.4)
-    client, state = await start(aiohttp_client, [url], tmp_path, max_inflight=3, policy="round_robin",
+    client, state = await start(router_client, [url], tmp_path, max_inflight=3, policy="round_robin",
                                 knobs={"admission": "fifo", "admission_budget_tokens": "1000"})
 
     def waiting():  # the queue replaces its list on every change: read it fresh
-        return len(state.admission.queue.waiting[0])
+        return len(state.pipeline.queue.waiting[0])
 
     def post(k):
         return asyncio.create_task(client.post("/v1/completions", json={
@@ -240,23 +240,23 @@ async def test_requests_waiting_for_admission_count_toward_max_inflight(aiohttp_
 
     assert [r.status for r in await asyncio.gather(at_backend, *queued)] == [200, 200, 200]
     await until(lambda: state.cluster.in_flight == 0)
-    assert state.cluster.counters_zero() and not waiting() and state.admission.queue.pending(0) == 0
+    assert state.cluster.counters_zero() and not waiting() and state.pipeline.queue.pending(0) == 0
     assert len(fake.seen) == 3  # neither the rejected requests nor the one that left reached it
     assert sorted(outcome_statuses(state)) == ["client_gone", "ok", "ok", "ok"]
 
 
-async def test_oversized_body_is_json_413(aiohttp_client, fake_backends, tmp_path):
+async def test_oversized_body_is_json_413(router_client, fake_backends, tmp_path):
     fakes = await fake_backends(1)
-    client, state = await start(aiohttp_client, [fakes[0][1]], tmp_path, max_body_bytes=1024 * 1024)
+    client, state = await start(router_client, [fakes[0][1]], tmp_path, max_body_bytes=1024 * 1024)
     r = await client.post("/v1/completions", data=b'{"prompt": "' + b"a" * (2 * 1024 * 1024) + b'"}',
                           headers={"Content-Type": "application/json"})
     assert r.status == 413 and (await r.json())["error"]["type"] == "RequestTooLarge"
     assert state.counts["requests"] == 0 and not fakes[0][0].seen
 
 
-async def test_stalled_client_body_gets_408(aiohttp_client, fake_backends, tmp_path):
+async def test_stalled_client_body_gets_408(router_client, fake_backends, tmp_path):
     fakes = await fake_backends(1)
-    client, state = await start(aiohttp_client, [fakes[0][1]], tmp_path, client_timeout_s=0.3)
+    client, state = await start(router_client, [fakes[0][1]], tmp_path, client_timeout_s=0.3)
     reader, writer = await asyncio.open_connection("127.0.0.1", client.port)
     writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"Content-Length: 100\r\n\r\n{\"prompt\": ")  # and then nothing
@@ -267,10 +267,10 @@ async def test_stalled_client_body_gets_408(aiohttp_client, fake_backends, tmp_p
     assert state.cluster.counters_zero() and state.counts["requests"] == 0
 
 
-async def test_stalled_control_body_gets_408(aiohttp_client, fake_backends, tmp_path):
+async def test_stalled_control_body_gets_408(router_client, fake_backends, tmp_path):
     # PATCH knobs reads its body like the proxy does: bounded by --client-timeout, not forever
     fakes = await fake_backends(1)
-    client, state = await start(aiohttp_client, [fakes[0][1]], tmp_path, client_timeout_s=0.3,
+    client, state = await start(router_client, [fakes[0][1]], tmp_path, client_timeout_s=0.3,
                                 control_token="t0k")
     reader, writer = await asyncio.open_connection("127.0.0.1", client.port)
     writer.write(b"PATCH /kvtop/v1/knobs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer t0k\r\n"
@@ -353,10 +353,10 @@ def test_token_compare_is_constant_time():
     assert "hmac.compare_digest" in src and "==" not in src.replace("!=", "")
 
 
-async def test_readonly_refuses_even_the_right_token(aiohttp_client, tmp_path):
+async def test_readonly_refuses_even_the_right_token(router_client, tmp_path):
     cfg = RouterConfig(backends=[Backend("i0", "http://127.0.0.1:9")], db=None, state_dir=str(tmp_path / "st"),
                        control_token=TOKEN, control_readonly=True, health_interval_s=0)
-    client = await aiohttp_client(create_app(cfg))
+    client = await router_client(create_app(cfg))
     for method, path, body in (("PUT", "/kvtop/v1/policy", {"name": "lmetric"}),
                                ("PATCH", "/kvtop/v1/knobs", {"overload_factor": 3.0})):
         r = await client.request(method, path, json=body, headers={"Authorization": "Bearer " + TOKEN})

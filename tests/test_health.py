@@ -14,7 +14,7 @@ from aiohttp.test_utils import TestServer
 from conftest import free_port
 from fakevllm import CLOSED_PORT, FakeVLLM
 from router.app import STATE, Backend, RouterConfig, create_app
-from router.health import FAIL_THRESHOLD, HEALTH, backoff_s
+from router.health import FAIL_THRESHOLD, backoff_s
 
 
 @pytest.mark.parametrize("failures, expected", [
@@ -30,10 +30,10 @@ def test_backoff(failures, expected):
     assert backoff_s(failures, 0.5, 5.0) == expected
 
 
-async def start(aiohttp_client, urls, tmp_path, **kw):
+async def start(router_client, urls, tmp_path, **kw):
     cfg = RouterConfig(backends=[Backend(f"i{k}", u) for k, u in enumerate(urls)],
                        db=str(tmp_path / "h.db"), state_dir=str(tmp_path / "st"), **kw)
-    client = await aiohttp_client(create_app(cfg))
+    client = await router_client(create_app(cfg))
     state = client.server.app[STATE]
     events: list[dict] = []
     state.listeners.append(lambda kind, p: events.append(p) if kind == "health" else None)
@@ -53,7 +53,7 @@ def health_rows(state):
     return [r for r in sqlite_utils.Database(state.config.db)["config_events"].rows if r["kind"] == "health"]
 
 
-async def test_down_backend_is_excluded_then_readmitted(aiohttp_client, tmp_path):
+async def test_down_backend_is_excluded_then_readmitted(router_client, tmp_path):
     """A backend that stops is out within 2 s; after it restarts on its port it is back."""
     port = free_port()
     fake = FakeVLLM("f0")
@@ -62,7 +62,7 @@ async def test_down_backend_is_excluded_then_readmitted(aiohttp_client, tmp_path
     other = TestServer(FakeVLLM("f1").app(), host="127.0.0.1")
     await other.start_server()
     client, state, events = await start(
-        aiohttp_client, [f"http://127.0.0.1:{port}", str(other.make_url("")).rstrip("/")], tmp_path,
+        router_client, [f"http://127.0.0.1:{port}", str(other.make_url("")).rstrip("/")], tmp_path,
         health_interval_s=0.2, health_backoff_max_s=0.8, policy="round_robin")
     await server.close()
     t = await wait_for(lambda: not state.cluster.instances[0].healthy, 2.0)
@@ -88,14 +88,14 @@ async def test_down_backend_is_excluded_then_readmitted(aiohttp_client, tmp_path
 
 
 def app_checker(client):
-    return client.server.app[HEALTH]
+    return client.server.app[STATE].health
 
 
-async def test_connect_failure_marks_down_at_once(aiohttp_client, fake_backends, tmp_path):
+async def test_connect_failure_marks_down_at_once(router_client, fake_backends, tmp_path):
     """Passive marking: the proxy's failed connect excludes the instance before any probe."""
     fakes = await fake_backends(1)
     client, state, events = await start(
-        aiohttp_client, [f"http://127.0.0.1:{CLOSED_PORT}", fakes[0][1]], tmp_path,
+        router_client, [f"http://127.0.0.1:{CLOSED_PORT}", fakes[0][1]], tmp_path,
         health_interval_s=0, policy="round_robin")  # no active probes: only the proxy marks
     r = await client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1})
     assert r.status == 200 and r.headers["X-Kvtop-Instance"] == "i1"  # retried elsewhere
@@ -128,12 +128,12 @@ class FlakyHealth:
         return app
 
 
-async def test_soft_failures_need_a_streak(aiohttp_client, tmp_path):
+async def test_soft_failures_need_a_streak(router_client, tmp_path):
     """One 5xx or one timeout does not take a busy instance out; FAIL_THRESHOLD in a row do."""
     flaky = FlakyHealth()
     server = TestServer(flaky.app(), host="127.0.0.1")
     await server.start_server()
-    client, state, events = await start(aiohttp_client, [str(server.make_url("")).rstrip("/")], tmp_path,
+    client, state, events = await start(router_client, [str(server.make_url("")).rstrip("/")], tmp_path,
                                         health_interval_s=0.1, health_timeout_s=0.2)
     checker = app_checker(client)
     await wait_for(lambda: checker.probes[0].probes >= 1, 2)
@@ -152,10 +152,10 @@ async def test_soft_failures_need_a_streak(aiohttp_client, tmp_path):
     await server.close()
 
 
-async def test_unhealthy_at_start_is_admitted_when_it_answers(aiohttp_client, fake_backends, tmp_path):
+async def test_unhealthy_at_start_is_admitted_when_it_answers(router_client, fake_backends, tmp_path):
     """`kvtop route` marks a silent backend down at start; the checker brings it in later."""
     fakes = await fake_backends(1)
-    client, state, events = await start(aiohttp_client, [fakes[0][1]], tmp_path, health_interval_s=0.1)
+    client, state, events = await start(router_client, [fakes[0][1]], tmp_path, health_interval_s=0.1)
     state.cluster.set_healthy(0, False)  # as cli.serve does for a backend that did not answer
     r = await client.post("/v1/completions", json={"prompt": [1], "max_tokens": 1})
     assert r.status == 503 and r.headers["Retry-After"] == "1"
@@ -164,10 +164,10 @@ async def test_unhealthy_at_start_is_admitted_when_it_answers(aiohttp_client, fa
     assert r.status == 200
 
 
-async def test_busy_instance_is_not_taken_out_by_slow_probes(aiohttp_client, fake_backends, tmp_path):
+async def test_busy_instance_is_not_taken_out_by_slow_probes(router_client, fake_backends, tmp_path):
     """Timeouts while the instance keeps completing requests are forgiven; a refusal is not."""
     fakes = await fake_backends(1)
-    client, state, events = await start(aiohttp_client, [fakes[0][1]], tmp_path, health_interval_s=0)
+    client, state, events = await start(router_client, [fakes[0][1]], tmp_path, health_interval_s=0)
     checker = app_checker(client)
     inst = state.cluster.instances[0]
     for _ in range(FAIL_THRESHOLD + 2):

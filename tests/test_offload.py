@@ -127,11 +127,18 @@ def test_simulate_offload_runs_the_two_step_in_virtual_time(mode):
         assert r["output_tokens"] == 200
 
 
-def test_simulate_admission_knob_drives_the_engine_hook():
+def test_simulate_admission_knob_queues_in_the_router_as_the_live_router_does():
     from kvtop.simulate import SimConfig, simulate
 
     fifo = simulate(_trace(), "round_robin", SimConfig(instances=1, features={"admission": "fifo"}))
+    waited = [r for r in fifo if r["admission_wait_ms"] > 0]
+    assert waited, "a 40k prompt behind another waits in the router's queue"
+    for r in waited:  # TTFT counts from the arrival at the router: the wait is inside it
+        assert r["ttft_ms"] >= r["admission_wait_ms"]
     none = simulate(_trace(), "round_robin", SimConfig(instances=1))
-    assert [r["ttft_ms"] for r in fifo] == [r["ttft_ms"] for r in none]  # fifo is vLLM's own order
+    assert all(r["admission_wait_ms"] == 0 for r in none)
+    # the engine's own waiting queue (SimConfig.admission) in FIFO order is vLLM's order
+    engine_fifo = simulate(_trace(), "round_robin", SimConfig(instances=1, admission="fifo"))
+    assert [r["ttft_ms"] for r in engine_fifo] == [r["ttft_ms"] for r in none]
     pack = simulate(_trace(), "round_robin", SimConfig(instances=1, features={"admission": "pack"}))
     assert len(pack) == 30 and all(r["status"] == "ok" for r in pack)

@@ -27,10 +27,10 @@ async def sims(aiohttp_server, n, speed=50.0):
     return out
 
 
-async def router(aiohttp_client, urls, tmp_path, knobs, policy="sticky"):
+async def router(router_client, urls, tmp_path, knobs, policy="sticky"):
     cfg = RouterConfig(backends=[Backend(f"i{k}", u) for k, u in enumerate(urls)], policy=policy,
                        knobs=knobs, db=str(tmp_path / "kvtop.db"), state_dir=str(tmp_path / "st"))
-    client = await aiohttp_client(create_app(cfg))
+    client = await router_client(create_app(cfg))
     return client, client.server.app[STATE]
 
 
@@ -48,9 +48,9 @@ async def start_decoding(client, session, max_tokens=4000):
     return r
 
 
-async def test_offloaded_request_runs_both_legs(aiohttp_client, aiohttp_server, tmp_path):
+async def test_offloaded_request_runs_both_legs(router_client, aiohttp_server, tmp_path):
     (s0, u0), (s1, u1) = await sims(aiohttp_server, 2)
-    client, state = await router(aiohttp_client, [u0, u1], tmp_path, KNOBS)
+    client, state = await router(router_client, [u0, u1], tmp_path, KNOBS)
     bg = await start_decoding(client, "s")  # sticky: first turn -> i0 (fewest in flight, first)
     r = await client.post("/v1/completions", headers={"X-Session-ID": "s"},
                           json={"prompt": HEAVY, "max_tokens": 5, "stream": True,
@@ -74,11 +74,11 @@ async def test_offloaded_request_runs_both_legs(aiohttp_client, aiohttp_server, 
     assert [i.routed_total for i in state.cluster.instances] == [2, 1]
 
 
-async def test_failed_prefill_leg_falls_back_to_d(aiohttp_client, aiohttp_server, fake_backends, tmp_path):
+async def test_failed_prefill_leg_falls_back_to_d(router_client, aiohttp_server, fake_backends, tmp_path):
     (s0, u0), = await sims(aiohttp_server, 1)
     (fake, uf), = await fake_backends(1)
     fake.fail_status = 500
-    client, state = await router(aiohttp_client, [u0, uf], tmp_path, KNOBS)
+    client, state = await router(router_client, [u0, uf], tmp_path, KNOBS)
     bg = await start_decoding(client, "s", max_tokens=3000)
     r = await client.post("/v1/completions", headers={"X-Session-ID": "s"},
                           json={"prompt": HEAVY, "max_tokens": 4})
@@ -93,13 +93,13 @@ async def test_failed_prefill_leg_falls_back_to_d(aiohttp_client, aiohttp_server
     assert state.cluster.instances[1].errors_total == 1
 
 
-async def test_total_timeout_bounds_the_prefill_leg(aiohttp_client, aiohttp_server, fake_backends, tmp_path):
+async def test_total_timeout_bounds_the_prefill_leg(router_client, aiohttp_server, fake_backends, tmp_path):
     # P answers only after 5 s; with --total-timeout 0.5 the leg gives up and D prefills itself
     (s0, u0), = await sims(aiohttp_server, 1)
     (fake, uf), = await fake_backends(1, first_delay=5.0)
     cfg = RouterConfig(backends=[Backend("i0", u0), Backend("i1", uf)], policy="sticky", knobs=KNOBS,
                        db=str(tmp_path / "kvtop.db"), state_dir=str(tmp_path / "st"), total_timeout_s=0.5)
-    client = await aiohttp_client(create_app(cfg))
+    client = await router_client(create_app(cfg))
     state = client.server.app[STATE]
     bg = await start_decoding(client, "s", max_tokens=3000)
     t0 = asyncio.get_running_loop().time()
@@ -112,10 +112,10 @@ async def test_total_timeout_bounds_the_prefill_leg(aiohttp_client, aiohttp_serv
     assert (d["offload"], d["offload_reason"]) == (0, "prefill_failed")
 
 
-async def test_admission_queue_records_wait_and_counters_return(aiohttp_client, aiohttp_server, tmp_path):
+async def test_admission_queue_records_wait_and_counters_return(router_client, aiohttp_server, tmp_path):
     (s0, u0), = await sims(aiohttp_server, 1, speed=20.0)
     knobs = {"admission": "pack", "admission_budget_tokens": "2000"}
-    client, state = await router(aiohttp_client, [u0], tmp_path, knobs, policy="round_robin")
+    client, state = await router(router_client, [u0], tmp_path, knobs, policy="round_robin")
 
     async def one(n):
         r = await client.post("/v1/completions", json={"prompt": list(range(n)), "max_tokens": 2})
@@ -123,22 +123,22 @@ async def test_admission_queue_records_wait_and_counters_return(aiohttp_client, 
 
     statuses = await asyncio.gather(one(1500), one(1500), one(300))
     assert statuses == [200, 200, 200]
-    assert state.cluster.counters_zero() and state.admission.queue.pending(0) == 0
+    assert state.cluster.counters_zero() and state.pipeline.queue.pending(0) == 0
     waits = [x["admission_wait_ms"] for x in rows(state, "decisions")]
     assert len(waits) == 3 and max(waits) > 0  # 1500 + 1500 > 2000: someone waited
 
 
-async def test_client_gone_while_waiting_releases_everything(aiohttp_client, aiohttp_server, tmp_path):
+async def test_client_gone_while_waiting_releases_everything(router_client, aiohttp_server, tmp_path):
     (s0, u0), = await sims(aiohttp_server, 1, speed=0.25)  # the first prefill takes ~0.7 s
     knobs = {"admission": "fifo", "admission_budget_tokens": "1000"}
-    client, state = await router(aiohttp_client, [u0], tmp_path, knobs, policy="round_robin")
+    client, state = await router(router_client, [u0], tmp_path, knobs, policy="round_robin")
     first = asyncio.create_task(client.post("/v1/completions", json={"prompt": list(range(900)),
                                                                      "max_tokens": 1}))
     await asyncio.sleep(0.05)
     waiter = asyncio.create_task(client.post("/v1/completions", json={"prompt": list(range(800)),
                                                                       "max_tokens": 1}))
     await asyncio.sleep(0.05)
-    assert len(state.admission.queue.waiting[0]) == 1
+    assert len(state.pipeline.queue.waiting[0]) == 1
     waiter.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiter
@@ -147,14 +147,14 @@ async def test_client_gone_while_waiting_releases_everything(aiohttp_client, aio
         if state.cluster.counters_zero():
             break
         await asyncio.sleep(0.02)
-    assert state.cluster.counters_zero() and not state.admission.queue.waiting[0]
+    assert state.cluster.counters_zero() and not state.pipeline.queue.waiting[0]
     assert state.cluster.instances[0].errors_total == 0  # the client left; the instance did nothing wrong
     assert "client_gone" in {x["status"] for x in rows(state, "outcomes")}
 
 
-async def test_patch_knobs_takes_policy_and_feature_knobs_together(aiohttp_client, aiohttp_server, tmp_path):
+async def test_patch_knobs_takes_policy_and_feature_knobs_together(router_client, aiohttp_server, tmp_path):
     (s0, u0), = await sims(aiohttp_server, 1)
-    client, state = await router(aiohttp_client, [u0], tmp_path, {"offload_mode": "cost"}, policy="unified_ab")
+    client, state = await router(router_client, [u0], tmp_path, {"offload_mode": "cost"}, policy="unified_ab")
     assert state.slot.version == 1 and state.features.offload_mode == "cost"
     tok = next((tmp_path / "st").glob("*.token")).read_text().strip()
     hdr = {"Authorization": f"Bearer {tok}"}

@@ -1,0 +1,100 @@
+"""The HTTP edge's shared pieces: OpenAI-shaped JSON errors, the error middleware, and
+request bodies read within the client timeout and parsed as JSON."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+from aiohttp import web
+
+from router.request import BadRequest
+
+log = logging.getLogger("kvtop.route")
+
+_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
+                404: "NotFoundError", 405: "MethodNotAllowed", 408: "RequestTimeout",
+                413: "RequestTooLarge", 429: "RateLimitError", 502: "BadGateway",
+                503: "ServiceUnavailableError", 504: "GatewayTimeout"}
+
+
+def error_body(status: int, message: str, *, param: str | None = None,
+               err_type: str | None = None) -> dict[str, Any]:
+    """An OpenAI-shaped error object."""
+    return {"error": {"message": message, "type": err_type or _ERROR_TYPES.get(status, "APIError"),
+                      "param": param, "code": status}}
+
+
+def error_response(status: int, message: str, *, param: str | None = None,
+                   err_type: str | None = None, headers: dict[str, str] | None = None) -> web.Response:
+    """An OpenAI-shaped JSON error."""
+    return web.json_response(error_body(status, message, param=param, err_type=err_type),
+                             status=status, headers=headers)
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler):
+    """Every error the router itself produces is JSON, never an HTML page or a traceback."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        msg = {404: f"no route for {request.method} {request.path}",
+               405: f"method {request.method} not allowed on {request.path}",
+               413: "request body too large"}.get(exc.status, exc.reason)
+        return error_response(exc.status, msg, headers={k: v for k, v in exc.headers.items()
+                                                        if k.lower() == "allow"})
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:  # a bug: say so plainly, keep serving
+        log.exception("internal error on %s %s", request.method, request.path)
+        return error_response(500, "internal router error", err_type="InternalServerError")
+
+
+def parse_json(raw: bytes) -> Any:
+    """A request body parsed as JSON; BadRequest (400) otherwise."""
+    if not raw:
+        raise BadRequest("the request body is empty; expected a JSON object")
+    try:
+        return json.loads(raw)
+    except UnicodeDecodeError:
+        raise BadRequest("the request body is not valid UTF-8") from None
+    except (ValueError, RecursionError) as exc:  # RecursionError: arrays nested thousands deep
+        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+
+
+def refusal(exc: BadRequest) -> web.Response:
+    """The JSON answer to a request we will not route. After a 408 or 413 the rest of the body
+    is unread, so the connection closes behind the answer."""
+    resp = error_response(exc.status, exc.message, param=exc.param)
+    if exc.status in (408, 413):
+        resp.force_close()
+    return resp
+
+
+async def read_body(request: web.Request, timeout_s: float | None) -> bytes:
+    """The request body within ``timeout_s`` (a slow or stalled client gets a 408); a body over
+    the app's ``client_max_size`` is a 413, refused before reading when its length says so."""
+    limit = request.client_max_size
+    if request.content_length is not None and request.content_length > limit:
+        raise BadRequest(f"the request body ({request.content_length:,} bytes) is larger than the "
+                         f"router's limit of {limit:,} bytes (--max-body-mb)", status=413)
+    try:
+        if not timeout_s or request.content.is_eof():
+            return await request.read()  # no limit, or the whole body is already here
+        async with asyncio.timeout(timeout_s):  # unlike wait_for, no extra task per request
+            return await request.read()
+    except TimeoutError:
+        raise BadRequest(f"the request body did not arrive within {timeout_s:g} s", status=408) from None
+    except web.HTTPRequestEntityTooLarge:
+        raise BadRequest(f"the request body is larger than the router's limit of {limit:,} bytes "
+                         "(--max-body-mb)", status=413) from None
+
+
+async def read_json(request: web.Request, timeout_s: float | None) -> tuple[bytes, Any]:
+    """The body, raw and parsed; BadRequest (400, 408 or 413) otherwise."""
+    raw = await read_body(request, timeout_s)
+    return raw, parse_json(raw)

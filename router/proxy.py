@@ -1,0 +1,265 @@
+"""The data plane over HTTP: drive the routing pipeline (router/pipeline.py) for each request.
+
+``POST /v1/completions`` and ``/v1/chat/completions``, streaming or not. The client's bytes go
+upstream unchanged (the offload prefill leg is the one rewritten body) through the pooled
+backend client (router/upstream.py); the answer comes back byte for byte. A request whose
+backend fails before any byte reached the client is retried once on another instance (a
+second decision, reason ``retry``). A client that leaves cancels its request at once
+(aiohttp's handler cancellation); its tickets are released and its outcome is ``client_gone``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+from aiohttp import web
+
+from router import limits
+from router.core import NoInstance
+from router.features import decode_leg_body, prefill_leg_body
+from router.forward import StreamScan, cached_tokens, completion_tokens, upstream_headers, usage_of
+from router.http import error_body, error_response, parse_json, read_body, refusal
+from router.pipeline import (CLIENT_GONE, ERROR, OK, PREFILL, TIMEOUT, UPSTREAM_ERROR, Flow)
+from router.request import BadRequest, parse_request
+from router.upstream import ConnectFailed, UpstreamError
+
+log = logging.getLogger("kvtop.route")
+
+#: A client write that finds this much already queued waits at most --client-timeout.
+_WRITE_HIGH_WATER = 64 * 1024
+
+
+def handlers(state_key):
+    """The two completion handlers, bound to the app key holding the RouterState."""
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        return await handle(request, request.app[state_key], "completions", "/v1/completions")
+
+    async def chat_completions(request: web.Request) -> web.StreamResponse:
+        return await handle(request, request.app[state_key], "chat", "/v1/chat/completions")
+
+    return completions, chat_completions
+
+
+async def handle(request: web.Request, state, endpoint: str, path: str) -> web.StreamResponse:
+    """Refuse early (before reading the body), parse, then route and forward."""
+    pipe = state.pipeline
+    t_recv = pipe.clock()  # ONE receive time: every latency of this request counts from here
+    cfg = state.config
+    if state.draining:
+        return error_response(503, "the router is shutting down", headers={"Retry-After": "1"})
+    if (busy := limits.admit(state)) is not None:
+        return busy
+    try:
+        raw = await read_body(request, cfg.client_timeout_s)
+        body = parse_json(raw)
+        req = parse_request(body, endpoint, headers=request.headers, session_header=cfg.session_header,
+                            block_size=cfg.block_size, tokenizer=state.tokenizer,
+                            max_input_tokens=cfg.max_input_tokens)
+    except BadRequest as exc:
+        state.counts["bad_requests"] += 1
+        return refusal(exc)
+    if state.draining:
+        return error_response(503, "the router is shutting down", headers={"Retry-After": "1"})
+    if (busy := limits.admit(state)) is not None:  # again: others were admitted while this body arrived
+        return busy
+    state.counts["requests"] += 1
+    flow = pipe.receive(req, t_recv)
+    exclude: tuple[int, ...] = ()
+    while True:
+        full = limits.full_instances(state)
+        try:
+            leg = pipe.route(flow, exclude=exclude + full)
+        except NoInstance as exc:
+            first = flow.first
+            if full and first is None:
+                return limits.all_full(state)
+            state.counts["no_instance"] += 1
+            msg = str(exc) if first is None else f"{first.instance_name} failed and {exc}"
+            return error_response(503 if first is None else 502, msg, headers={"Retry-After": "1"})
+        d = flow.decision
+        if d.attempt > 1:
+            state.counts["retries"] += 1
+        resp = await _attempt(request, state, flow, body, raw, path)
+        if resp is not None:
+            return resp
+        pipe.retry(flow)
+        exclude = (d.instance,)
+
+
+async def _gate(state, flow: Flow) -> None:
+    """Wait at the admission gate of the current leg's instance, if it is on."""
+    if state.pipeline.admit(flow):
+        return
+    flow.waiter = asyncio.get_running_loop().create_future()
+    try:
+        await flow.waiter
+    finally:
+        flow.waiter = None
+
+
+async def _attempt(request: web.Request, state, flow: Flow, body: Any, raw: bytes,
+                   path: str) -> web.StreamResponse | None:
+    """One attempt: its legs, then the answer. None means retry elsewhere (nothing was sent)."""
+    pipe = state.pipeline
+    d = flow.decision
+    try:
+        await _gate(state, flow)
+        if flow.leg.kind == PREFILL:
+            p = flow.leg.instance
+            pipe.sent(flow)
+            params, why = await _prefill_leg(state, p, request, body, path, d.request.request_id)
+            pipe.prefill_done(flow, params)
+            if params is not None:
+                raw = json.dumps(decode_leg_body(body, params)).encode()
+            else:
+                log.warning("prefill leg on %s failed (%s); prefilling on %s",
+                            state.cluster.instances[p].name, why, d.instance_name)
+                await _gate(state, flow)
+    except BaseException:
+        pipe.abandon(flow, "before the answer began")
+        raise
+    return await _forward(request, state, flow, raw, path, can_retry=d.attempt == 1)
+
+
+async def _prefill_leg(state, p_index: int, request, body: dict, path: str,
+                       request_id: str) -> tuple[dict | None, str | None]:
+    """POST the prefill-only request to P; return (its kv_transfer_params, None) or (None, why)."""
+    inst = state.cluster.instances[p_index]
+    # the same id on both legs, as vLLM's P/D proxy does; the body is ours, so is its type
+    headers = [(k, v) for k, v in upstream_headers(request.headers, request_id) if k.lower() != "content-type"]
+    headers.append(("Content-Type", "application/json"))
+    cfg = state.config
+    try:
+        up = await state.upstream.request(inst.url, "POST", path, headers,
+                                          json.dumps(prefill_leg_body(body)).encode(),
+                                          total_timeout=cfg.total_timeout_s)
+        async with up:
+            data = await up.read()
+            if up.status != 200:
+                return None, f"HTTP {up.status}"
+        params = json.loads(data).get("kv_transfer_params")
+    except (UpstreamError, TimeoutError, ValueError, AttributeError) as exc:
+        return None, f"{type(exc).__name__}: {exc}"[:200]
+    if not isinstance(params, dict) or not params:
+        return None, "the prefill response has no kv_transfer_params"
+    return params, None
+
+
+async def _write(resp: web.StreamResponse, chunk: bytes, transport, timeout_s: float | None) -> None:
+    """Write to the client; a client that stops reading may hold us at most ``timeout_s``."""
+    # a write can only block (the transport pauses) once its buffer passes the high-water mark
+    if timeout_s and transport is not None and transport.get_write_buffer_size() + len(chunk) >= _WRITE_HIGH_WATER:
+        try:
+            async with asyncio.timeout(timeout_s):
+                await resp.write(chunk)
+        except TimeoutError:
+            raise ConnectionResetError(f"the client read nothing for {timeout_s:g} s") from None
+    else:
+        await resp.write(chunk)
+
+
+def _failure_status(exc: BaseException) -> str:
+    """An upstream that stopped answering in time is a ``timeout``; anything else failed."""
+    return TIMEOUT if isinstance(exc, TimeoutError) else UPSTREAM_ERROR
+
+
+async def _forward(request: web.Request, state, flow: Flow, raw: bytes, path: str,
+                   *, can_retry: bool) -> web.StreamResponse | None:
+    """The serve leg: send ``raw`` to the decision's instance and relay the answer."""
+    pipe = state.pipeline
+    d = flow.decision
+    cluster = state.cluster
+    inst = cluster.instances[d.instance]
+    req = d.request
+    cfg = state.config
+    headers = upstream_headers(request.headers, req.request_id)
+    reply_headers = {"X-Kvtop-Instance": d.instance_name, "X-Kvtop-Request-Id": req.request_id,
+                     "X-Kvtop-Policy": d.slot.label}
+    end: dict[str, Any] = {"status": ERROR}  # what finish() records, filled in as we learn it
+    scan: StreamScan | None = None
+    resp: web.StreamResponse | None = None
+    transport = request.transport
+    try:
+        up = await state.upstream.request(inst.url, "POST", path, headers, raw,
+                                          total_timeout=cfg.total_timeout_s,
+                                          on_sent=lambda: pipe.sent(flow))
+        async with up:
+            end["http_status"] = up.status
+            if up.status != 200:
+                data = await up.read(limit=cfg.max_answer_bytes)
+                end["error"] = data[:500].decode("utf-8", "replace")
+                if up.status >= 500 and can_retry:
+                    end["status"] = UPSTREAM_ERROR
+                    return None
+                ctype = up.headers.get("Content-Type", "application/json")
+                resp = web.Response(body=data, status=up.status, headers={**reply_headers, "Content-Type": ctype})
+                await resp.prepare(request)
+                await resp.write_eof()
+                return resp
+            if not req.stream:
+                data = await up.read(limit=cfg.max_answer_bytes)
+                resp = web.Response(body=data, headers={**reply_headers, "Content-Type": up.headers.get(
+                    "Content-Type", "application/json")})
+                await resp.prepare(request)
+                await resp.write_eof()
+                # the client has its answer: the bookkeeping below is off its path
+                pipe.first_token(flow, observed=False)
+                usage = usage_of(data)
+                end.update(status=OK, output_tokens=completion_tokens(usage),
+                           cached_tokens=cached_tokens(usage))
+                return resp
+            resp = web.StreamResponse(headers={**reply_headers, "Content-Type": up.headers.get(
+                "Content-Type", "text/event-stream"), "Cache-Control": "no-cache"})
+            await resp.prepare(request)
+            scan = StreamScan()
+            try:
+                async for chunk in up.iter_chunks():
+                    if scan.feed(chunk):
+                        pipe.first_token(flow)
+                    await _write(resp, chunk, transport, cfg.client_timeout_s)
+            except (UpstreamError, TimeoutError) as exc:
+                end["status"] = _failure_status(exc)
+                end["error"] = f"upstream failed mid-stream: {exc!r}"[:500]
+                err = error_body(502, f"upstream instance {d.instance_name} failed mid-stream")
+                # the blank line first ends whatever partial event the upstream left behind
+                await resp.write(b"\n\ndata: " + json.dumps(err).encode() + b"\n\n")
+                await resp.write_eof()
+                return resp
+            if scan.finish():
+                pipe.first_token(flow)
+            _stream_done(end, scan)
+            try:
+                await resp.write_eof()
+            except ConnectionResetError:
+                pass  # every event, [DONE] included, was written; a client may leave without the terminator
+            return resp
+    except (UpstreamError, TimeoutError) as exc:
+        end["status"] = _failure_status(exc)
+        end["error"] = f"{type(exc).__name__}: {exc}"[:500]
+        if isinstance(exc, ConnectFailed) and state.health is not None:
+            state.health.passive_down(d.instance, exc)
+        if can_retry and (resp is None or not resp.prepared):
+            return None
+        if resp is not None and resp.prepared:
+            return resp
+        return error_response(502, f"upstream instance {d.instance_name} failed: {type(exc).__name__}",
+                              headers=reply_headers)
+    except (ConnectionResetError, asyncio.CancelledError):
+        if scan is not None and scan.saw_done and end["status"] != OK:
+            _stream_done(end, scan)  # [DONE] reached the client: the answer is complete
+        elif end["status"] != OK:
+            end.update(status=CLIENT_GONE, error="client disconnected")
+        raise
+    finally:
+        pipe.finish(flow, end.pop("status"), **end)
+
+
+def _stream_done(end: dict[str, Any], scan: StreamScan) -> None:
+    usage = scan.usage()
+    out = completion_tokens(usage)
+    end.update(status=OK, output_tokens=scan.data_events if out is None else out,
+               cached_tokens=cached_tokens(usage))

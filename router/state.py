@@ -1,0 +1,211 @@
+"""A running router's configuration and mutable state: the pipeline, the policy slot, the records.
+
+``RouterState`` is also the live pipeline's sink: every decision and outcome goes to the
+SQLite writer, the control API's decision ring and the listeners (event stream, metrics),
+each from the same typed record (router/core.Decision, router/pipeline.Outcome).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from router import features as router_features
+from router.cluster import Cluster
+from router.config import KnobError
+from router.core import Decision, PolicySlot, RoutingCore
+from router.pipeline import Outcome, Pipeline
+from router.policies import build_policy, policy_class
+from aiohttp import web
+
+from router.request import Tokenizer
+from store.writer import Writer
+
+log = logging.getLogger("kvtop.route")
+
+#: Default estimated-cache capacity per instance: one H20 running Qwen3-30B-A3B holds about
+#: 265k tokens of KV (vllm-engine-model.md).
+DEFAULT_CAPACITY_TOKENS = 265_000
+
+
+@dataclass
+class Backend:
+    name: str
+    url: str
+    gpu: int | None = None
+
+
+@dataclass
+class RouterConfig:
+    backends: list[Backend]
+    policy: str = "unified"
+    knobs: dict[str, Any] = field(default_factory=dict)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    db: str | None = "kvtop.db"
+    block_size: int = 512
+    capacity_tokens: int = DEFAULT_CAPACITY_TOKENS
+    session_header: str = "X-Session-ID"
+    tokenizer: str | None = None
+    max_input_tokens: int | None = 1_000_000
+    max_body_bytes: int = 64 * 1024 * 1024
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 600.0
+    decision_ring: int = 2000
+    run_id: str = field(default_factory=lambda: time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6])
+    argv: str = ""
+    # TLS: the listener (--tls-cert/--tls-key) and a private CA for https:// backends
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    backend_ca_file: str | None = None
+    # control plane (router/control.py)
+    control_token: str | None = None
+    control_token_file: str | None = None
+    control_readonly: bool = False
+    state_dir: str | None = None
+    # telemetry (router/telemetry.py): backlog seconds = pending_prefill_tokens / this rate
+    assumed_prefill_tps: float = 5000.0
+    scrape_interval_s: float = 1.0
+    # reliability (router/health.py, router/limits.py, docs/reliability.md); 0 = no bound
+    max_inflight: int = 10_000
+    max_inflight_per_instance: int = 4_096
+    client_timeout_s: float = 60.0
+    total_timeout_s: float | None = None
+    max_answer_bytes: int = 256 * 1024 * 1024
+    health_interval_s: float = 0.5
+    health_timeout_s: float = 1.0
+    health_backoff_max_s: float = 5.0
+
+    @property
+    def capacity_blocks(self) -> int:
+        return max(1, self.capacity_tokens // self.block_size)
+
+
+class RouterState:
+    """Everything mutable about a running router, stored once under ``app[STATE]``."""
+
+    def __init__(self, config: RouterConfig):
+        self.config = config
+        # --knob takes policy and router-level feature knobs together (router/features.py)
+        schema = policy_class(config.policy).schema
+        policy_knobs, feature_knobs = router_features.split_knobs(config.knobs, schema)
+        self.features = router_features.Features.build(feature_knobs)
+        policy = build_policy(config.policy, {**self.features.shared_for(schema), **policy_knobs})
+        cluster = Cluster([b.name for b in config.backends], urls=[b.url for b in config.backends],
+                          block_size=config.block_size, capacity_blocks=config.capacity_blocks)
+        self.core = RoutingCore(cluster, policy)
+        self.pipeline = Pipeline(self.core, lambda: self.features, self, clock=time.time,
+                                 on_admit=_wake)
+        self.tokenizer = Tokenizer(config.tokenizer) if config.tokenizer else None
+        self.run_id = config.run_id
+        self.started_at = time.time()
+        self.writer: Writer | None = None
+        self.upstream = None  # router.upstream.Pool: every call to a backend goes through it
+        self.app = None
+        self.health = None  # router.health.HealthChecker
+        self.ring: deque[dict[str, Any]] = deque(maxlen=config.decision_ring)
+        #: Called with ("decision" | "outcome" | "config" | "health", payload) on the loop thread.
+        self.listeners: list[Callable[[str, dict[str, Any]], None]] = []
+        self.counts: dict[str, int] = {"requests": 0, "bad_requests": 0, "no_instance": 0,
+                                       "retries": 0, "rejected": 0}
+        self.outcome_counts: dict[str, int] = {}
+        self.draining = False
+
+    @property
+    def cluster(self) -> Cluster:
+        return self.core.cluster
+
+    @property
+    def slot(self) -> PolicySlot:
+        return self.core.slot
+
+    # -- the pipeline's sink ---------------------------------------------------------
+    def emit(self, kind: str, payload: dict[str, Any]) -> None:
+        for fn in list(self.listeners):
+            try:
+                fn(kind, payload)
+            except Exception:  # a viewer must never break routing
+                log.exception("listener failed")
+
+    def decision(self, d: Decision) -> None:
+        if self.writer:
+            self.writer.put("decisions", d.row(self.run_id))
+        ev = d.event()
+        self.ring.append(ev)
+        self.emit("decision", ev)
+
+    def outcome(self, d: Decision, o: Outcome) -> None:
+        row = o.row(d, self.run_id)
+        self.outcome_counts[o.status] = self.outcome_counts.get(o.status, 0) + 1
+        if self.writer:
+            self.writer.put("outcomes", row)
+        self.emit("outcome", row)
+
+    def record_config(self, kind: str, who: str, before: Any, after: Any) -> dict[str, Any]:
+        row = {"run_id": self.run_id, "ts": time.time(), "kind": kind, "who": who,
+               "policy_version": self.slot.version, "before": before, "after": after}
+        if self.writer:
+            self.writer.put("config_events", row)
+        self.emit("config", row)
+        return row
+
+    # -- control --------------------------------------------------------------------
+    def set_policy(self, name: str | None, knobs: dict[str, Any] | None, who: str,
+                   *, merge: bool = False) -> PolicySlot:
+        """Validate completely, then swap in one assignment. Raises KnobError, changing nothing.
+
+        ``merge`` keeps the current knobs and changes only those given (PATCH semantics).
+        ``knobs`` may mix policy knobs and router-level feature knobs (router/features.py);
+        feature knobs always merge, and shared names (heavy_threshold, prefill_tps) set both.
+        """
+        current = self.slot.policy
+        name = name or current.name
+        if knobs is not None and not isinstance(knobs, dict):
+            raise KnobError("knobs", "expected an object of knob names to values")
+        schema = policy_class(name).schema
+        policy_knobs, feature_knobs = router_features.split_knobs(knobs or {}, schema)
+        features = router_features.Features.build(feature_knobs, base=self.features.knobs)
+        base = current.knobs if merge and policy_class(name).name == current.name else {}
+        new = build_policy(name, {**base, **features.shared_for(schema), **policy_knobs})
+        before = {"policy": current.name, "version": self.slot.version, "knobs": current.knobs,
+                  "features": self.features.knobs}
+        self.features = features
+        slot = self.core.swap(new)
+        after = {"policy": new.name, "version": slot.version, "knobs": new.knobs,
+                 "features": features.knobs}
+        self.record_config("policy" if new.name != current.name else "knobs", who, before, after)
+        self.pipeline.pump_all()  # a larger budget or admission=off lets waiters through now
+        return slot
+
+    def run_row(self, ended: bool = False) -> dict[str, Any]:
+        cfg = self.config
+        safe = {k: v for k, v in asdict(cfg).items() if k not in ("control_token",)}
+        return {"run_id": self.run_id, "started_at": self.started_at,
+                "ended_at": time.time() if ended else None, "host": cfg.host, "port": cfg.port,
+                "policy": cfg.policy, "backends": [asdict(b) for b in cfg.backends], "config": safe,
+                "argv": cfg.argv, "kvtop_version": _version(), "schema_version": 1}
+
+
+#: The app key of the one RouterState (``request.app[STATE]``).
+STATE = web.AppKey("state", RouterState)
+
+
+def _wake(flow) -> None:
+    """The live pipeline's on_admit: the request waiting in the admission queue may go."""
+    fut = flow.waiter
+    if fut is not None and not fut.done():
+        fut.set_result(None)
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("kvtop")
+    except Exception:
+        return "unknown"
