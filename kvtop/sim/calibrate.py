@@ -590,8 +590,10 @@ def fit(figures: Sequence[Figure], limits: Profile) -> FitResult:
         current = _solve(ttft_obs, steps, FRONTEND_COEFFICIENTS)
         report = engine_obs + client_obs
     else:
+        # Every client TTFT pays one frontend and one admission: t_new_req is not separable
+        # from frontend_overhead_s there, so it stays the prior's and the frontend takes it.
         method = "all from client figures"
-        current = _solve(client_obs, limits, COEFFICIENTS)
+        current = _solve(client_obs, limits, [c for c in COEFFICIENTS if c != "t_new_req"])
         report = client_obs
     rows, rels = [], []
     for ob in report:
