@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import json
 import queue
+import logging
 import sqlite3
-import sys
 import threading
 import time
 from typing import Any
@@ -21,6 +21,8 @@ from typing import Any
 import sqlite_utils
 
 from store.schema import JSON_COLUMNS, TABLES, ensure_schema
+
+log = logging.getLogger("kvtop.store")
 
 _STOP = object()
 
@@ -168,4 +170,4 @@ class Writer:
             conn.execute("ROLLBACK") if conn.in_transaction else None
             self.rows_failed += len(batch)
             self.last_error = str(exc)
-            print(f"kvtop: decision log write failed ({exc}); {len(batch)} rows lost", file=sys.stderr)
+            log.error("decision log write failed (%s); %d rows lost", exc, len(batch))
