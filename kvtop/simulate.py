@@ -288,6 +288,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-block-size", type=int, default=None,
                    help="engine cache block (default: the trace's block size, at least the profile's)")
     p.add_argument("--max-output-tokens", type=int, default=None, help="cap each request's output")
+    p.add_argument("--engine-admission", choices=("fifo", "pack"), default=None,
+                   help="order each simulated engine's own waiting queue with router/admission.py "
+                        "(an experiment on the engine; --knob admission=... queues in the router, as live)")
     p.add_argument("--format", choices=("text", "md", "csv"), default="text")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="write each policy's results as DIR/<policy>.jsonl (for kvtop report)")
@@ -345,7 +348,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = SimConfig(instances=args.instances, profile=args.profile, mode=args.mode,
                         router_block_size=args.router_block_size, engine_block_size=args.engine_block_size,
                         knobs=_policy_knobs(pol, knobs), max_output_tokens=args.max_output_tokens,
-                        features=features)
+                        features=features, admission=args.engine_admission)
         t0 = time.process_time()
         try:
             records = simulate(requests, pol, cfg)

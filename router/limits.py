@@ -24,6 +24,7 @@ RETRY_AFTER_S = "1"
 MAX_INFLIGHT = 10_000
 MAX_INFLIGHT_PER_INSTANCE = 4_096
 MAX_BODY_MB = 64
+MAX_ANSWER_MB = 256
 CLIENT_TIMEOUT_S = 60.0
 HEALTH_INTERVAL_S = 0.5
 HEALTH_TIMEOUT_S = 1.0
@@ -98,6 +99,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                      f"(default {MAX_INFLIGHT_PER_INSTANCE:,}; 0 = no bound)")
     g.add_argument("--max-body-mb", type=_positive(float), default=MAX_BODY_MB, metavar="MB",
                    help=f"largest request body; bigger gets a JSON 413 (default {MAX_BODY_MB})")
+    g.add_argument("--max-answer-mb", type=_positive(float), default=MAX_ANSWER_MB, metavar="MB",
+                   help="largest non-streaming answer the router buffers from a backend; bigger is a "
+                        f"502 (default {MAX_ANSWER_MB}; streams are relayed as they come, unbounded)")
     g.add_argument("--client-timeout", type=_positive(float), default=CLIENT_TIMEOUT_S, metavar="S",
                    help=f"a client must send its whole body within S s, else 408, and may stop reading an "
                         f"answer for at most S s (default {CLIENT_TIMEOUT_S:g}; 0 = none)")
@@ -115,10 +119,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """RouterConfig fields from the flags above."""
-    if args.max_body_mb <= 0:
-        raise CliError("--max-body-mb must be positive")
+    if args.max_body_mb <= 0 or args.max_answer_mb <= 0:
+        raise CliError("--max-body-mb and --max-answer-mb must be positive")
     return {"max_inflight": args.max_inflight, "max_inflight_per_instance": args.max_inflight_per_instance,
-            "max_body_bytes": int(args.max_body_mb * 1024 * 1024), "client_timeout_s": args.client_timeout,
+            "max_body_bytes": int(args.max_body_mb * 1024 * 1024),
+            "max_answer_bytes": int(args.max_answer_mb * 1024 * 1024), "client_timeout_s": args.client_timeout,
             "total_timeout_s": args.total_timeout or None, "health_interval_s": args.health_interval,
             "health_timeout_s": args.health_timeout or HEALTH_TIMEOUT_S,
             "health_backoff_max_s": args.health_backoff_max}
