@@ -30,6 +30,8 @@ class InstanceState:
     name: str
     url: str = ""
     healthy: bool = True
+    ejected: bool = False  # taken out by outlier detection (router/health.py); healthy is then False
+    ejections_total: int = 0
     # live load, DESIGN.md accounting
     num_requests: int = 0
     ongoing_tokens: int = 0

@@ -167,6 +167,7 @@ class Control:
                 "est_hit_rate": s.est_hit_tokens_total / s.input_tokens_total if s.input_tokens_total else None,
                 "est_hit_rate_recent": rates["est_hit_rate_recent"], "request_rate": rates["request_rate"],
                 "engine": it.engine_json(now), "gpu": it.gpu_json(), "errors": errors,
+                "health": st.health.instance_json(i) if st.health is not None else None,
             })
             for k in ("num_requests", "pending_prefill_tokens", "decode_requests", "routed_total",
                       "input_tokens_total", "est_hit_tokens_total", "errors_total"):

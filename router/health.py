@@ -1,4 +1,4 @@
-"""Backend health: an active prober plus passive marking from the proxy.
+"""Backend health: an active prober, passive marking from the proxy, and outlier detection.
 
 Each backend has its own watcher task that GETs ``/health`` every ``health_interval_s``
 with a ``health_timeout_s`` limit. A refused connection marks the instance down at once;
@@ -10,12 +10,21 @@ probed with exponential backoff (interval x 2^(failures-1), capped at
 ``health_backoff_max_s``); its first good answer re-admits it. Every transition is a
 ``health`` event and a ``config_events`` row of kind ``health``. docs/reliability.md has the
 timing figures.
+
+Outlier detection, in the style of Envoy's: a backend whose /health answers 200 while its
+completions fail is caught by real traffic. ``outlier_consecutive`` failed attempts in a row
+(5xx, gateway errors, timeouts; a client that leaves and a 4xx do not count) eject it for
+``outlier_ejection_s`` x (times ejected), capped at ``OUTLIER_MAX_EJECTION_S``, as long as at
+most ``OUTLIER_MAX_SHARE`` of the fleet is ejected and one instance stays in. When the time is
+up it returns on trial once its probe answers (at once when active checks are off): its next
+real failure ejects it again, for longer; a success clears the streak.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -27,6 +36,11 @@ log = logging.getLogger("kvtop.route")
 
 #: Consecutive soft failures (timeout, 5xx) before a healthy instance is marked down.
 FAIL_THRESHOLD = 2
+#: Outlier detection: the longest ejection, and the largest share of the fleet ejected at once.
+OUTLIER_MAX_EJECTION_S = 300.0
+OUTLIER_MAX_SHARE = 0.7
+#: Outcome statuses that count against an instance (router/pipeline.py).
+FAILED = frozenset(("upstream_error", "timeout"))
 
 
 @dataclass(slots=True)
@@ -40,6 +54,9 @@ class ProbeState:
     served_seen: int = 0  # requests this instance had completed without error at the last probe
     forgiven: int = 0  # soft failures ignored because the instance was completing requests
     wake: asyncio.Event | None = None
+    consecutive_errors: int = 0  # failed real-traffic attempts in a row
+    ejected_until: float = 0.0  # monotonic deadline of the current ejection (0: not ejected)
+    ejected_timer: asyncio.TimerHandle | None = None
 
 
 def backoff_s(failures: int, interval_s: float, cap_s: float) -> float:
@@ -56,6 +73,8 @@ class HealthChecker:
         self.interval_s = cfg.health_interval_s
         self.timeout_s = cfg.health_timeout_s
         self.backoff_max_s = max(cfg.health_backoff_max_s, cfg.health_interval_s)
+        self.outlier_consecutive = cfg.outlier_consecutive
+        self.outlier_ejection_s = cfg.outlier_ejection_s
         self.probes = [ProbeState(changed_at=time.time()) for _ in state.cluster.instances]
         self.transitions = 0
 
@@ -78,6 +97,59 @@ class HealthChecker:
         st.record_config("health", source, {"instance": inst.name, "healthy": not healthy},
                          {"instance": inst.name, "healthy": healthy, "reason": why})
         return True
+
+    # -- outlier detection on real traffic ---------------------------------------------
+    def observe(self, index: int, status: str) -> None:
+        """One attempt on ``index`` ended with ``status`` (the pipeline's outcome)."""
+        if not self.outlier_consecutive:
+            return
+        p = self.probes[index]
+        if status == "ok":
+            p.consecutive_errors = 0
+            return
+        if status not in FAILED:
+            return
+        p.consecutive_errors += 1
+        inst = self.state.cluster.instances[index]
+        if p.consecutive_errors >= self.outlier_consecutive and inst.healthy and self._may_eject():
+            self._eject(index)
+
+    def _may_eject(self) -> bool:
+        insts = self.state.cluster.instances
+        ejected = sum(s.ejected for s in insts)
+        cap = min(len(insts) - 1, math.ceil(len(insts) * OUTLIER_MAX_SHARE))
+        return ejected < cap
+
+    def _eject(self, index: int) -> None:
+        inst = self.state.cluster.instances[index]
+        p = self.probes[index]
+        inst.ejected = True
+        inst.ejections_total += 1
+        duration = min(OUTLIER_MAX_EJECTION_S, self.outlier_ejection_s * inst.ejections_total)
+        loop = asyncio.get_running_loop()
+        p.ejected_until = loop.time() + duration
+        p.last_error = f"{p.consecutive_errors} failed requests in a row"
+        self._set(index, False, "outlier", f"{p.last_error}; ejected for {duration:g} s")
+        if p.ejected_timer is not None:
+            p.ejected_timer.cancel()
+        p.ejected_timer = loop.call_later(duration, self._ejection_over, index)
+
+    def _ejection_over(self, index: int) -> None:
+        p = self.probes[index]
+        p.ejected_timer = None
+        p.ejected_until = 0.0
+        if self.interval_s > 0 and p.wake is not None:
+            p.wake.set()  # the watcher probes now and re-admits on a good answer
+        else:
+            self._readmit_on_trial(index)
+
+    def _readmit_on_trial(self, index: int) -> None:
+        inst = self.state.cluster.instances[index]
+        p = self.probes[index]
+        inst.ejected = False
+        # on trial: one more failure ejects it again (for longer); a success clears the streak
+        p.consecutive_errors = max(0, self.outlier_consecutive - 1)
+        self._set(index, True, "outlier", "ejection over; back on trial")
 
     def passive_down(self, index: int, exc: BaseException) -> None:
         """The proxy could not connect to ``index``: exclude it now; probes re-admit it."""
@@ -122,6 +194,10 @@ class HealthChecker:
             return self.interval_s
         if ok:
             p.failures = 0
+            if inst.ejected:  # an outlier returns on trial once its time is up and it answers
+                if p.ejected_until == 0.0:
+                    self._readmit_on_trial(index)
+                return self.interval_s
             p.last_error = None
             if not healthy:
                 self._set(index, True, "probe", None)
@@ -148,10 +224,19 @@ class HealthChecker:
             delay = self.after_probe(index, ok, hard, why)
 
     def snapshot(self) -> list[dict[str, Any]]:
-        return [{"instance": s.name, "healthy": s.healthy, "failures": p.failures,
-                 "last_error": p.last_error, "since": p.changed_at, "probes": p.probes,
-                 "forgiven": p.forgiven}
-                for s, p in zip(self.state.cluster.instances, self.probes)]
+        return [self.instance_json(i) for i in range(len(self.probes))]
+
+    def instance_json(self, index: int) -> dict[str, Any]:
+        """What the state snapshot says about one instance's health (why it is out, if it is)."""
+        s = self.state.cluster.instances[index]
+        p = self.probes[index]
+        left = None
+        if p.ejected_until:
+            left = max(0.0, p.ejected_until - asyncio.get_running_loop().time())
+        return {"instance": s.name, "healthy": s.healthy, "failures": p.failures,
+                "last_error": p.last_error, "since": p.changed_at, "probes": p.probes,
+                "forgiven": p.forgiven, "ejected": s.ejected, "ejected_for_s": left,
+                "ejections": s.ejections_total, "consecutive_errors": p.consecutive_errors}
 
     # -- lifecycle ---------------------------------------------------------------------
     async def run(self) -> AsyncIterator[None]:
@@ -162,6 +247,9 @@ class HealthChecker:
         finally:
             for t in tasks:
                 t.cancel()
+            for p in self.probes:
+                if p.ejected_timer is not None:
+                    p.ejected_timer.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
 

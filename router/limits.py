@@ -29,6 +29,9 @@ CLIENT_TIMEOUT_S = 60.0
 HEALTH_INTERVAL_S = 0.5
 HEALTH_TIMEOUT_S = 1.0
 HEALTH_BACKOFF_MAX_S = 5.0
+OUTLIER_CONSECUTIVE = 5
+OUTLIER_EJECTION_S = 10.0
+FIRST_BYTE_TIMEOUT_S = 30.0
 
 
 def _too_many(state: Any, message: str) -> web.Response:
@@ -112,6 +115,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"probe each backend's /health every S s (default {HEALTH_INTERVAL_S:g}; 0 = no active checks)")
     g.add_argument("--health-timeout", type=_positive(float), default=HEALTH_TIMEOUT_S, metavar="S",
                    help=f"one probe's time limit (default {HEALTH_TIMEOUT_S:g})")
+    g.add_argument("--outlier-consecutive", type=_positive(int), default=OUTLIER_CONSECUTIVE, metavar="N",
+                   help="eject an instance after N failed requests in a row on real traffic (5xx, gateway "
+                        f"errors, timeouts), even while its /health answers (default {OUTLIER_CONSECUTIVE}; 0 = off)")
+    g.add_argument("--outlier-ejection", type=_positive(float), default=OUTLIER_EJECTION_S, metavar="S",
+                   help=f"first ejection's length; each later one is longer, up to 300 s (default {OUTLIER_EJECTION_S:g})")
+    g.add_argument("--first-byte-timeout", type=_positive(float), default=FIRST_BYTE_TIMEOUT_S, metavar="S",
+                   help="a streaming request's backend must send its answer's first byte within S s, else the "
+                        f"attempt fails (retried when it can be); vLLM answers a stream's head at once "
+                        f"(default {FIRST_BYTE_TIMEOUT_S:g}; 0 = none; a non-streaming answer's first byte is "
+                        "its last, so --read-timeout bounds those)")
     g.add_argument("--health-backoff-max", type=_positive(float), default=HEALTH_BACKOFF_MAX_S, metavar="S",
                    help="longest wait between probes of a down backend; waits double from "
                         f"--health-interval (default {HEALTH_BACKOFF_MAX_S:g})")
@@ -126,4 +139,5 @@ def config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             "max_answer_bytes": int(args.max_answer_mb * 1024 * 1024), "client_timeout_s": args.client_timeout,
             "total_timeout_s": args.total_timeout or None, "health_interval_s": args.health_interval,
             "health_timeout_s": args.health_timeout or HEALTH_TIMEOUT_S,
-            "health_backoff_max_s": args.health_backoff_max}
+            "health_backoff_max_s": args.health_backoff_max, "outlier_consecutive": args.outlier_consecutive,
+            "outlier_ejection_s": args.outlier_ejection, "first_byte_timeout_s": args.first_byte_timeout or None}

@@ -134,9 +134,10 @@ async def _prefill_leg(state, p_index: int, request, body: dict, path: str,
     headers.append(("Content-Type", "application/json"))
     cfg = state.config
     try:
-        up = await state.upstream.request(inst.url, "POST", path, headers,
-                                          json.dumps(prefill_leg_body(body)).encode(),
-                                          total_timeout=cfg.total_timeout_s)
+        async with asyncio.timeout(cfg.first_byte_timeout_s):  # one token: its answer is quick
+            up = await state.upstream.request(inst.url, "POST", path, headers,
+                                              json.dumps(prefill_leg_body(body)).encode(),
+                                              total_timeout=cfg.total_timeout_s)
         async with up:
             data = await up.read()
             if up.status != 200:
@@ -184,17 +185,22 @@ async def _forward(request: web.Request, state, flow: Flow, raw: bytes, path: st
     resp: web.StreamResponse | None = None
     transport = request.transport
     try:
-        up = await state.upstream.request(inst.url, "POST", path, headers, raw,
-                                          total_timeout=cfg.total_timeout_s,
-                                          on_sent=lambda: pipe.sent(flow))
+        # a stream's head comes at once from vLLM: a backend that accepts and never answers is
+        # caught after --first-byte-timeout, not --read-timeout
+        async with asyncio.timeout(cfg.first_byte_timeout_s if req.stream else None):
+            up = await state.upstream.request(inst.url, "POST", path, headers, raw,
+                                              total_timeout=cfg.total_timeout_s,
+                                              on_sent=lambda: pipe.sent(flow))
         async with up:
             end["http_status"] = up.status
             if up.status != 200:
                 data = await up.read(limit=cfg.max_answer_bytes)
                 end["error"] = data[:500].decode("utf-8", "replace")
-                if up.status >= 500 and can_retry:
+                if up.status >= 500:  # the instance failed (outlier detection counts it)
                     end["status"] = UPSTREAM_ERROR
-                    return None
+                    if can_retry:
+                        return None
+                # the client gets the backend's own status and error body
                 ctype = up.headers.get("Content-Type", "application/json")
                 resp = web.Response(body=data, status=up.status, headers={**reply_headers, "Content-Type": ctype})
                 await resp.prepare(request)

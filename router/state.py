@@ -76,10 +76,15 @@ class RouterConfig:
     max_inflight_per_instance: int = 4_096
     client_timeout_s: float = 60.0
     total_timeout_s: float | None = None
+    first_byte_timeout_s: float | None = 30.0  # streaming requests and prefill legs (router/proxy.py)
     max_answer_bytes: int = 256 * 1024 * 1024
     health_interval_s: float = 0.5
     health_timeout_s: float = 1.0
     health_backoff_max_s: float = 5.0
+    # outlier detection (router/health.py): failed attempts in a row that eject (0 = off), and
+    # the first ejection's length (it grows with each ejection)
+    outlier_consecutive: int = 5
+    outlier_ejection_s: float = 10.0
 
     @property
     def capacity_blocks(self) -> int:
@@ -142,6 +147,8 @@ class RouterState:
     def outcome(self, d: Decision, o: Outcome) -> None:
         row = o.row(d, self.run_id)
         self.outcome_counts[o.status] = self.outcome_counts.get(o.status, 0) + 1
+        if self.health is not None:
+            self.health.observe(d.instance, o.status)
         if self.writer:
             self.writer.put("outcomes", row)
         self.emit("outcome", row)

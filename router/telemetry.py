@@ -342,6 +342,10 @@ class RouterMetrics:
 #: None leaves the instance out).
 INSTANCE_SERIES: tuple[tuple[str, str, str, Callable[[Any], float | None]], ...] = (
     ("gauge", "kvtop_instance_healthy", "1 when the instance takes requests", lambda s: int(s.healthy)),
+    ("gauge", "kvtop_instance_ejected", "1 while outlier detection keeps the instance out (failing real traffic)",
+     lambda s: int(s.ejected)),
+    ("counter", "kvtop_instance_ejections_total", "times outlier detection took the instance out",
+     lambda s: s.ejections_total),
     ("gauge", "kvtop_instance_num_requests", "requests in flight on the instance (BS_i)",
      lambda s: s.num_requests),
     ("gauge", "kvtop_instance_pending_prefill_tokens", "tokens routed and not yet prefilled (P_i)",
