@@ -64,8 +64,11 @@ async def health(request: web.Request) -> web.Response:
     insts = state.cluster.instances
     healthy = sum(1 for s in insts if s.healthy)
     status = "ok" if healthy == len(insts) else ("degraded" if healthy else "unavailable")
+    log_health = state.writer.health() if state.writer is not None else None
+    if log_health is not None and log_health["degraded"] and status == "ok":
+        status = "degraded"  # routing goes on; the decision log is losing rows or lagging
     body = {"status": status, "healthy_instances": healthy, "instances": len(insts),
-            "policy": state.slot.label, "draining": state.draining}
+            "policy": state.slot.label, "draining": state.draining, "decision_log": log_health}
     return web.json_response(body, status=200 if healthy and not state.draining else 503)
 
 

@@ -396,6 +396,18 @@ class RouterCollector:
         for status, n in sorted(m.outcomes.items()):
             family.add_metric([status], n)
         yield family
+        writer = st.writer.health() if st.writer is not None else None
+        if writer is not None:
+            for kind, name, doc, key in (
+                    ("counter", "kvtop_decision_log_rows_written_total", "rows the decision log wrote", "rows_written"),
+                    ("counter", "kvtop_decision_log_rows_dropped_total",
+                     "rows dropped because the decision log's queue was full", "rows_dropped"),
+                    ("counter", "kvtop_decision_log_rows_failed_total", "rows lost to failed writes (disk full, ...)",
+                     "rows_failed"),
+                    ("gauge", "kvtop_decision_log_queued_rows", "rows waiting to be written", "rows_queued"),
+                    ("gauge", "kvtop_decision_log_lag_seconds", "age of the newest written row when rows wait",
+                     "lag_s")):
+                yield (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, doc, value=writer[key])
         for name, doc, n in (
                 ("kvtop_input_tokens_total", "input tokens of routed requests", m.input_tokens),
                 ("kvtop_est_hit_tokens_total", "estimated cached tokens on the chosen instance", m.est_hit_tokens),

@@ -4,8 +4,16 @@ The router must never wait on disk. ``Writer.put`` only appends to a queue; a da
 thread that owns its own SQLite connection drains the queue every ``flush_interval``
 seconds (or sooner when a batch fills) and inserts each table's rows with one
 ``executemany`` inside one transaction. ``close()`` writes everything still queued
-before it returns, so a clean shutdown loses nothing; after a crash at most the last
-flush interval is missing and WAL keeps the file readable.
+before it returns, so a clean shutdown loses nothing; WAL keeps the file readable after a
+crash.
+
+The queue is bounded (``max_queued`` rows): when the disk or the thread cannot keep up, new
+decision and outcome rows are dropped and counted instead of growing the router's memory and
+the window a crash can lose. What a SIGKILL loses is therefore at most the rows queued plus
+the batch being written: ``max_queued`` rows, about ``max_queued / rows per second`` of
+traffic (docs/reliability.md has the measured figures). ``runs`` and ``config_events`` rows
+are never dropped. ``health()`` says how the writer is doing (written, queued, dropped,
+failed, the last error, and its lag in seconds).
 """
 
 from __future__ import annotations
@@ -27,15 +35,27 @@ log = logging.getLogger("kvtop.store")
 _STOP = object()
 
 
+#: Tables whose rows are never dropped: rare, and what a run's story hangs on.
+_KEEP = frozenset(("runs", "config_events"))
+#: A writer that dropped or failed rows this recently, or lags this much, is "degraded".
+DEGRADED_WINDOW_S = 60.0
+DEGRADED_LAG_S = 5.0
+
+
 class Writer:
-    def __init__(self, path: str, *, flush_interval: float = 0.2, max_batch: int = 5000):
+    def __init__(self, path: str, *, flush_interval: float = 0.2, max_batch: int = 5000,
+                 max_queued: int = 20_000):
         self.path = path
         self.flush_interval = flush_interval
         self.max_batch = max_batch
+        self.max_queued = max_queued
         self.rows_written = 0
         self.rows_failed = 0
+        self.rows_dropped = 0
         self.batches = 0
         self.last_error: str | None = None
+        self.last_problem_at = 0.0  # monotonic time of the last drop or failed write
+        self._written_enqueued_at: float | None = None  # enqueue time of the newest row written
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
@@ -68,9 +88,29 @@ class Writer:
         self._thread.join(timeout)
         self._thread = None
 
-    def put(self, table: str, row: dict[str, Any]) -> None:
-        """Queue one row; never blocks. JSON columns may hold Python objects."""
-        self._queue.put((table, row))
+    def put(self, table: str, row: dict[str, Any]) -> bool:
+        """Queue one row; never blocks. JSON columns may hold Python objects. Returns False
+        (and counts it) when the queue is full and the row was dropped."""
+        now = time.monotonic()
+        if self._queue.qsize() >= self.max_queued and table not in _KEEP:
+            self.rows_dropped += 1
+            self.last_problem_at = now
+            return False
+        self._queue.put((table, row, now))
+        return True
+
+    def health(self) -> dict[str, Any]:
+        """The writer's state for /health, /metrics and the control API."""
+        now = time.monotonic()
+        queued = self._queue.qsize()
+        lag = 0.0
+        if queued and self._written_enqueued_at is not None:
+            lag = max(0.0, now - self._written_enqueued_at)
+        recent = self.last_problem_at and now - self.last_problem_at < DEGRADED_WINDOW_S
+        return {"rows_written": self.rows_written, "rows_queued": queued, "rows_dropped": self.rows_dropped,
+                "rows_failed": self.rows_failed, "max_queued": self.max_queued, "batches": self.batches,
+                "last_error": self.last_error, "lag_s": round(lag, 3),
+                "degraded": bool(recent) or lag > DEGRADED_LAG_S}
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Block until every row queued before this call is written (for tests and shutdown)."""
@@ -141,7 +181,7 @@ class Writer:
 
     def _write(self, conn: sqlite3.Connection, batch: list) -> None:
         by_table: dict[str, list[tuple]] = {}
-        for table, row in batch:
+        for table, row, _ in batch:
             cols = self._cols.get(table)
             if cols is None:
                 self.rows_failed += 1
@@ -167,7 +207,12 @@ class Writer:
             self.rows_written += sum(len(r) for r in by_table.values())
             self.batches += 1
         except sqlite3.Error as exc:
-            conn.execute("ROLLBACK") if conn.in_transaction else None
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
             self.rows_failed += len(batch)
+            self.last_problem_at = time.monotonic()
+            if str(exc) != self.last_error:  # once per kind of failure, not once per batch
+                log.error("decision log write failed (%s); rows are being lost (see /health)", exc)
             self.last_error = str(exc)
-            log.error("decision log write failed (%s); %d rows lost", exc, len(batch))
+        if batch:
+            self._written_enqueued_at = batch[-1][2]

@@ -142,7 +142,8 @@ async def test_backend_500_retried_then_passed_through(router_client, fake_backe
     client, state = await start_router(router_client, [u for _, u in fakes], tmp_path)
     r = await client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2})
     assert r.status == 500 and "error" in await r.json()
-    assert [x["status"] for x in rows(state, "outcomes")] == ["upstream_error", "error"]
+    # both attempts failed on their instance (outlier detection counts each); the 500 passes through
+    assert [x["status"] for x in rows(state, "outcomes")] == ["upstream_error", "upstream_error"]
     assert state.cluster.counters_zero()
 
 
