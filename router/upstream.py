@@ -6,9 +6,26 @@ objects, per-call timers); this pool keeps one idle keep-alive connection list p
 backend, writes the request head and body in one ``write`` and feeds the answer to
 httptools' C parser. docs/performance.md has the figures.
 
-Errors, mapped by the proxy to its outcome statuses (router/app.py):
-  - ``ConnectFailed``: the backend refused or did not accept within ``connect_timeout``;
+Limits (``Pool`` keyword arguments; each breach closes the connection):
+  - ``max_head_bytes`` (64 KiB): the status line and headers, interim (1xx) answers included;
+    the same bound holds for the trailers and chunk framing after the last body byte;
+  - ``max_headers`` (256): header lines in one head; trailers are read and dropped, never
+    added to ``headers``;
+  - ``max_buffered_bytes`` (64 MiB): a body taken whole with ``read()`` (or ``read(limit=)``);
+    ``iter_chunks`` is not bounded by it: it holds at most ``HIGH_WATER`` bytes before
+    reading from the backend pauses;
+  - exact framing: an answer ends where its Content-Length or last chunk says, or at the
+    connection's close when it says neither (that connection is never reused); any byte after
+    a complete answer closes the connection instead of reaching this or the next answer;
+  - ``https://`` backends are verified (certificate and host name) against the default trust
+    store plus ``ssl_ca_file``, when given.
+
+Errors, all ``UpstreamError`` but the timeout, mapped by the proxy to its outcome statuses:
+  - ``ConnectFailed``: the backend refused, did not accept within ``connect_timeout``, or its
+    TLS certificate did not verify;
   - ``Disconnected``: the backend closed the connection before the answer was complete;
+  - ``BadResponse``: the answer is not HTTP/1.x, or its head breaks a bound above;
+  - ``TooLarge``: ``read()`` met a body over its bound;
   - ``TimeoutError``: no byte for ``read_timeout`` seconds, or the request's ``total_timeout``
     passed (one timer per request enforces both, re-armed only when it fires).
 A reused idle connection that the backend had already closed is retried once on a fresh
@@ -19,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
 from urllib.parse import urlsplit
@@ -28,6 +46,12 @@ from multidict import CIMultiDict
 
 #: Answer bytes buffered per connection before reading from the backend pauses.
 HIGH_WATER = 256 * 1024
+#: Bytes of status line and headers (interim answers included), and of trailers, per answer.
+MAX_HEAD_BYTES = 64 * 1024
+#: Header lines in one head.
+MAX_HEADERS = 256
+#: A body taken whole by ``Response.read``.
+MAX_BUFFERED_BYTES = 64 * 1024 * 1024
 
 
 def set_nodelay(transport: asyncio.BaseTransport) -> None:
@@ -54,26 +78,41 @@ class Disconnected(UpstreamError):
     pass
 
 
+class BadResponse(UpstreamError):
+    """The answer is not well-formed HTTP/1.x, or its head is over a bound."""
+
+
+class TooLarge(UpstreamError):
+    """A body read whole was longer than its bound."""
+
+
+class _Stop(Exception):
+    """Raised from a parser callback to stop parsing what follows."""
+
+
 class _Conn(asyncio.Protocol):
     """One connection; carries one request at a time."""
 
     __slots__ = ("pool", "key", "transport", "parser", "status", "headers", "chunks", "buffered",
                  "complete", "error", "got_bytes", "waiter", "headers_done", "last_data", "paused",
                  "keep_alive", "deadline", "watch", "head_only", "interim",
-                 "idle")
+                 "idle", "since_body")
 
     def __init__(self, pool: Pool, key: str):
         self.pool = pool
         self.key = key
         self.transport: asyncio.Transport | None = None
         self.error: BaseException | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.chunks: deque[bytes] = deque()
         self._reset()
 
     def _reset(self) -> None:
-        self.parser = httptools.HttpResponseParser(self)
+        """Ready for the next request. The parser is kept: after a complete answer it waits
+        at the start of the next one (a connection in any other state is closed, not reused)."""
         self.status = 0
         self.headers: CIMultiDict[str] = CIMultiDict()
-        self.chunks: deque[bytes] = deque()
+        self.chunks.clear()
         self.buffered = 0
         self.complete = False
         self.headers_done = False
@@ -86,6 +125,8 @@ class _Conn(asyncio.Protocol):
         self.head_only = False
         self.interim = False
         self.idle = False
+        #: bytes read since the last body byte: the head, or the trailers after the body
+        self.since_body = 0
 
     # -- asyncio.Protocol ---------------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -93,21 +134,35 @@ class _Conn(asyncio.Protocol):
         set_nodelay(transport)
 
     def data_received(self, data: bytes) -> None:
-        if self.idle:  # nobody asked: whatever this is, the connection is out of step
+        if self.idle or self.complete:
+            # nobody asked, or the answer is whole: whatever this is, the connection is out of step
+            self.keep_alive = False
             self.pool.forget(self)
             self.transport.close()
             return
+        pool = self.pool
         self.got_bytes = True
-        self.last_data = self.pool.loop.time()
+        self.last_data = pool.loop.time()
+        self.since_body += len(data)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            self._fail(Disconnected(f"malformed HTTP answer: {exc}"))
+            # a callback stopped the parse (a bound, or bytes after the answer), or it is not HTTP
+            if self.error is None and not self.complete:
+                self._fail(BadResponse(f"malformed HTTP answer: {exc}"))
+            self.keep_alive = False
+            self.transport.close()
+            return
+        if self.since_body > pool.max_head_bytes and not self.complete:
+            # checked per read, not per byte: reads with no body byte in them (a head, interim
+            # heads, trailers) add up to at most one read over the bound
+            what = "trailers" if self.headers_done else "head"
+            self._fail(BadResponse(f"more than {pool.max_head_bytes} bytes of the answer's {what}"))
             self.transport.close()
 
     def connection_lost(self, exc) -> None:
         self.pool.forget(self)
-        if exc is None and self.headers_done and not self.complete \
+        if exc is None and self.headers_done and not self.complete and self.error is None \
                 and "content-length" not in self.headers and "transfer-encoding" not in self.headers:
             self.on_message_complete()  # an answer delimited by the connection's close
             return
@@ -116,10 +171,27 @@ class _Conn(asyncio.Protocol):
             self._fail(Disconnected(what))
 
     # -- httptools callbacks ------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        if self.complete:  # a second answer to one request: it belongs to no one
+            raise _Stop
+
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.add(name.decode("latin-1"), value.decode("latin-1"))
+        if not self.headers_done:  # trailers are dropped: they never become headers
+            self.headers.add(name.decode("latin-1"), value.decode("latin-1"))
 
     def on_headers_complete(self) -> None:
+        headers = self.headers
+        pool = self.pool
+        if len(headers) > pool.max_headers:
+            self._fail(BadResponse(f"the answer has {len(headers)} headers, more than {pool.max_headers}"))
+            raise _Stop
+        if self.since_body > pool.max_head_bytes:
+            # the reads so far are over the bound, and may hold body bytes too: measure the head
+            # itself (its header lines; the status line is bounded with the reads)
+            size = sum(len(k) + len(v) + 4 for k, v in headers.items())
+            if size > pool.max_head_bytes:
+                self._fail(BadResponse(f"more than {pool.max_head_bytes} bytes of the answer's head"))
+                raise _Stop
         status = self.parser.get_status_code()
         if 100 <= status < 200:  # an interim answer (100 Continue, 103): the real one follows
             self.interim = True
@@ -127,11 +199,17 @@ class _Conn(asyncio.Protocol):
         self.status = status
         self.keep_alive = self.parser.should_keep_alive()
         self.headers_done = True
-        if self.head_only:  # an answer to HEAD has no body, whatever Content-Length says
+        if self.head_only:
+            # an answer to HEAD has no body, whatever Content-Length says: the parser would
+            # wait for one, so what follows is not ours and the connection is not reused
             self.complete = True
+            self.keep_alive = False
+            self._wake()
+            raise _Stop
         self._wake()
 
     def on_body(self, body: bytes) -> None:
+        self.since_body = 0
         self.chunks.append(body)
         self.buffered += len(body)
         if self.buffered > HIGH_WATER and not self.paused:
@@ -243,12 +321,26 @@ class Response:
             if not c.chunks:
                 await c.wait()
 
-    async def read(self) -> bytes:
+    async def read(self, limit: int | None = None) -> bytes:
+        """The whole body, at most ``limit`` bytes (default: the pool's ``max_buffered_bytes``);
+        past it, ``TooLarge`` and the connection is closed."""
         c = self._conn
+        if limit is None:
+            limit = c.pool.max_buffered_bytes
         parts = []
+        size = 0
         while True:
             if c.chunks:  # taken as they come: past HIGH_WATER the backend would be paused
-                parts.append(self._take())
+                part = self._take()
+                size += len(part)
+                if size > limit:
+                    exc = TooLarge(f"the answer's body is over {limit} bytes, the bound on a buffered answer")
+                    c._fail(exc)
+                    c.disarm()
+                    c.transport.close()
+                    self.release()
+                    raise exc
+                parts.append(part)
             if c.complete:
                 break
             await c.wait()
@@ -271,34 +363,52 @@ class Response:
 
 
 class Pool:
-    """Idle keep-alive connections per backend (``http://host:port``, or ``unix:/path``)."""
+    """Idle keep-alive connections per backend (``http://host:port``, ``https://host:port``,
+    or ``unix:/path``), with the limits in the module's docstring."""
 
     def __init__(self, *, connect_timeout: float | None = 5.0, read_timeout: float | None = 600.0,
-                 max_idle_per_backend: int = 1024):
+                 max_idle_per_backend: int = 1024, max_head_bytes: int = MAX_HEAD_BYTES,
+                 max_headers: int = MAX_HEADERS, max_buffered_bytes: int = MAX_BUFFERED_BYTES,
+                 ssl_ca_file: str | None = None):
         self.loop = asyncio.get_running_loop()
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
         self.max_idle = max_idle_per_backend
+        self.max_head_bytes = max_head_bytes
+        self.max_headers = max_headers
+        self.max_buffered_bytes = max_buffered_bytes
+        self.ssl_ca_file = ssl_ca_file
+        # built now when a CA file is named, so that a bad one fails at start, not per request
+        self._ssl: ssl.SSLContext | None = self._ssl_context() if ssl_ca_file else None
         self._idle: dict[str, list[_Conn]] = {}
-        self._hosts: dict[str, tuple[str, str | None, int]] = {}
+        self._hosts: dict[str, tuple[str, str | None, str | None, int, bool]] = {}
         self._open: set[_Conn] = set()
         self.closed = False
 
-    def _target(self, base: str) -> tuple[str, str | None, int]:
+    def _ssl_context(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context()  # verifies the certificate and the host name
+        if self.ssl_ca_file:
+            ctx.load_verify_locations(cafile=self.ssl_ca_file)
+        ctx.set_alpn_protocols(["http/1.1"])
+        return ctx
+
+    def _target(self, base: str) -> tuple[str, str | None, str | None, int, bool]:
+        """(Host header, unix path, host, port, TLS) for a backend's base URL."""
         t = self._hosts.get(base)
         if t is None:
             if base.startswith("unix:"):
-                t = ("localhost", base[5:], 0)
+                t = ("localhost", base[5:], None, 0, False)
             else:
                 u = urlsplit(base)
-                if u.scheme != "http" or not u.hostname:
-                    raise ValueError(f"only http:// backends are supported, got {base!r}")
-                t = (u.netloc, None, u.port or 80)
+                if u.scheme not in ("http", "https") or not u.hostname:
+                    raise ValueError(f"only http:// and https:// backends are supported, got {base!r}")
+                tls = u.scheme == "https"
+                t = (u.netloc.rpartition("@")[2], None, u.hostname, u.port or (443 if tls else 80), tls)
             self._hosts[base] = t
         return t
 
     async def _connect(self, base: str, deadline: float | None = None) -> _Conn:
-        netloc, unix_path, port = self._target(base)
+        _, unix_path, host, port, tls = self._target(base)
         limit = self.connect_timeout
         if deadline is not None:
             left = deadline - self.loop.time()
@@ -307,11 +417,20 @@ class Pool:
             async with asyncio.timeout(limit):
                 if unix_path is not None:
                     _, conn = await self.loop.create_unix_connection(lambda: _Conn(self, base), unix_path)
+                elif tls:
+                    if self._ssl is None:
+                        self._ssl = self._ssl_context()
+                    _, conn = await self.loop.create_connection(lambda: _Conn(self, base), host, port,
+                                                                ssl=self._ssl, server_hostname=host)
                 else:
-                    host = urlsplit(base).hostname
                     _, conn = await self.loop.create_connection(lambda: _Conn(self, base), host, port)
         except TimeoutError:
             raise ConnectFailed(f"connect to {base} timed out after {limit:g} s") from None
+        except ssl.SSLCertVerificationError as exc:
+            raise ConnectFailed(f"the TLS certificate of {base} did not verify: "
+                                f"{exc.verify_message or exc}") from None
+        except ssl.SSLError as exc:
+            raise ConnectFailed(f"TLS handshake with {base} failed: {exc.reason or exc}") from None
         except OSError as exc:
             raise ConnectFailed(f"cannot connect to {base}: {exc.strerror or exc}") from None
         self._open.add(conn)
