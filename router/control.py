@@ -55,6 +55,7 @@ class Control:
         self.written: list[Path] = []
         self._affinity: tuple[float, dict[str, Any]] | None = None
         self.broadcaster = Broadcaster(self.snapshot)
+        self.guard = ReadGuard(state)
 
     def _resolve_token(self) -> tuple[str, str]:
         cfg = self.state.config
@@ -262,6 +263,70 @@ def _bad_params(handler):
     return wrapped
 
 
+#: Control reads while requests are in flight come from a snapshot at most this old, shared
+#: by every client asking the same question (a read never costs the data plane twice).
+READ_SNAPSHOT_S = 0.25
+#: Per client address: control reads per second, and the burst allowed above it.
+READ_RATE, READ_BURST = 50.0, 100.0
+_MAX_CLIENTS = 4096  # rate-limit buckets kept (oldest forgotten first)
+
+
+class ReadGuard:
+    """Fairness between planes: a token bucket per client address, and shared snapshots of
+    read answers while the data plane is busy."""
+
+    def __init__(self, state: RouterState):
+        self.state = state
+        self.buckets: dict[str, tuple[float, float]] = {}  # address -> (tokens, last refill)
+        self.cache: dict[str, tuple[float, bytes]] = {}  # path?query -> (made at, body)
+        self.refused = 0
+        self.served_from_snapshot = 0
+
+    def allow(self, who: str, now: float) -> bool:
+        tokens, last = self.buckets.pop(who, (READ_BURST, now))
+        tokens = min(READ_BURST, tokens + (now - last) * READ_RATE)
+        ok = tokens >= 1.0
+        self.buckets[who] = (tokens - 1.0 if ok else tokens, now)  # re-inserted: newest last
+        if len(self.buckets) > _MAX_CLIENTS:
+            del self.buckets[next(iter(self.buckets))]
+        if not ok:
+            self.refused += 1
+        return ok
+
+    def cached(self, key: str, now: float) -> bytes | None:
+        hit = self.cache.get(key)
+        if hit is not None and now - hit[0] < READ_SNAPSHOT_S and self.state.cluster.in_flight:
+            self.served_from_snapshot += 1
+            return hit[1]
+        return None
+
+    def keep(self, key: str, now: float, body: bytes) -> None:
+        if len(self.cache) > 256:  # distinct queries are few; a client inventing them gets no cache
+            self.cache.clear()
+        self.cache[key] = (now, body)
+
+
+def _guarded_read(handler):
+    """A control read: rate-limited per client, answered from a shared snapshot when busy."""
+    async def wrapped(request: web.Request) -> web.StreamResponse:
+        guard: ReadGuard = request.app[CONTROL].guard
+        now = time.monotonic()
+        if not guard.allow(request.remote or "?", now):
+            return error_response(429, f"more than {READ_RATE:g} control reads per second from this client; "
+                                       "use GET /kvtop/v1/events for a live view", headers={"Retry-After": "1"})
+        key = request.path_qs
+        body = guard.cached(key, now)
+        if body is not None:
+            return web.Response(body=body, content_type="application/json")
+        resp = await handler(request)
+        if resp.status == 200 and isinstance(resp.body, bytes):
+            guard.keep(key, now, resp.body)
+        return resp
+    wrapped.__name__ = handler.__name__
+    return wrapped
+
+
+@_guarded_read
 async def get_state(request: web.Request) -> web.Response:
     return web.json_response(request.app[CONTROL].snapshot(), dumps=_dumps)
 
@@ -286,10 +351,15 @@ async def get_events(request: web.Request) -> web.StreamResponse:
         types = asked
     if ctl.broadcaster.closing:
         return error_response(503, "the router is shutting down")
+    limit = request.app[STATE].config.max_viewers
+    if limit and len(ctl.broadcaster.viewers) >= limit:
+        return error_response(503, f"the router already serves {limit} event-stream viewers (--max-viewers); "
+                                   "retry later", headers={"Retry-After": "5"})
     viewer = Viewer(types, hz, rate, ctl.broadcaster.buffer)
     return await ctl.broadcaster.stream(request, viewer)
 
 
+@_guarded_read
 async def get_policies(request: web.Request) -> web.Response:
     slot = request.app[STATE].slot
     out = []
@@ -348,6 +418,7 @@ async def put_policy(request: web.Request) -> web.Response:
         param = "name" if exc.field == "policy" else exc.field
         prefix = "" if param in ("name", "knobs") else "knobs."
         return error_response(400, f"{prefix}{param}: {exc.message}", param=param)
+    request.app[CONTROL].guard.cache.clear()  # a change is visible at once
     return _swap_response(slot, request.app[STATE].features)
 
 
@@ -364,6 +435,7 @@ async def patch_knobs(request: web.Request) -> web.Response:
         slot = request.app[STATE].set_policy(None, body, _who(request), merge=True)
     except KnobError as exc:
         return error_response(400, f"{exc.field}: {exc.message}", param=exc.field)
+    request.app[CONTROL].guard.cache.clear()  # a change is visible at once
     return _swap_response(slot, request.app[STATE].features)
 
 
@@ -375,6 +447,7 @@ async def get_auth(request: web.Request) -> web.Response:
     return web.json_response({"ok": True, "readonly": False})
 
 
+@_guarded_read
 @_bad_params
 async def get_sessions(request: web.Request) -> web.Response:
     st = request.app[STATE]
@@ -405,6 +478,7 @@ async def get_sessions(request: web.Request) -> web.Response:
                              dumps=_dumps)
 
 
+@_guarded_read
 @_bad_params
 async def get_decisions(request: web.Request) -> web.Response:
     st = request.app[STATE]

@@ -29,6 +29,7 @@ CLIENT_TIMEOUT_S = 60.0
 HEALTH_INTERVAL_S = 0.5
 HEALTH_TIMEOUT_S = 1.0
 HEALTH_BACKOFF_MAX_S = 5.0
+MAX_VIEWERS = 64
 OUTLIER_CONSECUTIVE = 5
 OUTLIER_EJECTION_S = 10.0
 FIRST_BYTE_TIMEOUT_S = 30.0
@@ -100,6 +101,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-inflight-per-instance", type=_positive(int), default=MAX_INFLIGHT_PER_INSTANCE,
                    metavar="N", help="skip an instance holding N requests; 429 when all do "
                                      f"(default {MAX_INFLIGHT_PER_INSTANCE:,}; 0 = no bound)")
+    g.add_argument("--max-viewers", type=_positive(int), default=MAX_VIEWERS, metavar="N",
+                   help=f"event-stream viewers at once; more get a 503 (default {MAX_VIEWERS}; 0 = no bound)")
     g.add_argument("--max-body-mb", type=_positive(float), default=MAX_BODY_MB, metavar="MB",
                    help=f"largest request body; bigger gets a JSON 413 (default {MAX_BODY_MB})")
     g.add_argument("--max-answer-mb", type=_positive(float), default=MAX_ANSWER_MB, metavar="MB",
@@ -136,7 +139,7 @@ def config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         raise CliError("--max-body-mb and --max-answer-mb must be positive")
     return {"max_inflight": args.max_inflight, "max_inflight_per_instance": args.max_inflight_per_instance,
             "max_body_bytes": int(args.max_body_mb * 1024 * 1024),
-            "max_answer_bytes": int(args.max_answer_mb * 1024 * 1024), "client_timeout_s": args.client_timeout,
+            "max_answer_bytes": int(args.max_answer_mb * 1024 * 1024), "max_viewers": args.max_viewers, "client_timeout_s": args.client_timeout,
             "total_timeout_s": args.total_timeout or None, "health_interval_s": args.health_interval,
             "health_timeout_s": args.health_timeout or HEALTH_TIMEOUT_S,
             "health_backoff_max_s": args.health_backoff_max, "outlier_consecutive": args.outlier_consecutive,

@@ -74,6 +74,7 @@ class RouterConfig:
     # reliability (router/health.py, router/limits.py, docs/reliability.md); 0 = no bound
     max_inflight: int = 10_000
     max_inflight_per_instance: int = 4_096
+    max_viewers: int = 64  # event-stream viewers at once (0 = no bound)
     client_timeout_s: float = 60.0
     total_timeout_s: float | None = None
     first_byte_timeout_s: float | None = 30.0  # streaming requests and prefill legs (router/proxy.py)

@@ -1,0 +1,58 @@
+"""Fairness between planes: control reads cannot starve completions, viewers are capped."""
+
+from __future__ import annotations
+
+import asyncio
+
+from router.app import STATE, Backend, RouterConfig, create_app
+from router.control import CONTROL, READ_BURST
+
+
+async def start(router_client, fake_backends, tmp_path, **kw):
+    fakes = await fake_backends(1, **kw.pop("fake_kw", {}))
+    cfg = RouterConfig(backends=[Backend("i0", fakes[0][1])], db=None, state_dir=str(tmp_path / "state"),
+                       health_interval_s=0, **kw)
+    client = await router_client(create_app(cfg))
+    return client, client.server.app[STATE]
+
+
+async def test_event_stream_viewers_are_capped_with_a_clear_503(router_client, fake_backends, tmp_path):
+    client, state = await start(router_client, fake_backends, tmp_path, max_viewers=2)
+    held = [await client.get("/kvtop/v1/events?types=state") for _ in range(2)]
+    assert all(r.status == 200 for r in held)
+    async with client.get("/kvtop/v1/events") as r:
+        body = await r.json()
+    assert r.status == 503 and "--max-viewers" in body["error"]["message"] and r.headers["Retry-After"]
+    for r in held:
+        r.close()
+
+
+async def test_control_reads_are_rate_limited_per_client(router_client, fake_backends, tmp_path):
+    client, state = await start(router_client, fake_backends, tmp_path)
+    statuses = []
+    for _ in range(int(READ_BURST) + 30):
+        async with client.get("/kvtop/v1/decisions?limit=10") as r:
+            statuses.append(r.status)
+    assert statuses[:50] == [200] * 50 and 429 in statuses
+    async with client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1}) as r:
+        assert r.status == 200  # the data plane is not rate-limited by the control plane's bucket
+
+
+async def test_busy_router_serves_one_shared_snapshot_to_repeated_reads(router_client, fake_backends, tmp_path):
+    client, state = await start(router_client, fake_backends, tmp_path, fake_kw={"first_delay": 1.0})
+    slow = asyncio.create_task(client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1}))
+    while state.cluster.in_flight == 0:
+        await asyncio.sleep(0.01)
+    bodies = []
+    for _ in range(5):
+        async with client.get("/kvtop/v1/state") as r:
+            bodies.append(await r.read())
+    guard = client.server.app[CONTROL].guard
+    assert guard.served_from_snapshot >= 3 and len(set(bodies)) <= 2
+    # a policy change is visible at once, snapshot or not
+    async with client.put("/kvtop/v1/policy", json={"name": "round_robin"},
+                          headers={"Authorization": "Bearer " + client.server.app[CONTROL].token}) as r:
+        assert r.status == 200
+    async with client.get("/kvtop/v1/state") as r:
+        assert (await r.json())["router"]["policy_name"] == "round_robin"
+    (await slow).close()
