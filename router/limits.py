@@ -25,6 +25,7 @@ MAX_INFLIGHT = 10_000
 MAX_INFLIGHT_PER_INSTANCE = 4_096
 MAX_BODY_MB = 64
 MAX_ANSWER_MB = 256
+MAX_BUFFERED_MB = 512
 CLIENT_TIMEOUT_S = 60.0
 HEALTH_INTERVAL_S = 0.5
 HEALTH_TIMEOUT_S = 1.0
@@ -48,6 +49,18 @@ def admit(state: Any) -> web.Response | None:
     limit = state.config.max_inflight
     if limit and state.cluster.in_flight >= limit:
         return _too_many(state, f"the router is at its limit of {limit} requests in flight; retry later")
+    return None
+
+
+def body_room(state: Any, declared: int) -> web.Response | None:
+    """A 503 when the bodies the router holds (request bodies from arrival to the answer's end)
+    would pass ``max_buffered_bytes`` with this one; None when it fits."""
+    limit = state.config.max_buffered_bytes
+    if limit and state.body_bytes + declared > limit and state.body_bytes > 0:
+        state.counts["rejected"] = state.counts.get("rejected", 0) + 1
+        return error_response(503, f"the router already holds {state.body_bytes:,} bytes of request bodies "
+                                   f"(--max-buffered-mb {limit // (1024 * 1024)}); retry later",
+                              headers={"Retry-After": RETRY_AFTER_S})
     return None
 
 
@@ -108,6 +121,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-answer-mb", type=_positive(float), default=MAX_ANSWER_MB, metavar="MB",
                    help="largest non-streaming answer the router buffers from a backend; bigger is a "
                         f"502 (default {MAX_ANSWER_MB}; streams are relayed as they come, unbounded)")
+    g.add_argument("--max-buffered-mb", type=_positive(float), default=MAX_BUFFERED_MB, metavar="MB",
+                   help="request bodies the router holds at once, in total; a body that would pass it gets "
+                        f"a 503 (default {MAX_BUFFERED_MB}; a parsed JSON body costs about 5x its bytes; 0 = no bound)")
     g.add_argument("--client-timeout", type=_positive(float), default=CLIENT_TIMEOUT_S, metavar="S",
                    help=f"a client must send its whole body within S s, else 408, and may stop reading an "
                         f"answer for at most S s (default {CLIENT_TIMEOUT_S:g}; 0 = none)")
@@ -139,7 +155,8 @@ def config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         raise CliError("--max-body-mb and --max-answer-mb must be positive")
     return {"max_inflight": args.max_inflight, "max_inflight_per_instance": args.max_inflight_per_instance,
             "max_body_bytes": int(args.max_body_mb * 1024 * 1024),
-            "max_answer_bytes": int(args.max_answer_mb * 1024 * 1024), "max_viewers": args.max_viewers, "client_timeout_s": args.client_timeout,
+            "max_answer_bytes": int(args.max_answer_mb * 1024 * 1024), "max_viewers": args.max_viewers,
+            "max_buffered_bytes": int(args.max_buffered_mb * 1024 * 1024), "client_timeout_s": args.client_timeout,
             "total_timeout_s": args.total_timeout or None, "health_interval_s": args.health_interval,
             "health_timeout_s": args.health_timeout or HEALTH_TIMEOUT_S,
             "health_backoff_max_s": args.health_backoff_max, "outlier_consecutive": args.outlier_consecutive,

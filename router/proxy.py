@@ -53,15 +53,30 @@ async def handle(request: web.Request, state, endpoint: str, path: str) -> web.S
         return error_response(503, "the router is shutting down", headers={"Retry-After": "1"})
     if (busy := limits.admit(state)) is not None:
         return busy
+    if (busy := limits.body_room(state, request.content_length or 0)) is not None:
+        return busy
+    held = request.content_length or 0
+    state.body_bytes += held  # the body's bytes are the router's from here to the answer's end
     try:
         raw = await read_body(request, cfg.client_timeout_s)
-        body = parse_json(raw)
-        req = parse_request(body, endpoint, headers=request.headers, session_header=cfg.session_header,
-                            block_size=cfg.block_size, tokenizer=state.tokenizer,
-                            max_input_tokens=cfg.max_input_tokens)
+        state.body_bytes += len(raw) - held
+        held = len(raw)
+        return await _route(request, state, endpoint, path, t_recv, raw)
     except BadRequest as exc:
         state.counts["bad_requests"] += 1
         return refusal(exc)
+    finally:
+        state.body_bytes -= held
+
+
+async def _route(request: web.Request, state, endpoint: str, path: str, t_recv: float,
+                 raw: bytes) -> web.StreamResponse:
+    pipe = state.pipeline
+    cfg = state.config
+    body = parse_json(raw)
+    req = parse_request(body, endpoint, headers=request.headers, session_header=cfg.session_header,
+                        block_size=cfg.block_size, tokenizer=state.tokenizer,
+                        max_input_tokens=cfg.max_input_tokens)
     if state.draining:
         return error_response(503, "the router is shutting down", headers={"Retry-After": "1"})
     if (busy := limits.admit(state)) is not None:  # again: others were admitted while this body arrived

@@ -74,6 +74,7 @@ class RouterConfig:
     # reliability (router/health.py, router/limits.py, docs/reliability.md); 0 = no bound
     max_inflight: int = 10_000
     max_inflight_per_instance: int = 4_096
+    max_buffered_bytes: int = 512 * 1024 * 1024  # request bodies held at once (0 = no bound)
     max_viewers: int = 64  # event-stream viewers at once (0 = no bound)
     client_timeout_s: float = 60.0
     total_timeout_s: float | None = None
@@ -121,6 +122,7 @@ class RouterState:
                                        "retries": 0, "rejected": 0}
         self.outcome_counts: dict[str, int] = {}
         self.draining = False
+        self.body_bytes = 0  # request body bytes held now (router/limits.py body_room)
 
     @property
     def cluster(self) -> Cluster:

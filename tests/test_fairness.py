@@ -56,3 +56,21 @@ async def test_busy_router_serves_one_shared_snapshot_to_repeated_reads(router_c
     async with client.get("/kvtop/v1/state") as r:
         assert (await r.json())["router"]["policy_name"] == "round_robin"
     (await slow).close()
+
+
+async def test_request_bodies_held_at_once_are_bounded(router_client, fake_backends, tmp_path):
+    client, state = await start(router_client, fake_backends, tmp_path, max_buffered_bytes=1_000_000,
+                                fake_kw={"first_delay": 0.5})
+    big = {"prompt": "word " * 140_000, "max_tokens": 1}  # about 700 KB
+    first = asyncio.create_task(client.post("/v1/completions", json=big))
+    while state.body_bytes == 0:
+        await asyncio.sleep(0.01)
+    async with client.post("/v1/completions", json=big) as r:
+        body = await r.json()
+    assert r.status == 503 and "--max-buffered-mb" in body["error"]["message"]
+    async with client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1}) as r:
+        assert r.status == 200  # small bodies still fit beside the big one
+    resp = await first
+    assert resp.status == 200
+    resp.close()
+    assert state.body_bytes == 0
