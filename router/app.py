@@ -109,6 +109,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         yield
     finally:
         state.upstream.close()
+        state.parser.close()
         if state.writer:
             state.writer.put("runs", state.run_row(ended=True))
             await asyncio.get_running_loop().run_in_executor(None, state.writer.close)

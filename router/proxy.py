@@ -21,9 +21,9 @@ from router import limits
 from router.core import NoInstance
 from router.features import decode_leg_body, prefill_leg_body
 from router.forward import StreamScan, cached_tokens, completion_tokens, upstream_headers, usage_of
-from router.http import error_body, error_response, parse_json, read_body, refusal
+from router.http import error_body, error_response, read_body, refusal
 from router.pipeline import (CLIENT_GONE, ERROR, OK, PREFILL, TIMEOUT, UPSTREAM_ERROR, Flow)
-from router.request import BadRequest, parse_request
+from router.request import BadRequest
 from router.upstream import ConnectFailed, UpstreamError
 
 log = logging.getLogger("kvtop.route")
@@ -72,11 +72,7 @@ async def handle(request: web.Request, state, endpoint: str, path: str) -> web.S
 async def _route(request: web.Request, state, endpoint: str, path: str, t_recv: float,
                  raw: bytes) -> web.StreamResponse:
     pipe = state.pipeline
-    cfg = state.config
-    body = parse_json(raw)
-    req = parse_request(body, endpoint, headers=request.headers, session_header=cfg.session_header,
-                        block_size=cfg.block_size, tokenizer=state.tokenizer,
-                        max_input_tokens=cfg.max_input_tokens)
+    body, req = await state.parser.parse(raw, endpoint, request.headers)
     if state.draining:
         return error_response(503, "the router is shutting down", headers={"Retry-After": "1"})
     if (busy := limits.admit(state)) is not None:  # again: others were admitted while this body arrived
@@ -126,6 +122,7 @@ async def _attempt(request: web.Request, state, flow: Flow, body: Any, raw: byte
         if flow.leg.kind == PREFILL:
             p = flow.leg.instance
             pipe.sent(flow)
+            body = state.parser.body(raw, body)
             params, why = await _prefill_leg(state, p, request, body, path, d.request.request_id)
             pipe.prefill_done(flow, params)
             if params is not None:

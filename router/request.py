@@ -29,6 +29,9 @@ class BadRequest(ValueError):
         self.param = param
         self.status = status
 
+    def __reduce__(self):  # keeps param and status across a process boundary (router/parsing.py)
+        return BadRequest, (self.message, self.param, self.status)
+
 
 @dataclass(slots=True)
 class RouteRequest:

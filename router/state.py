@@ -23,6 +23,7 @@ from router.pipeline import Outcome, Pipeline
 from router.policies import build_policy, policy_class
 from aiohttp import web
 
+from router.parsing import BodyParser
 from router.request import Tokenizer
 from store.writer import Writer
 
@@ -109,6 +110,7 @@ class RouterState:
         self.pipeline = Pipeline(self.core, lambda: self.features, self, clock=time.time,
                                  on_admit=_wake)
         self.tokenizer = Tokenizer(config.tokenizer) if config.tokenizer else None
+        self.parser = BodyParser(config, self.tokenizer)
         self.run_id = config.run_id
         self.started_at = time.time()
         self.writer: Writer | None = None

@@ -29,7 +29,7 @@ class FakeVLLM:
         self.prefixes: set[tuple] = set()
 
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(client_max_size=256 * 1024 * 1024)  # vLLM takes large prompts
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.completions)
         app.router.add_get("/health", self.health)
@@ -43,8 +43,8 @@ class FakeVLLM:
         return web.json_response({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
 
     def _cached(self, prompt) -> int:
-        if not isinstance(prompt, list):
-            return 0
+        if not isinstance(prompt, list) or (prompt and not isinstance(prompt[0], int)):
+            return 0  # text, or chat messages: no token ids to match
         hit = 0
         for end in range(16, len(prompt), 16):
             if tuple(prompt[:end]) in self.prefixes:

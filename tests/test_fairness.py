@@ -74,3 +74,26 @@ async def test_request_bodies_held_at_once_are_bounded(router_client, fake_backe
     assert resp.status == 200
     resp.close()
     assert state.body_bytes == 0
+
+
+async def test_a_huge_body_is_parsed_off_the_event_loop(router_client, fake_backends, tmp_path):
+    """A 40 MB prompt parses in the worker process while /health keeps answering at once."""
+    import time
+
+    client, state = await start(router_client, fake_backends, tmp_path, max_input_tokens=100_000_000)
+    huge = {"messages": [{"role": "user", "content": "word " * 200} for _ in range(40_000)], "max_tokens": 1}
+    task = asyncio.create_task(client.post("/v1/chat/completions", json=huge))
+    while state.body_bytes == 0:
+        await asyncio.sleep(0.005)
+    worst = 0.0
+    while not task.done():
+        t0 = time.monotonic()
+        async with client.get("/health") as r:
+            assert r.status == 200
+        worst = max(worst, time.monotonic() - t0)
+        await asyncio.sleep(0.01)
+    resp = task.result()
+    assert resp.status == 200, await resp.text()
+    resp.close()
+    assert state.parser.offloaded == 1
+    assert worst < 0.1, worst
