@@ -10,11 +10,15 @@ token, so ``block_size * CHARS_PER_TOKEN`` characters per block) and estimates t
 count as ``ceil(len(text) / CHARS_PER_TOKEN)``. Equal text prefixes still give equal block
 hashes, which is what the cache estimate needs; the token count is an approximation, and
 every decision records which method was used (``token_source``).
+
+Text chunks are hashed with Python's own string hash (SipHash, about 3.5 GB/s: 0.23 ms for
+an 800 KB agentic prompt, against 1.0 ms with blake2b), which is seeded per process. The
+router's estimated cache lives and dies with its process, so that costs nothing; it only
+means text-block hashes are not comparable between processes (token-id hashes are).
 """
 
 from __future__ import annotations
 
-import hashlib
 from array import array
 from collections.abc import Sequence
 
@@ -45,20 +49,15 @@ def hash_token_blocks(tokens: Sequence[int], block_size: int) -> list[int]:
 
 
 def hash_text_blocks(text: str, block_size: int) -> list[int]:
-    """The text fallback: chained hashes of ``block_size * CHARS_PER_TOKEN``-character chunks.
-
-    str hashes are seeded per process, so text chunks go through blake2b instead.
-    """
+    """The text fallback: chained hashes of ``block_size * CHARS_PER_TOKEN``-character chunks
+    (stable within one process; see the module docstring)."""
     if block_size <= 0:
         raise ValueError("block_size must be positive")
     chunk_chars = block_size * CHARS_PER_TOKEN
-    blake2b = hashlib.blake2b
     out: list[int] = []
     parent = ROOT_HASH
     for start in range(0, len(text) - chunk_chars + 1, chunk_chars):
-        chunk = text[start:start + chunk_chars].encode("utf-8", "surrogatepass")
-        digest = blake2b(chunk, digest_size=8, key=parent.to_bytes(8, "little", signed=True)).digest()
-        parent = int.from_bytes(digest, "little", signed=True)
+        parent = hash((parent, text[start:start + chunk_chars]))
         out.append(parent)
     return out
 

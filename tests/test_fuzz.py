@@ -251,6 +251,11 @@ def test_router_unchanged_after_fuzz(router):
     assert app[CONTROL].token == TOKEN
 
     async def still_serves():
+        # the fuzz spent this client's control-read allowance (router/control.py ReadGuard):
+        # it refills within READ_BURST / READ_RATE seconds
+        from router.control import READ_BURST, READ_RATE
+
+        await asyncio.sleep(READ_BURST / READ_RATE)
         async with client.get("/kvtop/v1/state") as r:
             assert r.status == 200 and (await r.json())["totals"]["in_flight"] == 0
         async with client.put("/kvtop/v1/policy", json={"name": "lmetric"},
