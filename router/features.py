@@ -91,11 +91,6 @@ class Features:
     def admission(self) -> str:
         return self.knobs["admission"]
 
-    @property
-    def active(self) -> bool:
-        """Whether offload or admission is on."""
-        return self.knobs["offload_mode"] != "off" or self.knobs["admission"] != "off"
-
     def shared_for(self, policy_schema: KnobSchema) -> dict[str, Any]:
         """The shared values a freshly built policy must inherit to stay in step."""
         names = set(policy_schema.names())
@@ -116,7 +111,3 @@ def prefill_leg_body(body: dict[str, Any]) -> dict[str, Any]:
 def decode_leg_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
     """The D side: the client's original request plus the P side's ``kv_transfer_params``."""
     return {**body, "kv_transfer_params": params}
-
-
-FEATURE_DOC = """Router-level knobs (any policy): """ + ", ".join(
-    f"{k.name} ({k.default})" for k in FEATURE_KNOBS.knobs)

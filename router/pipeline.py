@@ -101,7 +101,7 @@ class Sink(Protocol):
 class Flow:
     """One client request inside the pipeline, across its attempts and legs."""
 
-    __slots__ = ("request", "t_recv", "decision", "legs", "offload_to", "waiting", "wait_since",
+    __slots__ = ("request", "t_recv", "decision", "legs", "waiting", "wait_since",
                  "wait_ms", "t_prefill_sent", "t_prefill_done", "t_first", "first", "done", "waiter")
 
     def __init__(self, request: RouteRequest, t_recv: float):
@@ -109,7 +109,6 @@ class Flow:
         self.t_recv = t_recv
         self.decision: Decision | None = None
         self.legs: list[Leg] = []  # the current attempt's legs, the next one first
-        self.offload_to: int | None = None  # P, while the prefill leg is pending
         self.waiting: Ticket | None = None  # the ticket queued at an admission gate
         self.wait_since = 0.0
         self.wait_ms = 0.0  # admission wait, summed over the legs of this attempt
@@ -186,7 +185,6 @@ class Pipeline:
                                     req.blocks, decode=False)
         self._set_new_prefill(d.ticket, 0)
         d.extra["offload"] = 1
-        flow.offload_to = p
         flow.legs = [Leg(PREFILL, p, p_ticket), serve]
         return flow.legs[0]
 
@@ -255,7 +253,6 @@ class Pipeline:
         p_leg = flow.legs.pop(0)
         flow.t_prefill_done = self.clock()
         d.extra["t_prefill_done"] = flow.t_prefill_done
-        flow.offload_to = None
         if params is not None:
             self.cluster.first_token(p_leg.ticket)
             self._finish_ticket(p_leg.ticket)
