@@ -42,13 +42,14 @@ def test_fit_recovers_the_engines_own_coefficients(engine_side):
     # Figures made by the engine model itself must give back the model, or the fit's picture
     # of a scenario (chunks, batch, attention, KV reads) is not what the engine does.
     figs = synthetic_figures(TRUE, cal.Plan(), engine_side)
-    result = cal.fit(figs, get_profile("cpu-tiny"))
+    prior = replace(get_profile("cpu-tiny"), t_new_req=0.0)
+    result = cal.fit(figs, prior)
     got = dict(result.coefficients)
     want = {name: getattr(TRUE, name) for name in cal.COEFFICIENTS}
     if not engine_side:
         # client TTFTs pay one frontend and one admission each: only their sum is seen, and
-        # the admission cost stays the prior's (cpu-tiny: 0)
-        assert got.pop("t_new_req") == get_profile("cpu-tiny").t_new_req == 0
+        # the admission cost stays the prior's (here 0)
+        assert got.pop("t_new_req") == prior.t_new_req == 0
         want["frontend_overhead_s"] += want.pop("t_new_req")
     for name, value in want.items():
         assert got[name] == pytest.approx(value, rel=1e-6), name
@@ -103,13 +104,15 @@ def test_tpot_is_timed_from_a_quarter_into_the_answer():
 
 
 PLAN = cal.Plan(cold=(128, 1024, 2048, 4096), repeat=(2048, 4096), extend=((1024, 1024),),
-                tpot_batches=(1, 4), tpot_contexts=(256, 2048), tpot_tokens=16, repeats=1,
+                tpot_batches=(1, 4), tpot_contexts=(256, 2048), tpot_tokens=32, repeats=1,
                 retries=0)
 
 
 async def test_calibrate_against_kvtop_sim_recovers_its_profile(aiohttp_server, tmp_path):
     # The simulated server exposes vLLM's engine-side histograms with vLLM's meaning, and its
-    # engine clock is the model itself: the step terms must come back almost exactly.
+    # engine clock is the model itself: the step terms must come back closely (not exactly:
+    # the batch's streams reach the server a few hundred microseconds apart, so the first
+    # decode steps are not all full, as with a real vLLM).
     inst = SimInstance(Engine(TRUE), model="truth-model")
     server = await aiohttp_server(create_app(inst))
     url = f"http://127.0.0.1:{server.port}"
@@ -118,8 +121,9 @@ async def test_calibrate_against_kvtop_sim_recovers_its_profile(aiohttp_server, 
         url, base="cpu-tiny", plan=PLAN,
         progress_factory=lambda total: _Progress(total, done))
     assert measured["fit"]["method"].startswith("steps from engine-side figures")
-    for name in ("t_fixed", "t_new_req", "b", "c", "kappa"):
-        assert profile.__getattribute__(name) == pytest.approx(getattr(TRUE, name), rel=0.05), name
+    for name, rel in (("t_fixed", 0.05), ("t_new_req", 0.05), ("b", 0.05), ("c", 0.05),
+                      ("kappa", 0.1)):
+        assert getattr(profile, name) == pytest.approx(getattr(TRUE, name), rel=rel), name
     # client side: the sim's own HTTP adds a little to its modelled frontend
     assert TRUE.frontend_overhead_s <= profile.frontend_overhead_s < TRUE.frontend_overhead_s + 5e-3
     assert profile.model == "truth-model" and profile.block_size == TRUE.block_size

@@ -276,6 +276,7 @@ def _run_calibrate(args: argparse.Namespace) -> int:
 
 def _run_fidelity(args: argparse.Namespace) -> int:
     import json
+    import sys
 
     from kvtop.sim import fidelity
 
@@ -285,8 +286,9 @@ def _run_fidelity(args: argparse.Namespace) -> int:
     except KeyError as exc:
         raise CliError(str(exc.args[0])) from None
     try:
-        report = fidelity.run_comparison(args.url, args.profile, sim_url=args.sim_url,
-                                         seed=args.seed)
+        report = fidelity.run_comparison(
+            args.url, args.profile, sim_url=args.sim_url, seed=args.seed,
+            log=lambda s: print(s, file=sys.stderr, flush=True))
     except (OSError, RuntimeError) as exc:
         raise CliError(f"fidelity run failed: {exc}") from None
     print(fidelity.format_report(report))

