@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 
 import pytest
 
@@ -44,29 +43,15 @@ async def sse_events(resp) -> list:
     return out
 
 
-_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})? (-?[0-9.e+-]+|\+Inf|NaN)$')
-
-
 def parse_metrics(text: str) -> dict[tuple[str, frozenset], float]:
-    """A strict little Prometheus text parser: every line must be a comment or a sample."""
+    """Every sample of a Prometheus page, read by prometheus_client's own parser (which
+    rejects a malformed line); histograms and counters come with their suffixes."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     samples = {}
-    types = {}
-    for line in text.splitlines():
-        if not line:
-            continue
-        if line.startswith("# TYPE "):
-            _, _, name, kind = line.split(" ", 3)
-            types[name] = kind
-            continue
-        if line.startswith("# HELP "):
-            continue
-        m = _SAMPLE.match(line)
-        assert m, f"unparseable metrics line: {line!r}"
-        labels = frozenset(re.findall(r'(\w+)="([^"]*)"', m.group(3) or ""))
-        samples[(m.group(1), labels)] = float(m.group(4))
-    for (name, _), _v in samples.items():
-        base = re.sub(r"_(total|bucket|sum|count)$", "", name)
-        assert name in types or base in types, f"{name} has no TYPE line"
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples[(s.name, frozenset(s.labels.items()))] = s.value
     return samples
 
 
@@ -205,6 +190,9 @@ async def test_metrics_parse_and_counters_move(sim):
     assert delta("vllm:e2e_request_latency_seconds_count") == 2
     assert delta("vllm:inter_token_latency_seconds_count") == 6
     assert delta("vllm:request_queue_time_seconds_count") == 2
+    # vLLM's queue time: QUEUED (between steps) to first SCHEDULED, 0 on an idle engine
+    assert delta("vllm:request_queue_time_seconds_sum") == 0.0
+    assert delta("vllm:prompt_tokens_cached_total") == 288
     assert delta("vllm:request_prefill_time_seconds_count") == 2
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
                  "vllm:kv_cache_usage_perc", "vllm:num_preemptions_total", "kvtop_sim:busy_ratio"):
@@ -213,6 +201,7 @@ async def test_metrics_parse_and_counters_move(sim):
     assert metric(after, "vllm:cache_config_info", block_size="16", num_gpu_blocks="16560") == 1.0
     # every sample carries model_name and engine
     assert all({"model_name", "engine"} <= {k for k, _ in ls} for (_, ls) in after)
+    assert resp.headers["Content-Type"].startswith("text/plain; version=")
     # histogram buckets are cumulative and end at _count
     ttft = sorted(((float(dict(ls)["le"]), v) for (n, ls), v in after.items()
                    if n == "vllm:time_to_first_token_seconds_bucket"))
