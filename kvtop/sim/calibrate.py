@@ -1,9 +1,9 @@
 """Fit the simulated engine's step-time model to a running vLLM: ``kvtop sim calibrate URL``.
 
-It times one vLLM instance from the client side (streamed completions of random token ids,
-so no tokenizer is involved), replays every measured scenario through the engine itself to
-learn which steps it makes (chunks, batch sizes, attention and KV-read work), and solves for
-the coefficients that make those steps add up to the measured times:
+It times one vLLM instance with streamed completions of random token ids (no tokenizer
+involved), replays every measured scenario through the engine itself to learn which steps it
+makes (chunks, batch sizes, admissions, attention and KV-read work), and solves for the
+coefficients that make those steps add up to the measured times:
 
     frontend_overhead_s   per request: HTTP, input processing, output path
     frontend_s_per_token  per prompt token, before scheduling (parsing, validation, hashing)
@@ -13,12 +13,15 @@ the coefficients that make those steps add up to the measured times:
     c                     prefill attention, per sum(2*q*ctx + q^2)
     kappa                 decode attention, per context token of every decoding request
 
-by non-negative least squares on relative residuals. Measured (defaults; about 1-3 minutes
-on a 2-core CPU vLLM with the tiny model): cold TTFT over prompt lengths; TTFT of a prompt
-seen before (all but its last block cached) and of a cached prompt extended by new tokens;
-time per output token at batch 1, 2, 4 and 8 with short and long contexts; the TTFT of a
-few-token prompt (the frontend). Everything the client cannot see (token budget, max
-sequences, weights) comes from a built-in prior (``--base``) or flags.
+Two clocks: vLLM's request histograms carry the engine core's own timestamps (prefill time,
+per-request TPOT), which a busy host cannot distort the way it bunches the tokens a client
+reads; the step terms are fitted to those, then the frontend terms to the client's TTFT with
+the steps fixed (non-negative least squares on relative residuals). Without the histograms,
+everything is fitted to the client's figures. Measured (``Plan``; about 20 s against the tiny
+CPU model): cold TTFT over prompt lengths; TTFT of a prompt seen before (all but its last
+block cached) and of a cached prompt extended by new tokens; time per output token at batch
+1, 2, 4 and 8 with short and long contexts; the TTFT of a few-token prompt. What the client
+cannot see (token budget, max sequences, weights) comes from a built-in prior (``--base``).
 
 The result is a profile file (``kvtop.sim.profiles.profile_to_toml``) recording where, when
 and against what it was measured, with every figure and its fitted value.
