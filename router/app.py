@@ -19,6 +19,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
 from router import health as backend_health
+from router import kv_events
 from router import proxy
 from router.http import error_response, json_errors
 from router import control
@@ -105,9 +106,12 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
                                                     "features": state.features.knobs})
     state.upstream = Pool(connect_timeout=cfg.connect_timeout_s, read_timeout=cfg.read_timeout_s,
                           ssl_ca_file=cfg.backend_ca_file)
+    state.kv_subscribers = await kv_events.start_subscribers(
+        state.cluster, cfg.backends, capacity_tokens=cfg.capacity_tokens)
     try:
         yield
     finally:
+        await kv_events.stop_subscribers(state.kv_subscribers)
         state.upstream.close()
         state.parser.close()
         if state.writer:

@@ -5,7 +5,8 @@ Example:
       --policy unified --knob overload_factor=1.5
 
 A backend is URL, name=URL, and may end in @gpu=N to map it to a local GPU for
-telemetry (e.g. --backend a=http://127.0.0.1:8100@gpu=0). Policies and their knobs:
+telemetry (e.g. --backend a=http://127.0.0.1:8100@gpu=0), and in @kv=tcp://HOST:PORT
+(@kv-replay=tcp://HOST:PORT) to follow its vLLM KV events (docs/kv-events.md). Policies and their knobs:
 see docs/policies.md, or GET /kvtop/v1/policies on a running router.
 
 Sessions come from --session-header, else the body's session_id, else user, else the
@@ -37,25 +38,41 @@ log = logging.getLogger("kvtop.route")
 def parse_backend(spec: str, index: int) -> Backend:
     gpu = None
     url = spec.strip()
-    if "@gpu=" in url:
-        url, _, g = url.rpartition("@gpu=")
+    opts: dict[str, str] = {}
+    while True:  # trailing @gpu=N, @kv=tcp://..., @kv-replay=tcp://..., in any order
+        head, sep, tail = url.rpartition("@")
+        key, eq, value = tail.partition("=")
+        if not sep or not eq or key not in ("gpu", "kv", "kv-replay"):
+            break
+        if key in opts:
+            raise CliError(f"--backend {spec!r}: @{key}= given twice")
+        opts[key], url = value, head
+    if "gpu" in opts:
         try:
-            gpu = int(g)
+            gpu = int(opts["gpu"])
         except ValueError:
             raise CliError(f"--backend {spec!r}: @gpu= needs an integer GPU index") from None
+    for key in ("kv", "kv-replay"):
+        if key in opts and not opts[key].startswith(("tcp://", "ipc://")):
+            raise CliError(f"--backend {spec!r}: @{key}= expects a ZMQ endpoint, tcp://HOST:PORT or ipc://PATH")
+    if "kv-replay" in opts and "kv" not in opts:
+        raise CliError(f"--backend {spec!r}: @kv-replay= needs @kv= (the event stream itself)")
     name = f"i{index}"
     head, sep, rest = url.partition("=")
     if sep and "://" not in head:
         name, url = head, rest
     if not url.startswith(("http://", "https://")) or len(url.split("://", 1)[1]) == 0:
         raise CliError(f"--backend {spec!r}: expected http://HOST:PORT or https://HOST:PORT")
-    return Backend(name=name, url=url.rstrip("/"), gpu=gpu)
+    return Backend(name=name, url=url.rstrip("/"), gpu=gpu, kv_events=opts.get("kv"),
+                   kv_replay=opts.get("kv-replay"))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     names = ", ".join(sorted(POLICIES) + sorted(ALIASES))
     p.add_argument("--backend", action="append", default=[], metavar="URL", required=True,
-                   help="a vLLM instance: URL, name=URL, optionally @gpu=N (repeat for each)")
+                   help="a vLLM instance: URL, name=URL, optionally @gpu=N, @kv=tcp://HOST:5557 (its KV "
+                        "events: exact cache state, docs/kv-events.md) and @kv-replay=tcp://HOST:5558 "
+                        "(its replay endpoint, to fill gaps) (repeat for each)")
     p.add_argument("--policy", default="unified", help=f"routing policy ({names}); default unified")
     p.add_argument("--knob", action="append", default=[], metavar="KEY=VALUE",
                    help="set a knob (repeatable): a policy knob, or a router-level offload/admission knob "
@@ -68,6 +85,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--capacity-tokens", type=int, default=DEFAULT_CAPACITY_TOKENS,
                    help="KV capacity per instance in tokens for the estimated cache "
                         f"(default {DEFAULT_CAPACITY_TOKENS:,}: one H20 with Qwen3-30B-A3B)")
+    p.add_argument("--kv-speculative-ttl", type=float, default=2.0, metavar="S",
+                   help="with KV events, blocks just routed count as cached on their instance for this "
+                        "long unless its events confirm them sooner (default 2; 0 = off)")
     p.add_argument("--session-header", default="X-Session-ID",
                    help="request header carrying the session id (default X-Session-ID)")
     p.add_argument("--tokenizer", default=None, metavar="PATH",
@@ -108,6 +128,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
                         ("--max-input-tokens", args.max_input_tokens)):
         if value <= 0:
             raise CliError(f"{flag} must be positive")
+    if args.kv_speculative_ttl < 0:
+        raise CliError("--kv-speculative-ttl must be >= 0")
     if args.assumed_prefill_tps <= 0:
         raise CliError("--assumed-prefill-tps must be positive")
     if args.capacity_tokens < args.block_size:
@@ -125,7 +147,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         control_token_file=args.control_token_file, control_readonly=args.control_readonly,
         state_dir=args.state_dir, argv=" ".join(sys.argv),
         assumed_prefill_tps=args.assumed_prefill_tps, tls_cert=args.tls_cert, tls_key=args.tls_key,
-        backend_ca_file=args.backend_ca_file, **limits.config_kwargs(args),
+        backend_ca_file=args.backend_ca_file, kv_speculative_ttl_s=args.kv_speculative_ttl,
+        **limits.config_kwargs(args),
     )
 
 

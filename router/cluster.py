@@ -21,6 +21,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from router.exact_index import ExactIndex
 from router.prefix_index import PrefixIndex
 
 
@@ -117,20 +118,39 @@ class Cluster:
         self.rr_counter = 0
         self.clock = clock
         self.in_flight = 0
+        #: What the engines report they hold (router/kv_events.py feeds it); None without KV events.
+        self.exact: ExactIndex | None = None
 
     # -- what policies see ----------------------------------------------------------
-    def hits(self, blocks: Sequence[int], input_tokens: int) -> list[int]:
+    def hits(self, blocks: Sequence[int], input_tokens: int, *, exact: bool = True,
+             drift: bool = False) -> list[int]:
         """Estimated cached prefix tokens per instance, capped like the engine's hit.
 
         vLLM always recomputes the last token, so a hit never exceeds input - 1 rounded
-        down to a whole block.
+        down to a whole block. Instances whose KV events flow (``exact.live_mask``) answer
+        from the exact index instead of the estimate, unless ``exact`` is False (a prompt
+        hashed from text, whose block hashes no engine event can match); ``drift`` records
+        how far the estimate was from them.
         """
         bs = self.block_size
         cap = max(0, (input_tokens - 1) // bs) * bs
-        return [min(m * bs, cap) for m in self.index.match(blocks)]
+        matched = self.index.match(blocks)
+        ex = self.exact
+        if exact and ex is not None and ex.live_mask:
+            for i, m in ex.match(blocks, ex.live_mask, self.clock()).items():
+                if drift:
+                    ex.record_drift(i, min(matched[i] * bs, cap), min(m * bs, cap), input_tokens)
+                matched[i] = m
+        return [min(m * bs, cap) for m in matched]
 
-    def view(self, blocks: Sequence[int], input_tokens: int, session_id: str | None) -> ClusterView:
-        hits = self.hits(blocks, input_tokens)
+    def index_source(self, instance: int, *, exact: bool = True) -> str:
+        """Where ``instance``'s hit comes from: ``exact`` (its KV events) or ``estimate``."""
+        ex = self.exact
+        return "exact" if exact and ex is not None and ex.live_mask >> instance & 1 else "estimate"
+
+    def view(self, blocks: Sequence[int], input_tokens: int, session_id: str | None, *,
+             exact: bool = True) -> ClusterView:
+        hits = self.hits(blocks, input_tokens, exact=exact, drift=True)
         cands = [
             Candidate(s.index, s.name, hits[s.index], max(0, input_tokens - hits[s.index]),
                       s.pending_prefill_tokens, s.num_requests, s.ongoing_decode_tokens)
@@ -154,6 +174,8 @@ class Cluster:
         s.est_hit_tokens_total += est_hit
         if cache_blocks:
             self.index.insert(instance, blocks)
+            if self.exact is not None:
+                self.exact.speculate(instance, blocks, self.clock())
         self.in_flight += 1
         return Ticket(instance, input_tokens, new_prefill, decode, "prefill", self.clock())
 

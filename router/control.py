@@ -22,7 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
-from router import telemetry
+from router import kv_events, telemetry
 from router.http import error_response, read_json
 from router.state import STATE, RouterState
 from router.config import KnobError
@@ -169,6 +169,8 @@ class Control:
                 "est_hit_rate_recent": rates["est_hit_rate_recent"], "request_rate": rates["request_rate"],
                 "engine": it.engine_json(now), "gpu": it.gpu_json(), "errors": errors,
                 "health": st.health.instance_json(i) if st.health is not None else None,
+                "index_source": st.cluster.index_source(i),
+                "kv_events": kv_events.instance_json(st.cluster, st.kv_subscribers, i),
             })
             for k in ("num_requests", "pending_prefill_tokens", "decode_requests", "routed_total",
                       "input_tokens_total", "est_hit_tokens_total", "errors_total"):

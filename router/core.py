@@ -52,6 +52,7 @@ class Decision:
     ticket: Ticket | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # offload / admission fields
     recorded: bool = False  # the decision row has been written (Pipeline.sent or finish)
+    index_source: str = "estimate"  # the chosen hit's source: exact (KV events) | estimate
 
     def row(self, run_id: str) -> dict[str, Any]:
         """The ``decisions`` table row (store/schema.py)."""
@@ -67,7 +68,7 @@ class Decision:
             "best_hit_instance": self.best_hit_instance,
             "new_prefill_tokens": self.new_prefill_tokens, "offload": 0,
             "migrated_from": self.migrated_from, "decision_us": round(self.decision_us, 2),
-            "scores": self.terms,
+            "scores": self.terms, "index_source": self.index_source,
         }
         row.update(self.extra)
         return row
@@ -82,7 +83,7 @@ class Decision:
             "policy": self.slot.label, "est_hit": self.est_hit_tokens, "best_hit": self.best_hit_tokens,
             "best_hit_instance": self.best_hit_instance, "new_prefill": self.new_prefill_tokens,
             "migrated_from": self.migrated_from, "decision_us": round(self.decision_us, 2),
-            "terms": self.terms, **{k: v for k, v in self.extra.items() if k != "route_class"},
+            "index_source": self.index_source, "terms": self.terms, **{k: v for k, v in self.extra.items() if k != "route_class"},
         }
 
 
@@ -98,7 +99,8 @@ class RoutingCore:
         return self.slot
 
     def view(self, req: RouteRequest, exclude: tuple[int, ...] = ()) -> ClusterView:
-        view = self.cluster.view(req.blocks, req.input_tokens, req.session_id)
+        view = self.cluster.view(req.blocks, req.input_tokens, req.session_id,
+                                 exact=req.token_source != "text_approx")
         if exclude:
             view.candidates = [c for c in view.candidates if c.index not in exclude]
         return view
@@ -126,6 +128,7 @@ class RoutingCore:
             new_prefill_tokens=max(0, req.input_tokens - est), terms=pick.terms,
             decision_us=elapsed_us, ts=self.clock(), attempt=attempt,
             migrated_from=names[pick.migrated_from].name if pick.migrated_from is not None else None,
+            index_source=self.cluster.index_source(pick.index, exact=req.token_source != "text_approx"),
         )
 
     def dispatch(self, d: Decision, *, new_turn: bool = True) -> Ticket:

@@ -19,6 +19,7 @@ from router import features as router_features
 from router.cluster import Cluster
 from router.config import KnobError
 from router.core import Decision, PolicySlot, RoutingCore
+from router.kv_events import attach_index
 from router.pipeline import Outcome, Pipeline
 from router.policies import build_policy, policy_class
 from aiohttp import web
@@ -39,6 +40,8 @@ class Backend:
     name: str
     url: str
     gpu: int | None = None
+    kv_events: str | None = None  # vLLM's KV-event PUB endpoint, e.g. tcp://host:5557 (router/kv_events.py)
+    kv_replay: str | None = None  # its replay (ROUTER) endpoint, e.g. tcp://host:5558
 
 
 @dataclass
@@ -88,6 +91,9 @@ class RouterConfig:
     # the first ejection's length (it grows with each ejection)
     outlier_consecutive: int = 5
     outlier_ejection_s: float = 10.0
+    # KV events (router/kv_events.py, docs/kv-events.md): how long blocks just routed count as
+    # cached on an exact instance before its events confirm them
+    kv_speculative_ttl_s: float = 2.0
 
     @property
     def capacity_blocks(self) -> int:
@@ -106,6 +112,9 @@ class RouterState:
         policy = build_policy(config.policy, {**self.features.shared_for(schema), **policy_knobs})
         cluster = Cluster([b.name for b in config.backends], urls=[b.url for b in config.backends],
                           block_size=config.block_size, capacity_blocks=config.capacity_blocks)
+        self.kv_index = attach_index(cluster, config.backends,
+                                     speculative_ttl_s=config.kv_speculative_ttl_s)
+        self.kv_subscribers: list = []  # router/kv_events.Subscriber per backend (None: no events)
         self.core = RoutingCore(cluster, policy)
         self.pipeline = Pipeline(self.core, lambda: self.features, self, clock=time.time,
                                  on_admit=_wake)

@@ -62,6 +62,7 @@ TABLES: dict[str, dict[str, type]] = {
         "t_prefill_sent": float,
         "t_prefill_done": float,
         "scores": str,  # JSON list: each candidate's score terms
+        "index_source": str,  # exact (the instance's KV events) | estimate (the router's model)
     },
     "outcomes": {
         "id": int,

