@@ -313,8 +313,17 @@ class EngineClock:
         self.client = client
         self.last: dict[str, tuple[float, float]] | None = None
 
-    async def start(self) -> bool:
+    async def start(self, settle_s: float = 0.05, timeout_s: float = 2.0) -> bool:
+        """Open a window once the counts are still: a request that finished just before
+        (a 1-token warm-up records TPOT 0) must not be counted in it."""
+        deadline = time.monotonic() + timeout_s
         self.last = await engine_histograms(self.client)
+        while self.last is not None and time.monotonic() < deadline:
+            await asyncio.sleep(settle_s)
+            now = await engine_histograms(self.client)
+            if now == self.last:
+                break
+            self.last = now
         return self.last is not None
 
     async def delta(self, name: str, requests: int, timeout_s: float = 3.0) -> float | None:
