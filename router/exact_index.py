@@ -19,9 +19,9 @@ would go unseen until the last one goes.
 Per instance the index keeps one node per engine block it holds: (parent engine hash, the
 chain's router hash after this block, the block's tokens while its router block is still
 open, depth). One dict maps a router hash to a bitmask of the instances holding it, so all
-instances' hits come out of one walk over the request's blocks, as in the estimate. An
+instances' hits come out of one pass over the request's blocks, as in the estimate. An
 instance's sets are not assumed prefix-closed (the engine decides what it evicts), so the
-walk checks every block up to the deepest match instead of bisecting.
+pass ANDs the owner masks of every block (in C, ``itertools.accumulate``) and bisects that.
 
 After a sequence gap nobody could fill, the index cannot know which removals it missed; the
 subscriber routes that instance on the estimate until the engine has reported a cache's
@@ -39,6 +39,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from itertools import accumulate, repeat
+from operator import and_
 from dataclasses import dataclass, field
 
 from router.blocks import ROOT_HASH
@@ -280,21 +282,30 @@ class ExactIndex:
     def match(self, blocks: Sequence[int], mask: int, now: float = 0.0) -> dict[int, int]:
         """Leading blocks of ``blocks`` held, for each instance in ``mask``: {instance: blocks}.
 
-        One walk while any instance of the mask still matches; then each instance's
-        speculative entries may extend its match."""
+        Then each instance's speculative entries may extend its match."""
         out: dict[int, int] = {}
-        get = self._owners.get
-        v = mask
-        k = 0
         nb = len(blocks)
-        while v and k < nb:
-            nv = v & get(blocks[k], 0)
-            if nv != v:
-                _record(out, v & ~nv, k)
-                v = nv
-            k += 1
-        if v:
-            _record(out, v, k)
+        get = self._owners.get
+        if not nb or not mask & get(blocks[0], 0):
+            for i in _bits(mask):
+                out[i] = 0
+        else:
+            # acc[k]: the instances holding all of blocks[:k]. The AND over the prefix only loses
+            # bits, so each instance's depth is a bisection; the AND itself runs in C.
+            acc = list(accumulate(map(get, blocks, repeat(0, nb)), and_, initial=mask))
+            for i in _bits(mask):
+                bit = 1 << i
+                lo, hi = 0, nb  # acc[lo] has the bit; find the last index that has it
+                if acc[hi] & bit:
+                    out[i] = nb
+                    continue
+                while hi - lo > 1:
+                    mid = (lo + hi) >> 1
+                    if acc[mid] & bit:
+                        lo = mid
+                    else:
+                        hi = mid
+                out[i] = lo
         for i, depth in out.items():
             spec = self.instances[i].speculative
             if spec:
@@ -318,10 +329,11 @@ class ExactIndex:
         st.drift_samples += 1
 
 
-def _record(out: dict[int, int], mask: int, depth: int) -> None:
-    i = 0
+def _bits(mask: int) -> list[int]:
+    out, i = [], 0
     while mask:
         if mask & 1:
-            out[i] = depth
+            out.append(i)
         mask >>= 1
         i += 1
+    return out

@@ -315,10 +315,11 @@ class Subscriber:
                     break
             busy = time.perf_counter() - t0
             self.stats.busy_s += busy
-            if busy >= self.slice_s and self.max_busy_share < 1:
-                # A full slice: more is probably queued. Sleep so this subscriber takes at most
-                # max_busy_share of the loop; what piles up meanwhile is ZMQ's, bounded by the HWM.
-                pause = busy * (1 / self.max_busy_share - 1)
+            if busy >= self.slice_s:
+                # A full slice: more is probably queued, and awaiting a message that is already
+                # there does not yield. Sleep so this subscriber takes at most max_busy_share
+                # of the loop; what piles up meanwhile is ZMQ's, bounded by the HWM.
+                pause = busy * (1 / self.max_busy_share - 1) if self.max_busy_share < 1 else 0
                 self.stats.throttled_s += pause
                 await asyncio.sleep(pause)
 
