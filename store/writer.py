@@ -33,6 +33,8 @@ from store.schema import JSON_COLUMNS, TABLES, ensure_schema
 log = logging.getLogger("kvtop.store")
 
 _STOP = object()
+#: Bound variables per statement (SQLite's limit is 32,766 since 3.32, 999 before).
+_MAX_VARIABLES = 32_000 if sqlite3.sqlite_version_info >= (3, 32) else 999
 
 
 #: Tables whose rows are never dropped: rare, and what a run's story hangs on.
@@ -43,8 +45,8 @@ DEGRADED_LAG_S = 5.0
 
 
 class Writer:
-    def __init__(self, path: str, *, flush_interval: float = 0.2, max_batch: int = 5000,
-                 max_queued: int = 20_000):
+    def __init__(self, path: str, *, flush_interval: float = 0.2, max_batch: int = 2000,
+                 max_queued: int = 6000):
         self.path = path
         self.flush_interval = flush_interval
         self.max_batch = max_batch
@@ -60,11 +62,6 @@ class Writer:
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._open_error: BaseException | None = None
-        self._sql = {
-            t: "INSERT INTO [{}] ({}) VALUES ({})".format(
-                t, ", ".join(f"[{c}]" for c in cols), ", ".join("?" for _ in cols))
-            for t, cols in ((t, [c for c in cols if c != "id"]) for t, cols in TABLES.items())
-        }
         self._cols = {t: [c for c in cols if c != "id"] for t, cols in TABLES.items()}
 
     # -- lifecycle -----------------------------------------------------------------
@@ -179,6 +176,20 @@ class Writer:
                 m.set()
         conn.close()
 
+    def _insert(self, conn: sqlite3.Connection, table: str, rows: list[tuple]) -> None:
+        """Many rows per statement. executemany steps SQLite once per row and gives the GIL
+        back each time; with the event loop busy, each return waits up to the interpreter's
+        switch interval (5 ms), which capped the writer at a few hundred rows a second under
+        load. One statement of up to ~1,000 rows hands the GIL over once."""
+        cols = self._cols[table]
+        verb = "INSERT OR REPLACE" if table == "runs" else "INSERT"
+        per = max(1, _MAX_VARIABLES // len(cols))
+        one = "(" + ", ".join("?" for _ in cols) + ")"
+        head = f"{verb} INTO [{table}] ({', '.join(f'[{c}]' for c in cols)}) VALUES "
+        for start in range(0, len(rows), per):
+            chunk = rows[start:start + per]
+            conn.execute(head + ", ".join([one] * len(chunk)), [v for r in chunk for v in r])
+
     def _write(self, conn: sqlite3.Connection, batch: list) -> None:
         by_table: dict[str, list[tuple]] = {}
         for table, row, _ in batch:
@@ -198,11 +209,7 @@ class Writer:
         try:
             conn.execute("BEGIN")
             for table, rows in by_table.items():
-                if table == "runs":
-                    sql = self._sql[table].replace("INSERT", "INSERT OR REPLACE", 1)
-                else:
-                    sql = self._sql[table]
-                conn.executemany(sql, rows)
+                self._insert(conn, table, rows)
             conn.execute("COMMIT")
             self.rows_written += sum(len(r) for r in by_table.values())
             self.batches += 1
