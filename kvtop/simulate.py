@@ -275,8 +275,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from kvtop.sim.profiles import PROFILES
 
     p.add_argument("--profile", default="h20",
-                   help=f"engine profile: {', '.join(sorted(PROFILES))} (default h20; h100 is estimated, "
-                        "see docs/simulator.md)")
+                   help=f"engine profile: {', '.join(sorted(PROFILES))}, or a profile file (.toml, from "
+                        "`kvtop sim calibrate`) (default h20; h100 is estimated, see docs/simulator.md)")
     p.add_argument("--mode", choices=("open", "closed"), default="open",
                    help="open: trace arrival times; closed: next turn after the answer + think time")
     p.add_argument("--limit", type=int, default=None, help="first N requests of the trace")
