@@ -17,7 +17,9 @@ the router uses them only as keys.
 
 The subscriber keeps the instance's index trustworthy or says it is not (``state``):
 
-- ``waiting``: subscribed, nothing seen yet (the estimate serves).
+- ``waiting``: subscribed, nothing seen yet (the estimate serves). With a replay endpoint the
+  subscriber asks it for everything from sequence 0 at once: an empty answer means the engine
+  has published nothing (its cache is empty) and the instance is exact from the start.
 - ``exact``: every batch since the engine's start (sequence 0), or since a completed
   recovery, has been applied; hits for this instance come from the exact index.
 - ``replaying``: a sequence gap was seen and the replay endpoint is being asked for it.
@@ -296,6 +298,10 @@ class Subscriber:
         import zmq
 
         sock, sync = self._sock, self._sync
+        if self.replay_endpoint and self.expected is None:
+            # Ask for everything from 0: an engine that never published has an empty cache, one
+            # whose buffer still starts at 0 is known whole; either way no first batch is needed.
+            await self._replay(0)
         while True:
             frames = await sock.recv_multipart()
             t0 = time.perf_counter()
@@ -430,6 +436,7 @@ class Subscriber:
         dealer.setsockopt(zmq.RCVHWM, self.rcv_hwm)
         dealer.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         before = self.expected
+        empty = False
         self.expected = start
         if start == 0 and before is None:
             self._consistent = True  # everything from the engine's start is coming
@@ -445,6 +452,8 @@ class Subscriber:
                     continue
                 seq = int.from_bytes(body[-2], "big", signed=True)
                 if seq == END_SEQ:
+                    if start == 0 and before is None and self.expected == 0:
+                        empty = True  # nothing was ever published: the engine's cache is empty
                     break
                 if seq < self.expected:
                     continue
@@ -461,7 +470,7 @@ class Subscriber:
         finally:
             dealer.close(linger=0)
             self._replaying = False
-        if self.expected > start:
+        if self.expected > start or empty:
             self._replay_floor = start
             self._update()
             return True

@@ -285,7 +285,8 @@ async def test_events_flow_over_zmq():
         eng = FakeEngineCache(16)
         toks = list(range(16 * 20))
         pub.publish(eng.run(toks))
-        await wait_for(lambda: sub.state == EXACT)
+        await wait_for(lambda: sub.expected == 1)
+        assert sub.state == EXACT
         assert idx.match(hash_token_blocks(toks, 16), 1) == {0: 20}
         assert sub.stats.last_seq == 0
     finally:
@@ -307,7 +308,8 @@ async def test_gap_filled_by_replay(three_frames):
         await wait_for(lambda: sub.expected == 4 and sub.state == EXACT)
         pub.publish(eng.run(prompts[4]))
         await wait_for(lambda: sub.expected == 5)
-        assert sub.stats.gaps == 1 and sub.stats.missed_batches == 2 and sub.stats.replays == 1
+        # replays: the start-up one (from 0: nothing published yet, so exact at once) and the gap's
+        assert sub.stats.gaps == 1 and sub.stats.missed_batches == 2 and sub.stats.replays == 2
         assert sub.stats.replayed_batches == 3  # 1, 2 and 3 again
         for p in prompts[:5]:
             assert idx.match(hash_token_blocks(p, 16), 1) == {0: 4}
@@ -344,7 +346,7 @@ async def test_replay_endpoint_that_no_longer_holds_the_gap_resyncs():
             pub.publish(eng.run(list(range(k * 100 + 1000, k * 100 + 1064))), drop=True)
         pub.publish(eng.run(list(range(5000, 5064))))
         await wait_for(lambda: sub.state == RESYNC)
-        assert sub.stats.replays == 1 and sub.expected == 6
+        assert sub.stats.replays == 2 and sub.expected == 6  # start-up, then the gap
     finally:
         await sub.stop()
         await pub.close()
@@ -464,3 +466,22 @@ def test_resync_forgets_blocks_whose_removal_was_lost_and_keeps_reused_ones():
     assert idx.hits_by_walk(0, hash_token_blocks(cold, 16)) == 0  # the phantom is gone
     assert idx.hits_by_walk(0, hash_token_blocks(hot, 16)) == 2  # the hot prefix stayed
     assert idx.engine_blocks(0) == len(eng.blocks)
+
+
+async def test_startup_replay_makes_a_quiet_engine_exact_and_a_busy_one_whole():
+    pub = FakePublisher()
+    eng = FakeEngineCache(16)
+    sub, idx = await _started(pub)
+    try:
+        assert sub.state == EXACT and sub.expected == 0  # never published: its cache is empty
+    finally:
+        await sub.stop()
+    # an engine that has been serving: the router joins late and catches up from the buffer
+    for k in range(3):
+        pub.publish(eng.run(list(range(k * 100, k * 100 + 64))))
+    sub, idx = await _started(pub)
+    try:
+        assert sub.state == EXACT and sub.expected == 3 and idx.cached_blocks(0) == 12
+    finally:
+        await sub.stop()
+        await pub.close()

@@ -119,3 +119,86 @@ async def test_two_routers_on_the_same_events_agree(tmp_path):
             await kv_events.stop_subscribers(g)
         for p in pubs:
             await p.close()
+
+
+# -- end to end with kvtop sim publishing ---------------------------------------------------
+async def _sim_fleet(n, blocks):
+    import asyncio
+
+    from kvtop.sim.engine import Engine
+    from kvtop.sim.kv_publisher import KvEventPublisher
+    from kvtop.sim.server import SimInstance, serve
+
+    insts = []
+    for _ in range(n):
+        eng = Engine("h20", num_gpu_blocks=blocks)
+        inst = SimInstance(eng, model="sim-model", port=0, speed=1000.0)
+        inst.kv_publisher = KvEventPublisher(eng, port=0, replay_port=0)
+        insts.append(inst)
+    ready = asyncio.Event()
+    task = asyncio.get_running_loop().create_task(serve(insts, on_ready=lambda _: ready.set()))
+    await ready.wait()
+    return insts, task
+
+
+async def _replay_sessions(client, rng, n_requests):
+    sessions = {}
+    for rid in range(n_requests):
+        sid = f"s{rng.randrange(8)}"
+        prev = sessions.get(sid, [])
+        prompt = prev + [rng.randrange(30_000) for _ in range(rng.randrange(100, 600))]
+        sessions[sid] = prompt
+        r = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2},
+                              headers={"X-Session-ID": sid})
+        assert r.status == 200, await r.text()
+        await r.read()
+        import asyncio
+        await asyncio.sleep(0.02)  # the engine's events reach the router (they left before the answer)
+
+
+async def _hit_error(router_client, tmp_path, name, kv: bool):
+    import asyncio
+
+    insts, task = await _sim_fleet(2, blocks=400)  # 6,400 tokens each: 8 sessions do not fit
+    try:
+        backends = [Backend(f"i{k}", f"http://127.0.0.1:{inst.port}",
+                            kv_events=inst.kv_publisher.endpoint if kv else None,
+                            kv_replay=inst.kv_publisher.replay_endpoint if kv else None)
+                    for k, inst in enumerate(insts)]
+        cfg = RouterConfig(backends=backends, policy="leastwork", block_size=BS, capacity_tokens=400 * BS,
+                           db=str(tmp_path / f"{name}.db"), state_dir=str(tmp_path / f"state-{name}"))
+        client = await router_client(create_app(cfg))
+        state = client.server.app[STATE]
+        if kv:
+            # the publishers' first batch is sequence 0: warm the SUB connections before traffic
+            await asyncio.sleep(0.3)
+        await _replay_sessions(client, random.Random(5), 80)
+        dec = {d["request_id"]: d for d in _rows(state, "decisions")}
+        out = _rows(state, "outcomes")
+        assert len(out) == 80 and all(o["status"] == "ok" for o in out)
+        err = sum(abs(dec[o["request_id"]]["est_hit_tokens"] - o["delivered_hit_tokens"]) for o in out)
+        total = sum(o["input_tokens"] for o in out)
+        sources = {d["index_source"] for d in dec.values()}
+        subs = [s.snapshot() for s in state.kv_subscribers if s is not None]
+        return err / total, sources, subs, sum(o["delivered_hit_tokens"] for o in out) / total
+    finally:
+        task.cancel()
+        try:
+            await task
+        except BaseException:
+            pass
+
+
+async def test_kvtop_sim_events_make_hits_exact_under_capacity_pressure(router_client, tmp_path):
+    """The same 80-request replay (8 growing sessions, 2 instances that hold about 2 sessions
+    each): with kvtop sim's events the router's estimated hit equals the delivered cached
+    tokens within 1% of prompt tokens; the estimate alone is further off."""
+    exact_err, sources, subs, apc = await _hit_error(router_client, tmp_path, "events", kv=True)
+    assert sources == {"exact"}
+    assert all(s["state"] == "exact" and s["gaps"] == 0 and s["batches"] > 0 for s in subs), subs
+    assert all(s["blocks_removed"] > 0 for s in subs)  # the engines did evict
+    est_err, est_sources, _, _ = await _hit_error(router_client, tmp_path, "estimate", kv=False)
+    assert est_sources == {"estimate"}
+    print(f"hit error: events {exact_err:.4%}, estimate {est_err:.4%} of prompt tokens; APC {apc:.1%}")
+    assert exact_err <= 0.01, (exact_err, est_err)
+    assert est_err > exact_err

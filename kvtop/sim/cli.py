@@ -99,6 +99,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "first; every 4th round FIFO). Default: the engine's plain FIFO")
     parser.add_argument("--admission-lookahead", type=int, default=8, metavar="K",
                         help="pack: waiting requests it may choose from (default 8)")
+    parser.add_argument("--kv-events-port-base", type=int, default=None, metavar="PORT",
+                        help="publish vLLM KV events: instance i on tcp://HOST:PORT+2i, its replay "
+                             "endpoint on PORT+2i+1 (route with --backend URL@kv=...@kv-replay=...)")
     parser.add_argument("--duration", type=float, default=None, metavar="S",
                         help="exit after S wall seconds (for tests and scripts)")
 
@@ -140,6 +143,14 @@ def build_instances(args: argparse.Namespace):
         instances.append(SimInstance(engine, model=model, host=args.host, port=port,
                                      speed=args.speed, stream_interval_ms=args.stream_interval_ms,
                                      engine_label=str(i)))
+        kv_base = getattr(args, "kv_events_port_base", None)
+        if kv_base is not None:
+            from kvtop.sim.kv_publisher import KvEventPublisher
+
+            if kv_base < 1 or kv_base + 2 * args.instances > 65535:
+                raise CliError("--kv-events-port-base: ports must lie in 1..65535")
+            instances[-1].kv_publisher = KvEventPublisher(engine, host=args.host, port=kv_base + 2 * i,
+                                                          replay_port=kv_base + 2 * i + 1)
     return instances
 
 
@@ -169,6 +180,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"instance {i}: http://{inst.host}:{inst.port}  profile {p.name}{est}, "
                   f"{e.num_gpu_blocks} blocks x {e.block_size} tokens, max_model_len "
                   f"{e.max_model_len}, speed {inst.speed:g}", flush=True)
+            kv = inst.kv_publisher
+            if kv is not None:
+                print(f"instance {i} KV events: {kv.endpoint} replay {kv.replay_endpoint}", flush=True)
 
     async def main() -> None:
         # SIGINT and SIGTERM stop it cleanly, even when started in the background by a shell

@@ -237,6 +237,7 @@ class Engine:
         self._hol_set: set[int] = set()
         self._hol_touch_free = 0       # hit blocks of the memo with refcount 0
         self._pending: list[tuple[float, int, _Req]] = []      # frontend, sorted by ready time
+        self.kv_events: list | None = None  # KV facts for kvtop/sim/kv_publisher.py, when it is on
         self._seq = 0
         self.waiting: deque[_Req] = deque()
         self.running: list[_Req] = []
@@ -668,6 +669,8 @@ class Engine:
             if h is not None:
                 del cached[h]     # evict
                 block_hash[b] = None
+                if self.kv_events is not None:
+                    self.kv_events.append((0, h))
                 if b in hol_set:
                     self._hol_req = None
                     hol_set = self._hol_set = set()
@@ -692,6 +695,8 @@ class Engine:
                 b = blocks[idx]
                 cached[h] = b
                 block_hash[b] = h
+                if self.kv_events is not None:
+                    self.kv_events.append((1, req.id, idx))
         req.registered = upto
 
     def _free_blocks(self, req: _Req) -> None:

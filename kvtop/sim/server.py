@@ -85,6 +85,7 @@ class SimInstance:
         self._step_end: float | None = None
         self._w0 = 0.0
         self._v0 = 0.0
+        self.kv_publisher = None  # kvtop/sim/kv_publisher.KvEventPublisher when KV events are on
 
     # ---------------------------------------------------------------- clock and driver
 
@@ -145,6 +146,11 @@ class SimInstance:
             self._publish(res)
 
     def _publish(self, res) -> None:
+        kv = self.kv_publisher
+        if kv is not None:
+            kv.flush()
+            for f in res.finished:
+                kv.forget(f.request_id)
         streams = self._streams
         metrics = self.metrics
         end = res.end_time
@@ -178,6 +184,8 @@ class SimInstance:
         """Queue one prompt on the engine; raises EngineRejected (answered as 400)."""
         arrival = self.engine_clock()
         hashes = hash_token_blocks(tokens, self.engine.block_size)
+        if self.kv_publisher is not None:
+            self.kv_publisher.remember(request_id, tokens)
         self.engine.add_request(EngineRequest(request_id, len(tokens), hashes, max_tokens, arrival,
                                               kv_transfer_params=kv_transfer_params))
         s = _Stream(request_id, index, len(tokens), max_tokens, arrival, event)
@@ -188,6 +196,8 @@ class SimInstance:
 
     def abort(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
+        if self.kv_publisher is not None:
+            self.kv_publisher.forget(request_id)
         self.engine.abort(request_id, self.engine_clock())
 
     def transfer_params(self, f: FinishedRequest) -> dict | None:
@@ -543,9 +553,13 @@ def create_app(instance: SimInstance) -> web.Application:
     app[INSTANCE] = instance
 
     async def engine_task(app: web.Application):
+        if instance.kv_publisher is not None:
+            await instance.kv_publisher.start()
         await instance.start()
         yield
         await instance.stop()
+        if instance.kv_publisher is not None:
+            await instance.kv_publisher.stop()
 
     app.cleanup_ctx.append(engine_task)
     r = app.router
