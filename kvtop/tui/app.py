@@ -95,6 +95,9 @@ class KvtopApp(App):
     COMMANDS = App.COMMANDS | {PolicyCommands}
     BINDINGS = [
         Binding("q", "quit", "quit", id="kvtop.quit"),
+        # A terminal user's reflex, and what `kvtop demo --help` promises; priority so that the
+        # filter box's copy binding does not swallow it.
+        Binding("ctrl+c", "quit", "quit", show=False, priority=True, id="kvtop.quit_ctrl_c"),
         Binding("question_mark", "help", "help", id="kvtop.help"),
         Binding("p", "pause", "pause", id="kvtop.pause"),
         Binding("s", "sort", "sort", id="kvtop.sort"),
@@ -432,11 +435,13 @@ class KvtopApp(App):
             name = inst["name"]
             cells = self._instance_cells(inst, prev_values.get(name))
             old = self._cells.get(name)
-            if old is None or name not in table.rows:
+            if name not in table.rows:
                 table.add_row(*[cells[k][1] for k, _, _ in INSTANCE_COLUMNS], key=name)
                 sort_changed = True
             else:
-                changed = {key: cells[key][1] for key, _, _ in INSTANCE_COLUMNS if old[key][0] != cells[key][0]}
+                # No cached cells (a theme change drops them to restyle): rewrite the whole row.
+                changed = {key: cells[key][1] for key, _, _ in INSTANCE_COLUMNS
+                           if old is None or old[key][0] != cells[key][0]}
                 table.set_cells(name, changed)
                 if self.sort_key in changed or (self.sort_key == "backlog_s" and "backlog_tokens" in changed):
                     sort_changed = True
@@ -471,7 +476,8 @@ class KvtopApp(App):
         line.append(f"in flight {tot.get('in_flight', 0)}  ", style="bold")
         line.append(f"backlog {fmt_int(tot.get('pending_prefill_tokens'))} tok / {fmt_secs(tot.get('backlog_s'))} s  ")
         line.append(f"decode {tot.get('decode_requests', 0)} req  ")
-        line.append(f"est hit {fmt_pct(tot.get('est_hit_rate'))}%  ")
+        hit = tot.get("est_hit_rate")  # None until the router has seen input: no rate, not "n/a%"
+        line.append(f"est hit {fmt_pct(hit)}%  " if hit is not None else "est hit –  ")
         line.append(f"routed {fmt_int(tot.get('routed_total'))}  errors {tot.get('errors_total', 0)}  ")
         line.append(f"healthy {tot.get('healthy_instances', 0)}/{n}")
         reasons = snap.get("decisions_by_reason") or {}
@@ -717,10 +723,19 @@ class KvtopApp(App):
 
     def action_tab(self, tab: str) -> None:
         self.query_one(TabbedContent).active = tab
+        self._focus_tab_table()
         self.apply(force=True)
+
+    def _focus_tab_table(self) -> None:
+        """Give the visible tab's table the keys, so Enter and the arrows act on it at once."""
+        pane = self.query_one(TabbedContent).active_pane
+        table = pane.query(DataTable).first() if pane is not None and pane.query(DataTable) else None
+        if table is not None and not isinstance(self.focused, Input):
+            table.focus()
 
     @on(TabbedContent.TabActivated)
     def _tab_changed(self, event: TabbedContent.TabActivated) -> None:
+        self._focus_tab_table()
         if self.query_one(TabbedContent).active == "sessions":
             self._fetch_sessions()
         if self.query_one(TabbedContent).active == "policy":

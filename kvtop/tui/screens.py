@@ -200,6 +200,11 @@ class KnobForm(ModalScreen[dict[str, Any] | None]):
                 yield Button("Apply", variant="warning", id="apply")
                 yield Button("Cancel", id="cancel")
 
+    def on_mount(self) -> None:
+        # The first keys typed after `k` edit the first knob instead of going nowhere.
+        first = self.query(".knob-input").first(Input) if self.query(".knob-input") else None
+        (first or self.query_one("#apply", Button)).focus()
+
     @staticmethod
     def _validators(k: dict[str, Any]) -> list:
         lo, hi = k.get("min"), k.get("max")
