@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import sys
 import time
 from typing import Any, Sequence
@@ -79,8 +80,11 @@ def run(args: argparse.Namespace) -> int:
         return _COMMANDS[args.log_cmd](queries, db, args)
     except queries.QueryError as exc:
         raise CliError(str(exc)) from None
-    except BrokenPipeError:  # `kvtop log ... | head`
-        sys.stderr.close()
+    except BrokenPipeError:  # `kvtop log ... | head`: the reader has what it wanted
+        # Point stdout at /dev/null so the interpreter's last flush does not fail again (the
+        # recipe in Python's signal docs); exit 0 without a word.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
         return 0
 
 
@@ -151,6 +155,8 @@ def _sql(queries, db, args) -> int:
 def _export(queries, db, args) -> int:
     try:
         n = queries.export(db, args.table or args.query, args.format, args.out)
+    except BrokenPipeError:
+        raise  # stdout's reader went away (`| head`): run() ends quietly
     except OSError as exc:
         raise CliError(f"cannot write {args.out}: {exc.strerror or exc}") from None
     if args.out:
