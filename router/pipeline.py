@@ -181,7 +181,8 @@ class Pipeline:
         # Elastic P2P: P prefills (a prefill-only ticket), D decodes and owes no prefill.
         req = flow.request
         p = off.prefill_instance
-        p_ticket = cluster.dispatch(p, req.input_tokens, cluster.hits(req.blocks, req.input_tokens)[p],
+        p_hit = cluster.hits(req.blocks, req.input_tokens, exact=req.token_source != "text_approx")[p]
+        p_ticket = cluster.dispatch(p, req.input_tokens, p_hit,
                                     req.blocks, decode=False)
         self._set_new_prefill(d.ticket, 0)
         d.extra["offload"] = 1
