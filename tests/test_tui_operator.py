@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -99,3 +100,145 @@ async def test_idle_router_shows_a_dash_for_the_hit_rate():
         await settle(pilot, app)
         totals = str(app.query_one("#totals").render())
         assert "est hit –" in totals and "n/a%" not in totals
+
+
+async def test_charts_tab_right_after_attach():
+    """Two outcomes in the current TTFT bucket put its midpoint after now: plotext raised drawing it."""
+    app, feed = make_app(steps=2, decisions=2)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, app)
+        await pilot.press("2")
+        await settle(pilot, app)
+        assert app.is_running and app.query_one("#chart-ttft").plt.build()
+
+
+# -- a router that sends what the API does not describe ----------------------------------------
+
+def test_sse_parser_bounds_memory_and_reports_once_per_problem():
+    from kvtop.tui.feed import SseParser
+
+    p = SseParser(max_event_bytes=1 << 20)
+    events, errors = p.feed(b'event: state\ndata: {"a"')  # split anywhere, even mid-JSON
+    assert (events, errors) == ([], [])
+    events, errors = p.feed(b': 1}\n\n')
+    assert events == [("state", {"a": 1})] and errors == []
+    # 2 MiB on one line, in small chunks: dropped, the rest of the line skipped, memory bounded
+    long_line = [b"event: state\ndata: " + b"x" * 65536] + [b"x" * 65536] * 31 + [b"\n\n"]
+    errs = []
+    for chunk in long_line:
+        ev, er = p.feed(chunk)
+        assert ev == [] and p.buffered_bytes <= (1 << 20) + 65536
+        errs += er
+    assert len(errs) == 1 and "line over 1 MiB" in errs[0]
+    # 50 MiB of data lines that never end their event: dropped once, never held
+    errs = []
+    p.feed(b"event: decision\n")
+    for _ in range(800):
+        ev, er = p.feed(b"data: " + b"y" * 65530 + b"\n")
+        assert ev == [] and p.buffered_bytes <= (1 << 20) + 65536
+        errs += er
+    assert len(errs) == 1 and "without the blank line" in errs[0]
+    events, errors = p.feed(b"\nevent: state\ndata: not json\n\nevent: state\ndata: {}\n\n")
+    assert events == [("state", {})] and len(errors) == 1 and "not JSON" in errors[0]
+
+
+@pytest.mark.parametrize("kind, payload, why", [
+    ("state", [], "an array where an object belongs"),
+    ("state", {"instances": {"vllm-0": {}}}, "instances as an object"),
+    ("state", {"instances": ["vllm-0", {"name": 7}, {"name": "ok", "num_requests": "12",
+                                                      "engine": [], "gpu": {"util_pct": "full"}}],
+               "totals": {"est_hit_rate": "high", "in_flight": None}, "router": None,
+               "affinity": {"per_instance": {"ok": "3"}}, "decisions_by_reason": ["argmin"]}, "every field wrong"),
+    ("decision", {"ts": "noon", "input_tokens": "many", "terms": "none", "session": 12}, "a decision of strings"),
+    ("decision", "req-1", "a decision that is a string"),
+    ("outcome", {"ttft_ms": "fast"}, "a TTFT that is not a number"),
+    ("config", {"before": "unified@1", "after": 2}, "config sides that are not objects"),
+])
+async def test_wrongly_typed_events_give_a_banner_and_the_app_keeps_drawing(kind, payload, why):
+    app, feed = make_app(steps=2, decisions=2)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, app)
+        feed.push(kind, payload)
+        await settle(pilot, app)
+        for tab in "12345":  # every tab draws what it has
+            await pilot.press(tab)
+            app.apply(force=True)
+            await pilot.pause()
+        assert app.is_running, why
+        banner = app.query_one("#banner")
+        assert banner.display and "malformed data from the router" in str(banner.render()), why
+        assert banner.size.height == 1, why
+        feed.push("state", syn.snapshot(4, 60.0))  # a good snapshot after the bad one is drawn
+        await pilot.press("1")
+        await settle(pilot, app)
+        assert app.query_one("#instances").row_count == 4
+
+
+@pytest.fixture
+async def broken_router(aiohttp_server):
+    """A router-shaped server whose event stream is scripted by the test."""
+    from aiohttp import web
+
+    script: list[bytes] = []
+
+    async def events(request):
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        for chunk in script:
+            await resp.write(chunk)
+        await asyncio.sleep(30)
+        return resp
+
+    async def json_of(body):
+        async def handler(request):
+            return web.json_response(body)
+        return handler
+
+    app = web.Application()
+    app.router.add_get("/kvtop/v1/events", events)
+    app.router.add_get("/kvtop/v1/decisions", await json_of({"decisions": "none"}))
+    app.router.add_get("/kvtop/v1/policies", await json_of([]))
+    app.router.add_get("/kvtop/v1/state", await json_of({"instances": [{"name": "i0", "num_requests": "x"}]}))
+    server = await aiohttp_server(app, host="127.0.0.1")
+    return script, str(server.make_url("")).rstrip("/")
+
+
+async def test_attach_survives_a_malformed_stream_over_loopback(broken_router):
+    import json
+    import tracemalloc
+
+    from kvtop.tui.app import KvtopApp
+    from kvtop.tui.feed import RouterFeed
+    from test_tui import wait_for
+
+    script, url = broken_router
+    good = b"event: state\ndata: " + json.dumps(syn.snapshot(3, 1.0)).encode() + b"\n\n"
+    script += [b"event: state\ndata: [1, 2]\n\n",                      # wrong JSON type
+               b"event: state\ndata: " + b"z" * (9 * 2**20) + b"\n\n",  # a 9 MiB line
+               # 18 MB of data lines that never meet the blank line that ends an event
+               b"".join(b"event: decision\ndata: " + b"q" * 60000 + b"\n" for _ in range(300)),
+               b"\n", good]
+    app = KvtopApp(RouterFeed(url, None, hz=10), url=url, apply_timer=False, poll_sessions_s=0)
+    tracemalloc.start()
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            assert await wait_for(pilot, app, lambda: app.collected.snapshot is not None, timeout=20)
+            _, peak = tracemalloc.get_traced_memory()
+            assert app.is_running
+            assert app.collected.malformed >= 3
+            assert app.query_one("#instances").row_count == 3  # the good state after the bad ones
+            assert app.query_one("#banner").size.height == 1
+            assert app.policies_body["policies"] == []  # a list where an object belongs: ignored
+    finally:
+        tracemalloc.stop()
+    assert peak < 60 * 2**20  # 27 MB of garbage went past; the 9 MiB line is skipped, not joined
+
+
+async def test_once_on_a_wrongly_typed_state_is_one_line_exit_2(broken_router, capsys):
+    from kvtop.cli import main
+
+    script, url = broken_router
+    rc = await asyncio.to_thread(main, ["attach", "--once", url, "--state-dir", "/nonexistent"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert "malformed /kvtop/v1/state: i0.num_requests is str" in err

@@ -231,9 +231,19 @@ class KvtopApp(App):
     @work(exclusive=True, group="policies")
     async def _load_policies(self) -> None:
         try:
-            self.policies_body = await self.feed.policies()
+            body = await self.feed.policies()
         except ControlError as exc:
             self.last_error = f"GET policies: {exc.message}"
+        else:
+            if isinstance(body, dict) and isinstance(body.get("policies", []), list):
+                body = dict(body)
+                body["policies"] = [p for p in body.get("policies", [])
+                                    if isinstance(p, dict) and isinstance(p.get("name"), str)]
+                if not isinstance(body.get("current"), dict):
+                    body["current"] = {}
+                self.policies_body = body
+            else:
+                self.last_error = "GET policies: the answer is not shaped like a kvtop router's"
         self._draw_policy()
 
     def _poll_sessions(self) -> None:
@@ -243,10 +253,13 @@ class KvtopApp(App):
     @work(exclusive=True, group="sessions")
     async def _fetch_sessions(self) -> None:
         try:
-            self.sessions_body = await self.feed.sessions(200)
-            self._sessions_seq += 1
+            body = await self.feed.sessions(200)
         except ControlError:
-            pass
+            return
+        rows = body.get("sessions") if isinstance(body, dict) else None
+        if isinstance(rows, list):
+            self.sessions_body = {**body, "sessions": [s for s in rows if isinstance(s, dict) and "session" in s]}
+            self._sessions_seq += 1
 
     # -- data out -------------------------------------------------------------------------------
     @property
@@ -341,11 +354,20 @@ class KvtopApp(App):
         c = self.collected
         banner = self.query_one("#banner", Static)
         if c.connected:
-            if banner.display:
+            if c.malformed_error:
+                # The stream is up but the router sent something the API does not describe:
+                # say so on one line and keep drawing what could be read.
+                if not banner.display:
+                    banner.display = True
+                banner.set_class(True, "-malformed")
+                msg = f"⚠ malformed data from the router ({c.malformed} so far, dropped or shown as n/a): {c.malformed_error}"
+                self._update_static("#banner", Text(msg, style="bold", no_wrap=True, overflow="ellipsis"))
+            elif banner.display:
                 banner.display = False
             return
         if not banner.display:
             banner.display = True
+        banner.set_class(False, "-malformed")
         retry = ""
         if c.retry_at:
             retry = f" — reconnecting in {max(0.0, c.retry_at - self.clock()):.0f} s"
@@ -591,8 +613,8 @@ class KvtopApp(App):
         ranked = sorted(c.backlog.items(), key=lambda kv: -(kv[1][-1][1] if kv[1] else 0))
         plotted: list[float] = []
         for name, ring in ranked[:8]:  # more lines than this is noise; the table has every instance
-            pts = [(ts - now, v) for ts, v in ring if ts >= now - w]
-            if pts:
+            pts = [(ts - now, v) for ts, v in ring if now - w <= ts <= now]  # plotext raises on a series
+            if pts:                                                           # wholly outside xlim
                 plt.plot([p[0] for p in pts], [p[1] for p in pts], label=name, marker="braille")
                 plotted += [p[1] for p in pts]
         set_y_ticks(plt, plotted, "count", rows=backlog.size.height, integer=True)
@@ -619,7 +641,7 @@ class KvtopApp(App):
         plt.clear_figure()
         plt.title("prefix hit % (router est / engine)")
         for label, ring in (("est", c.hit_rate), ("engine", c.engine_hit_rate)):
-            pts = [(ts - now, v) for ts, v in ring if ts >= now - w]
+            pts = [(ts - now, v) for ts, v in ring if now - w <= ts <= now]
             if pts:
                 plt.plot([p[0] for p in pts], [p[1] for p in pts], label=label, marker="braille")
         plt.xlim(-w, 0)

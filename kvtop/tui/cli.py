@@ -58,12 +58,19 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(exc.message) from None
     if not isinstance(snap, dict) or "instances" not in snap:
         raise CliError(f"{target.url} answered /kvtop/v1/state but not like a kvtop router")
+    from kvtop.tui.model import clean_snapshot
+
+    clean, problems = clean_snapshot(snap)
+    if args.once and (clean is None or problems):
+        # A script reading --once must not get n/a where the router sent garbage: refuse, one line.
+        raise CliError(f"{target.url} sent a malformed /kvtop/v1/state: {'; '.join(problems[:3])}")
+    snap = clean if clean is not None else {}
     if args.once:
         from kvtop.tui.model import render_once
 
         sys.stdout.write(render_once(snap))
         return 0
-    readonly = bool(args.readonly or snap.get("router", {}).get("readonly"))
+    readonly = bool(args.readonly or (snap.get("router") or {}).get("readonly"))
     if target.token and not readonly:
         try:
             why = check_token(target.url, target.token)

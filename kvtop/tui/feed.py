@@ -159,6 +159,82 @@ def check_token(url: str, token: str, timeout: float = 5.0) -> str | None:
     return None
 
 
+# -- the event stream's framing ----------------------------------------------------------------
+
+MAX_EVENT_BYTES = 8 * 2**20  # a state event at 256 instances is ~0.5 MiB; more is a broken router
+
+
+class SseParser:
+    """Server-sent events from raw byte chunks, with memory bounded by ``max_event_bytes``.
+
+    ``feed(chunk)`` returns ``(events, errors)``: ``(kind, decoded JSON)`` pairs and one-line
+    descriptions of what was dropped (a line or an event over the bound, data that is not
+    JSON). A line that passes the bound is skipped up to its end; an event whose data lines
+    never meet a blank line is dropped once it passes the bound, so neither can grow memory.
+    """
+
+    def __init__(self, max_event_bytes: int = MAX_EVENT_BYTES):
+        self.max = max_event_bytes
+        self._line = bytearray()
+        self._skipping_line = False
+        self._kind = "message"
+        self._data: list[bytes] = []
+        self._data_bytes = 0
+        self._overflow = False
+
+    @property
+    def buffered_bytes(self) -> int:
+        return len(self._line) + self._data_bytes
+
+    def feed(self, chunk: bytes) -> tuple[list[tuple[str, Any]], list[str]]:
+        events: list[tuple[str, Any]] = []
+        errors: list[str] = []
+        *lines, rest = chunk.split(b"\n")
+        for part in lines:
+            if self._skipping_line:
+                self._skipping_line = False  # the overlong line ends here
+                continue
+            if self._line:
+                self._line += part
+                part, self._line = bytes(self._line), bytearray()
+            self._handle(part.rstrip(b"\r"), events, errors)
+        if not self._skipping_line:
+            self._line += rest
+            if len(self._line) > self.max:
+                errors.append(f"dropped a line over {self.max // 2**20} MiB")
+                self._line = bytearray()
+                self._skipping_line = True
+                self._reset_event()
+                self._overflow = True  # what follows belongs to a broken event
+        return events, errors
+
+    def _reset_event(self) -> None:
+        self._kind, self._data, self._data_bytes, self._overflow = "message", [], 0, False
+
+    def _handle(self, line: bytes, events: list, errors: list[str]) -> None:
+        if not line:
+            if self._data and not self._overflow:
+                raw = b"\n".join(self._data)
+                try:
+                    events.append((self._kind, json.loads(raw)))
+                except ValueError:
+                    errors.append(f"a {self._kind!r} event whose data is not JSON ({raw[:40]!r}...)")
+            self._reset_event()
+        elif line.startswith(b"event:"):
+            self._kind = line[6:].strip().decode(errors="replace")
+        elif line.startswith(b"data:"):
+            if self._overflow:
+                return
+            piece = line[5:].lstrip()
+            self._data_bytes += len(piece)
+            if self._data_bytes > self.max:
+                errors.append(f"dropped a {self._kind!r} event over {self.max // 2**20} MiB "
+                              "(data lines without the blank line that ends an event?)")
+                self._data, self._data_bytes, self._overflow = [], 0, True
+            else:
+                self._data.append(piece)
+
+
 # -- feeds ----------------------------------------------------------------------------------
 
 class RouterFeed:
@@ -206,22 +282,16 @@ class RouterFeed:
                     yield "_status", {"connected": True, "error": None}
                     for ev in await self._recent_decisions():
                         yield "decision", ev
-                    kind, data = "message", []
-                    async for raw in resp.content:
+                    parser = SseParser()
+                    # Raw chunks, not aiohttp's line iterator: that one raises on a long line.
+                    async for chunk in resp.content.iter_any():
                         if self._reconnect.is_set():
                             break
-                        line = raw.decode(errors="replace").rstrip("\r\n")
-                        if not line:
-                            if data:
-                                try:
-                                    yield kind, json.loads("\n".join(data))
-                                except ValueError:
-                                    pass
-                            kind, data = "message", []
-                        elif line.startswith("event:"):
-                            kind = line[6:].strip()
-                        elif line.startswith("data:"):
-                            data.append(line[5:].lstrip())
+                        events, errors = parser.feed(chunk)
+                        for error in errors:
+                            yield "_malformed", {"error": error}
+                        for ev in events:
+                            yield ev
                     if self._reconnect.is_set():
                         continue
                     err = "the router closed the event stream"
@@ -244,7 +314,8 @@ class RouterFeed:
             body = await self.request("GET", "/decisions?limit=200")
         except ControlError:
             return []
-        return list(reversed(body.get("decisions") or []))
+        rows = body.get("decisions") if isinstance(body, dict) else None
+        return list(reversed(rows)) if isinstance(rows, list) else []
 
     async def request(self, method: str, path: str, body: Any = None, *, auth: bool = False) -> Any:
         import aiohttp

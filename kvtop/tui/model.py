@@ -29,6 +29,11 @@ INSTANCE_COLUMNS: list[tuple[str, str, int]] = [
 SORT_KEYS = [k for k, _, _ in INSTANCE_COLUMNS if k != "trend"]
 
 
+def _is_number(v: Any) -> bool:
+    """A JSON number (not a bool, not NaN or infinite): what the formatters and thresholds accept."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 # -- thresholds: light / moderate / heavy, as nvitop does --------------------------------------
 
 @dataclass(frozen=True)
@@ -61,7 +66,7 @@ def sparkline(values: list[float], width: int = 12) -> str:
 
 
 def fmt_int(n: Any) -> str:
-    if n is None:
+    if not _is_number(n):
         return "n/a"
     n = float(n)
     if abs(n) >= 10_000_000:
@@ -72,18 +77,18 @@ def fmt_int(n: Any) -> str:
 
 
 def fmt_pct(x: Any) -> str:
-    return "n/a" if x is None else f"{100 * float(x):.1f}"
+    return f"{100 * float(x):.1f}" if _is_number(x) else "n/a"
 
 
 def fmt_secs(s: Any) -> str:
-    if s is None:
+    if not _is_number(s):
         return "n/a"
     s = float(s)
     return f"{s:.2f}" if s < 10 else f"{s:.1f}" if s < 100 else f"{s:.0f}"
 
 
 def fmt_duration(s: float | None) -> str:
-    if s is None:
+    if not _is_number(s):
         return "n/a"
     s = int(max(0, s))
     if s < 60:
@@ -94,7 +99,7 @@ def fmt_duration(s: float | None) -> str:
 
 
 def fmt_bytes(b: Any) -> str:
-    if b is None:
+    if not _is_number(b):
         return "n/a"
     return f"{float(b) / 2**30:.1f}G"
 
@@ -137,6 +142,111 @@ def sort_value(v: Any) -> tuple[int, Any]:
     return (0, 0) if v is None else (1, v)
 
 
+# -- what the router sent, checked -------------------------------------------------------------
+
+# The fields the dashboard reads, by where they sit. A value of another type becomes None
+# (drawn as "n/a") and is reported once; dicts and lists that are not are replaced by empty ones.
+_INSTANCE_NUMBERS = ("num_requests", "pending_prefill_tokens", "backlog_s", "decode_requests", "decode_tokens",
+                     "routed_total", "input_tokens_total", "est_hit_tokens_total", "est_hit_rate",
+                     "est_hit_rate_recent", "request_rate")
+_SECTION_NUMBERS = {
+    "engine": ("kv_usage", "prefix_hit_rate", "prefix_hit_rate_recent", "running", "waiting"),
+    "gpu": ("util_pct", "mem_used_bytes", "mem_total_bytes"),
+    "health": ("ejected_for_s", "ejections", "consecutive_errors"),
+}
+_TOTAL_NUMBERS = ("in_flight", "num_requests", "pending_prefill_tokens", "backlog_s", "decode_requests",
+                  "routed_total", "input_tokens_total", "est_hit_tokens_total", "est_hit_rate", "request_rate",
+                  "errors_total", "healthy_instances")
+
+
+def clean_snapshot(snap: Any) -> tuple[dict[str, Any] | None, list[str]]:
+    """A state snapshot safe to draw, and what was wrong with it (empty when nothing was).
+
+    None when the snapshot cannot be read at all (not an object, ``instances`` not a list).
+    Only the fields the dashboard reads are checked; everything else passes through.
+    """
+    if not isinstance(snap, dict):
+        return None, [f"state is a JSON {type(snap).__name__}, not an object"]
+    if not isinstance(snap.get("instances"), list):
+        return None, [f"state.instances is {type(snap.get('instances')).__name__}, not a list"]
+    problems: list[str] = []
+    out = dict(snap)
+    for key in ("router", "totals", "affinity", "decisions_by_reason", "outcomes_by_status"):
+        if not isinstance(out.get(key), dict):
+            if out.get(key) is not None:
+                problems.append(f"state.{key} is {type(out[key]).__name__}, not an object")
+            out[key] = {}
+    if out.get("ts") is not None and not _is_number(out["ts"]):
+        problems.append(f"state.ts is {type(out['ts']).__name__}")
+        out["ts"] = None
+    tot = dict(out.get("totals") or {})
+    for k in _TOTAL_NUMBERS:
+        if tot.get(k) is not None and not _is_number(tot[k]):
+            problems.append(f"totals.{k} is {type(tot[k]).__name__}")
+            tot[k] = None
+    out["totals"] = tot
+    for key in ("decisions_by_reason", "outcomes_by_status"):
+        counts = out.get(key) or {}
+        out[key] = {str(k): v for k, v in counts.items() if _is_number(v)}
+    aff = dict(out.get("affinity") or {})
+    per = aff.get("per_instance")
+    aff["per_instance"] = {str(k): v for k, v in per.items() if _is_number(v)} if isinstance(per, dict) else {}
+    out["affinity"] = aff
+    insts = []
+    seen: set[str] = set()
+    for n, inst in enumerate(out["instances"]):
+        if not isinstance(inst, dict) or not isinstance(inst.get("name"), str) or not inst["name"]:
+            problems.append(f"instances[{n}] has no name")
+            continue
+        if inst["name"] in seen:
+            problems.append(f"instances[{n}] repeats the name {inst['name']!r}")
+            continue
+        seen.add(inst["name"])
+        inst = dict(inst)
+        for k in _INSTANCE_NUMBERS:
+            if inst.get(k) is not None and not _is_number(inst[k]):
+                problems.append(f"{inst['name']}.{k} is {type(inst[k]).__name__}")
+                inst[k] = None
+        for section, fields in _SECTION_NUMBERS.items():
+            sec = inst.get(section)
+            if sec is None:
+                continue
+            if not isinstance(sec, dict):
+                problems.append(f"{inst['name']}.{section} is {type(sec).__name__}, not an object")
+                inst[section] = {}
+                continue
+            sec = inst[section] = dict(sec)
+            for k in fields:
+                if sec.get(k) is not None and not _is_number(sec[k]):
+                    problems.append(f"{inst['name']}.{section}.{k} is {type(sec[k]).__name__}")
+                    sec[k] = None
+        insts.append(inst)
+    out["instances"] = insts
+    return out, problems
+
+
+_DECISION_NUMBERS = ("ts", "attempt", "turn", "input_tokens", "est_hit", "best_hit", "new_prefill", "decision_us")
+_DECISION_TEXT = ("request_id", "session", "class", "instance", "reason", "policy", "best_hit_instance")
+
+
+def clean_decision(ev: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """A decision event safe to draw: numbers are numbers or None, names are strings, terms a list of objects."""
+    out = dict(ev)
+    problems = []
+    for k in _DECISION_NUMBERS:
+        if out.get(k) is not None and not _is_number(out[k]):
+            problems.append(f"decision.{k} is {type(out[k]).__name__}")
+            out[k] = None
+    for k in _DECISION_TEXT:
+        if out.get(k) is not None and not isinstance(out[k], str):
+            out[k] = str(out[k])
+    terms = out.get("terms")
+    if terms is not None and not (isinstance(terms, list) and all(isinstance(t, dict) for t in terms)):
+        problems.append("decision.terms is not a list of objects")
+        out["terms"] = [t for t in terms if isinstance(t, dict)] if isinstance(terms, list) else []
+    return out, problems
+
+
 # -- what the feed delivered ------------------------------------------------------------------
 
 @dataclass
@@ -153,6 +263,8 @@ class Collected:
     decision_seq: int = 0  # total decisions ever received; the view applies those above its mark
     config_events: deque = field(default_factory=lambda: deque(maxlen=50))
     dropped: int = 0
+    malformed: int = 0  # events dropped or repaired because they were not what the API says
+    malformed_error: str | None = None  # the latest such problem, for the banner
     # histories for the charts: (ts, value)
     backlog: dict[str, deque] = field(default_factory=dict)
     hit_rate: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
@@ -163,19 +275,47 @@ class Collected:
     def __post_init__(self) -> None:
         self.decisions = deque(maxlen=self.max_decisions)
 
+    def _malformed(self, error: str) -> None:
+        self.malformed += 1
+        self.malformed_error = error
+
     def ingest(self, kind: str, payload: Any) -> None:
+        """Keep one event. One that is not shaped as docs/control-api.md says is dropped (or,
+        for a state snapshot, repaired) and counted; it never raises."""
+        if kind == "_malformed":
+            self._malformed(str(payload.get("error")))
+            return
+        if kind in ("state", "decision", "outcome", "config", "dropped") and not isinstance(payload, dict):
+            self._malformed(f"a {kind!r} event is a JSON {type(payload).__name__}, not an object")
+            return
         if kind == "state":
-            self._state(payload)
+            snap, problems = clean_snapshot(payload)
+            if problems:
+                self._malformed("state: " + "; ".join(problems[:3]) + (" ..." if len(problems) > 3 else ""))
+            if snap is not None:
+                self._state(snap)
         elif kind == "decision":
+            ev, problems = clean_decision(payload)
+            if problems:
+                self._malformed("; ".join(problems))
             self.decision_seq += 1
-            self.decisions.append((self.decision_seq, payload))
+            self.decisions.append((self.decision_seq, ev))
         elif kind == "outcome":
-            if payload.get("ttft_ms") is not None:
-                self.ttft_ms.append((payload.get("ts") or time.time(), float(payload["ttft_ms"])))
+            ttft, ts = payload.get("ttft_ms"), payload.get("ts")
+            if _is_number(ttft):
+                self.ttft_ms.append((ts if _is_number(ts) else time.time(), float(ttft)))
+            elif ttft is not None:
+                self._malformed(f"outcome.ttft_ms is {type(ttft).__name__}")
         elif kind == "config":
-            self.config_events.append(payload)
+            ev = dict(payload)
+            for k in ("before", "after"):
+                if not isinstance(ev.get(k), (dict, type(None))):
+                    self._malformed(f"config.{k} is {type(ev[k]).__name__}, not an object")
+                    ev[k] = {}
+            self.config_events.append(ev)
         elif kind == "dropped":
-            self.dropped += int(payload.get("decisions_sampled_out", 0)) + int(payload.get("overflow", 0))
+            self.dropped += sum(int(v) for v in (payload.get("decisions_sampled_out"), payload.get("overflow"))
+                                if _is_number(v))
         elif kind == "_status":
             self.connected = bool(payload.get("connected"))
             self.error = payload.get("error")
@@ -218,7 +358,9 @@ class Collected:
         xs, p50, p90 = [], [], []
         for b in sorted(buckets):
             vals = buckets[b]
-            xs.append(b * bucket_s + bucket_s / 2 - now)
+            # The current bucket's midpoint can lie after ``now``: drawn at the edge, since a
+            # series with no point inside the x range makes plotext's legend raise.
+            xs.append(max(-window_s, min(0.0, b * bucket_s + bucket_s / 2 - now)))
             p50.append(percentile(vals, 50))
             p90.append(percentile(vals, 90))
         return xs, p50, p90
