@@ -83,9 +83,8 @@ def create_app(config: RouterConfig) -> web.Application:
                                         "max_headers": MAX_HEADERS, "lingering_time": LINGERING_S})
     app[STATE] = state
     state.app = app
-    completions, chat = proxy.handlers(STATE)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/chat/completions", chat)
+    for path, handler in proxy.handlers(STATE).items():  # completions, chat, messages, responses
+        app.router.add_post(path, handler)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.cleanup_ctx.append(_resources)

@@ -1,10 +1,11 @@
 """Upstream calls: send the client's bytes unchanged, pass the answer back, time it.
 
 Streaming responses are relayed chunk by chunk as they arrive. The first token is found
-by scanning the raw SSE bytes for the first event whose ``text`` or ``content`` (or
-``reasoning_content``) string is non-empty; nothing is decoded or re-encoded on the way
-through. The engine's ``usage`` (with ``prompt_tokens_details.cached_tokens``) is read from
-the last events at the end of the stream, when the client asked for it.
+by scanning the raw SSE bytes for the first event carrying a non-empty piece of output (each
+API's pattern is in router/apis.py); nothing is decoded or re-encoded on the way through. The
+engine's ``usage`` is read from the last events at the end of the stream: chat and completions
+(when the client asked for it), Anthropic's ``message_delta``, the Responses API's
+``response.completed``.
 """
 
 from __future__ import annotations
@@ -34,9 +35,14 @@ HOP_HEADERS = frozenset(h.lower() for h in (
 
 @dataclass(slots=True)
 class StreamScan:
-    """Incremental scan of an SSE byte stream for the first token and the final usage."""
+    """Incremental scan of an SSE byte stream for the first token and the final usage.
+    ``token_re`` and ``done_re`` are the API's (router/apis.py); the defaults are OpenAI's."""
 
+    token_re: re.Pattern = _TOKEN_RE
+    done_re: re.Pattern = _DONE_RE
     first_token: bool = False
+    #: the stream's first bytes (where a Responses stream names its response id)
+    head: bytes = b""
     events: int = 0
     _carry: bytes = b""
     #: the stream's last chunks, at least _TAIL_BYTES of them once there are that many;
@@ -47,6 +53,8 @@ class StreamScan:
     def feed(self, chunk: bytes) -> bool:
         """Account ``chunk``; return True if it holds the stream's first token."""
         self.events += chunk.count(b"data:")
+        if len(self.head) < 4096:
+            self.head += chunk[:4096 - len(self.head)]
         chunks = self._chunks
         chunks.append(chunk)
         self._kept += len(chunk)
@@ -65,7 +73,7 @@ class StreamScan:
             self._carry = buf[-_TAIL_BYTES:]
             return False
         whole, self._carry = buf[:cut], buf[cut + 2:]
-        if _TOKEN_RE.search(whole):
+        if self.token_re.search(whole):
             self.first_token = True
             self._carry = b""
             return True
@@ -73,7 +81,7 @@ class StreamScan:
 
     def finish(self) -> bool:
         """At end of stream: True if the unterminated last event held the first token."""
-        if not self.first_token and self._carry and _TOKEN_RE.search(self._carry):
+        if not self.first_token and self._carry and self.token_re.search(self._carry):
             self.first_token = True
             return True
         return False
@@ -83,7 +91,8 @@ class StreamScan:
         return b"".join(self._chunks)[-_TAIL_BYTES:]
 
     def usage(self) -> dict[str, Any] | None:
-        """The last non-null ``usage`` object in the stream, if any."""
+        """The last non-null ``usage`` object in the stream, if any (top level, or inside the
+        ``response`` of a Responses API event)."""
         tail = self._tail
         pos = tail.rfind(b'"usage":{')
         if pos < 0:
@@ -99,13 +108,13 @@ class StreamScan:
             obj = json.loads(line)
         except ValueError:
             return None
-        u = obj.get("usage") if isinstance(obj, dict) else None
-        return u if isinstance(u, dict) else None
+        return _usage_in(obj)
 
     @property
     def saw_done(self) -> bool:
-        """True once the stream's closing ``data: [DONE]`` event has passed through."""
-        return _DONE_RE.search(self._tail) is not None
+        """True once the stream's closing event (``data: [DONE]``, ``message_stop``,
+        ``response.completed``) has passed through."""
+        return self.done_re.search(self._tail) is not None
 
     @property
     def data_events(self) -> int:
@@ -120,22 +129,39 @@ def usage_of(body: bytes) -> dict[str, Any] | None:
         obj = json.loads(body)
     except ValueError:
         return None
-    u = obj.get("usage") if isinstance(obj, dict) else None
+    return _usage_in(obj)
+
+
+def _usage_in(obj: Any) -> dict[str, Any] | None:
+    if not isinstance(obj, dict):
+        return None
+    u = obj.get("usage")
+    if u is None and isinstance(obj.get("response"), dict):  # Responses API events
+        u = obj["response"].get("usage")
     return u if isinstance(u, dict) else None
 
 
 def cached_tokens(usage: dict[str, Any] | None) -> int | None:
+    """Prompt tokens the engine served from its prefix cache, in any of the APIs' shapes."""
     if not usage:
         return None
-    details = usage.get("prompt_tokens_details")
-    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
-        return details["cached_tokens"]
-    return None
+    for key in ("prompt_tokens_details", "input_tokens_details"):
+        details = usage.get(key)
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            return details["cached_tokens"]
+    v = usage.get("cache_read_input_tokens")  # Anthropic Messages
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
 def completion_tokens(usage: dict[str, Any] | None) -> int | None:
-    if usage and isinstance(usage.get("completion_tokens"), int):
-        return usage["completion_tokens"]
+    """Generated tokens: ``completion_tokens`` (OpenAI chat/completions) or ``output_tokens``
+    (Anthropic Messages, OpenAI Responses)."""
+    if not usage:
+        return None
+    for key in ("completion_tokens", "output_tokens"):
+        v = usage.get(key)
+        if isinstance(v, int) and not isinstance(v, bool):
+            return v
     return None
 
 

@@ -1,10 +1,17 @@
-"""Request bodies -> RouteRequest, without stalling the event loop on a large one.
+"""Request bodies -> RouteRequest, without stalling the event loop.
 
-A body of a few hundred KB parses and hashes in milliseconds on the loop. A 60 MB one takes
-0.2-0.7 s of CPU (``json.loads`` and the hashing hold the GIL, so a thread would not help),
-during which /health, the event stream and every other request would wait. Bodies over
-``OFFLOAD_BYTES`` are therefore parsed in a worker process (started on first use, one per
-router): the loop only copies the bytes into the pipe and gets the small RouteRequest back.
+Three costs, three places:
+
+- A body of a few hundred KB parses (orjson) and, without a tokenizer, hashes in about a
+  millisecond: on the loop.
+- With ``--tokenizer``, rendering the chat template and tokenizing a 200k-token prompt takes
+  hundreds of milliseconds cold. It runs in a small thread pool (the Rust tokenizer releases
+  the GIL, so the loop keeps serving while it works); the session's previous turn is kept
+  (bounded, least recently used out) so that its block hashes are reused for the shared
+  prefix, and the tokenizer keeps the pieces it has tokenized (router/request.Tokenizer), so a
+  returning turn tokenizes only its new messages.
+- Bodies over ``OFFLOAD_BYTES`` are parsed in a worker process (started on first use, one per
+  router): ``json.loads`` and the hashing hold the GIL, so a thread would not help.
 """
 
 from __future__ import annotations
@@ -12,15 +19,22 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
+from collections import OrderedDict
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 from router.http import parse_json
-from router.request import BadRequest, RouteRequest, Tokenizer, parse_request
+from router.request import (BadRequest, Counted, Parsed, RouteRequest, Tokenizer, count_prompt,
+                            parse_request, read_body, route_request)
 
 #: Bodies larger than this are parsed in the worker process.
 OFFLOAD_BYTES = 4 * 1024 * 1024
+#: Threads that render and tokenize (each holds one request's work; the GIL is released
+#: while the tokenizer runs, so a few help when several cold prompts arrive at once).
+TOKENIZE_THREADS = 4
+#: Sessions whose previous turn (token ids, block hashes) is kept for the next one.
+SESSION_TURNS = 256
 
 _worker_tokenizer: dict[str, Tokenizer] = {}
 
@@ -38,13 +52,17 @@ def _parse_in_worker(raw: bytes, endpoint: str, headers: dict[str, str], session
 
 
 class BodyParser:
-    """Parses request bodies for the proxy: small ones inline, large ones in a worker process."""
+    """Parses request bodies for the proxy: small ones on the loop, tokenizing in threads,
+    large ones in a worker process."""
 
     def __init__(self, config, tokenizer: Tokenizer | None):
         self.config = config
         self.tokenizer = tokenizer
         self._pool: ProcessPoolExecutor | None = None
+        self._threads: ThreadPoolExecutor | None = None
+        self._turns: OrderedDict[str, Counted] = OrderedDict()
         self.offloaded = 0
+        self.tokenized = 0
 
     async def parse(self, raw: bytes, endpoint: str, headers: Any) -> tuple[Any | None, RouteRequest]:
         """(the parsed body, or None when it was parsed in the worker; the RouteRequest).
@@ -52,9 +70,13 @@ class BodyParser:
         cfg = self.config
         if len(raw) <= OFFLOAD_BYTES:
             body = parse_json(raw)
-            return body, parse_request(body, endpoint, headers=headers, session_header=cfg.session_header,
-                                       block_size=cfg.block_size, tokenizer=self.tokenizer,
-                                       max_input_tokens=cfg.max_input_tokens)
+            parsed = read_body(body, endpoint, headers=headers, session_header=cfg.session_header)
+            tok = self.tokenizer
+            if tok is None or parsed.prompt.tokens is not None:
+                counted = count_prompt(parsed.prompt, cfg.block_size)
+            else:
+                counted = await self._count(parsed)
+            return body, route_request(parsed, counted, max_input_tokens=cfg.max_input_tokens)
         if self._pool is None:
             # spawn, not fork: the router has threads (the writer) that a fork would copy mid-flight
             self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
@@ -68,6 +90,22 @@ class BodyParser:
             self._pool = None
             raise BadRequest("the router's body parser failed on this request; retry", status=503) from None
 
+    async def _count(self, parsed: Parsed) -> Counted:
+        """Render and tokenize in a thread, reusing the session's previous turn."""
+        if self._threads is None:
+            self._threads = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="kvtop-tokenize")
+        key = _turn_key(parsed)
+        prev = self._turns.get(key) if key else None
+        counted = await asyncio.get_running_loop().run_in_executor(
+            self._threads, count_prompt, parsed.prompt, self.config.block_size, self.tokenizer, prev)
+        self.tokenized += 1
+        if key:
+            self._turns[key] = counted
+            self._turns.move_to_end(key)
+            while len(self._turns) > SESSION_TURNS:
+                self._turns.popitem(last=False)
+        return counted
+
     @staticmethod
     def body(raw: bytes, parsed: Any | None) -> Any:
         """The parsed body when a leg needs it (the offload legs rewrite it)."""
@@ -77,3 +115,21 @@ class BodyParser:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
+        if self._threads is not None:
+            self._threads.shutdown(wait=False, cancel_futures=True)
+            self._threads = None
+
+
+def _turn_key(parsed: Parsed) -> str | None:
+    """Whose previous turn to reuse: the client's session, else the first message's start
+    (a session without an id still repeats its system prompt and first message)."""
+    if parsed.session_id is not None:
+        return f"{parsed.endpoint}:{parsed.session_id}"
+    p = parsed.prompt
+    if p.messages:
+        first = p.messages[0].get("content")
+        if isinstance(first, str) and first:
+            return f"{parsed.endpoint}:m:{hash(first[:4096])}"
+    if p.text:
+        return f"{parsed.endpoint}:t:{hash(p.text[:4096])}"
+    return None

@@ -1,11 +1,14 @@
 """The data plane over HTTP: drive the routing pipeline (router/pipeline.py) for each request.
 
-``POST /v1/completions`` and ``/v1/chat/completions``, streaming or not. The client's bytes go
+``POST /v1/completions``, ``/v1/chat/completions``, ``/v1/messages`` (Anthropic) and
+``/v1/responses``, streaming or not (what differs between them: router/apis.py). The client's bytes go
 upstream unchanged (the offload prefill leg is the one rewritten body) through the pooled
 backend client (router/upstream.py); the answer comes back byte for byte. A request whose
 backend fails before any byte reached the client is retried once on another instance (a
 second decision, reason ``retry``). A client that leaves cancels its request at once
 (aiohttp's handler cancellation); its tickets are released and its outcome is ``client_gone``.
+The router's own errors are answered in the client API's shape. A Responses request naming a
+``previous_response_id`` goes only to the instance that produced that response.
 """
 
 from __future__ import annotations
@@ -18,10 +21,11 @@ from typing import Any
 from aiohttp import web
 
 from router import limits
+from router.apis import APIS, RESPONSES, Api, ResponseStore, response_id
 from router.core import NoInstance
 from router.features import decode_leg_body, prefill_leg_body
 from router.forward import StreamScan, cached_tokens, completion_tokens, upstream_headers, usage_of
-from router.http import error_body, error_response, read_body, refusal
+from router.http import error_response, read_body, refusal
 from router.pipeline import (CLIENT_GONE, ERROR, OK, PREFILL, TIMEOUT, UPSTREAM_ERROR, Flow)
 from router.request import BadRequest
 from router.upstream import ConnectFailed, UpstreamError
@@ -32,19 +36,28 @@ log = logging.getLogger("kvtop.route")
 _WRITE_HIGH_WATER = 64 * 1024
 
 
-def handlers(state_key):
-    """The two completion handlers, bound to the app key holding the RouterState."""
+def handlers(state_key) -> dict[str, Any]:
+    """The data-plane handlers by path, bound to the app key holding the RouterState. They
+    share one ResponseStore (response id -> instance) for ``previous_response_id``."""
+    store = ResponseStore()
 
-    async def completions(request: web.Request) -> web.StreamResponse:
-        return await handle(request, request.app[state_key], "completions", "/v1/completions")
+    def bind(api: Api):
+        async def handler(request: web.Request) -> web.StreamResponse:
+            try:
+                resp = await handle(request, request.app[state_key], api, store)
+            except (asyncio.CancelledError, ConnectionResetError):
+                raise
+            except Exception:  # a bug: said plainly, in the client's own error shape
+                log.exception("internal error on %s %s", request.method, request.path)
+                resp = error_response(500, "internal router error", err_type="InternalServerError")
+            return api.reshape(resp)
+        handler.__name__ = api.name
+        return handler
 
-    async def chat_completions(request: web.Request) -> web.StreamResponse:
-        return await handle(request, request.app[state_key], "chat", "/v1/chat/completions")
-
-    return completions, chat_completions
+    return {api.path: bind(api) for api in APIS.values()}
 
 
-async def handle(request: web.Request, state, endpoint: str, path: str) -> web.StreamResponse:
+async def handle(request: web.Request, state, api: Api, store: ResponseStore | None = None) -> web.StreamResponse:
     """Refuse early (before reading the body), parse, then route and forward."""
     pipe = state.pipeline
     t_recv = pipe.clock()  # ONE receive time: every latency of this request counts from here
@@ -61,7 +74,7 @@ async def handle(request: web.Request, state, endpoint: str, path: str) -> web.S
         raw = await read_body(request, cfg.client_timeout_s)
         state.body_bytes += len(raw) - held
         held = len(raw)
-        return await _route(request, state, endpoint, path, t_recv, raw)
+        return await _route(request, state, api, t_recv, raw, store)
     except BadRequest as exc:
         state.counts["bad_requests"] += 1
         return refusal(exc)
@@ -69,17 +82,18 @@ async def handle(request: web.Request, state, endpoint: str, path: str) -> web.S
         state.body_bytes -= held
 
 
-async def _route(request: web.Request, state, endpoint: str, path: str, t_recv: float,
-                 raw: bytes) -> web.StreamResponse:
+async def _route(request: web.Request, state, api: Api, t_recv: float, raw: bytes,
+                 store: ResponseStore | None) -> web.StreamResponse:
     pipe = state.pipeline
-    body, req = await state.parser.parse(raw, endpoint, request.headers)
+    body, req = await state.parser.parse(raw, api.name, request.headers)
+    pinned = _pinned(state, req, store)
     if state.draining:
         return error_response(503, "the router is shutting down", headers={"Retry-After": "1"})
     if (busy := limits.admit(state)) is not None:  # again: others were admitted while this body arrived
         return busy
     state.counts["requests"] += 1
     flow = pipe.receive(req, t_recv)
-    exclude: tuple[int, ...] = ()
+    exclude: tuple[int, ...] = pinned
     while True:
         full = limits.full_instances(state)
         try:
@@ -90,15 +104,37 @@ async def _route(request: web.Request, state, endpoint: str, path: str, t_recv: 
                 return limits.all_full(state)
             state.counts["no_instance"] += 1
             msg = str(exc) if first is None else f"{first.instance_name} failed and {exc}"
+            if pinned:
+                msg = (f"previous_response_id {req.previous_response_id} is stored on instance "
+                       f"{_pin_name(state, pinned)}, which cannot take requests now ({msg})")
             return error_response(503 if first is None else 502, msg, headers={"Retry-After": "1"})
         d = flow.decision
         if d.attempt > 1:
             state.counts["retries"] += 1
-        resp = await _attempt(request, state, flow, body, raw, path)
+        resp = await _attempt(request, state, flow, body, raw, api, store)
         if resp is not None:
             return resp
         pipe.retry(flow)
-        exclude = (d.instance,)
+        exclude = tuple(set(pinned) | {d.instance})
+
+
+def _pinned(state, req, store: ResponseStore | None) -> tuple[int, ...]:
+    """Every instance but the one holding ``previous_response_id`` (none when unknown); the
+    request also takes that response's session, so the chain counts as one session."""
+    if not req.previous_response_id or store is None:
+        return ()
+    held = store.get(req.previous_response_id)
+    if held is None:
+        return ()
+    instance, session_id = held
+    if req.session_source in ("first_block", ""):
+        req.session_id, req.session_source = session_id, "previous_response"
+    return tuple(i for i in range(len(state.cluster.instances)) if i != instance)
+
+
+def _pin_name(state, pinned: tuple[int, ...]) -> str:
+    free = [inst.name for i, inst in enumerate(state.cluster.instances) if i not in pinned]
+    return free[0] if free else "?"
 
 
 async def _gate(state, flow: Flow) -> None:
@@ -113,7 +149,7 @@ async def _gate(state, flow: Flow) -> None:
 
 
 async def _attempt(request: web.Request, state, flow: Flow, body: Any, raw: bytes,
-                   path: str) -> web.StreamResponse | None:
+                   api: Api, store: ResponseStore | None) -> web.StreamResponse | None:
     """One attempt: its legs, then the answer. None means retry elsewhere (nothing was sent)."""
     pipe = state.pipeline
     d = flow.decision
@@ -123,7 +159,7 @@ async def _attempt(request: web.Request, state, flow: Flow, body: Any, raw: byte
             p = flow.leg.instance
             pipe.sent(flow)
             body = state.parser.body(raw, body)
-            params, why = await _prefill_leg(state, p, request, body, path, d.request.request_id)
+            params, why = await _prefill_leg(state, p, request, body, api.path, d.request.request_id)
             pipe.prefill_done(flow, params)
             if params is not None:
                 raw = json.dumps(decode_leg_body(body, params)).encode()
@@ -134,7 +170,7 @@ async def _attempt(request: web.Request, state, flow: Flow, body: Any, raw: byte
     except BaseException:
         pipe.abandon(flow, "before the answer began")
         raise
-    return await _forward(request, state, flow, raw, path, can_retry=d.attempt == 1)
+    return await _forward(request, state, flow, raw, api, store, can_retry=d.attempt == 1)
 
 
 async def _prefill_leg(state, p_index: int, request, body: dict, path: str,
@@ -180,8 +216,8 @@ def _failure_status(exc: BaseException) -> str:
     return TIMEOUT if isinstance(exc, TimeoutError) else UPSTREAM_ERROR
 
 
-async def _forward(request: web.Request, state, flow: Flow, raw: bytes, path: str,
-                   *, can_retry: bool) -> web.StreamResponse | None:
+async def _forward(request: web.Request, state, flow: Flow, raw: bytes, api: Api,
+                   store: ResponseStore | None, *, can_retry: bool) -> web.StreamResponse | None:
     """The serve leg: send ``raw`` to the decision's instance and relay the answer."""
     pipe = state.pipeline
     d = flow.decision
@@ -189,6 +225,7 @@ async def _forward(request: web.Request, state, flow: Flow, raw: bytes, path: st
     inst = cluster.instances[d.instance]
     req = d.request
     cfg = state.config
+    path = api.path
     headers = upstream_headers(request.headers, req.request_id)
     reply_headers = {"X-Kvtop-Instance": d.instance_name, "X-Kvtop-Request-Id": req.request_id,
                      "X-Kvtop-Policy": d.slot.label}
@@ -226,6 +263,7 @@ async def _forward(request: web.Request, state, flow: Flow, raw: bytes, path: st
                 await resp.write_eof()
                 # the client has its answer: the bookkeeping below is off its path
                 pipe.first_token(flow, observed=False)
+                _remember(store, api, data, d)
                 usage = usage_of(data)
                 end.update(status=OK, output_tokens=completion_tokens(usage),
                            cached_tokens=cached_tokens(usage))
@@ -233,22 +271,23 @@ async def _forward(request: web.Request, state, flow: Flow, raw: bytes, path: st
             resp = web.StreamResponse(headers={**reply_headers, "Content-Type": up.headers.get(
                 "Content-Type", "text/event-stream"), "Cache-Control": "no-cache"})
             await resp.prepare(request)
-            scan = StreamScan()
+            scan = StreamScan(api.token_re, api.done_re)
             try:
                 async for chunk in up.iter_chunks():
                     if scan.feed(chunk):
                         pipe.first_token(flow)
+                        _remember(store, api, scan.head, d)
                     await _write(resp, chunk, transport, cfg.client_timeout_s)
             except (UpstreamError, TimeoutError) as exc:
                 end["status"] = _failure_status(exc)
                 end["error"] = f"upstream failed mid-stream: {exc!r}"[:500]
-                err = error_body(502, f"upstream instance {d.instance_name} failed mid-stream")
-                # the blank line first ends whatever partial event the upstream left behind
-                await resp.write(b"\n\ndata: " + json.dumps(err).encode() + b"\n\n")
+                await resp.write(api.stream_error(502, f"upstream instance {d.instance_name} failed mid-stream"))
                 await resp.write_eof()
                 return resp
             if scan.finish():
                 pipe.first_token(flow)
+            if not scan.first_token:
+                _remember(store, api, scan.head, d)
             _stream_done(end, scan)
             try:
                 await resp.write_eof()
@@ -274,6 +313,14 @@ async def _forward(request: web.Request, state, flow: Flow, raw: bytes, path: st
         raise
     finally:
         pipe.finish(flow, end.pop("status"), **end)
+
+
+def _remember(store: ResponseStore | None, api: Api, head: bytes, d) -> None:
+    """A Responses answer: note which instance holds it (for a later previous_response_id)."""
+    if store is not None and api is RESPONSES:
+        rid = response_id(head)
+        if rid is not None:
+            store.put(rid, (d.instance, d.request.session_id))
 
 
 def _stream_done(end: dict[str, Any], scan: StreamScan) -> None:

@@ -1,27 +1,49 @@
-"""Turn a client's OpenAI request into what routing needs: session, length, block hashes.
+"""Turn a client's request into what routing needs: session, length, block hashes.
 
-Session id, in order: the configured header (default ``X-Session-ID``), the body's
-``session_id``, the body's ``user``, else ``blk-<hash of the first block>`` so that turns of
-one conversation (which share their first block) still group together.
+Four APIs (router/apis.py): OpenAI completions and chat, Anthropic Messages, OpenAI Responses.
+Messages and Responses bodies are first converted to chat messages and tools the way vLLM
+converts them (vllm/entrypoints/anthropic/serving.py, .../openai/responses), so that one
+renderer serves chat, messages and responses alike.
 
-Prompt tokens: token ids in ``prompt`` are used as they are; text is tokenized with the
-configured tokenizer (a ``tokenizer.json`` loaded with the ``tokenizers`` library) when
-there is one, else hashed in fixed character chunks (see router/blocks.py). The decision
-records which (``token_source``: tokens | tokenizer | text_approx).
+Session id, in order (the first present wins; ``session_source`` records which):
+
+1. the configured header (default ``X-Session-ID``)                          ``header``
+2. Anthropic ``metadata.user_id``, its session part (Claude Code sends
+   ``user_<hash>_account_<uuid>_session_<uuid>``, or a JSON object with
+   ``session_id``); the whole value when it has none                        ``metadata_user_id``
+3. the Responses API's ``prompt_cache_key``                                 ``prompt_cache_key``
+4. the body's ``session_id``, then ``user``                                 ``body_session_id``, ``user``
+5. else ``blk-<hash of the first block>``, so that turns of one
+   conversation (which share their first block) still group together       ``first_block``
+
+A Responses ``previous_response_id`` is carried on the request: the proxy sends it to the
+instance that stored that response (router/apis.ResponseStore) and takes that response's session.
+
+Prompt tokens (``token_source``): token ids in ``prompt`` are used as they are (``tokens``).
+With a tokenizer (``--tokenizer``), text is tokenized and chat-like prompts are first rendered
+with the model's own chat template (router/chat_template.py), tools included, so the count is
+vLLM's prompt_tokens (``tokenizer``). Without one, text is hashed in fixed character chunks and
+chat-like prompts in a ``<|role|>`` rendering with the tools' JSON first (``text_approx``,
+router/blocks.py).
 """
 
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass
+import re
+import threading
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Any
 
-from router.blocks import estimate_text_tokens, hash_text_blocks, hash_token_blocks, valid_token_ids
+from router.blocks import ROOT_HASH, estimate_text_tokens, hash_text_blocks, valid_token_ids
 from router.classes import route_class
 
 
 class BadRequest(ValueError):
-    """The client's request cannot be routed; becomes an OpenAI-shaped 400."""
+    """The client's request cannot be routed; becomes a 400 in the client API's error shape."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400):
         super().__init__(message)
@@ -37,134 +59,333 @@ class BadRequest(ValueError):
 class RouteRequest:
     request_id: str
     session_id: str
-    session_source: str  # header | body_session_id | user | first_block
+    session_source: str  # header | metadata_user_id | prompt_cache_key | body_session_id | user | first_block | previous_response
     input_tokens: int
     blocks: list[int]
     token_source: str  # tokens | tokenizer | text_approx
-    endpoint: str  # completions | chat
+    endpoint: str  # completions | chat | messages | responses
     stream: bool
     max_tokens: int | None
+    previous_response_id: str | None = None
 
     @property
     def route_class(self) -> str:
         return route_class(self.input_tokens)
 
 
-class Tokenizer:
-    """A ``tokenizers`` tokenizer.json, loaded once."""
+@dataclass(slots=True)
+class Prompt:
+    """What the model will read, before tokenization: token ids, text, or chat messages."""
 
-    def __init__(self, path: str):
-        from tokenizers import Tokenizer as HFTokenizer
+    param: str  # the body field named in errors about it
+    tokens: list[int] | None = None
+    text: str | None = None
+    messages: list[dict] | None = None  # OpenAI chat messages (chat, and messages/responses converted)
+    tools: list[dict] | None = None  # OpenAI chat tools
+    add_special_tokens: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
 
-        try:
-            self._tok = HFTokenizer.from_file(path)
-        except Exception as exc:  # the library raises a bare Exception on a bad file
-            raise ValueError(f"cannot load tokenizer {path!r}: {exc}") from None
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+@dataclass(slots=True)
+class Parsed:
+    """A validated body: its prompt, and the session facts that need no tokens."""
+
+    endpoint: str
+    prompt: Prompt
+    session_id: str | None
+    session_source: str
+    stream: bool
+    max_tokens: int | None
+    previous_response_id: str | None = None
 
 
-def _chat_text(messages: Any) -> str:
+# --- bodies -> prompts ------------------------------------------------------------------------
+
+_ANTHROPIC_ROLES = {"user": "user", "assistant": "assistant", "system": "system",
+                    "ctx": "user", "msg": "user"}  # Claude Code >= 2.1.154 sends ctx/msg (vLLM maps them)
+_BILLING_HEADER = "x-anthropic-billing-header"  # per-request hash in Claude Code's system; vLLM drops it
+
+
+def _chat_messages(messages: Any) -> list[dict]:
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list", "messages")
-    parts: list[str] = []
     for k, m in enumerate(messages):
         if not isinstance(m, dict):
             raise BadRequest(f"messages[{k}] must be an object", "messages")
-        role = m.get("role")
-        if not isinstance(role, str):
+        if not isinstance(m.get("role"), str):
             raise BadRequest(f"messages[{k}].role must be a string", "messages")
         content = m.get("content")
-        if content is None:
-            text = ""
-        elif isinstance(content, str):
-            text = content
-        elif isinstance(content, list):
-            bits = []
-            for part in content:
-                if isinstance(part, dict) and isinstance(part.get("text"), str):
-                    bits.append(part["text"])
-                elif isinstance(part, dict) and "type" in part:
-                    continue  # images and the like carry no prompt text we can hash
-                else:
-                    raise BadRequest(f"messages[{k}].content has an invalid part", "messages")
-            text = "".join(bits)
-        else:
+        if content is None or isinstance(content, str):
+            continue
+        if not isinstance(content, list):
             raise BadRequest(f"messages[{k}].content must be a string or a list of parts", "messages")
-        parts.append(f"<|{role}|>\n{text}\n")
-    return "".join(parts)
+        for part in content:
+            if not isinstance(part, dict) or ("type" not in part and not isinstance(part.get("text"), str)):
+                raise BadRequest(f"messages[{k}].content has an invalid part", "messages")
+    return messages
 
 
-def _prompt(body: dict) -> tuple[list[int] | None, str | None]:
+def _chat_tools(tools: Any, param: str = "tools") -> list[dict] | None:
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise BadRequest(f"'{param}' must be a list of objects", param)
+    return tools or None
+
+
+def _text_of_blocks(blocks: list, where: str) -> list[str]:
+    out = []
+    for b in blocks:
+        if not isinstance(b, dict) or not isinstance(b.get("type"), str):
+            raise BadRequest(f"{where} has a block without a 'type'", "messages")
+        if b["type"] == "text" and isinstance(b.get("text"), str) and b["text"]:
+            if not b["text"].startswith(_BILLING_HEADER):
+                out.append(b["text"])
+    return out
+
+
+def _anthropic_prompt(body: dict) -> Prompt:
+    """Anthropic Messages -> chat messages and tools, as vLLM's AnthropicServingMessages does."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty list", "messages")
+    system = body.get("system")
+    system_parts: list[str] = []
+    if isinstance(system, str):
+        if system:
+            system_parts.append(system)
+    elif isinstance(system, list):
+        system_parts += _text_of_blocks(system, "system")
+    elif system is not None:
+        raise BadRequest("'system' must be a string or a list of text blocks", "system")
+    for k, m in enumerate(messages):
+        if not isinstance(m, dict) or _ANTHROPIC_ROLES.get(m.get("role")) is None:
+            raise BadRequest(f"messages[{k}] must be an object with role user or assistant", "messages")
+        if _ANTHROPIC_ROLES[m["role"]] == "system":
+            c = m.get("content")
+            system_parts += [c] if isinstance(c, str) else _text_of_blocks(c if isinstance(c, list) else [], f"messages[{k}]")
+    out: list[dict] = []
+    if system_parts:
+        out.append({"role": "system", "content": "".join(system_parts)})
+    for k, m in enumerate(messages):
+        role = _ANTHROPIC_ROLES[m["role"]]
+        if role == "system":
+            continue
+        content = m.get("content")
+        if isinstance(content, str):
+            out.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list):
+            raise BadRequest(f"messages[{k}].content must be a string or a list of blocks", "messages")
+        msg: dict[str, Any] = {"role": role}
+        parts: list[dict] = []
+        calls: list[dict] = []
+        reasoning: list[str] = []
+        for b in content:
+            if not isinstance(b, dict) or not isinstance(b.get("type"), str):
+                raise BadRequest(f"messages[{k}].content has a block without a 'type'", "messages")
+            t = b["type"]
+            if t == "text" and isinstance(b.get("text"), str) and b["text"]:
+                parts.append({"type": "text", "text": b["text"]})
+            elif t == "image":
+                parts.append({"type": "image_url", "image_url": {"url": ""}})  # no text to hash
+            elif t == "thinking" and isinstance(b.get("thinking"), str):
+                reasoning.append(b["thinking"])
+            elif t == "tool_use":
+                calls.append({"id": b.get("id") or "", "type": "function",
+                              "function": {"name": b.get("name") or "",
+                                           "arguments": json.dumps(b.get("input") or {})}})
+            elif t == "tool_result":
+                text = _tool_result_text(b.get("content"))
+                if role == "user":
+                    out.append({"role": "tool", "tool_call_id": b.get("tool_use_id") or "", "content": text})
+                else:
+                    parts.append({"type": "text", "text": f"Tool result: {text}"})
+        if reasoning:
+            msg["reasoning"] = "".join(reasoning)
+        if calls:
+            msg["tool_calls"] = calls
+        if parts:
+            msg["content"] = parts[0]["text"] if len(parts) == 1 and parts[0]["type"] == "text" else parts
+        if role == "user" and "content" not in msg:
+            continue  # a user turn of tool results only: its tool messages stand for it
+        out.append(msg)
+    tools = body.get("tools")
+    chat_tools = None
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise BadRequest("'tools' must be a list", "tools")
+        chat_tools = []
+        for k, t in enumerate(tools):
+            if not isinstance(t, dict) or not isinstance(t.get("name"), str):
+                raise BadRequest(f"tools[{k}] must be an object with a name", "tools")
+            if "input_schema" not in t:
+                continue  # a server tool (web_search, ...): the model does not see a schema
+            chat_tools.append({"type": "function", "function": {
+                "name": t["name"], "description": t.get("description"), "parameters": t.get("input_schema")}})
+    return Prompt("messages", messages=out, tools=chat_tools or None,
+                  template_kwargs=_template_kwargs(body))
+
+
+def _tool_result_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(i.get("text", "") for i in content if isinstance(i, dict) and i.get("type") == "text")
+    return ""
+
+
+def _responses_prompt(body: dict) -> Prompt:
+    """Responses ``instructions`` + ``input`` + ``tools`` -> chat messages and tools."""
+    out: list[dict] = []
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise BadRequest("'instructions' must be a string", "instructions")
+        out.append({"role": "system", "content": instructions})
+    inp = body.get("input")
+    if isinstance(inp, str):
+        out.append({"role": "user", "content": inp})
+    elif isinstance(inp, list):
+        for k, item in enumerate(inp):
+            if not isinstance(item, dict):
+                raise BadRequest(f"input[{k}] must be an object", "input")
+            t = item.get("type", "message")
+            if t == "message":
+                role, content = item.get("role"), item.get("content")
+                if not isinstance(role, str):
+                    raise BadRequest(f"input[{k}].role must be a string", "input")
+                if isinstance(content, list):
+                    texts = [p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+                    content = [{"type": "text", "text": x} for x in texts]
+                elif not isinstance(content, str):
+                    raise BadRequest(f"input[{k}].content must be a string or a list of parts", "input")
+                out.append({"role": "system" if role == "developer" else role, "content": content})
+            elif t == "function_call":
+                call = {"id": item.get("call_id") or "", "type": "function",
+                        "function": {"name": item.get("name") or "", "arguments": item.get("arguments") or ""}}
+                if out and out[-1].get("role") == "assistant" and "tool_calls" in out[-1]:
+                    out[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn
+                else:
+                    out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            elif t == "function_call_output":
+                output = item.get("output")
+                out.append({"role": "tool", "tool_call_id": item.get("call_id") or "",
+                            "content": output if isinstance(output, str) else json.dumps(output)})
+            # reasoning and other items carry nothing the prompt is rendered from
+    elif inp is not None or body.get("previous_response_id") is None:
+        raise BadRequest("'input' must be a string or a list of items", "input")
+    if not out:
+        raise BadRequest("'input' is empty", "input")
+    tools = body.get("tools")
+    chat_tools = None
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise BadRequest("'tools' must be a list", "tools")
+        chat_tools = [{"type": "function", "function": {
+            "name": t.get("name"), "description": t.get("description"), "parameters": t.get("parameters")}}
+            for t in tools if isinstance(t, dict) and t.get("type") == "function"]
+    return Prompt("input", messages=out, tools=chat_tools or None, template_kwargs=_template_kwargs(body))
+
+
+def _template_kwargs(body: dict) -> dict[str, Any]:
+    kw = body.get("chat_template_kwargs")
+    return dict(kw) if isinstance(kw, dict) else {}
+
+
+def _completion_prompt(body: dict) -> Prompt:
     prompt = body.get("prompt")
+    add_special = body.get("add_special_tokens", True) is not False  # vLLM's completions default
     if prompt is None:
         raise BadRequest("'prompt' is required", "prompt")
     if isinstance(prompt, str):
-        return None, prompt
+        return Prompt("prompt", text=prompt, add_special_tokens=add_special)
     if isinstance(prompt, list):
         if not prompt:
             raise BadRequest("'prompt' must not be empty", "prompt")
         if all(isinstance(p, str) for p in prompt):
             if len(prompt) != 1:
                 raise BadRequest("batched prompts are not supported; send one prompt per request", "prompt")
-            return None, prompt[0]
+            return Prompt("prompt", text=prompt[0], add_special_tokens=add_special)
         if isinstance(prompt[0], list):
             if len(prompt) != 1:
                 raise BadRequest("batched prompts are not supported; send one prompt per request", "prompt")
             prompt = prompt[0]
         if not valid_token_ids(prompt):
             raise BadRequest("'prompt' token ids must be non-negative integers", "prompt")
-        return prompt, None
+        return Prompt("prompt", tokens=prompt)
     raise BadRequest("'prompt' must be a string or a list of token ids", "prompt")
 
 
-def parse_request(body: Any, endpoint: str, *, headers: Any = None, session_header: str = "X-Session-ID",
-                  block_size: int = 512, tokenizer: Tokenizer | None = None,
-                  max_input_tokens: int | None = None, request_id: str | None = None) -> RouteRequest:
-    """Validate an OpenAI completions/chat body and extract the routing facts.
+def _chat_prompt(body: dict) -> Prompt:
+    return Prompt("messages", messages=_chat_messages(body.get("messages")),
+                  tools=_chat_tools(body.get("tools")),
+                  add_special_tokens=body.get("add_special_tokens") is True,
+                  add_generation_prompt=body.get("add_generation_prompt", True) is not False,
+                  continue_final_message=body.get("continue_final_message") is True,
+                  template_kwargs=_template_kwargs(body))
 
-    Raises BadRequest with the offending parameter for anything a backend would reject
-    or that the router cannot route.
-    """
+
+_PROMPTS = {"completions": _completion_prompt, "chat": _chat_prompt,
+            "messages": _anthropic_prompt, "responses": _responses_prompt}
+
+#: Claude Code's metadata.user_id: user_<hash>_account_<uuid>_session_<uuid>
+_CLAUDE_SESSION = re.compile(r"_session_([0-9A-Za-z-]{8,})$")
+
+
+def _metadata_session(body: dict) -> str | None:
+    meta = body.get("metadata")
+    uid = meta.get("user_id") if isinstance(meta, dict) else None
+    if not isinstance(uid, str) or not uid:
+        return None
+    m = _CLAUDE_SESSION.search(uid)
+    if m:
+        return m.group(1)
+    if uid.startswith("{"):  # newer Claude Code: a JSON object as a string
+        try:
+            obj = json.loads(uid)
+        except ValueError:
+            obj = None
+        if isinstance(obj, dict) and isinstance(obj.get("session_id"), str) and obj["session_id"]:
+            return obj["session_id"]
+    return uid
+
+
+def read_body(body: Any, endpoint: str, *, headers: Any = None,
+              session_header: str = "X-Session-ID") -> Parsed:
+    """Validate a body of ``endpoint`` and extract everything but the tokens. Cheap: no
+    tokenizing, no rendering. Raises BadRequest."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
-    for name, typ in (("stream", bool), ("max_tokens", int), ("model", str), ("user", str)):
+    max_name = "max_output_tokens" if endpoint == "responses" else "max_tokens"
+    for name, typ in (("stream", bool), (max_name, int), ("model", str), ("user", str)):
         v = body.get(name)
         if v is not None and (not isinstance(v, typ) or (typ is int and isinstance(v, bool))):
             raise BadRequest(f"'{name}' must be of type {typ.__name__}", name)
-    max_tokens = body.get("max_tokens")
+    max_tokens = body.get(max_name)
     if max_tokens is not None and max_tokens < 0:
-        raise BadRequest("'max_tokens' must be >= 0", "max_tokens")
-    if endpoint == "chat":
-        tokens, text = None, _chat_text(body.get("messages"))
-    else:
-        tokens, text = _prompt(body)
-
-    if tokens is not None:
-        token_source = "tokens"
-    elif tokenizer is not None:
-        tokens = tokenizer.encode(text)
-        token_source = "tokenizer"
-    else:
-        token_source = "text_approx"
-    if tokens is not None:
-        input_tokens = len(tokens)
-        blocks = hash_token_blocks(tokens, block_size)
-    else:
-        input_tokens = estimate_text_tokens(text)
-        blocks = hash_text_blocks(text, block_size)
-    if input_tokens == 0:
-        raise BadRequest("the prompt is empty", "messages" if endpoint == "chat" else "prompt")
-    if max_input_tokens is not None and input_tokens > max_input_tokens:
-        raise BadRequest(f"the prompt has {input_tokens} tokens, over this router's maximum of "
-                         f"{max_input_tokens}", "messages" if endpoint == "chat" else "prompt")
+        raise BadRequest(f"'{max_name}' must be >= 0", max_name)
+    prompt = _PROMPTS[endpoint](body)
 
     session_id, source = None, ""
     if headers is not None and session_header:
         hv = headers.get(session_header)
         if hv:
             session_id, source = hv, "header"
+    if session_id is None and endpoint == "messages":
+        sid = _metadata_session(body)
+        if sid:
+            session_id, source = sid, "metadata_user_id"
+    prev = None
+    if endpoint == "responses":
+        prev = body.get("previous_response_id")
+        if prev is not None and (not isinstance(prev, str) or not prev):
+            raise BadRequest("'previous_response_id' must be a string", "previous_response_id")
+        key = body.get("prompt_cache_key")
+        if session_id is None and isinstance(key, str) and key:
+            session_id, source = key, "prompt_cache_key"
     if session_id is None:
         sid = body.get("session_id")
         if sid is not None:
@@ -173,7 +394,102 @@ def parse_request(body: Any, endpoint: str, *, headers: Any = None, session_head
             session_id, source = str(sid), "body_session_id"
     if session_id is None and body.get("user"):
         session_id, source = body["user"], "user"
+    return Parsed(endpoint, prompt, session_id, source, bool(body.get("stream", False)), max_tokens, prev)
+
+
+# --- prompts -> tokens and blocks ---------------------------------------------------------------
+
+def chat_text(messages: list[dict], tools: list[dict] | None = None) -> str:
+    """The text fallback's rendering: the tools' JSON first (they come first in models' own
+    templates and are the same every turn), then ``<|role|>\\ncontent\\n`` per message."""
+    parts: list[str] = []
+    if tools:
+        parts.append("<|tools|>\n" + json.dumps(tools, separators=(",", ":")) + "\n")
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            content = "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+        elif not isinstance(content, str):
+            content = ""
+        calls = m.get("tool_calls")
+        if calls:
+            content += json.dumps(calls, separators=(",", ":"))
+        parts.append(f"<|{m['role']}|>\n{content}\n")
+    return "".join(parts)
+
+
+def hash_blocks(tokens: Any, block_size: int, *, prev_tokens: Any = None,
+                prev_blocks: list[int] | None = None) -> list[int]:
+    """router/blocks.py's chained block hashes of ``tokens`` (a list or an array), reusing
+    ``prev_blocks`` for the blocks of the prefix ``tokens`` shares with ``prev_tokens``."""
+    n_full = len(tokens) // block_size
+    out: list[int] = []
+    parent = ROOT_HASH
+    if prev_blocks and prev_tokens is not None:
+        same = min(n_full, len(prev_blocks), _common_prefix(tokens, prev_tokens) // block_size)
+        out = prev_blocks[:same]
+        if same:
+            parent = out[-1]
+    for start in range(len(out) * block_size, n_full * block_size, block_size):
+        parent = hash((parent, tuple(tokens[start:start + block_size])))
+        out.append(parent)
+    return out
+
+
+def _common_prefix(a: Any, b: Any, step: int = 8192) -> int:
+    """Length of the common prefix of two token sequences (compared a slice at a time in C)."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i:i + step] == b[i:i + step]:
+        i += step
+    if i >= n:
+        return n
+    end = min(n, i + step)
+    while i < end and a[i] == b[i]:
+        i += 1
+    return i
+
+
+@dataclass(slots=True)
+class Counted:
+    input_tokens: int
+    blocks: list[int]
+    token_source: str
+    tokens: Any = None  # the token ids (tokenizer path), for the next turn's block reuse
+
+
+def count_prompt(prompt: Prompt, block_size: int, tokenizer: Tokenizer | None = None,
+                 prev: Counted | None = None) -> Counted:
+    """Tokens and block hashes of ``prompt``. With a tokenizer this is the slow part (rendering,
+    tokenizing): the router calls it off the event loop. ``prev`` is the session's previous
+    turn, whose block hashes are reused for the shared prefix."""
+    if prompt.tokens is not None:
+        return Counted(len(prompt.tokens), hash_blocks(prompt.tokens, block_size), "tokens")
+    if tokenizer is not None:
+        if prompt.messages is not None:
+            text = tokenizer.render(prompt)
+        else:
+            text = prompt.text
+        ids = tokenizer.ids(text, add_special_tokens=prompt.add_special_tokens)
+        blocks = hash_blocks(ids, block_size, prev_tokens=prev.tokens if prev else None,
+                             prev_blocks=prev.blocks if prev else None)
+        return Counted(len(ids), blocks, "tokenizer", ids)
+    text = chat_text(prompt.messages, prompt.tools) if prompt.messages is not None else prompt.text
+    return Counted(estimate_text_tokens(text), hash_text_blocks(text, block_size), "text_approx")
+
+
+def route_request(parsed: Parsed, counted: Counted, *, max_input_tokens: int | None = None,
+                  request_id: str | None = None) -> RouteRequest:
+    """The RouteRequest, once the tokens are counted. Raises BadRequest (empty, too long)."""
+    param = parsed.prompt.param
+    if counted.input_tokens == 0:
+        raise BadRequest("the prompt is empty", param)
+    if max_input_tokens is not None and counted.input_tokens > max_input_tokens:
+        raise BadRequest(f"the prompt has {counted.input_tokens} tokens, over this router's maximum of "
+                         f"{max_input_tokens}", param)
+    session_id, source = parsed.session_id, parsed.session_source
     if session_id is None:
+        blocks = counted.blocks
         if blocks:
             session_id = f"blk-{blocks[0] & 0xFFFFFFFFFFFF:012x}"
         else:  # shorter than one block: nothing to share, so nothing to group by
@@ -183,10 +499,137 @@ def parse_request(body: Any, endpoint: str, *, headers: Any = None, session_head
         request_id=request_id or os.urandom(8).hex(),
         session_id=session_id[:256],
         session_source=source,
-        input_tokens=input_tokens,
-        blocks=blocks,
-        token_source=token_source,
-        endpoint=endpoint,
-        stream=bool(body.get("stream", False)),
-        max_tokens=max_tokens,
+        input_tokens=counted.input_tokens,
+        blocks=counted.blocks,
+        token_source=counted.token_source,
+        endpoint=parsed.endpoint,
+        stream=parsed.stream,
+        max_tokens=parsed.max_tokens,
+        previous_response_id=parsed.previous_response_id,
     )
+
+
+def parse_request(body: Any, endpoint: str, *, headers: Any = None, session_header: str = "X-Session-ID",
+                  block_size: int = 512, tokenizer: Tokenizer | None = None,
+                  max_input_tokens: int | None = None, request_id: str | None = None) -> RouteRequest:
+    """Validate a body and extract the routing facts, all in the calling thread.
+
+    Raises BadRequest with the offending parameter for anything a backend would reject
+    or that the router cannot route.
+    """
+    parsed = read_body(body, endpoint, headers=headers, session_header=session_header)
+    return route_request(parsed, count_prompt(parsed.prompt, block_size, tokenizer),
+                         max_input_tokens=max_input_tokens, request_id=request_id)
+
+
+# --- the tokenizer --------------------------------------------------------------------------------
+
+class Tokenizer:
+    """A model's tokenizer (``tokenizer.json``) and chat template (``tokenizer_config.json``).
+
+    ``path`` is the model's tokenizer directory, or its tokenizer.json (the template is then
+    looked for beside it). Text is cut at the tokenizer's special tokens (``<|im_start|>`` and
+    the like, which it never merges with their neighbours) and each piece is tokenized once
+    and kept (least recently used out first, at most ``cache_tokens`` tokens): a session's next
+    turn re-tokenizes only its new messages, and a system prompt shared by many sessions is
+    tokenized once. At load the pieced tokenization is checked against whole-text tokenization
+    on a sample conversation; a tokenizer for which they differ is used whole.
+
+    Safe to call from several threads: the Rust tokenizer releases the GIL while it works.
+    """
+
+    def __init__(self, path: str, *, cache_tokens: int = 8_000_000):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        from router.chat_template import ChatTemplate
+
+        directory = path if os.path.isdir(path) else os.path.dirname(path) or "."
+        file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        try:
+            self._tok = HFTokenizer.from_file(file)
+        except Exception as exc:  # the library raises a bare Exception on a bad file
+            raise ValueError(f"cannot load tokenizer {file!r}: {exc}") from None
+        try:
+            self.template = ChatTemplate.load(directory)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"cannot load the chat template in {directory!r}: {exc}") from None
+        specials = sorted((t.content for t in self._tok.get_added_tokens_decoder().values()
+                           if t.special and t.content), key=len, reverse=True)
+        self._specials = specials
+        self._split = re.compile("(" + "|".join(map(re.escape, specials)) + ")") if specials else None
+        self._wrap = self._tok.encode("", add_special_tokens=True).ids  # a BOS the post-processor adds
+        self._lock = threading.Lock()
+        self._pieces: OrderedDict[str, array] = OrderedDict()
+        self._cached = 0
+        self.cache_tokens = cache_tokens
+        self.hits = self.misses = 0
+        if self._split is not None and not self._pieces_agree():
+            self._split = None
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Whole-text tokenization (no pieces, no cache)."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def render(self, prompt: Prompt) -> str:
+        """The prompt text of chat messages: the model's template, else the text fallback's."""
+        if self.template is None:
+            return chat_text(prompt.messages, prompt.tools)
+        from router.chat_template import TemplateError
+
+        try:
+            return self.template.render(prompt.messages, prompt.tools,
+                                        add_generation_prompt=prompt.add_generation_prompt,
+                                        continue_final_message=prompt.continue_final_message,
+                                        kwargs=prompt.template_kwargs)
+        except TemplateError as exc:
+            raise BadRequest(str(exc), prompt.param) from None
+
+    def ids(self, text: str, add_special_tokens: bool = False) -> array:
+        """Token ids of ``text`` (an ``array('I')``), reusing the pieces seen before."""
+        if self._split is None:
+            out = array("I", self._tok.encode(text, add_special_tokens=False).ids)
+        else:
+            pieces = [p for p in self._split.split(text) if p]
+            found: list[array | None] = []
+            with self._lock:
+                for p in pieces:
+                    a = self._pieces.get(p)
+                    if a is not None:
+                        self._pieces.move_to_end(p)
+                    found.append(a)
+            missing = [p for p, a in zip(pieces, found) if a is None]
+            self.hits += len(pieces) - len(missing)
+            self.misses += len(missing)
+            if missing:
+                encoded = self._tok.encode_batch(missing, add_special_tokens=False)
+                new = {p: array("I", e.ids) for p, e in zip(missing, encoded)}
+                with self._lock:
+                    for p, a in new.items():
+                        if p not in self._pieces:
+                            self._pieces[p] = a
+                            self._cached += len(a)
+                    while self._cached > self.cache_tokens and self._pieces:
+                        _, old = self._pieces.popitem(last=False)
+                        self._cached -= len(old)
+                found = [a if a is not None else new[p] for p, a in zip(pieces, found)]
+            out = array("I")
+            for a in found:
+                out += a
+        if add_special_tokens and self._wrap:
+            out = array("I", self._wrap) + out
+        return out
+
+    def _pieces_agree(self) -> bool:
+        """Does tokenizing between special tokens give the whole text's tokens on this tokenizer?"""
+        sample_parts = ["You are a helpful assistant.\n  Use the tools.", " Hello there,  world!\n\n",
+                        "def f(x):\n    return x  # done\n", "   leading spaces", "\u00e9t\u00e9 \u4e2d\u6587 ok"]
+        specials = self._specials[:4]
+        text = ""
+        for k, part in enumerate(sample_parts):
+            text += specials[k % len(specials)] + part
+        text = text + sample_parts[0]
+        pieces = [p for p in self._split.split(text) if p]
+        joined: list[int] = []
+        for e in self._tok.encode_batch(pieces, add_special_tokens=False):
+            joined += e.ids
+        return joined == self._tok.encode(text, add_special_tokens=False).ids
