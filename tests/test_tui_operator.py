@@ -242,3 +242,50 @@ async def test_once_on_a_wrongly_typed_state_is_one_line_exit_2(broken_router, c
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err
     assert "malformed /kvtop/v1/state: i0.num_requests is str" in err
+
+
+# -- sessions: order follows the values, ids stay whole where they fit ---------------------------
+
+def _long_sessions(tokens):
+    prefix = "mooncake-trace-conversation-agent-"  # 34 characters shared by every id
+    return {"total": len(tokens), "sessions": [
+        {"session": f"{prefix}{k:04d}", "instance": f"vllm-{k % 4}", "turns": 3, "tokens": t,
+         "est_hit_rate": 0.5, "bound_for_s": 10.0, "idle_s": 1.0, "moves": 0} for k, t in enumerate(tokens)]}
+
+
+async def test_sessions_resort_when_values_change_and_ids_are_whole_at_140_columns():
+    from test_tui import wait_group
+
+    app, feed = make_app(steps=2, decisions=3)
+    feed.sessions_body = _long_sessions([30_000, 20_000, 10_000])
+    async with app.run_test(size=(140, 42)) as pilot:
+        await settle(pilot, app)
+        await pilot.press("3")
+        app._fetch_sessions()
+        await wait_group(app, "sessions")
+        await settle(pilot, app)
+        table = app.query_one("#session-table")
+        ids = lambda: [str(table.get_row_at(i)[0]) for i in range(table.row_count)]  # noqa: E731
+        assert ids()[0] == "mooncake-trace-conversation-agent-0000"  # whole, not cut at 25
+        # the router's order may lag the values: the table follows the tokens it shows
+        feed.sessions_body = _long_sessions([19_826, 41_168, 10_000])
+        feed.sessions_body["sessions"].reverse()
+        app._fetch_sessions()
+        await wait_group(app, "sessions")
+        await settle(pilot, app)
+        assert [s[-4:] for s in ids()] == ["0001", "0000", "0002"]
+        assert [str(table.get_row_at(i)[3]) for i in range(3)] == ["41,168", "19,826", "10,000"]
+        await pilot.press("4")
+        await settle(pilot, app)
+        dec = app.query_one("#decision-table")
+        assert str(dec.get_row_at(0)[1]) == syn.decision(0)["session"]
+
+
+@pytest.mark.parametrize("ident, width, shown", [
+    ("sess-001", 18, "sess-001"),                                       # fits: untouched
+    ("mooncake-trace-conversation-agent-0042", 18, "mooncake…gent-0042"),  # cut in the middle: the number stays
+])
+def test_fit_id_keeps_the_tail(ident, width, shown):
+    from kvtop.tui.model import fit_id
+
+    assert fit_id(ident, width) == shown and len(shown) <= width

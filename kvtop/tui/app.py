@@ -27,7 +27,7 @@ from textual_plotext import PlotextPlot
 from kvtop.tui.axis import set_y_ticks
 from kvtop.tui.feed import ControlError
 from kvtop.tui.model import (INSTANCE_COLUMNS, SORT_KEYS, THRESHOLDS, Collected, decision_matches,
-                             doc_summary, fmt_duration, fmt_int, fmt_pct, fmt_secs, gpu_cells,
+                             doc_summary, fit_id, fmt_duration, fmt_int, fmt_pct, fmt_secs, gpu_cells,
                              instance_values, sort_value, sparkline, terms_summary)
 from kvtop.tui.screens import ConfirmScreen, HelpScreen, KnobForm, PolicyPicker, ReceiptScreen
 from kvtop.tui.widgets import LiveTable
@@ -536,8 +536,10 @@ class KvtopApp(App):
         keep = {str(s["session"]) for s in rows}
         for key in [k for k in table.rows if k.value not in keep]:
             table.remove_row(key)
+        # Whole ids where the width allows (two sessions cut to one prefix read as one).
+        id_width = max(24, self.size.width - 72)
         for s in rows:
-            cells = {"session": str(s["session"])[:24], "instance": str(s.get("instance")),
+            cells = {"session": fit_id(str(s["session"]), id_width), "instance": str(s.get("instance")),
                      "turns": str(s.get("turns", 0)), "tokens": fmt_int(s.get("tokens")),
                      "hit": fmt_pct(s.get("est_hit_rate")), "bound": fmt_duration(s.get("bound_for_s")),
                      "idle": fmt_duration(s.get("idle_s")), "moves": str(s.get("moves", 0))}
@@ -546,13 +548,19 @@ class KvtopApp(App):
                 table.set_cells(key, {col: val for col, val in cells.items() if table.get_cell(key, col) != val})
             else:
                 table.add_row(*cells.values(), key=key)
-        # The router sends the heaviest first; keep its order (sort only when it changed).
-        order = [str(s["session"]) for s in rows]
+        # Heaviest first by the tokens shown, re-sorted whenever that order changes. The sort
+        # key is the row's own cell object: cut ids are not unique, and keying by their text
+        # put 41,168 tokens below 19,826.
+        def tokens(s: dict[str, Any]) -> float:
+            t = s.get("tokens")
+            return float(t) if isinstance(t, (int, float)) else -1.0
+
+        order = [str(s["session"]) for s in sorted(rows, key=lambda s: (-tokens(s), str(s["session"])))]
         if order != self._session_order:
             self._session_order = order
             rank = {k: n for n, k in enumerate(order)}
-            by_cell = {table.get_cell(k, "session"): rank.get(str(k.value), 0) for k in table.rows}
-            table.sort("session", key=lambda cell: by_cell.get(cell, 0))
+            by_cell = {id(table.get_cell(k, "session")): rank.get(str(k.value), 0) for k in table.rows}
+            table.sort("session", key=lambda cell: by_cell.get(id(cell), 0))
 
     # decisions
     def _decision_row(self, ev: dict[str, Any]) -> list[Any]:
@@ -561,7 +569,8 @@ class KvtopApp(App):
         hit = ev.get("est_hit") or 0
         hit_s = f"{100 * hit / inp:.0f}% {fmt_int(hit)}" if inp else fmt_int(hit)
         reason = str(ev.get("reason", "?"))
-        return [ts, str(ev.get("session", ""))[:18], str(ev.get("class", "")), str(ev.get("instance", "")),
+        session = fit_id(str(ev.get("session") or ""), max(18, self.size.width - 100))
+        return [ts, session, str(ev.get("class", "")), str(ev.get("instance", "")),
                 Text(reason, style="bold") if reason not in ("argmin", "affinity_stick") else reason,
                 hit_s, terms_summary(ev.get("terms"), ev.get("instance"))]
 

@@ -76,6 +76,14 @@ def fmt_int(n: Any) -> str:
     return f"{int(n):,}"
 
 
+def fit_id(ident: str, width: int) -> str:
+    """An id cut to ``width`` in the middle, so the tail (an agent's or a turn's number) survives."""
+    if len(ident) <= width:
+        return ident
+    head = max(1, (width - 1) // 2)
+    return ident[:head] + "…" + ident[len(ident) - (width - 1 - head):]
+
+
 def fmt_pct(x: Any) -> str:
     return f"{100 * float(x):.1f}" if _is_number(x) else "n/a"
 
