@@ -10,6 +10,8 @@ same percentile and concurrency.
 
   python benchmarks/bench_viewers.py                   # 5 s x 2 rounds per configuration
   python benchmarks/bench_viewers.py --seconds 10 --repeat 3 --concurrency 32
+  python benchmarks/bench_viewers.py --hostile --seconds 10 --repeat 3   # 250 viewers that never
+      # read + 4 clients looping on GET /kvtop/v1/decisions?limit=2000, against none
 """
 
 from __future__ import annotations
@@ -71,6 +73,41 @@ def _viewers(url: str, n: int, hz: float, stop: mp.Event, counts: mp.Array) -> N
                 await asyncio.sleep(0.1)
             for t in tasks:
                 t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(main())
+
+
+def _hostile(url: str, viewers: int, readers: int, stop: mp.Event, counts: mp.Array) -> None:
+    """``viewers`` event streams opened and never read (small receive windows), and ``readers``
+    clients asking for the largest decision list in a loop, as fast as they are answered."""
+    import aiohttp
+    from urllib.parse import urlsplit
+
+    host, port = urlsplit(url).hostname, urlsplit(url).port
+
+    async def dead_viewer() -> None:
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(s, (host, port))
+        s.send(b"GET /kvtop/v1/events?hz=20&types=state,decision,outcome HTTP/1.1\r\nHost: x\r\n\r\n")
+        while not stop.is_set():
+            await asyncio.sleep(0.2)
+        s.close()
+
+    async def reader(k: int, http: aiohttp.ClientSession) -> None:
+        while not stop.is_set():
+            async with http.get(f"{url}/kvtop/v1/decisions?limit=2000") as r:
+                await r.read()
+                counts[k] += 1
+
+    async def main() -> None:
+        async with aiohttp.ClientSession() as http:
+            tasks = [asyncio.create_task(dead_viewer()) for _ in range(viewers)]
+            tasks += [asyncio.create_task(reader(k, http)) for k in range(readers)]
+            while not stop.is_set():
+                await asyncio.sleep(0.1)
             await asyncio.gather(*tasks, return_exceptions=True)
 
     asyncio.run(main())
@@ -141,12 +178,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--hz", type=float, default=20.0)
     ap.add_argument("--viewers", default="0,1,10")
     ap.add_argument("--policy", default="unified")
+    ap.add_argument("--hostile", action="store_true",
+                    help="compare 0 viewers with 250 never-reading viewers + 4 control-read loops")
     return ap.parse_args(argv)
 
 
 def main() -> int:
     args = parse_args()
-    configs = [int(v) for v in args.viewers.split(",")]
+    configs = [0, -1] if args.hostile else [int(v) for v in args.viewers.split(",")]  # -1: hostile
 
     bport, rport = _free_port(), _free_port()
     backend = mp.Process(target=_backend, args=(bport,), daemon=True)
@@ -170,7 +209,12 @@ def main() -> int:
                 stop = mp.Event()
                 counts = mp.Array("q", max(1, v))
                 proc = None
-                if v:
+                if v == -1:
+                    counts = mp.Array("q", 4)
+                    proc = mp.Process(target=_hostile, args=(url, 250, 4, stop, counts), daemon=True)
+                    proc.start()
+                    time.sleep(2.0)  # let every viewer attach (or be refused)
+                elif v:
                     proc = mp.Process(target=_viewers, args=(url, v, args.hz, stop, counts), daemon=True)
                     proc.start()
                     time.sleep(1.0)  # let every viewer attach
@@ -178,7 +222,9 @@ def main() -> int:
                 cpu0 = _cpu_s(router.pid)
                 rps, lat = asyncio.run(_load(url, args.seconds, args.concurrency))
                 cpu_ms = (_cpu_s(router.pid) - cpu0) * 1000 / max(1, len(lat))
-                got_hz = (sum(counts[:v]) - before) / args.seconds / v if v else 0.0
+                got_hz = (sum(counts[:v]) - before) / args.seconds / v if v > 0 else 0.0
+                if v == -1:  # control reads answered per second, all four clients
+                    got_hz = sum(counts[:4]) / (args.seconds + 2.0)
                 stop.set()
                 if proc:
                     proc.join(5)
@@ -200,7 +246,8 @@ def main() -> int:
         hz = statistics.median(r[3] for r in rows[v])
         cpu = statistics.median(r[4] for r in rows[v])
         rel = f"{(rps / base - 1) * 100:+.1f}%" if base else "-"
-        print(f"{v:>7}  {rps:>8.0f}  {rel:>6}  {a50:>12.2f}  {a99:>12.2f}  {hz:>15.1f}  {cpu:>17.3f}")
+        label = "250+4r" if v == -1 else str(v)
+        print(f"{label:>7}  {rps:>8.0f}  {rel:>6}  {a50:>12.2f}  {a99:>12.2f}  {hz:>15.1f}  {cpu:>17.3f}")
     return 0
 
 

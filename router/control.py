@@ -9,6 +9,7 @@ docs/control-api.md is the reference for every body and event.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import heapq
@@ -23,7 +24,7 @@ from typing import Any
 from aiohttp import web
 
 from router import kv_events, telemetry
-from router.http import error_response, read_json
+from router.http import dumps, error_response, read_json
 from router.state import STATE, RouterState
 from router.config import KnobError
 from router.features import FEATURE_KNOBS
@@ -268,8 +269,10 @@ def _bad_params(handler):
 #: Control reads while requests are in flight come from a snapshot at most this old, shared
 #: by every client asking the same question (a read never costs the data plane twice).
 READ_SNAPSHOT_S = 0.25
-#: Per client address: control reads per second, and the burst allowed above it.
-READ_RATE, READ_BURST = 50.0, 100.0
+#: Per client address: control reads per second, the burst allowed above it, and how long a
+#: read over the rate may wait for its turn before it is refused (a client reading in a loop
+#: is slowed to the rate instead of spinning on fast 429s).
+READ_RATE, READ_BURST, READ_MAX_WAIT_S = 50.0, 100.0, 2.0
 _MAX_CLIENTS = 4096  # rate-limit buckets kept (oldest forgotten first)
 
 
@@ -284,16 +287,21 @@ class ReadGuard:
         self.refused = 0
         self.served_from_snapshot = 0
 
-    def allow(self, who: str, now: float) -> bool:
+    def turn(self, who: str, now: float) -> float | None:
+        """Seconds this read waits for its turn (0: at once), or None: refuse it. Tokens may go
+        negative: each waiting read holds its place in the client's line."""
         tokens, last = self.buckets.pop(who, (READ_BURST, now))
-        tokens = min(READ_BURST, tokens + (now - last) * READ_RATE)
-        ok = tokens >= 1.0
-        self.buckets[who] = (tokens - 1.0 if ok else tokens, now)  # re-inserted: newest last
+        tokens = min(READ_BURST, tokens + (now - last) * READ_RATE) - 1.0
+        wait = -tokens / READ_RATE if tokens < 0 else 0.0
+        if wait > READ_MAX_WAIT_S:
+            tokens += 1.0  # refused: it takes no place
+            self.refused += 1
+            self.buckets[who] = (tokens, now)
+            return None
+        self.buckets[who] = (tokens, now)  # re-inserted: newest last
         if len(self.buckets) > _MAX_CLIENTS:
             del self.buckets[next(iter(self.buckets))]
-        if not ok:
-            self.refused += 1
-        return ok
+        return wait
 
     def cached(self, key: str, now: float) -> bytes | None:
         hit = self.cache.get(key)
@@ -313,9 +321,13 @@ def _guarded_read(handler):
     async def wrapped(request: web.Request) -> web.StreamResponse:
         guard: ReadGuard = request.app[CONTROL].guard
         now = time.monotonic()
-        if not guard.allow(request.remote or "?", now):
+        wait = guard.turn(request.remote or "?", now)
+        if wait is None:
             return error_response(429, f"more than {READ_RATE:g} control reads per second from this client; "
                                        "use GET /kvtop/v1/events for a live view", headers={"Retry-After": "1"})
+        if wait:
+            await asyncio.sleep(wait)
+            now = time.monotonic()
         key = request.path_qs
         body = guard.cached(key, now)
         if body is not None:
@@ -333,8 +345,7 @@ async def get_state(request: web.Request) -> web.Response:
     return web.json_response(request.app[CONTROL].snapshot(), dumps=_dumps)
 
 
-def _dumps(obj: Any) -> str:
-    return json.dumps(obj, default=str)
+_dumps = dumps
 
 
 @_bad_params

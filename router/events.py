@@ -20,6 +20,8 @@ from typing import Any
 
 from aiohttp import web
 
+from router.http import dumps
+
 EVENT_TYPES = ("state", "decision", "config", "health", "outcome")
 DEFAULT_TYPES = frozenset({"state", "decision", "config", "health"})
 HZ_MIN, HZ_MAX, HZ_DEFAULT = 0.2, 20.0, 4.0
@@ -115,14 +117,14 @@ class Broadcaster:
         for v in self.viewers:
             if v.admit(kind, self._seq, now):
                 if data is None:  # serialized once, and only if some viewer takes it
-                    data = sse(kind, json.dumps(payload, separators=(",", ":"), default=str))
+                    data = sse(kind, dumps(payload))
                 v.push(data)
 
     # -- snapshots, coalesced across viewers ------------------------------------------------
     def snapshot_bytes(self) -> bytes:
         now = time.monotonic()
         if self._snap is None or now - self._snap[0] >= 0.01:
-            body = json.dumps(self.snapshot(), separators=(",", ":"), default=str)
+            body = dumps(self.snapshot())
             self._snap = (now, sse("state", body))
         return self._snap[1]
 

@@ -55,6 +55,12 @@ async def json_errors(request: web.Request, handler):
         return error_response(500, "internal router error", err_type="InternalServerError")
 
 
+def dumps(obj: Any) -> str:
+    """Compact JSON text for the control API and the event stream: orjson, 3-5x json's speed
+    on decision lists and snapshots (unknown types as str, integer keys allowed)."""
+    return orjson.dumps(obj, default=str, option=orjson.OPT_NON_STR_KEYS).decode()
+
+
 def parse_json(raw: bytes) -> Any:
     """A request body parsed as JSON; BadRequest (400) otherwise.
 
