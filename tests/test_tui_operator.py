@@ -289,3 +289,49 @@ def test_fit_id_keeps_the_tail(ident, width, shown):
     from kvtop.tui.model import fit_id
 
     assert fit_id(ident, width) == shown and len(shown) <= width
+
+
+# -- a router restart: the stream comes back, and so must control ---------------------------------
+
+async def _start_router(aiohttp_server, backends, token, tmp_path, port=None):
+    from router.app import Backend, RouterConfig, create_app
+
+    cfg = RouterConfig(backends=[Backend(f"i{k}", url) for k, (_, url) in enumerate(backends)],
+                       db=None, control_token=token, state_dir=str(tmp_path / "state"), scrape_interval_s=0.2)
+    app = create_app(cfg)
+    server = await aiohttp_server(app, host="127.0.0.1", **({"port": port} if port else {}))
+    return server, app
+
+
+async def test_control_keeps_working_after_a_router_restart(aiohttp_server, fake_backends, tmp_path):
+    """A restarted router has a new token; the dashboard re-reads its token file on reconnect,
+    and the header says so while control is unavailable."""
+    from router.app import STATE
+    from kvtop.tui.app import KvtopApp
+    from kvtop.tui.feed import RouterFeed
+    from test_tui import wait_for
+
+    backends = await fake_backends(2)
+    token_file = tmp_path / "router.token"
+    token_file.write_text("token-one\n")
+    server, rapp = await _start_router(aiohttp_server, backends, "token-one", tmp_path)
+    url, port = str(server.make_url("")).rstrip("/"), server.port
+    feed = RouterFeed(url, "token-one", hz=10, token_loader=lambda: token_file.read_text().strip())
+    app = KvtopApp(feed, url=url, apply_timer=False, poll_sessions_s=0)
+    async with app.run_test(size=SIZE) as pilot:
+        assert await wait_for(pilot, app, lambda: app.collected.snapshot is not None)
+        await server.close()
+        assert await wait_for(pilot, app, lambda: not app.collected.connected)
+        server, rapp = await _start_router(aiohttp_server, backends, "token-two", tmp_path, port=port)
+        # the restarted router's token is not in the file yet: reconnect, and say control is off
+        assert await wait_for(pilot, app, lambda: app.collected.connected, timeout=15)
+        assert await wait_for(pilot, app, lambda: "CONTROL UNAVAILABLE" in str(app.query_one("#topbar").render()))
+        token_file.write_text("token-two\n")  # what `kvtop route` writes when it starts
+        app._apply_change("put_policy", "lmetric", {})
+        from test_tui import wait_group
+
+        await wait_group(app, "control")
+        assert app.last_error is None
+        assert rapp[STATE].slot.label == "lmetric@2"
+        assert await wait_for(pilot, app, lambda: "CONTROL UNAVAILABLE" not in str(app.query_one("#topbar").render()))
+    await server.close()

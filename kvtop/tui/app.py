@@ -336,6 +336,9 @@ class KvtopApp(App):
             marks.append(("READ-ONLY", "bold"))
         elif not self.can_control:
             marks.append(("READ-ONLY (no token)", "bold"))
+        elif getattr(self.feed, "control_problem", None):
+            # e.g. the router restarted with a token this dashboard cannot find
+            marks.append((f"CONTROL UNAVAILABLE: {self.feed.control_problem}", "bold reverse"))
         if r.get("db"):
             marks.append((f"● rec {Path(str(r['db'])).name}", "bold"))
         if r.get("draining"):

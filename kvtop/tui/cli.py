@@ -83,7 +83,12 @@ def run(args: argparse.Namespace) -> int:
     from kvtop.tui.app import KvtopApp
     from kvtop.tui.feed import RouterFeed
 
-    app = KvtopApp(RouterFeed(target.url, target.token, hz=args.hz), url=target.url, readonly=readonly,
+    def token_loader() -> str | None:
+        # the same search as at start (flag, env, the locator of this URL), run again on reconnect
+        return resolve_target(target.url, token_file=args.token_file, state_dir=args.state_dir).token
+
+    feed = RouterFeed(target.url, target.token, hz=args.hz, token_loader=token_loader)
+    app = KvtopApp(feed, url=target.url, readonly=readonly,
                    can_control=bool(target.token), hz=args.hz, theme=args.theme,
                    max_decisions=args.max_decisions)
     app.run()

@@ -14,7 +14,7 @@ import os
 import time
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -244,10 +244,16 @@ class RouterFeed:
     and reconnects with exponential backoff (0.5 s doubling to 8 s).
     """
 
-    def __init__(self, url: str, token: str | None = None, hz: float = 4.0):
+    def __init__(self, url: str, token: str | None = None, hz: float = 4.0,
+                 token_loader: Callable[[], str | None] | None = None):
         self.url = url.rstrip("/")
         self.token = token
         self.hz = hz
+        # A restarted router has a new token (a generated one is rewritten to the file its
+        # locator names): re-read on every reconnect and once on a refusal.
+        self.token_loader = token_loader
+        self.control_problem: str | None = None  # why changes would be refused, for the header
+        self._connected_once = False
         self._session: Any = None
         self._reconnect = asyncio.Event()
         self.next_retry_at: float | None = None
@@ -279,6 +285,9 @@ class RouterFeed:
                         raise ControlError(_router_message(await resp.read(), resp.status), resp.status)
                     delay = 0.5
                     self.next_retry_at = None
+                    if self._connected_once:
+                        await self.recheck_control()
+                    self._connected_once = True
                     yield "_status", {"connected": True, "error": None}
                     for ev in await self._recent_decisions():
                         yield "decision", ev
@@ -317,7 +326,46 @@ class RouterFeed:
         rows = body.get("decisions") if isinstance(body, dict) else None
         return list(reversed(rows)) if isinstance(rows, list) else []
 
+    def _reload_token(self) -> bool:
+        """Read the token again; True when it changed."""
+        if self.token_loader is None:
+            return False
+        try:
+            token = self.token_loader()
+        except Exception:  # noqa: BLE001 - a vanished or unreadable file keeps the old token
+            return False
+        if token and token != self.token:
+            self.token = token
+            return True
+        return False
+
+    async def recheck_control(self) -> None:
+        """After a reconnect: the current token, checked with ``GET auth`` (which changes nothing)."""
+        self._reload_token()
+        if not self.token:
+            return
+        try:
+            await self._send("GET", "/auth", None, auth=True)
+        except ControlError as exc:
+            if exc.status in (401, 403):
+                self.control_problem = exc.message
+            return
+        self.control_problem = None
+
     async def request(self, method: str, path: str, body: Any = None, *, auth: bool = False) -> Any:
+        try:
+            result = await self._send(method, path, body, auth=auth)
+        except ControlError as exc:
+            if not (auth and exc.status == 401 and self._reload_token()):
+                if auth and exc.status in (401, 403):
+                    self.control_problem = exc.message
+                raise
+            result = await self._send(method, path, body, auth=auth)  # the router restarted: new token
+        if auth:
+            self.control_problem = None
+        return result
+
+    async def _send(self, method: str, path: str, body: Any = None, *, auth: bool = False) -> Any:
         import aiohttp
 
         http = await self._http()
