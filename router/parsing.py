@@ -33,6 +33,9 @@ OFFLOAD_BYTES = 4 * 1024 * 1024
 #: Threads that render and tokenize (each holds one request's work; the GIL is released
 #: while the tokenizer runs, so a few help when several cold prompts arrive at once).
 TOKENIZE_THREADS = 4
+#: Bodies up to this size are tokenized in a thread of their own, so that a short request never
+#: waits behind cold 200k-token prompts in the pool (it takes a millisecond or two).
+SMALL_BYTES = 64 * 1024
 #: Sessions whose previous turn (token ids, block hashes) is kept for the next one.
 SESSION_TURNS = 256
 
@@ -60,6 +63,7 @@ class BodyParser:
         self.tokenizer = tokenizer
         self._pool: ProcessPoolExecutor | None = None
         self._threads: ThreadPoolExecutor | None = None
+        self._small: ThreadPoolExecutor | None = None
         self._turns: OrderedDict[str, Counted] = OrderedDict()
         self.offloaded = 0
         self.tokenized = 0
@@ -75,7 +79,7 @@ class BodyParser:
             if tok is None or parsed.prompt.tokens is not None:
                 counted = count_prompt(parsed.prompt, cfg.block_size)
             else:
-                counted = await self._count(parsed)
+                counted = await self._count(parsed, small=len(raw) <= SMALL_BYTES)
             return body, route_request(parsed, counted, max_input_tokens=cfg.max_input_tokens)
         if self._pool is None:
             # spawn, not fork: the router has threads (the writer) that a fork would copy mid-flight
@@ -90,14 +94,20 @@ class BodyParser:
             self._pool = None
             raise BadRequest("the router's body parser failed on this request; retry", status=503) from None
 
-    async def _count(self, parsed: Parsed) -> Counted:
+    async def _count(self, parsed: Parsed, *, small: bool) -> Counted:
         """Render and tokenize in a thread, reusing the session's previous turn."""
-        if self._threads is None:
-            self._threads = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="kvtop-tokenize")
+        if small:
+            if self._small is None:
+                self._small = ThreadPoolExecutor(1, thread_name_prefix="kvtop-tokenize-small")
+            pool = self._small
+        else:
+            if self._threads is None:
+                self._threads = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="kvtop-tokenize")
+            pool = self._threads
         key = _turn_key(parsed)
         prev = self._turns.get(key) if key else None
         counted = await asyncio.get_running_loop().run_in_executor(
-            self._threads, count_prompt, parsed.prompt, self.config.block_size, self.tokenizer, prev)
+            pool, count_prompt, parsed.prompt, self.config.block_size, self.tokenizer, prev)
         self.tokenized += 1
         if key:
             self._turns[key] = counted
@@ -115,9 +125,10 @@ class BodyParser:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
-        if self._threads is not None:
-            self._threads.shutdown(wait=False, cancel_futures=True)
-            self._threads = None
+        for pool in (self._threads, self._small):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+        self._threads = self._small = None
 
 
 def _turn_key(parsed: Parsed) -> str | None:

@@ -1,0 +1,132 @@
+"""Exact tokens with --tokenizer: the model's chat template (tools included), pieced tokenization
+equal to whole-text tokenization, a returning turn reusing its prefix, and all of it off the
+event loop."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+import threading
+from pathlib import Path
+
+import pytest
+
+from router.request import Tokenizer, count_prompt, parse_request, read_body
+from test_messages import claude_code_body
+from test_router_e2e import rows, start_router
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_agentic.py"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("_bench_agentic", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory) -> Path:
+    """A small byte-level BPE (2,000 tokens) with ChatML specials and a Qwen2.5-style template."""
+    return _bench().build_tokenizer(tmp_path_factory.mktemp("tok"), vocab=2000, corpus_bytes=400_000)
+
+
+@pytest.fixture(scope="module")
+def tok(tok_dir) -> Tokenizer:
+    return Tokenizer(str(tok_dir))
+
+
+def test_template_renders_tools_and_generation_prompt(tok):
+    body = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
+            "tools": [{"type": "function", "function": {"name": "read_file", "description": "Read.",
+                                                        "parameters": {"type": "object"}}}]}
+    text = tok.render(read_body(body, "chat").prompt)
+    assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools")
+    assert '{"type": "function", "function": {"name": "read_file"' in text  # tojson, as transformers
+    assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    no_tools = parse_request({"messages": body["messages"]}, "chat", tokenizer=tok)
+    assert parse_request(body, "chat", tokenizer=tok).input_tokens > no_tools.input_tokens + 20
+
+
+def test_messages_and_chat_give_the_same_tokens(tok):
+    # vLLM turns an Anthropic body into chat messages + tools: both must count alike
+    body = claude_code_body(3, stream=False)
+    chat = read_body(body, "messages").prompt
+    as_chat = {"messages": chat.messages, "tools": chat.tools}
+    a = parse_request(body, "messages", tokenizer=tok, block_size=16)
+    b = parse_request(as_chat, "chat", tokenizer=tok, block_size=16)
+    assert (a.input_tokens, a.blocks, a.token_source) == (b.input_tokens, b.blocks, "tokenizer")
+    assert "<tool_call>" in tok.render(chat) and "<tool_response>" in tok.render(chat)
+
+
+def test_pieces_equal_whole_text_tokenization(tok):
+    rng = random.Random(3)
+    words = ["def", " f(x):", "\n    return", " x", "  ", "\n\n", "\u00e9t\u00e9", " <tool_call>", '{"a": 1}', "\t"]
+    for _ in range(200):
+        parts = ["".join(rng.choice(words) for _ in range(rng.randrange(0, 12))) for _ in range(rng.randrange(1, 6))]
+        text = "".join(rng.choice(["<|im_start|>", "<|im_end|>\n", "<|im_end|>", ""]) + p for p in parts)
+        assert list(tok.ids(text)) == tok.encode(text), repr(text)
+        assert list(tok.ids(text, add_special_tokens=True)) == tok.encode(text, add_special_tokens=True)
+
+
+def test_returning_turn_reuses_pieces_and_blocks(tok):
+    prev = None
+    for turn in range(1, 6):
+        prompt = read_body(claude_code_body(turn), "messages").prompt
+        misses = tok.misses
+        counted = count_prompt(prompt, 16, tok, prev)
+        full = count_prompt(prompt, 16, tok)  # no previous turn: the same blocks
+        assert counted.blocks == full.blocks and counted.input_tokens == len(tok.encode(tok.render(prompt)))
+        if turn > 2:
+            assert tok.misses - misses <= 3  # only the new turn's pieces were tokenized
+        prev = counted
+
+
+async def test_router_tokenizes_off_the_event_loop(router_client, fake_backends, tmp_path, tok_dir, monkeypatch):
+    seen: list[str] = []
+    real = Tokenizer.ids
+
+    def spy(self, text, add_special_tokens=False):
+        seen.append(threading.current_thread().name)
+        return real(self, text, add_special_tokens)
+
+    monkeypatch.setattr(Tokenizer, "ids", spy)
+    fakes = await fake_backends(2)
+    client, state = await start_router(router_client, [u for _, u in fakes], tmp_path, policy="unified",
+                                       tokenizer=str(tok_dir), block_size=16)
+    insts = []
+    for turn in range(1, 5):
+        r = await client.post("/v1/messages", json=claude_code_body(turn))
+        assert r.status == 200
+        await r.read()
+        insts.append(r.headers["X-Kvtop-Instance"])
+    r = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hello " * 50}]})
+    assert r.status == 200
+    assert seen and all(name.startswith("kvtop-tokenize") for name in seen), seen
+    decisions = rows(state, "decisions")
+    assert {d["token_source"] for d in decisions} == {"tokenizer"}
+    expected = [len(state.tokenizer.encode(state.tokenizer.render(read_body(claude_code_body(t), "messages").prompt)))
+                for t in range(1, 5)]
+    assert [d["input_tokens"] for d in decisions[:4]] == expected
+    assert len(set(insts[1:])) == 1
+    # the session's turn 3 estimated hit covers turn 2's blocks (its prefix, tokenized the same way)
+    assert decisions[2]["est_hit_tokens"] >= (expected[1] // 16 - 2) * 16
+
+
+def test_tokenizer_path_forms(tok_dir, tmp_path):
+    # the directory, or its tokenizer.json (the template is found beside it)
+    a, b = Tokenizer(str(tok_dir)), Tokenizer(str(tok_dir / "tokenizer.json"))
+    assert a.template is not None and b.template is not None
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "tokenizer.json").write_text((tok_dir / "tokenizer.json").read_text())
+    c = Tokenizer(str(bare / "tokenizer.json"))  # no template: the text fallback's rendering
+    assert c.template is None
+    assert parse_request({"messages": [{"role": "user", "content": "hi"}]}, "chat", tokenizer=c).token_source == "tokenizer"
+    bad = tmp_path / "badtpl"
+    bad.mkdir()
+    (bad / "tokenizer.json").write_text((tok_dir / "tokenizer.json").read_text())
+    (bad / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% for %}"}))
+    with pytest.raises(ValueError, match="chat template"):
+        Tokenizer(str(bad))
