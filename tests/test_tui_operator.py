@@ -335,3 +335,99 @@ async def test_control_keeps_working_after_a_router_restart(aiohttp_server, fake
         assert rapp[STATE].slot.label == "lmetric@2"
         assert await wait_for(pilot, app, lambda: "CONTROL UNAVAILABLE" not in str(app.query_one("#topbar").render()))
     await server.close()
+
+
+# -- the must-hold session (issue 20): an operator's whole visit, scripted -----------------------
+
+async def _palette(pilot, text):
+    await pilot.press("ctrl+p")
+    await pilot.pause()
+    await pilot.press(*text)
+    await pilot.pause(0.3)
+    await pilot.press("enter")
+    await pilot.pause()
+
+
+async def test_operator_session_end_to_end(aiohttp_server, fake_backends, tmp_path):
+    import aiohttp
+
+    from router.app import STATE
+    from kvtop.tui.app import KvtopApp
+    from kvtop.tui.feed import RouterFeed
+    from kvtop.tui.screens import KnobForm, ReceiptScreen
+    from test_tui import wait_for, wait_group
+
+    backends = await fake_backends(2)
+    token_file = tmp_path / "router.token"
+    token_file.write_text("token-one\n")
+    server, rapp = await _start_router(aiohttp_server, backends, "token-one", tmp_path)
+    url, port = str(server.make_url("")).rstrip("/"), server.port
+
+    async def traffic(n):
+        async with aiohttp.ClientSession() as http:
+            for k in range(n):
+                async with http.post(f"{url}/v1/completions", headers={"X-Session-ID": f"agent-{k % 3}"},
+                                     json={"prompt": [1] * 600 + [k], "max_tokens": 2}) as r:
+                    assert r.status == 200
+
+    feed = RouterFeed(url, "token-one", hz=10, token_loader=lambda: token_file.read_text().strip())
+    app = KvtopApp(feed, url=url, hz=10, poll_sessions_s=0.5)  # real timers: the app as run
+    async with app.run_test(size=(140, 42)) as pilot:
+        assert await wait_for(pilot, app, lambda: app.collected.snapshot and app.policies_body.get("policies"))
+        await traffic(6)
+        for tab in "12345":  # every tab
+            await pilot.press(tab)
+            await pilot.pause(0.2)
+        for theme in ("kvtop-light", "kvtop-cb", "textual-dark"):  # three themes, from the palette
+            await _palette(pilot, "theme")
+            await pilot.press(*theme)
+            await pilot.pause(0.3)
+            await pilot.press("enter")
+            await pilot.pause(0.3)
+            assert app.theme == theme
+            await pilot.press("1")
+            await pilot.pause(0.6)  # a frame of the overview in the new theme
+        await _palette(pilot, "Switch policy to lmetric")  # policy, once from the palette...
+        await pilot.press("y")
+        await wait_group(app, "control")
+        assert rapp[STATE].slot.label == "lmetric@2"
+        assert await wait_for(pilot, app, lambda: (app.policies_body.get("current") or {}).get("name") == "lmetric")
+        await pilot.press("P")  # ...and once with its key
+        await pilot.pause()
+        await pilot.press(*"unified")  # the picker is an OptionList: move to unified
+        opts = app.screen.query_one("#picker-list")
+        opts.highlighted = next(i for i in range(opts.option_count) if opts.get_option_at_index(i).id == "unified")
+        await pilot.press("enter")
+        await pilot.pause()
+        await pilot.press("y")
+        await wait_group(app, "control")
+        assert rapp[STATE].slot.label.startswith("unified@3")
+        assert await wait_for(pilot, app, lambda: (app.policies_body.get("current") or {}).get("name") == "unified")
+        await pilot.press("k")  # a knob, typed into the focused first field
+        await pilot.pause()
+        assert isinstance(app.screen, KnobForm)
+        first = app.screen.focused
+        await pilot.press("ctrl+a", "ctrl+k", *("3" if "factor" in first.id else "0.25"), "ctrl+s")
+        await pilot.pause()
+        await pilot.press("y")
+        await wait_group(app, "control")
+        assert rapp[STATE].slot.version == 4 and app.last_error is None
+        await pilot.press("4")  # Enter right after 4
+        await pilot.pause(0.6)
+        await pilot.press("enter")
+        await pilot.pause()
+        assert isinstance(app.screen, ReceiptScreen)
+        await pilot.press("escape")
+        # the router restarts with a new token
+        await server.close()
+        assert await wait_for(pilot, app, lambda: not app.collected.connected, timeout=10)
+        token_file.write_text("token-two\n")
+        server, rapp = await _start_router(aiohttp_server, backends, "token-two", tmp_path, port=port)
+        assert await wait_for(pilot, app, lambda: app.collected.connected, timeout=15)
+        await _palette(pilot, "Switch policy to lmetric")
+        await pilot.press("y")
+        await wait_group(app, "control")
+        assert app.last_error is None and rapp[STATE].slot.label == "lmetric@2"
+        await pilot.press("ctrl+c")
+        assert app.return_code == 0
+    await server.close()
