@@ -7,6 +7,15 @@ open loop (at arrival / speed) or closed loop (each session's next turn its thin
 after the previous answer ended, as agents behave). Results go to a JSONL file that
 ``kvtop report`` reads: a header line, then one line per request.
 
+``--api`` sends each request as that client would instead: ``chat`` (system + tools +
+tool-call turns on /v1/chat/completions), ``messages`` (Claude Code's Anthropic Messages on
+/v1/messages: system blocks with cache_control, 20 tools, tool_use / tool_result turns,
+``metadata.user_id`` carrying the session, stream true) or ``responses`` (/v1/responses:
+instructions, tools, function_call / function_call_output items, ``prompt_cache_key``). The
+trace's tokens become text (one word per token, as ``--prompt-format text``) cut at fixed token
+positions (system, tools, then one message per ``TURN_TOKENS``), so a session's turns share
+their prefix exactly as the trace's block hashes say.
+
   kvtop replay trace.jsonl --target http://127.0.0.1:8000 --arm lmetric --out lmetric.jsonl
 """
 
@@ -30,6 +39,10 @@ RESULTS_VERSION = 1
 PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
 PREFIX_HITS = "vllm:prefix_cache_hits_total"
 PROMPT_FORMATS = ("tokens", "text")
+APIS = {"completions": "/v1/completions", "chat": "/v1/chat/completions",
+        "messages": "/v1/messages", "responses": "/v1/responses"}
+#: How --api lays a prompt's tokens out: the system prompt, 20 tools, then one message per turn.
+SYSTEM_TOKENS, TOOLS, TOOL_TOKENS, TURN_TOKENS = 2048, 20, 64, 1024
 
 # Text prompts: token id i becomes the word " abc" (a space and three letters, i mod 26**3).
 # kvtop sim's stand-in tokenizer reads each such word as exactly one token, and kvtop's
@@ -65,6 +78,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "ids (sglang-router). Only kvtop sim's tokenizer reads one token per "
                         "word, and only there is kvtop's 4-characters-a-token estimate exact; a "
                         "real model's tokenizer gives other lengths and block boundaries")
+    p.add_argument("--api", choices=tuple(APIS), default="completions",
+                   help="completions: token-id or text prompts (default); chat, messages (Claude "
+                        "Code's Anthropic Messages), responses (OpenAI Responses): the trace's "
+                        "sessions as those agents send them, system + tools + tool-call turns, as text")
     p.add_argument("--out", default="results.jsonl", metavar="FILE",
                    help="results file, JSONL (default results.jsonl)")
     p.add_argument("--arm", default=None, metavar="LABEL",
@@ -112,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
         arm=args.arm or _stem(args.out), model=args.model,
         session_header=args.session_header, max_concurrency=args.max_concurrency,
         timeout=args.timeout, scrape=[u.rstrip("/") for u in args.scrape], trace=args.trace,
-        progress=not args.no_progress and sys.stderr.isatty(), duration=args.duration)
+        progress=not args.no_progress and sys.stderr.isatty(), duration=args.duration, api=args.api)
     result = asyncio.run(replay(requests, cfg))
     write_results(args.out, result)
     ok = sum(r["status"] == "ok" for r in result.records)
@@ -169,6 +186,8 @@ class ReplayConfig:
     duration: float | None = None
     #: token synthesis; None = kvtop.traces.synth.tokens_for_request (tests inject their own)
     tokens: Callable[[Any, int], list[int]] | None = None
+    #: completions | chat | messages | responses (the client API the requests are sent as)
+    api: str = "completions"
 
 
 @dataclass
@@ -190,7 +209,8 @@ def _tokens_fn(cfg: ReplayConfig) -> Callable[[Any, int], list[int]]:
     from kvtop.traces.synth import tokens_for_request
 
     # Text prompts have one word per id below TEXT_VOCAB: draw there, so no two ids share a word.
-    vocab = min(cfg.vocab_size, TEXT_VOCAB) if cfg.prompt_format == "text" else cfg.vocab_size
+    text = cfg.prompt_format == "text" or cfg.api != "completions"
+    vocab = min(cfg.vocab_size, TEXT_VOCAB) if text else cfg.vocab_size
 
     def tokens(req: Any, index: int) -> list[int]:
         # The salt makes each request's tail unique, so two requests share exactly the
@@ -211,6 +231,8 @@ async def replay(requests: Sequence[Any], cfg: ReplayConfig) -> ReplayResult:
     if cfg.prompt_format not in PROMPT_FORMATS:
         raise ValueError(f"prompt_format must be one of {PROMPT_FORMATS}, "
                          f"not {cfg.prompt_format!r}")
+    if cfg.api not in APIS:
+        raise ValueError(f"api must be one of {tuple(APIS)}, not {cfg.api!r}")
     tokens = _tokens_fn(cfg)
     limit = cfg.max_concurrency
     connector = aiohttp.TCPConnector(limit=limit, limit_per_host=limit, ttl_dns_cache=300)
@@ -239,7 +261,7 @@ async def replay(requests: Sequence[Any], cfg: ReplayConfig) -> ReplayResult:
     engine = _delta(before, after)
     header = {"kvtop_results": RESULTS_VERSION, "arm": cfg.arm, "target": cfg.target,
               "trace": cfg.trace, "mode": cfg.mode, "speed": cfg.speed,
-              "prompt_format": cfg.prompt_format,
+              "prompt_format": cfg.prompt_format, "api": cfg.api,
               "started_at": started_wall, "ended_at": ended_wall,
               "engine_prefix_cache": engine}
     if interrupted:
@@ -331,7 +353,7 @@ class _Runner:
         self.tasks: set[asyncio.Task] = set()
         self.t0 = 0.0
         self.arrival0 = min((r.arrival for r in requests), default=0.0)
-        self.url = cfg.target + "/v1/completions"
+        self.url = cfg.target + APIS[cfg.api]
 
     async def run(self) -> None:
         self.t0 = time.perf_counter()
@@ -412,6 +434,11 @@ class _Runner:
 
     def _payload(self, index: int, req: Any) -> bytes:
         ids = self.tokens(req, index)
+        if self.cfg.api != "completions":
+            body = agent_body(self.cfg.api, ids, str(req.session), max(1, int(req.output_tokens)))
+            if self.model:
+                body["model"] = self.model
+            return json.dumps(body, separators=(",", ":")).encode()
         body: dict[str, Any] = {
             "prompt": ids_to_text(ids) if self.cfg.prompt_format == "text" else ids,
             "max_tokens": max(1, int(req.output_tokens)),
@@ -439,8 +466,9 @@ class _Runner:
 
         cfg = self.cfg
         own_id = f"{cfg.arm}-{index}"
-        headers = {"Content-Type": "application/json", cfg.session_header: str(req.session),
-                   "X-Request-Id": own_id}
+        headers = {"Content-Type": "application/json", "X-Request-Id": own_id}
+        if cfg.api in ("completions", "chat"):  # messages and responses carry it in the body
+            headers[cfg.session_header] = str(req.session)
         record: dict[str, Any] = {
             "request_id": own_id, "session": str(req.session), "turn": req.turn,
             "arrival": req.arrival, "sent_at": None, "input_tokens": int(req.input_tokens),
@@ -478,14 +506,19 @@ class _Runner:
                             event = json.loads(data)
                         except ValueError:
                             continue
-                        if first is None:
-                            choices = event.get("choices") or ()
-                            if any(c.get("text") for c in choices):
-                                first = time.perf_counter()
-                        if event.get("usage"):
-                            usage = event["usage"]
+                        if not isinstance(event, dict):
+                            continue
+                        if first is None and _has_token(event):
+                            first = time.perf_counter()
+                        u = event.get("usage")
+                        if u is None and isinstance(event.get("response"), dict):
+                            u = event["response"].get("usage")  # response.completed
+                        if u:
+                            usage = u
                         if event.get("error"):
                             record["error"] = _error_text(event["error"])
+                        elif event.get("type") == "error":  # a Responses stream's error event
+                            record["error"] = _error_text(event)
                     if record["error"] is None:
                         record["status"] = "ok"
         except asyncio.CancelledError:
@@ -504,11 +537,13 @@ class _Runner:
                 else:  # no text at all (e.g. empty output): the first token is the end
                     record["ttft_ms"] = record["e2e_ms"]
                 if usage:
-                    if usage.get("completion_tokens") is not None:
-                        record["output_tokens"] = int(usage["completion_tokens"])
-                    details = usage.get("prompt_tokens_details") or {}
-                    if details.get("cached_tokens") is not None:
-                        record["cached_tokens"] = int(details["cached_tokens"])
+                    out = usage.get("completion_tokens", usage.get("output_tokens"))
+                    if out is not None:
+                        record["output_tokens"] = int(out)
+                    details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
+                    cached = details.get("cached_tokens", usage.get("cache_read_input_tokens"))
+                    if cached is not None:
+                        record["cached_tokens"] = int(cached)
                 n = record["output_tokens"]
                 if n > 1:
                     record["tpot_ms"] = round((record["e2e_ms"] - record["ttft_ms"]) / (n - 1), 3)
@@ -531,6 +566,84 @@ class _Runner:
                 f"in flight {self.sent - finished}  {rate:.1f} req/s  "
                 f"t={now - self.t0:.0f}s   ")
             sys.stderr.flush()
+
+
+def _has_token(event: dict) -> bool:
+    """Does this stream event carry a piece of output? (each API's first-token event)"""
+    choices = event.get("choices")
+    if choices:
+        return any(c.get("text") or (c.get("delta") or {}).get("content") for c in choices
+                   if isinstance(c, dict))
+    kind = event.get("type")
+    if kind == "content_block_delta":  # Anthropic Messages
+        d = event.get("delta") or {}
+        return bool(d.get("text") or d.get("partial_json") or d.get("thinking"))
+    if isinstance(kind, str) and kind.startswith("response.") and kind.endswith(".delta"):
+        return bool(event.get("delta"))
+    return False
+
+
+def agent_body(api: str, ids: Sequence[int], session: str, max_tokens: int) -> dict[str, Any]:
+    """A request body of ``api`` whose prompt is ``ids`` laid out as an agent's conversation:
+    the first SYSTEM_TOKENS as the system prompt, then TOOLS tool descriptions of TOOL_TOKENS,
+    then one message per TURN_TOKENS alternating tool calls and tool results (the last always
+    the user's). Cut at fixed token positions, a turn's messages extend the previous turn's."""
+    words = ids_to_text
+    system = words(ids[:SYSTEM_TOKENS])
+    at = SYSTEM_TOKENS
+    tools = []
+    for k in range(TOOLS):
+        chunk = ids[at:at + TOOL_TOKENS]
+        if not len(chunk):
+            break
+        tools.append({"name": f"tool_{k}", "description": words(chunk),
+                      "schema": {"type": "object", "properties": {"command": {"type": "string"}},
+                                 "required": ["command"]}})
+        at += TOOL_TOKENS
+    turns = [words(ids[s:s + TURN_TOKENS]) for s in range(at, len(ids), TURN_TOKENS)] or ["continue"]
+    if len(turns) % 2 == 0:
+        turns.append("continue")  # calls and results alternate; the user speaks last
+    sid = _uuid_of(session)
+    if api == "messages":
+        msgs: list[dict] = [{"role": "user", "content": [{"type": "text", "text": turns[0]}]}]
+        for k in range(1, len(turns), 2):
+            msgs.append({"role": "assistant", "content": [{"type": "tool_use", "id": f"toolu_{k}",
+                                                            "name": f"tool_{k % max(1, len(tools))}",
+                                                            "input": {"command": turns[k]}}]})
+            msgs.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_{k}",
+                                                      "content": turns[k + 1]}]})
+        return {"max_tokens": max_tokens, "stream": True,
+                "system": [{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}],
+                "tools": [{"name": t["name"], "description": t["description"], "input_schema": t["schema"]}
+                          for t in tools],
+                "messages": msgs,
+                "metadata": {"user_id": f"user_{sid.replace('-', '')}_account_{sid}_session_{sid}"}}
+    if api == "responses":
+        items: list[dict] = [{"type": "message", "role": "user", "content": turns[0]}]
+        for k in range(1, len(turns), 2):
+            items.append({"type": "function_call", "call_id": f"call_{k}", "name": f"tool_{k % max(1, len(tools))}",
+                          "arguments": json.dumps({"command": turns[k]})})
+            items.append({"type": "function_call_output", "call_id": f"call_{k}", "output": turns[k + 1]})
+        return {"max_output_tokens": max_tokens, "stream": True, "instructions": system, "input": items,
+                "tools": [{"type": "function", "name": t["name"], "description": t["description"],
+                           "parameters": t["schema"]} for t in tools],
+                "prompt_cache_key": session}
+    msgs = [{"role": "system", "content": system}, {"role": "user", "content": turns[0]}]
+    for k in range(1, len(turns), 2):
+        msgs.append({"role": "assistant", "content": None, "tool_calls": [{
+            "id": f"call_{k}", "type": "function",
+            "function": {"name": f"tool_{k % max(1, len(tools))}", "arguments": json.dumps({"command": turns[k]})}}]})
+        msgs.append({"role": "tool", "tool_call_id": f"call_{k}", "content": turns[k + 1]})
+    return {"max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True},
+            "ignore_eos": True, "messages": msgs,
+            "tools": [{"type": "function", "function": {"name": t["name"], "description": t["description"],
+                                                        "parameters": t["schema"]}} for t in tools]}
+
+
+def _uuid_of(session: str) -> str:
+    import uuid
+
+    return str(uuid.uuid5(uuid.NAMESPACE_URL, "kvtop-session:" + session))
 
 
 def _error_text(err: Any) -> str:

@@ -19,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing
+import os
+import threading
 from collections import OrderedDict
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -102,7 +104,8 @@ class BodyParser:
             pool = self._small
         else:
             if self._threads is None:
-                self._threads = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="kvtop-tokenize")
+                self._threads = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="kvtop-tokenize",
+                                                   initializer=_lower_priority)
             pool = self._threads
         key = _turn_key(parsed)
         prev = self._turns.get(key) if key else None
@@ -129,6 +132,17 @@ class BodyParser:
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
         self._threads = self._small = None
+
+
+def _lower_priority() -> None:
+    """Big prompts' threads run at a lower CPU priority (Linux: per thread; the tokenizer's own
+    worker threads, started from them, inherit it), so that on a busy host the event loop
+    (/health, small requests, streams) is scheduled first. The GIL is held by these threads
+    only in short stretches, so the loop does not wait on a descheduled holder for long."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):  # not Linux, or not permitted: the default priority
+        pass
 
 
 def _turn_key(parsed: Parsed) -> str | None:

@@ -601,7 +601,10 @@ class Tokenizer:
             self.hits += len(pieces) - len(missing)
             self.misses += len(missing)
             if missing:
-                encoded = self._tok.encode_batch(missing, add_special_tokens=False)
+                # several pieces in parallel (the tokenizer's own threads; router/parsing.py
+                # starts them at a lower priority), one in this thread
+                encoded = (self._tok.encode_batch(missing, add_special_tokens=False) if len(missing) > 1
+                           else [self._tok.encode(missing[0], add_special_tokens=False)])
                 new = {p: array("I", e.ids) for p, e in zip(missing, encoded)}
                 with self._lock:
                     for p, a in new.items():
@@ -630,6 +633,6 @@ class Tokenizer:
         text = text + sample_parts[0]
         pieces = [p for p in self._split.split(text) if p]
         joined: list[int] = []
-        for e in self._tok.encode_batch(pieces, add_special_tokens=False):
-            joined += e.ids
+        for p in pieces:  # one at a time: the tokenizer's thread pool starts later, from a worker
+            joined += self._tok.encode(p, add_special_tokens=False).ids
         return joined == self._tok.encode(text, add_special_tokens=False).ids

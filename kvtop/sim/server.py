@@ -577,6 +577,8 @@ def create_app(instance: SimInstance) -> web.Application:
         r.add_get(path, server_info)
     for path in ("/model_info", "/get_model_info"):
         r.add_get(path, model_info)
+    from kvtop.sim import apis  # /v1/messages and /v1/responses (imports this module)
+    apis.setup(app)
     return app
 
 
