@@ -415,3 +415,21 @@ def test_kvtop_sim_stops_on_sigint_even_when_started_with_it_ignored():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+async def test_huge_prompt_is_refused_before_tokenizing_and_nested_json_is_a_json_400(aiohttp_client):
+    """A 20 MB prompt is refused in milliseconds (it used to be tokenized on the event loop
+    first, stalling every instance's /health), and arrays nested thousands deep are a JSON 400
+    (they were a plain-text 500)."""
+    import time
+
+    client = await aiohttp_client(create_app(instance()))
+    t0 = time.perf_counter()
+    async with client.post("/v1/completions", json={"prompt": "word " * 4_000_000, "max_tokens": 1}) as r:
+        body = await r.json()
+    assert r.status == 400 and "maximum context length" in body["error"]["message"]
+    assert time.perf_counter() - t0 < 1.0
+    async with client.post("/v1/completions", data=b"[" * 50_000 + b"]" * 50_000,
+                           headers={"Content-Type": "application/json"}) as r:
+        body = await r.json()
+    assert r.status == 400 and body["error"]["message"].startswith("Invalid JSON body")

@@ -217,8 +217,9 @@ INSTANCE = web.AppKey("kvtop_sim_instance", SimInstance)
 async def _read_json(request: web.Request) -> dict:
     try:
         body = await request.json(loads=json.loads)
-    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as exc:
-        raise BadRequest(f"Invalid JSON body: {exc}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        # RecursionError: arrays nested thousands deep (was a plain-text 500)
+        raise BadRequest(f"Invalid JSON body: {exc!s:.200}") from None
     if not isinstance(body, dict):
         raise BadRequest("Request body must be a JSON object")
     return body
@@ -228,7 +229,19 @@ def _is_int_list(v: Any) -> bool:
     return isinstance(v, list) and all(type(t) is int and t >= 0 for t in v)
 
 
-def _prompts_of(body: dict, chat: bool) -> list[list[int]]:
+def _too_long_to_tokenize(text: str, max_model_len: int) -> bool:
+    """True when ``text`` certainly has more than ``max_model_len`` tokens, known without
+    tokenizing it: every piece but a whitespace run covers at most 12 non-space characters
+    (a ChatML special token; words are cut at 6 letters; kvtop/sim/tokenizer.py), so tokens >=
+    non-space characters / 12. A 20 MB prompt is refused in milliseconds instead of being
+    tokenized on the event loop first."""
+    if len(text) <= 12 * max_model_len:
+        return False
+    spaces = text.count(" ") + text.count("\n") + text.count("\t") + text.count("\r")
+    return (len(text) - spaces) / 12 > max_model_len
+
+
+def _prompts_of(body: dict, chat: bool, max_model_len: int | None = None) -> list[list[int]]:
     """Token ids of every prompt in a completion or chat request."""
     if chat:
         messages = body.get("messages")
@@ -239,10 +252,14 @@ def _prompts_of(body: dict, chat: bool) -> list[list[int]]:
             text = render_chat(messages, add_generation_prompt=bool(add_gen))
         except ValueError as exc:
             raise BadRequest(str(exc), "messages") from None
+        _check_text_length(text, max_model_len)
         return [tokenize(text)]
     if "prompt" not in body or body["prompt"] is None:
         raise BadRequest("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
     prompt = body["prompt"]
+    for text in ([prompt] if isinstance(prompt, str) else prompt if isinstance(prompt, list) else []):
+        if isinstance(text, str):
+            _check_text_length(text, max_model_len)
     if isinstance(prompt, str):
         prompts = [tokenize(prompt)]
     elif isinstance(prompt, list) and prompt:
@@ -261,6 +278,12 @@ def _prompts_of(body: dict, chat: bool) -> list[list[int]]:
     if any(len(p) == 0 for p in prompts):
         raise BadRequest("The prompt cannot be empty.", "prompt")
     return prompts
+
+
+def _check_text_length(text: str, max_model_len: int | None) -> None:
+    if max_model_len is not None and _too_long_to_tokenize(text, max_model_len):
+        raise BadRequest(f"This model's maximum context length is {max_model_len} tokens. However, "
+                         f"the prompt ({len(text):,} characters) has more than that.", "input_tokens")
 
 
 def _max_tokens_of(body: dict, chat: bool) -> int:
@@ -314,7 +337,7 @@ def _connection_gone(request: web.Request) -> bool:
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     inst = request.app[INSTANCE]
     body = await _read_json(request)
-    prompts = _prompts_of(body, chat)
+    prompts = _prompts_of(body, chat, inst.engine.max_model_len)
     max_tokens = _max_tokens_of(body, chat)
     stream, include_usage, kv_params = _check_sampling(body)
     if chat and len(prompts) != 1:
