@@ -91,7 +91,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--session-header", default="X-Session-ID",
                    help="request header carrying the session id (default X-Session-ID)")
     p.add_argument("--tokenizer", default=None, metavar="PATH",
-                   help="tokenizer.json used to count and hash text prompts")
+                   help="the model's tokenizer directory (tokenizer.json + tokenizer_config.json with its "
+                        "chat template) or a tokenizer.json: text and chat prompts are rendered and "
+                        "tokenized as vLLM does, off the event loop (docs/apis.md); default: the "
+                        "4-characters-a-token approximation")
     p.add_argument("--max-input-tokens", type=int, default=1_000_000,
                    help="reject prompts longer than this with a 400 (default 1,000,000)")
     p.add_argument("--connect-timeout", type=float, default=5.0, help="upstream connect timeout, s")
