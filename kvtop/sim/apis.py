@@ -42,8 +42,14 @@ class ApiError(Exception):
         self.message, self.status, self.param = message, status, param
 
 
-def setup(app: web.Application) -> None:
+#: The instance an app serves, handed over by ``setup`` (this module does not import the
+#: server module, which imports it).
+SIM = web.AppKey("kvtop_sim_apis_instance", object)
+
+
+def setup(app: web.Application, instance: Any) -> None:
     """Register both endpoints on one instance's app (kvtop/sim/server.py create_app)."""
+    app[SIM] = instance
     app[STORE] = OrderedDict()
     app.router.add_post("/v1/messages", messages)
     app.router.add_post("/v1/responses", responses)
@@ -96,9 +102,8 @@ async def _run(request: web.Request, tokens: list[int], max_tokens: int, kv_para
                on_tokens) -> tuple[Any, int]:
     """Generate on the engine; ``on_tokens(start, count)`` is awaited as tokens arrive (None for
     a non-streaming answer). Returns (the engine's FinishedRequest, output tokens)."""
-    from kvtop.sim.server import INSTANCE, _connection_gone
 
-    inst = request.app[INSTANCE]
+    inst = request.app[SIM]
     if len(tokens) + max_tokens > inst.engine.max_model_len:
         raise ApiError(f"This model's maximum context length is {inst.engine.max_model_len} tokens. "
                        f"However, you requested {len(tokens) + max_tokens} tokens.")
@@ -125,7 +130,7 @@ async def _run(request: web.Request, tokens: list[int], max_tokens: int, kv_para
             try:
                 await asyncio.wait_for(event.wait(), 0.5)
             except TimeoutError:
-                if _connection_gone(request):
+                if request.transport is None or request.transport.is_closing():
                     raise ConnectionResetError("client went away") from None
             event.clear()
         return s.finished, s.output
@@ -156,9 +161,8 @@ def _anthropic_usage(prompt: int, cached: int, output: int) -> dict:
 
 
 async def messages(request: web.Request) -> web.StreamResponse:
-    from kvtop.sim.server import INSTANCE
 
-    inst = request.app[INSTANCE]
+    inst = request.app[SIM]
     try:
         body, parsed = await _read(request, "messages")
         max_tokens = _max_tokens(body, "max_tokens")
@@ -221,9 +225,8 @@ def _openai_error(exc: ApiError) -> web.Response:
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
-    from kvtop.sim.server import INSTANCE
 
-    inst = request.app[INSTANCE]
+    inst = request.app[SIM]
     store: OrderedDict = request.app[STORE]
     try:
         body, parsed = await _read(request, "responses")

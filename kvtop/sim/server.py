@@ -21,6 +21,7 @@ from aiohttp import web
 
 from kvtop.sim.engine import Engine, EngineRejected, EngineRequest, FinishedRequest
 from kvtop.sim.metrics import CONTENT_TYPE, SimMetrics
+from kvtop.sim import apis
 from kvtop.sim.tokenizer import filler_text, render_chat, token_strs, tokenize
 from router.blocks import hash_token_blocks
 
@@ -600,8 +601,7 @@ def create_app(instance: SimInstance) -> web.Application:
         r.add_get(path, server_info)
     for path in ("/model_info", "/get_model_info"):
         r.add_get(path, model_info)
-    from kvtop.sim import apis  # /v1/messages and /v1/responses (imports this module)
-    apis.setup(app)
+    apis.setup(app, instance)  # /v1/messages and /v1/responses
     return app
 
 
