@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_overhead  # noqa: E402
 from bench_overhead import free_port, pct  # noqa: E402
 
 from kvtop.procs import stop_process  # noqa: E402
@@ -207,20 +208,7 @@ def serve_backend(port: int) -> None:
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url}: process exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} not ready after {timeout} s")
+    bench_overhead.wait_ready(url, proc, timeout, expect=b"")
 
 
 # --- the client --------------------------------------------------------------------------------------

@@ -122,14 +122,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 60, expect: bytes = b"tiny") -> None:
+    """Wait until ``url`` answers 200 with ``expect`` in its body (b"" for any body)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{url}: process exited with {proc.returncode}")
         try:
             with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200 and b"tiny" in r.read():
+                if r.status == 200 and expect in r.read():
                     return
         except OSError:
             pass
