@@ -291,6 +291,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-admission", choices=("fifo", "pack"), default=None,
                    help="order each simulated engine's own waiting queue with router/admission.py "
                         "(an experiment on the engine; --knob admission=... queues in the router, as live)")
+    p.add_argument("--repeats", type=int, default=1, metavar="N",
+                   help="run N replicas per policy (replica 0 as traced, the others with each session "
+                        "shifted by a seeded offset up to --jitter), in parallel on every core, and report "
+                        "means with 95%% confidence intervals and paired differences (kvtop/repeats.py)")
+    p.add_argument("--jitter", type=float, default=2.0, metavar="S",
+                   help="largest shift of a session's arrivals in a replica, seconds (default 2)")
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="processes for --repeats (default: one per core)")
     p.add_argument("--format", choices=("text", "md", "csv"), default="text")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="write each policy's results as DIR/<policy>.jsonl (for kvtop report)")
@@ -343,6 +351,27 @@ def run(args: argparse.Namespace) -> int:
             out_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise CliError(f"cannot create --out {out_dir}: {exc.strerror or exc}") from None
+    if args.repeats < 1 or (args.workers is not None and args.workers < 1) or args.jitter < 0:
+        raise CliError("--repeats and --workers must be at least 1, --jitter at least 0")
+    if args.repeats > 1:
+        if out_dir:
+            raise CliError("--out writes one run's records; use it without --repeats")
+        from kvtop.repeats import format_report, run_replicas
+
+        configs = {pol: SimConfig(instances=args.instances, profile=args.profile, mode=args.mode,
+                                  router_block_size=args.router_block_size,
+                                  engine_block_size=args.engine_block_size, knobs=_policy_knobs(pol, knobs),
+                                  max_output_tokens=args.max_output_tokens, features=features,
+                                  admission=args.engine_admission) for pol in policies}
+        t0 = time.time()
+        try:
+            runs = run_replicas(requests, configs, args.repeats, args.jitter, args.workers)
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
+        print(f"simulated {len(policies)} policies x {args.repeats} replicas in {time.time() - t0:.1f} s wall",
+              file=sys.stderr)
+        print(format_report(runs, args.repeats, args.jitter, args.format))
+        return 0
     rows, classes = [], []
     for pol in policies:
         cfg = SimConfig(instances=args.instances, profile=args.profile, mode=args.mode,

@@ -1,0 +1,74 @@
+"""kvtop simulate --repeats: perturbed replicas, confidence intervals, paired differences."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvtop.repeats import interval, paired, perturb, run_replicas, t95
+from kvtop.simulate import SimConfig
+from kvtop.traces.loader import TraceRequest
+
+
+def trace(sessions=6, turns=3):
+    out = []
+    for s in range(sessions):
+        for t in range(turns):
+            n = 6_000 + 3_000 * t
+            out.append(TraceRequest(arrival=1.5 * s + 6.0 * t, session=f"s{s}", turn=t + 1, input_tokens=n,
+                                    output_tokens=16, hash_ids=[s * 10**6 + k for k in range(n // 64)],
+                                    block_size=64, think_time=None, parent=None, source="test"))
+    return sorted(out, key=lambda r: r.arrival)
+
+
+@pytest.mark.parametrize("values,mean,half", [
+    ([5.0], 5.0, 0.0),  # one replica: no interval
+    ([1.0, 3.0], 2.0, 12.706 * math.sqrt(2) / math.sqrt(2)),  # sd sqrt(2), t(1) = 12.706
+    ([2.0, 2.0, 2.0], 2.0, 0.0),
+])
+def test_interval_is_students_t(values, mean, half):
+    m, h = interval(values)
+    assert m == pytest.approx(mean) and h == pytest.approx(half)
+    assert t95(40) == 1.96 and t95(4) == 2.776
+
+
+def test_perturb_keeps_each_session_in_order_and_replica_0_as_traced():
+    reqs = trace()
+    assert perturb(reqs, 0, 2.0) == reqs
+    a, b = perturb(reqs, 3, 2.0), perturb(reqs, 3, 2.0)
+    assert a == b and a != reqs  # seeded: every policy sees the same replica
+    for s in {r.session for r in reqs}:
+        orig = [r.arrival for r in reqs if r.session == s]
+        new = [r.arrival for r in a if r.session == s]
+        shifts = {round(n - o, 9) for n, o in zip(new, orig) if o > 2.0}
+        assert len(shifts) <= 1 and all(abs(x) <= 2.0 for x in shifts)  # one offset per session
+
+
+def test_replicas_are_the_same_in_parallel_and_paired_differences_are_signed():
+    reqs = trace()
+    cfgs = {p: SimConfig(instances=2, profile="h20") for p in ("leastwork", "round_robin")}
+    serial = run_replicas(reqs, cfgs, 3, 2.0, workers=1)
+    parallel = run_replicas(reqs, cfgs, 3, 2.0, workers=2)
+    assert serial == parallel
+    best, diffs = paired(serial, "ttft_mean_ms")
+    assert best in cfgs and len(diffs) == 1 and diffs[0][1] >= 0  # the others are worse, or equal
+
+
+def test_cli_repeats_reports_intervals(tmp_path, capsys):
+    import json
+
+    from kvtop.cli import main
+
+    path = tmp_path / "t.jsonl"
+    with open(path, "w") as f:
+        for r in trace():
+            f.write(json.dumps({"arrival": r.arrival, "session": r.session, "turn": r.turn,
+                                "input_tokens": r.input_tokens, "output_tokens": r.output_tokens,
+                                "hash_ids": r.hash_ids, "block_size": r.block_size}) + "\n")
+    assert main(["simulate", str(path), "--policies", "leastwork,round_robin", "--instances", "2",
+                 "--repeats", "3", "--workers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "3 replicas per policy" in out and "±" in out and "paired by replica" in out
+    assert main(["simulate", str(path), "--policies", "leastwork", "--repeats", "2", "--out",
+                 str(tmp_path / "o")]) == 2
