@@ -41,6 +41,8 @@ async def test_decisions_record_exact_hits_from_events(router_client, fake_backe
         pubs[1].publish(engine.run(prompt))
         pubs[0].publish(FakeEngineCache(BS).run(list(range(9000, 9000 + BS * 4))))
         await wait_for(lambda: all(s.state == kv_events.EXACT for s in subs))
+        # exact from the start (an empty replay), so wait for the published batches themselves
+        await wait_for(lambda: all(s.stats.batches >= 1 for s in subs))
         r = await client.post("/v1/completions", json={"prompt": prompt + [1, 2, 3], "max_tokens": 2})
         assert r.status == 200 and r.headers["X-Kvtop-Instance"] == "i1"
         # a text prompt's hashes cannot match engine events: it routes on the estimate
