@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import os
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from typing import Any
@@ -64,18 +64,19 @@ def perturb(requests: Sequence[Any], replica: int, jitter_s: float) -> list[Any]
 
 def _one(task: tuple[Any, ...]) -> tuple[str, int, dict[str, Any]]:
     from kvtop.seedtable import seed_row
-    from kvtop.simulate import simulate
 
-    requests, policy, cfg, replica, jitter_s = task
+    simulate, requests, policy, cfg, replica, jitter_s = task
     records = simulate(perturb(requests, replica, jitter_s), policy, cfg)
     row = seed_row(records, instances=[f"i{i}" for i in range(cfg.instances)])
     return policy, replica, {k: row[k] for k, _ in METRICS} | {"apc": row["apc"], "errors": row["errors"]}
 
 
-def run_replicas(requests: Sequence[Any], configs: dict[str, Any], repeats: int, jitter_s: float,
+def run_replicas(simulate: Callable[..., list[dict[str, Any]]], requests: Sequence[Any],
+                 configs: dict[str, Any], repeats: int, jitter_s: float,
                  workers: int | None = None) -> dict[str, list[dict[str, Any]]]:
-    """{policy: [row of replica 0, 1, ...]} for ``configs`` ({policy: SimConfig})."""
-    tasks = [(list(requests), pol, cfg, r, jitter_s) for pol, cfg in configs.items() for r in range(repeats)]
+    """{policy: [row of replica 0, 1, ...]} for ``configs`` ({policy: SimConfig}); ``simulate`` is
+    kvtop.simulate.simulate (passed in: that module imports this one)."""
+    tasks = [(simulate, list(requests), pol, cfg, r, jitter_s) for pol, cfg in configs.items() for r in range(repeats)]
     out: dict[str, list[dict[str, Any] | None]] = {pol: [None] * repeats for pol in configs}
     workers = max(1, min(workers or os.cpu_count() or 1, len(tasks)))
     if workers == 1:

@@ -365,7 +365,7 @@ def run(args: argparse.Namespace) -> int:
                                   admission=args.engine_admission) for pol in policies}
         t0 = time.time()
         try:
-            runs = run_replicas(requests, configs, args.repeats, args.jitter, args.workers)
+            runs = run_replicas(simulate, requests, configs, args.repeats, args.jitter, args.workers)
         except ValueError as exc:
             raise CliError(str(exc)) from None
         print(f"simulated {len(policies)} policies x {args.repeats} replicas in {time.time() - t0:.1f} s wall",

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from kvtop.repeats import interval, paired, perturb, run_replicas, t95
-from kvtop.simulate import SimConfig
+from kvtop.simulate import SimConfig, simulate
 from kvtop.traces.loader import TraceRequest
 
 
@@ -48,8 +48,8 @@ def test_perturb_keeps_each_session_in_order_and_replica_0_as_traced():
 def test_replicas_are_the_same_in_parallel_and_paired_differences_are_signed():
     reqs = trace()
     cfgs = {p: SimConfig(instances=2, profile="h20") for p in ("leastwork", "round_robin")}
-    serial = run_replicas(reqs, cfgs, 3, 2.0, workers=1)
-    parallel = run_replicas(reqs, cfgs, 3, 2.0, workers=2)
+    serial = run_replicas(simulate, reqs, cfgs, 3, 2.0, workers=1)
+    parallel = run_replicas(simulate, reqs, cfgs, 3, 2.0, workers=2)
     assert serial == parallel
     best, diffs = paired(serial, "ttft_mean_ms")
     assert best in cfgs and len(diffs) == 1 and diffs[0][1] >= 0  # the others are worse, or equal
