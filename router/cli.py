@@ -28,6 +28,7 @@ from router import limits
 from router.app import STATE, create_app, start_server, tls_context
 from router.config import KnobError, parse_knob_args
 from router.policies import POLICIES, ALIASES
+from router.shadow import ShadowError, parse_specs
 from router.state import DEFAULT_CAPACITY_TOKENS, Backend, RouterConfig
 from router.upstream import Pool, UpstreamError
 from store.errors import CliError
@@ -74,6 +75,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "events: exact cache state, docs/kv-events.md) and @kv-replay=tcp://HOST:5558 "
                         "(its replay endpoint, to fill gaps) (repeat for each)")
     p.add_argument("--policy", default="unified", help=f"routing policy ({names}); default unified")
+    p.add_argument("--shadow", default=None, metavar="P1,P2",
+                   help="shadow policies: each is asked for its pick on every request (same view, off "
+                        "the client's path, never applied); recorded per decision and summarised in "
+                        "GET /kvtop/v1/shadows (docs/policies.md, Shadow policies)")
+    p.add_argument("--shadow-budget-ms", type=float, default=5.0, metavar="MS",
+                   help="a shadow whose pick takes longer twice in a row (or 5x this once) is dropped "
+                        "from shadowing with an event (default 5)")
     p.add_argument("--knob", action="append", default=[], metavar="KEY=VALUE",
                    help="set a knob (repeatable): a policy knob, or a router-level offload/admission knob "
                         "(docs/policies.md); validated before the router starts")
@@ -141,6 +149,12 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         knobs = parse_knob_args(args.knob)
     except KnobError as exc:
         raise CliError(f"--knob {exc.field}: {exc.message}") from None
+    try:
+        shadows = [name for name, _ in parse_specs(args.shadow)]
+    except ShadowError as exc:
+        raise CliError(f"--shadow: {exc}") from None
+    if not args.shadow_budget_ms > 0:
+        raise CliError("--shadow-budget-ms must be positive")
     return RouterConfig(
         backends=backends, policy=args.policy, knobs=knobs, host=args.host, port=args.port,
         db=None if args.db.lower() == "none" else args.db, block_size=args.block_size,
@@ -151,6 +165,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         state_dir=args.state_dir, argv=" ".join(sys.argv),
         assumed_prefill_tps=args.assumed_prefill_tps, tls_cert=args.tls_cert, tls_key=args.tls_key,
         backend_ca_file=args.backend_ca_file, kv_speculative_ttl_s=args.kv_speculative_ttl,
+        shadows=shadows, shadow_budget_ms=args.shadow_budget_ms,
         **limits.config_kwargs(args),
     )
 

@@ -31,6 +31,7 @@ from router.features import FEATURE_KNOBS
 from router.events import (DECISIONS_DEFAULT, DECISIONS_MAX, DEFAULT_TYPES, EVENT_TYPES, HZ_DEFAULT,
                            HZ_MAX, HZ_MIN, Broadcaster, Viewer)
 from router.policies import POLICIES, policy_class
+from router.shadow import ShadowError
 from router.request import BadRequest
 
 log = logging.getLogger("kvtop.route")
@@ -196,6 +197,7 @@ class Control:
             "instances": instances, "totals": tot, "affinity": self.affinity(now),
             "requests": dict(st.counts), "decisions_by_reason": dict(m.reasons),
             "outcomes_by_status": dict(st.outcome_counts),
+            "shadows": st.shadows.summary(),
             "hit_tokens": {"input": m.input_tokens, "estimated": m.est_hit_tokens, "best": m.best_hit_tokens,
                            "delivered": m.delivered_hit_tokens},
         }
@@ -452,6 +454,30 @@ async def patch_knobs(request: web.Request) -> web.Response:
     return _swap_response(slot, request.app[STATE].features)
 
 
+@_guarded_read
+async def get_shadows(request: web.Request) -> web.Response:
+    return web.json_response(request.app[STATE].shadows.summary(), dumps=_dumps)
+
+
+@_bad_params
+async def put_shadows(request: web.Request) -> web.Response:
+    """Replace the shadow policies: {"policies": ["leastwork", {"policy": P, "knobs": {...}}]}
+    ([] turns shadowing off). A shadow kept with the same knobs keeps its counts."""
+    ctl = request.app[CONTROL]
+    denied = ctl.check_mutation(request)
+    if denied is not None:
+        return denied
+    body = await _json_body(request)
+    if not isinstance(body, dict) or set(body) != {"policies"}:
+        raise _BadParam("body", 'expected a JSON object {"policies": [NAME or {"policy": NAME, "knobs": {...}}]}')
+    try:
+        summary = request.app[STATE].set_shadows(body["policies"], _who(request))
+    except ShadowError as exc:
+        return error_response(400, str(exc), param="policies")
+    ctl.guard.cache.clear()
+    return web.json_response(summary, dumps=_dumps)
+
+
 async def get_auth(request: web.Request) -> web.Response:
     """Check a token without changing anything: 200 if this caller may mutate, else 401/403."""
     denied = request.app[CONTROL].check_mutation(request)
@@ -522,6 +548,8 @@ def setup(app: web.Application) -> None:
     r.add_put(PREFIX + "/policy", put_policy)
     r.add_patch(PREFIX + "/knobs", patch_knobs)
     r.add_get(PREFIX + "/auth", get_auth)
+    r.add_get(PREFIX + "/shadows", get_shadows)
+    r.add_put(PREFIX + "/shadows", put_shadows)
     r.add_get(PREFIX + "/sessions", get_sessions)
     r.add_get(PREFIX + "/decisions", get_decisions)
     app.cleanup_ctx.append(_lifecycle)

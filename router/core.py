@@ -53,6 +53,8 @@ class Decision:
     extra: dict[str, Any] = field(default_factory=dict)  # offload / admission fields
     recorded: bool = False  # the decision row has been written (Pipeline.sent or finish)
     index_source: str = "estimate"  # the chosen hit's source: exact (KV events) | estimate
+    view: ClusterView | None = None  # what the policy saw; kept until shadows have seen it too
+    shadow: list[dict[str, Any]] | None = None  # each shadow policy's pick (router/shadow.py)
 
     def row(self, run_id: str) -> dict[str, Any]:
         """The ``decisions`` table row (store/schema.py)."""
@@ -68,7 +70,7 @@ class Decision:
             "best_hit_instance": self.best_hit_instance,
             "new_prefill_tokens": self.new_prefill_tokens, "offload": 0,
             "migrated_from": self.migrated_from, "decision_us": round(self.decision_us, 2),
-            "scores": self.terms, "index_source": self.index_source,
+            "scores": self.terms, "index_source": self.index_source, "shadows": self.shadow,
         }
         row.update(self.extra)
         return row
@@ -83,7 +85,7 @@ class Decision:
             "policy": self.slot.label, "est_hit": self.est_hit_tokens, "best_hit": self.best_hit_tokens,
             "best_hit_instance": self.best_hit_instance, "new_prefill": self.new_prefill_tokens,
             "migrated_from": self.migrated_from, "decision_us": round(self.decision_us, 2),
-            "index_source": self.index_source, "terms": self.terms, **{k: v for k, v in self.extra.items() if k != "route_class"},
+            "index_source": self.index_source, "terms": self.terms, "shadow": self.shadow, **{k: v for k, v in self.extra.items() if k != "route_class"},
         }
 
 
@@ -129,6 +131,7 @@ class RoutingCore:
             decision_us=elapsed_us, ts=self.clock(), attempt=attempt,
             migrated_from=names[pick.migrated_from].name if pick.migrated_from is not None else None,
             index_source=self.cluster.index_source(pick.index, exact=req.token_source != "text_approx"),
+            view=view,
         )
 
     def dispatch(self, d: Decision, *, new_turn: bool = True) -> Ticket:

@@ -136,6 +136,10 @@ class Pipeline:
         self.clock = clock
         self.on_admit = on_admit or (lambda flow: None)
         self.queue = AdmissionQueue(len(core.cluster.instances))
+        #: Shadow policies (router/shadow.py), asked after the decision row is due; ``defer``
+        #: runs that later, off the client's path (live: the loop's next turn; offline: at once).
+        self.shadows: Any = None
+        self.defer: Callable[[Callable[[], None]], Any] | None = None
         self._flows: dict[int, Flow] = {}  # id(ticket) -> flow, for tickets at an admission gate
 
     @property
@@ -245,7 +249,7 @@ class Pipeline:
             d.extra["t_prefill_sent"] = flow.t_prefill_sent
         elif not d.recorded:
             d.extra["admission_wait_ms"] = flow.wait_ms
-            self._record_decision(d)
+            self._record_decision(d, defer=True)
 
     def prefill_done(self, flow: Flow, params: dict[str, Any] | None) -> Leg:
         """P answered with its ``kv_transfer_params`` (or failed: None). Returns the serve leg;
@@ -330,8 +334,22 @@ class Pipeline:
         self.cluster.instances[t.instance].pending_prefill_tokens += new_prefill - t.new_prefill
         t.new_prefill = new_prefill
 
-    def _record_decision(self, d: Decision) -> None:
+    def _record_decision(self, d: Decision, *, defer: bool = False) -> None:
+        """Write the decision once. With shadows on, they pick first on the decision's own
+        view; ``defer`` (the request went upstream) lets that happen after the send."""
         d.recorded = True
+        shadows = self.shadows
+        if shadows is None or not shadows.active or d.view is None:
+            d.view = None
+            self.sink.decision(d)
+        elif defer and self.defer is not None:
+            self.defer(lambda: self._shadow_and_record(d))
+        else:
+            self._shadow_and_record(d)
+
+    def _shadow_and_record(self, d: Decision) -> None:
+        view, d.view = d.view, None
+        d.shadow = self.shadows.evaluate(d, view)
         self.sink.decision(d)
 
     def idle(self) -> bool:

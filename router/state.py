@@ -7,6 +7,7 @@ each from the same typed record (router/core.Decision, router/pipeline.Outcome).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -21,11 +22,14 @@ from router.config import KnobError
 from router.core import Decision, PolicySlot, RoutingCore
 from router.kv_events import attach_index
 from router.pipeline import Outcome, Pipeline
+from router.shadow import Shadows, parse_specs
 from router.policies import build_policy, policy_class
 from aiohttp import web
 
 from router.parsing import BodyParser
 from router.request import Tokenizer
+from store.chains import ChainEncoder
+from store.schema import SCHEMA_VERSION
 from store.writer import Writer
 
 log = logging.getLogger("kvtop.route")
@@ -94,6 +98,9 @@ class RouterConfig:
     # KV events (router/kv_events.py, docs/kv-events.md): how long blocks just routed count as
     # cached on an exact instance before its events confirm them
     kv_speculative_ttl_s: float = 2.0
+    # shadow policies (router/shadow.py): asked on every request, never applied
+    shadows: list[str] = field(default_factory=list)
+    shadow_budget_ms: float = 5.0
 
     @property
     def capacity_blocks(self) -> int:
@@ -118,6 +125,11 @@ class RouterState:
         self.core = RoutingCore(cluster, policy)
         self.pipeline = Pipeline(self.core, lambda: self.features, self, clock=time.time,
                                  on_admit=_wake)
+        self.shadows = Shadows(parse_specs(config.shadows), budget_ms=config.shadow_budget_ms,
+                               on_drop=self._shadow_dropped)
+        self.pipeline.shadows = self.shadows
+        self.pipeline.defer = _call_soon
+        self.chains = ChainEncoder()  # compact block chains in decision rows (store/chains.py)
         self.tokenizer = Tokenizer(config.tokenizer) if config.tokenizer else None
         self.parser = BodyParser(config, self.tokenizer)
         self.run_id = config.run_id
@@ -153,7 +165,11 @@ class RouterState:
 
     def decision(self, d: Decision) -> None:
         if self.writer:
-            self.writer.put("decisions", d.row(self.run_id))
+            row = d.row(self.run_id)
+            r = d.request
+            if d.attempt == 1:  # what-if replay re-runs each request once, from its first attempt
+                row["blocks_parent"], row["blocks"] = self.chains.encode(r.session_id, r.request_id, r.blocks)
+            self.writer.put("decisions", row)
         ev = d.event()
         self.ring.append(ev)
         self.emit("decision", ev)
@@ -174,6 +190,20 @@ class RouterState:
             self.writer.put("config_events", row)
         self.emit("config", row)
         return row
+
+    # -- shadows --------------------------------------------------------------------
+    def set_shadows(self, specs: Any, who: str) -> dict[str, Any]:
+        """Replace the shadow set (raises ShadowError, changing nothing); audited."""
+        parsed = parse_specs(specs)
+        before = [{"policy": n, "knobs": dict(sh.policy.knobs)} for n, sh in self.shadows.shadows.items()]
+        self.shadows.set(parsed)
+        after = [{"policy": n, "knobs": dict(sh.policy.knobs)} for n, sh in self.shadows.shadows.items()]
+        self.record_config("shadow", who, before, after)
+        return self.shadows.summary()
+
+    def _shadow_dropped(self, name: str, why: str) -> None:
+        log.warning("shadow policy %s dropped: %s", name, why)
+        self.record_config("shadow", "router", {"policy": name}, {"dropped": name, "why": why})
 
     # -- control --------------------------------------------------------------------
     def set_policy(self, name: str | None, knobs: dict[str, Any] | None, who: str,
@@ -209,11 +239,19 @@ class RouterState:
         return {"run_id": self.run_id, "started_at": self.started_at,
                 "ended_at": time.time() if ended else None, "host": cfg.host, "port": cfg.port,
                 "policy": cfg.policy, "backends": [asdict(b) for b in cfg.backends], "config": safe,
-                "argv": cfg.argv, "kvtop_version": _version(), "schema_version": 1}
+                "argv": cfg.argv, "kvtop_version": _version(), "schema_version": SCHEMA_VERSION}
 
 
 #: The app key of the one RouterState (``request.app[STATE]``).
 STATE = web.AppKey("state", RouterState)
+
+
+def _call_soon(fn) -> None:
+    """The live pipeline's defer: run ``fn`` on the loop's next turn, after the send."""
+    try:
+        asyncio.get_running_loop().call_soon(fn)
+    except RuntimeError:  # no loop (a unit test driving the state directly): now
+        fn()
 
 
 def _wake(flow) -> None:

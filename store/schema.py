@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import sqlite_utils
 
-SCHEMA_VERSION = 1
+#: 2: decisions gained shadows (router/shadow.py) and blocks/blocks_parent (store/chains.py).
+SCHEMA_VERSION = 2
 
 # table -> ordered {column: sqlite type}
 TABLES: dict[str, dict[str, type]] = {
@@ -63,6 +64,11 @@ TABLES: dict[str, dict[str, type]] = {
         "t_prefill_done": float,
         "scores": str,  # JSON list: each candidate's score terms
         "index_source": str,  # exact (the instance's KV events) | estimate (the router's model)
+        "shadows": str,  # JSON list: each shadow policy's pick (router/shadow.py); NULL: none on
+        # the prompt's block-hash chain, against its session's previous row (store/chains.py),
+        # for what-if replay; first attempts only
+        "blocks": str,
+        "blocks_parent": str,
     },
     "outcomes": {
         "id": int,
@@ -133,7 +139,7 @@ OUTCOME_DECISION_COLUMNS = ("session_id", "turn", "policy", "policy_version", "r
 PRIMARY_KEYS = {"runs": "run_id", "decisions": "id", "outcomes": "id", "config_events": "id", "samples": "id"}
 
 #: Columns whose values the writer serializes to JSON text.
-JSON_COLUMNS = {"runs": ("backends", "config"), "decisions": ("scores",),
+JSON_COLUMNS = {"runs": ("backends", "config"), "decisions": ("scores", "shadows"),
                 "config_events": ("before", "after")}
 
 INDEXES: list[tuple[str, list[str]]] = [
