@@ -3,6 +3,7 @@
   kvtop log runs                        runs with decision counts, policies and time span
   kvtop log decisions --reason retry    decisions joined with outcomes, newest first
   kvtop log summary [--run RUN]         per policy segment: reasons, classes, latency, hits
+  kvtop log why REQUEST_ID              one request's receipt: every candidate's terms, outcome
   kvtop log sql "SELECT ..."            any read-only SQL
   kvtop log export --table decisions    a table or query as CSV / JSON lines
 
@@ -56,6 +57,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     p = sub.add_parser("summary", parents=[common], help="per policy segment: reasons, latency, hits")
     p.add_argument("--run", help="run id or unique prefix (default: the latest run)")
+    p.add_argument("--format", choices=("text", "json"), default="text")
+
+    p = sub.add_parser("why", parents=[common], help="why one request went where it did (its receipt)",
+                       description="The receipt of one request: each attempt's policy, reason and every "
+                                   "candidate's terms, its timeline and its outcome.")
+    p.add_argument("request_id", metavar="REQUEST_ID", help="request id or a unique prefix of one")
+    p.add_argument("--run", help="run id or unique prefix (default: the latest run with this request)")
     p.add_argument("--format", choices=("text", "json"), default="text")
 
     p = sub.add_parser("sql", parents=[common], help="run one read-only SQL statement")
@@ -142,6 +150,24 @@ def _summary(queries, db, args) -> int:
     return 0
 
 
+def _why(queries, db, args) -> int:
+    from kvtop import receipt
+
+    found = queries.request_attempts(db, args.request_id, run=args.run)
+    if args.format == "json":
+        print(json.dumps(found, indent=2, default=str))
+        return 0
+    blocks = []
+    for a in found["attempts"]:
+        ev = receipt.from_row({k: v for k, v in a["decision"].items() if k not in ("blocks", "blocks_parent")},
+                              a["outcome"])
+        blocks.append(receipt.render_text(ev, a["outcome"]))
+    if found["other_runs"]:
+        blocks.append(f"(this request id is also in run {', '.join(found['other_runs'])}: --run picks one)")
+    print("\n\n".join(blocks))
+    return 0
+
+
 def _sql(queries, db, args) -> int:
     cols, rows = queries.run_sql(db, args.query, args.param)
     dict_rows = [dict(zip(cols, r)) for r in rows]
@@ -164,7 +190,8 @@ def _export(queries, db, args) -> int:
     return 0
 
 
-_COMMANDS = {"runs": _runs, "decisions": _decisions, "summary": _summary, "sql": _sql, "export": _export}
+_COMMANDS = {"runs": _runs, "decisions": _decisions, "summary": _summary, "why": _why, "sql": _sql,
+             "export": _export}
 
 
 # -- text ---------------------------------------------------------------------------

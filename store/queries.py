@@ -225,6 +225,50 @@ def decisions(db: sqlite_utils.Database | str | Path, *, run: str | None = None,
     return _rows(db, sql, params)
 
 
+def request_attempts(db: sqlite_utils.Database | str | Path, request_id: str, *,
+                     run: str | None = None) -> dict:
+    """Every attempt of one request, for ``kvtop log why``: its decision rows (``scores``
+    parsed) each with its outcome row or None, first attempt first.
+
+    ``request_id`` is an exact id or a unique prefix. Replaying one trace twice repeats its
+    ids, so an id can be in several runs: the latest of them is answered (``run`` picks
+    another) and ``other_runs`` names the rest. Raises QueryError for an unknown or
+    ambiguous id. Index look-ups only: constant time in the size of the log.
+    """
+    db = _db(db)
+    conn = db.conn
+    found = [r[0] for r in conn.execute("SELECT 1 FROM decisions WHERE request_id = ? LIMIT 1", (request_id,))]
+    rid = request_id
+    if not found:
+        # A prefix, as a range on the request_id index (LIKE would not use it).
+        ids = [r[0] for r in conn.execute(
+            "SELECT DISTINCT request_id FROM decisions WHERE request_id >= ? AND request_id < ? "
+            "ORDER BY request_id LIMIT 4", (request_id, request_id + "\U0010ffff"))] if request_id else []
+        if not ids:
+            raise QueryError(f"no decision for request {request_id!r} in this log "
+                             "(kvtop log decisions lists the newest)")
+        if len(ids) > 1:
+            shown = ", ".join(ids[:3]) + (", ..." if len(ids) > 3 else "")
+            raise QueryError(f"request {request_id!r} is ambiguous: {shown}")
+        rid = ids[0]
+    runs_of = [r[0] for r in conn.execute(
+        "SELECT run_id FROM decisions WHERE request_id = ? GROUP BY run_id ORDER BY max(ts) DESC", (rid,))]
+    if run is not None:
+        run_id = resolve_run(db, run)
+        if run_id not in runs_of:
+            raise QueryError(f"request {rid!r} is not in run {run_id} (it is in {', '.join(runs_of)})")
+    else:
+        run_id = runs_of[0]
+    rows = _rows(db, "SELECT * FROM decisions WHERE request_id = ? AND +run_id = ? ORDER BY attempt, id",
+                 (rid, run_id))
+    outcomes = {r["attempt"]: r for r in _rows(
+        db, "SELECT * FROM outcomes WHERE request_id = ? AND +run_id = ? ORDER BY id", (rid, run_id))}
+    attempts = [{"decision": decode_json_columns("decisions", d), "outcome": outcomes.get(d["attempt"])}
+                for d in rows]
+    return {"request_id": rid, "run_id": run_id, "attempts": attempts,
+            "other_runs": [r for r in runs_of if r != run_id]}
+
+
 # -- segments and summaries -----------------------------------------------------------
 def segments(db: sqlite_utils.Database | str | Path, run_id: str | None = None) -> list[dict]:
     """The run's policy segments in time order: label ``policy@version``, first and last
@@ -925,5 +969,5 @@ def table_names(db: sqlite_utils.Database) -> list[str]:
 
 
 __all__ = ["Arm", "QueryError", "SegmentColumns", "arms_from_db", "decisions", "decode_json_columns", "export",
-           "open_readonly", "parse_time", "resolve_run", "run_sql", "runs", "segments",
+           "open_readonly", "parse_time", "request_attempts", "resolve_run", "run_sql", "runs", "segments",
            "summary", "table_names"]
