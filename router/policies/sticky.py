@@ -17,10 +17,11 @@ class Sticky(Policy):
 
     def pick(self, req, view):
         cands = view.candidates
-        bound = view.candidate(view.session_instance)
-        if bound is not None:
-            return Pick(bound.index, AFFINITY_STICK, [terms_of(bound, 0)])
         scores = [c.num_requests for c in cands]
+        terms = [terms_of(c, s) for c, s in zip(cands, scores)]
+        bound = view.candidate(view.session_instance)
+        if bound is not None:  # every candidate's terms: the receipt shows what staying cost
+            return Pick(bound.index, AFFINITY_STICK, terms)
         k, _ = argmin_first(scores)
         reason = AFFINITY_NEW if view.session_instance is None else AFFINITY_LOST
-        return Pick(cands[k].index, reason, [terms_of(c, s) for c, s in zip(cands, scores)])
+        return Pick(cands[k].index, reason, terms)

@@ -46,11 +46,14 @@ class Unified(Policy):
 
     def pick(self, req, view):
         owner, why = affinity_gate(view, self.knobs)
-        if owner is not None:
-            return Pick(owner.index, AFFINITY_STICK, [terms_of(owner, 0)])
         cands = view.candidates
         w = self.knobs["lmetric_decode_weight"]
         scores = [(c.pending_prefill + c.new) * c.num_requests + w * c.decode_tokens for c in cands]
+        terms = [terms_of(c, s) for c, s in zip(cands, scores)]
+        if owner is not None:
+            # Every candidate's terms, the fallback's score included: the receipt shows what
+            # sticking was weighed against. The same O(n) a fallback decision already costs.
+            return Pick(owner.index, AFFINITY_STICK, terms)
         k, _, used = argmin_with_ties(cands, scores, (lambda c: c.new, lambda c: c.num_requests),
                                       view.rr_counter)
-        return Pick(cands[k].index, why, [terms_of(c, s) for c, s in zip(cands, scores)], uses_rr=used)
+        return Pick(cands[k].index, why, terms, uses_rr=used)

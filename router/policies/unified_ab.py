@@ -67,8 +67,6 @@ class UnifiedAB(Policy):
                     terms = [terms_of(c, c.num_requests) for c in cands]
                     return Pick(target.index, MIGRATE, terms, migrated_from=owner.index)
         stick, why = affinity_gate(view, kn)
-        if stick is not None:
-            return Pick(stick.index, AFFINITY_STICK, [terms_of(stick, 0)])
         dit, tps = kn["decode_iteration_s"], kn["prefill_tps"]
         w = kn["lmetric_decode_weight"]
         discount = 0.0
@@ -80,6 +78,9 @@ class UnifiedAB(Policy):
             - (discount if c.index != a else 0.0)
             for c in cands
         ]
+        terms = [terms_of(c, s) for c, s in zip(cands, scores)]
+        if stick is not None:  # every candidate's terms, as unified records them
+            return Pick(stick.index, AFFINITY_STICK, terms)
         k, _, used = argmin_with_ties(cands, scores, (lambda c: c.new, lambda c: c.num_requests),
                                       view.rr_counter)
-        return Pick(cands[k].index, why, [terms_of(c, s) for c, s in zip(cands, scores)], uses_rr=used)
+        return Pick(cands[k].index, why, terms, uses_rr=used)
