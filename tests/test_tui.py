@@ -246,6 +246,33 @@ async def test_decision_filter_and_receipt():
         assert table.row_count == 60
 
 
+async def test_receipt_times_and_numbers_read_as_a_person_would():
+    """Issue 20: the receipt showed t_proxy_recv as raw epoch seconds and mixed 1536, 11,776
+    and 1.66e+04; now local time plus ms from the receipt, and one number format."""
+    from kvtop.tui.screens import ReceiptScreen
+
+    feed = FakeFeed(policies=copy.deepcopy(syn.POLICIES), sessions=syn.sessions(4, 4))
+    feed.push("state", syn.snapshot(4, 0.0))
+    ev = syn.decision(0, 4)
+    ev.update(reason="affinity_stick", t_proxy_recv=ev["ts"] - 0.0042, admission_wait_ms=3.25)
+    ev["terms"][0].update(P=1536, new=11776, score=16612.7)
+    feed.push("decision", ev)
+    app, _ = make_app(feed)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, app)
+        await pilot.press("4", "enter")
+        await pilot.pause()
+        assert isinstance(app.screen, ReceiptScreen)
+        head = str(app.screen.query_one("#receipt-head").render())
+        assert "received 22:13:19.995 · decided +4.2 ms" in head
+        assert "admission_wait_ms 3.2 ms" in head and "1699999999" not in head
+        terms = app.screen.query_one("#receipt-terms")
+        row = [str(c) for c in terms.get_row_at(0)]
+        assert row[1:] == ["vllm-0", row[2], "11,776", "1,536", row[5], row[6], "16,613"]
+        assert "e+" not in " ".join(str(c) for r in range(terms.row_count) for c in terms.get_row_at(r))
+        assert "fallback would have scored" in str(app.screen.query_one("#receipt-note").render())
+
+
 async def test_decision_rows_capped():
     app, feed = make_app(decisions=150, max_decisions=100)
     async with app.run_test(size=SIZE) as pilot:

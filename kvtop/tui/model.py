@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtop.receipt import fmt_num
 from kvtop.seedtable import percentile
 
 SPARK = "▁▂▃▄▅▆▇█"
@@ -407,11 +408,7 @@ def terms_summary(terms: Any, chosen: str | None) -> str:
 
 
 def _short(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:.3g}"
-    if isinstance(v, int) and abs(v) >= 10_000:
-        return fmt_int(v)
-    return str(v)
+    return fmt_num(v)  # the receipt's one number format: 16,613, never 1.66e+04
 
 
 # -- attach --once -------------------------------------------------------------------------------

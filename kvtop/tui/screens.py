@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from rich.markup import escape
@@ -16,11 +15,15 @@ from textual.validation import Function, Integer, Number
 from textual.widgets import Button, DataTable, Input, Label, OptionList, Static
 from textual.widgets.option_list import Option
 
-from kvtop.tui.model import fmt_int
+from kvtop import receipt
 
 
 class ReceiptScreen(ModalScreen[None]):
-    """Why one request went where it did: every candidate's terms, the chosen one marked."""
+    """Why one request went where it did: every candidate's terms, the chosen one marked.
+
+    The text is ``kvtop.receipt``'s, the same as ``kvtop log why`` prints: one number
+    format, times as local clock plus milliseconds from the router's receipt of the request.
+    """
 
     BINDINGS = [Binding("escape,q,enter", "dismiss", "close", id="kvtop.receipt.close")]
 
@@ -29,47 +32,28 @@ class ReceiptScreen(ModalScreen[None]):
         self.ev = ev
 
     def compose(self) -> ComposeResult:
-        ev = self.ev
-        ts = time.strftime("%H:%M:%S", time.localtime(ev.get("ts") or 0))
-        head = (f"[b]request[/b] {ev.get('request_id', '?')}  attempt {ev.get('attempt', 0)}  at {ts}\n"
-                f"[b]session[/b] {ev.get('session', '?')}  turn {ev.get('turn', '?')}  class {ev.get('class', '?')}  "
-                f"input {fmt_int(ev.get('input_tokens'))} tok\n"
-                f"[b]→ {ev.get('instance', '?')}[/b]  reason [b]{ev.get('reason', '?')}[/b]  policy {ev.get('policy', '?')}  "
-                f"est hit {fmt_int(ev.get('est_hit'))}  best {fmt_int(ev.get('best_hit'))} on "
-                f"{ev.get('best_hit_instance') or '-'}  new prefill {fmt_int(ev.get('new_prefill'))}  "
-                f"{ev.get('decision_us', '?')} µs")
-        extra = {k: v for k, v in ev.items() if k not in {
-            "ts", "request_id", "attempt", "session", "turn", "class", "input_tokens", "instance", "reason",
-            "policy", "est_hit", "best_hit", "best_hit_instance", "new_prefill", "decision_us", "terms"}
-            and v not in (None, "", 0)}
-        if extra:
-            head += "\n" + "  ".join(f"{k}={v}" for k, v in extra.items())
+        head = Text()
+        for n, line in enumerate(receipt.head_lines(self.ev)):
+            head.append(("\n" if n else "") + line, style="bold" if line.startswith("→") else "")
+        note = "▶ marks the chosen instance · Esc closes"
+        if self.ev.get("reason") == "affinity_stick":
+            note = "the session's instance passed the affinity gate; score is what the fallback would have scored · " + note
         with Vertical(id="receipt", classes="dialog"):
             yield Static(head, id="receipt-head")
             yield DataTable(id="receipt-terms", cursor_type="row", zebra_stripes=True)
-            yield Static("[dim]▶ marks the chosen instance · Esc closes[/dim]")
+            yield Static(Text(note, style="dim"), id="receipt-note")
 
     def on_mount(self) -> None:
         table = self.query_one(DataTable)
-        terms = self.ev.get("terms") or []
-        keys: list[str] = []
-        for t in terms:
-            for k in t if isinstance(t, dict) else ():
-                if k not in keys:
-                    keys.append(k)
+        cols, rows = receipt.candidates(self.ev.get("terms"), self.ev.get("instance"))
         table.add_column("", key="_mark")
-        for k in keys:
-            table.add_column(k, key=k)
-        for n, t in enumerate(terms):
-            if not isinstance(t, dict):
-                continue
-            chosen = t.get("instance") == self.ev.get("instance")
-            cells = [Text("▶", style="bold") if chosen else ""]
-            for k in keys:
-                v = t.get(k)
-                s = f"{v:.4g}" if isinstance(v, float) else ("" if v is None else str(v))
-                cells.append(Text(s, style="bold") if chosen else s)
-            table.add_row(*cells, key=f"c{n}")
+        for c in cols:
+            table.add_column(c, key=c)
+        for n, (chosen, cells) in enumerate(rows):
+            style = "bold" if chosen else ""
+            row: list[Any] = [Text("▶", style="bold") if chosen else ""]
+            row += [Text(v, style=style, justify="left" if i == 0 else "right") for i, v in enumerate(cells)]
+            table.add_row(*row, key=f"c{n}")
         table.focus()
 
 
