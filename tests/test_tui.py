@@ -207,15 +207,96 @@ async def test_sort_by_key_and_reverse():
         await settle(pilot, app)
         table = app.query_one("#instances")
         names = lambda: [str(table.get_row_at(i)[0]) for i in range(table.row_count)]  # noqa: E731
+        backlog = {i["name"]: i["pending_prefill_tokens"] for i in app.collected.snapshot["instances"]}
+        assert names() == sorted(backlog, key=lambda n: -backlog[n])  # by load, busiest first, from the start
+        app.set_sort("name")
+        await pilot.pause()
         assert names() == ["vllm-0", "vllm-1", "vllm-2", "vllm-3"]
         app.set_sort("backlog_tokens")
         await pilot.pause()
-        backlog = {i["name"]: i["pending_prefill_tokens"] for i in app.collected.snapshot["instances"]}
-        assert names() == sorted(backlog, key=lambda n: -backlog[n])  # busiest first
+        assert names() == sorted(backlog, key=lambda n: -backlog[n])
         await pilot.press("r")
         assert names() == sorted(backlog, key=lambda n: backlog[n])
         await pilot.press("s")  # the s key moves to the next column
         assert app.sort_key == "backlog_s"
+
+
+async def test_sort_reads_as_words_keeps_its_arrow_and_follows_clicks():
+    """Issue 20: `s` said `sort: backlog_tokens` and the header's arrow was cut off
+    (the column was 8 wide, "backlog ▼" is 9); sorting by any column takes a header click."""
+    app, feed = make_app(steps=5, decisions=0)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, app)
+        table = app.query_one("#instances")
+        totals = lambda: str(app.query_one("#totals").render())  # noqa: E731
+        assert "sort: prefill backlog ▼" in totals() and "backlog_tokens" not in totals()
+        from kvtop.tui.model import INSTANCE_COLUMNS
+        for key, label, _ in INSTANCE_COLUMNS:  # every label fits with its arrow
+            assert table.columns[key].width >= len(label) + 2, key
+        header = str(table.columns[table.ordered_columns[3].key].label)
+        assert header == "backlog ▼"
+        # The selection stays on its instance when the rows move.
+        table.move_cursor(row=[str(table.get_row_at(i)[0]) for i in range(4)].index("vllm-1"))
+        # A click on the "req" header sorts by requests, a second click reverses.
+        x = sum(c.get_render_width(table) for c in table.ordered_columns[:2]) + 2
+        await pilot.click("#instances", offset=(x, 0))
+        await pilot.pause()
+        assert app.sort_key == "requests" and app.sort_reverse
+        reqs = {i["name"]: i["num_requests"] for i in app.collected.snapshot["instances"]}
+        assert [reqs[str(table.get_row_at(i)[0])] for i in range(4)] == sorted(reqs.values(), reverse=True)
+        assert "sort: requests ▼" in totals()
+        assert str(table.get_row_at(table.cursor_row)[0]) == "vllm-1"
+        await pilot.click("#instances", offset=(x, 0))
+        await pilot.pause()
+        assert app.sort_key == "requests" and not app.sort_reverse
+        assert str(table.get_row_at(table.cursor_row)[0]) == "vllm-1"
+
+
+async def test_busy_gpu_is_not_drawn_as_trouble_and_low_hit_rates_stand_out():
+    """Issue 20: GPU 100% was reverse video in the error colour, which operators read as bad."""
+    feed = FakeFeed(policies=copy.deepcopy(syn.POLICIES), sessions=syn.sessions(4, 4))
+    snap = syn.snapshot(4, 0.0, gpu=True)
+    snap["instances"][0]["gpu"]["util_pct"] = 100.0
+    snap["instances"][1]["gpu"]["util_pct"] = 20.0
+    snap["instances"][2]["est_hit_rate_recent"] = 0.08
+    snap["instances"][3]["engine"]["prefix_hit_rate_recent"] = 0.12
+    feed.push("state", snap)
+    app, _ = make_app(feed)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, app)
+        table = app.query_one("#instances")
+        busy = table.get_cell("vllm-0", "gpu_util")
+        assert busy.plain == "100" and "reverse" not in str(busy.style) and "bold" not in str(busy.style)
+        assert app._color("error") not in str(busy.style) and app._color("success") in str(busy.style)
+        assert str(table.get_cell("vllm-1", "gpu_util")) == "20"
+        low = table.get_cell("vllm-2", "est_hit")
+        assert low.plain == "8.0↓" and "bold" in str(low.style)  # an arrow and bold, not colour alone
+        assert table.get_cell("vllm-3", "engine_hit").plain == "12.0↓"
+        assert str(table.get_cell("vllm-0", "est_hit")).endswith("↓") is False
+
+
+async def test_help_names_keys_as_typed_and_explains_every_column():
+    """Issue 20: help listed Textual's key ids (question_mark, left_square_bracket) and no legend."""
+    from kvtop.tui.screens import HelpScreen
+
+    app, feed = make_app(steps=2, decisions=0)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, app)
+        await pilot.press("question_mark")
+        await pilot.pause()
+        assert isinstance(app.screen, HelpScreen)
+        text = str(app.screen.query_one("Static").render())
+        assert "question_mark" not in text and "square_bracket" not in text and "equals_sign" not in text
+        rows = {line.split()[0]: line for line in text.splitlines() if line.startswith("  ") and line.split()}
+        assert "kvtop.help" in rows["?"] and "kvtop.window_shorter" in rows["["]
+        assert "kvtop.faster" in rows["+"] and "kvtop.quit_ctrl_c" in rows["^c"]
+        for label in ("est%", "eng%", "bl", "dreq", "dtok", "KV%", "GPU%"):
+            assert label in rows, label
+        # A remapped key shows as remapped.
+        await pilot.press("escape")
+        app.set_keymap({"kvtop.pause": "space"})
+        await pilot.pause()
+        assert app.key_names("kvtop.pause", "p") == "space"
 
 
 async def test_decision_filter_and_receipt():

@@ -26,9 +26,10 @@ from textual_plotext import PlotextPlot
 
 from kvtop.tui.axis import set_y_ticks
 from kvtop.tui.feed import ControlError
-from kvtop.tui.model import (INSTANCE_COLUMNS, SORT_KEYS, THRESHOLDS, Collected, decision_matches,
-                             doc_summary, fit_id, fmt_duration, fmt_int, fmt_pct, fmt_secs, gpu_cells,
-                             instance_values, sort_value, sparkline, terms_summary)
+from kvtop.tui.model import (COLUMN_HELP, DEFAULT_SORT, GPU_BUSY_PCT, INSTANCE_COLUMNS, LOW_HIT_RATE, SORT_KEYS,
+                             THRESHOLDS, Collected, decision_matches, doc_summary, fit_id, fmt_duration, fmt_int,
+                             fmt_pct, fmt_secs, gpu_cells, instance_values, is_number, natural_key, sort_value,
+                             sparkline, terms_summary)
 from kvtop.tui.screens import ConfirmScreen, HelpScreen, KnobForm, PolicyPicker, ReceiptScreen
 from kvtop.tui.widgets import LiveTable
 
@@ -133,8 +134,8 @@ class KvtopApp(App):
         self.max_decisions = max_decisions
         self.collected = Collected(max_decisions=max(max_decisions, 100))
         self.paused = False
-        self.sort_key = "name"
-        self.sort_reverse = False
+        self.sort_key = DEFAULT_SORT
+        self.sort_reverse = True  # busiest first
         self.window_s = 120
         self.filters: dict[str, str] = {"overview": "", "sessions": "", "decisions": ""}
         self.policies_body: dict[str, Any] = {"current": {}, "policies": []}
@@ -192,7 +193,7 @@ class KvtopApp(App):
     def on_mount(self) -> None:
         t = self.query_one("#instances", DataTable)
         for key, label, width in INSTANCE_COLUMNS:
-            t.add_column(label, key=key, width=width)
+            t.add_column(label, key=key, width=max(width, len(label) + 2))  # room for the sort arrow
         d = self.query_one("#decision-table", DataTable)
         for key, label in [("time", "time"), ("session", "session"), ("class", "class"), ("instance", "inst"),
                            ("reason", "reason"), ("hit", "hit"), ("terms", "chosen terms")]:
@@ -425,8 +426,10 @@ class KvtopApp(App):
         cells["backlog_s"] = ((v["backlog_s"], lv), self._levelled(fmt_secs(v["backlog_s"]), lv))
         cells["decode_requests"] = (v["decode_requests"], str(v["decode_requests"]))
         cells["decode_tokens"] = (v["decode_tokens"], fmt_int(v["decode_tokens"]))
-        cells["est_hit"] = (v["est_hit"], fmt_pct(v["est_hit"]))
-        cells["engine_hit"] = (v["engine_hit"], fmt_pct(v["engine_hit"]))
+        for key in ("est_hit", "engine_hit"):
+            low = is_number(v[key]) and v[key] < LOW_HIT_RATE
+            cells[key] = (v[key], self._levelled(fmt_pct(v[key]) + ("↓" if low else ""), 1) if low
+                          else fmt_pct(v[key]))
         lv = THRESHOLDS["kv"].level(v["kv"])
         cells["kv"] = ((v["kv"], lv), self._levelled(fmt_pct(v["kv"]), lv))
         if why:
@@ -434,8 +437,8 @@ class KvtopApp(App):
             cells["gpu_mem"] = (why, Text("n/a", style="dim"))
             self._gpu_na = why
         else:
-            lv = THRESHOLDS["gpu_util"].level(v["gpu_util"])
-            cells["gpu_util"] = ((util, lv), self._levelled(util, lv))
+            busy = is_number(v["gpu_util"]) and v["gpu_util"] >= GPU_BUSY_PCT
+            cells["gpu_util"] = ((util, busy), Text(util, style=self._color("success")) if busy else Text(util))
             cells["gpu_mem"] = (mem, mem)
         ring = self.collected.backlog.get(v["name"])
         spark = sparkline([x for _, x in list(ring)[-12:]]) if ring else ""
@@ -479,19 +482,38 @@ class KvtopApp(App):
     def _sort_instances(self) -> None:
         key = self.sort_key
         values = self._sort_values
+        names = sorted(values, key=natural_key)
+        # Ties (idle instances all have backlog 0) by requests, then by name, a-z whichever
+        # way the column runs: the order never flickers between equal rows.
+        rank = {n: (-k if self.sort_reverse else k) for k, n in enumerate(names)}
 
         def by(name_cell: Any) -> Any:
             name = str(getattr(name_cell, "plain", name_cell))
-            return sort_value(values.get(name, {}).get(key))
+            v = values.get(name, {})
+            return (sort_value(v.get(key)), sort_value(v.get("requests")), rank.get(name, 0))
 
         table = self.query_one("#instances", DataTable)
+        # The selection stays on its instance while rows move under it.
+        selected = None
+        if table.row_count and table.cursor_row >= 0:
+            try:
+                selected = table.coordinate_to_cell_key(table.cursor_coordinate).row_key
+            except Exception:  # no cell at the cursor (an empty table)
+                selected = None
         table.sort("name", key=by, reverse=self.sort_reverse)
+        if selected is not None and selected in table.rows:
+            table.move_cursor(row=table.get_row_index(selected), animate=False)
         for ckey, label, _ in INSTANCE_COLUMNS:
             mark = (" ▼" if self.sort_reverse else " ▲") if ckey == key else ""
             col = table.columns.get(ckey)  # type: ignore[call-overload]
             if col is not None:
                 col.label = Text(label + mark, style="bold underline" if mark else "")
         table.refresh()
+
+    def sort_label(self) -> str:
+        """``prefill backlog ▼``: the sort as the operator reads it."""
+        name = COLUMN_HELP.get(self.sort_key, (self.sort_key, ""))[0]
+        return f"{name} {'▼' if self.sort_reverse else '▲'}"
 
     def _draw_totals(self) -> None:
         snap = self.collected.snapshot or {}
@@ -509,7 +531,7 @@ class KvtopApp(App):
         if reasons:
             top = sorted(reasons.items(), key=lambda kv: -kv[1])[:5]
             line.append("\nreasons " + "  ".join(f"{k} {v}" for k, v in top), style="dim")
-        sort = f"\nsort: {self.sort_key} {'▼' if self.sort_reverse else '▲'} (s next column, r reverse)"
+        sort = f"\nsort: {self.sort_label()} (s next column or click a header, r reverse)"
         if self.filters["overview"]:
             sort += f"  filter: {self.filters['overview']}"
         if self._gpu_na:
@@ -738,6 +760,18 @@ class KvtopApp(App):
     def action_sort(self) -> None:
         i = SORT_KEYS.index(self.sort_key) if self.sort_key in SORT_KEYS else -1
         self.set_sort(SORT_KEYS[(i + 1) % len(SORT_KEYS)])
+        self.notify(f"sort: {self.sort_label()}", timeout=2)
+
+    @on(DataTable.HeaderSelected, "#instances")
+    def _header_clicked(self, event: DataTable.HeaderSelected) -> None:
+        """A click on a column header sorts by it; a second click on it reverses."""
+        key = str(event.column_key.value)
+        if key not in SORT_KEYS:
+            key = "backlog_tokens"  # the trend column sorts by the backlog it draws
+        if key == self.sort_key:
+            self.action_reverse()
+        else:
+            self.set_sort(key)
 
     def set_sort(self, key: str, reverse: bool | None = None) -> None:
         self.sort_key = key
@@ -836,18 +870,36 @@ class KvtopApp(App):
         self._charts_at = 0.0
         self.apply(force=True)
 
-    def action_help(self) -> None:
+    def key_names(self, binding_id: str, default: str) -> str:
+        """The keys bound to ``binding_id`` now (a remap included), as a person writes them:
+        ``?``, ``[``, ``+ / =``, ``^c``, not Textual's ``question_mark``."""
+        keys = [k for k, ab in self.active_bindings.items() if ab.binding.id == binding_id] or default.split(",")
+        return " / ".join(dict.fromkeys(self.get_key_display(Binding(k.strip(), "")) for k in keys))
+
+    def help_text(self) -> str:
+        """Every key with its human name and its binding id, then the overview's column legend."""
         lines = ["[b]kvtop attach: keys[/b]", ""]
         for b in self.BINDINGS:
             if isinstance(b, Binding) and b.id:
                 if b.action in ("switch_policy", "edit_knobs") and not self.control_enabled:
                     continue
-                lines.append(f"  [b]{b.key:<26}[/b] {b.description:<10} [dim]{b.id}[/dim]")
-        lines += ["", "  [b]enter[/b] on a decision opens its receipt (every candidate's terms)",
-                  "  [b]ctrl+p[/b] command palette: policies, knobs, themes (kvtop-light, kvtop-cb), screenshot",
-                  "  filter: words, or reason:X instance:Y session:Z",
-                  "", "Remap a key with its id in App.set_keymap. Esc closes."]
-        self.push_screen(HelpScreen("\n".join(lines)))
+                keys = escape(self.key_names(b.id, b.key))
+                lines.append(f"  [b]{keys:<10}[/b] {escape(b.description):<10} [dim]{b.id}[/dim]")
+        lines += ["  [b]{:<10}[/b] on a decision: its receipt (every candidate's terms)".format("enter"),
+                  "  [b]{:<10}[/b] command palette: policies, knobs, themes (kvtop-light, kvtop-cb), screenshot"
+                  .format("^p"),
+                  "  click a column header to sort by it; again to reverse",
+                  "  filter: words, or reason:X instance:Y session:Z class:C", "",
+                  "[b]Overview columns[/b]", ""]
+        for key, label, _ in INSTANCE_COLUMNS:
+            lines.append(f"  [b]{escape(label):<13}[/b] {escape(COLUMN_HELP[key][1])}")
+        lines += ["", "▲/▼ after a value: it rose/fell since the last frame. Bold: moderate load; "
+                      "reverse video: heavy.",
+                  "", "The dim names are binding ids, for remapping keys. Esc closes."]
+        return "\n".join(lines)
+
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen(self.help_text()))
 
     @on(Button.Pressed, "#btn-policy")
     def action_switch_policy(self) -> None:

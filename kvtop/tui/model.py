@@ -9,6 +9,7 @@ No Textual here.
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -28,9 +29,32 @@ INSTANCE_COLUMNS: list[tuple[str, str, int]] = [
     ("gpu_mem", "GPU mem", 9), ("trend", "backlog trend", 13),
 ]
 SORT_KEYS = [k for k, _, _ in INSTANCE_COLUMNS if k != "trend"]
+#: The overview opens sorted by load: the largest prefill backlog first, as top sorts by CPU.
+DEFAULT_SORT = "backlog_tokens"
+#: Column key -> (what the sort line calls it, what the column means: the help's legend).
+COLUMN_HELP: dict[str, tuple[str, str]] = {
+    "name": ("instance", "the vLLM instance's name"),
+    "health": ("health", "● up, or ✖ DOWN: unreachable or ejected for errors"),
+    "requests": ("requests", "requests in flight on the instance (BS)"),
+    "backlog_tokens": ("prefill backlog", "prompt tokens sent whose first token has not come back (P)"),
+    "backlog_s": ("backlog seconds", "that backlog in seconds at the router's assumed prefill rate"),
+    "decode_requests": ("decoding requests", "requests past their first token, decoding"),
+    "decode_tokens": ("decoding tokens", "context tokens of the decoding requests (D)"),
+    "est_hit": ("router est. hit %", "the router's estimated prefix-cache hit rate, recent requests"),
+    "engine_hit": ("engine hit %", "the engine's own prefix-cache hit rate, recent"),
+    "kv": ("KV use", "the engine's KV-cache usage"),
+    "gpu_util": ("GPU utilisation", "GPU busy % (high is good: the GPU is working)"),
+    "gpu_mem": ("GPU memory", "GPU memory used / total"),
+    "trend": ("backlog trend", "the prefill backlog over the last frames"),
+}
 
 
-def _is_number(v: Any) -> bool:
+def natural_key(name: str) -> tuple:
+    """``i2`` before ``i10``: digit runs compare as numbers."""
+    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
+
+
+def is_number(v: Any) -> bool:
     """A JSON number (not a bool, not NaN or infinite): what the formatters and thresholds accept."""
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
@@ -51,9 +75,16 @@ class Threshold:
 THRESHOLDS = {
     "backlog_s": Threshold(2.0, 10.0),
     "kv": Threshold(0.80, 0.95),
-    "gpu_util": Threshold(70.0, 95.0),
     "requests": Threshold(16, 48),
 }
+
+
+#: GPU utilisation from which the cell reads as busy, in the theme's success colour: a busy
+#: GPU is the fleet working, not a warning (nvitop's heavy red read as trouble).
+GPU_BUSY_PCT = 70.0
+#: A prefix-hit rate below this is drawn bold in the warning colour: agentic sessions
+#: normally hit most of their prompt, so a low rate is where the cache is being lost.
+LOW_HIT_RATE = 0.25
 
 
 def sparkline(values: list[float], width: int = 12) -> str:
@@ -67,7 +98,7 @@ def sparkline(values: list[float], width: int = 12) -> str:
 
 
 def fmt_int(n: Any) -> str:
-    if not _is_number(n):
+    if not is_number(n):
         return "n/a"
     n = float(n)
     if abs(n) >= 10_000_000:
@@ -86,18 +117,18 @@ def fit_id(ident: str, width: int) -> str:
 
 
 def fmt_pct(x: Any) -> str:
-    return f"{100 * float(x):.1f}" if _is_number(x) else "n/a"
+    return f"{100 * float(x):.1f}" if is_number(x) else "n/a"
 
 
 def fmt_secs(s: Any) -> str:
-    if not _is_number(s):
+    if not is_number(s):
         return "n/a"
     s = float(s)
     return f"{s:.2f}" if s < 10 else f"{s:.1f}" if s < 100 else f"{s:.0f}"
 
 
 def fmt_duration(s: float | None) -> str:
-    if not _is_number(s):
+    if not is_number(s):
         return "n/a"
     s = int(max(0, s))
     if s < 60:
@@ -108,7 +139,7 @@ def fmt_duration(s: float | None) -> str:
 
 
 def fmt_bytes(b: Any) -> str:
-    if not _is_number(b):
+    if not is_number(b):
         return "n/a"
     return f"{float(b) / 2**30:.1f}G"
 
@@ -185,21 +216,21 @@ def clean_snapshot(snap: Any) -> tuple[dict[str, Any] | None, list[str]]:
             if out.get(key) is not None:
                 problems.append(f"state.{key} is {type(out[key]).__name__}, not an object")
             out[key] = {}
-    if out.get("ts") is not None and not _is_number(out["ts"]):
+    if out.get("ts") is not None and not is_number(out["ts"]):
         problems.append(f"state.ts is {type(out['ts']).__name__}")
         out["ts"] = None
     tot = dict(out.get("totals") or {})
     for k in _TOTAL_NUMBERS:
-        if tot.get(k) is not None and not _is_number(tot[k]):
+        if tot.get(k) is not None and not is_number(tot[k]):
             problems.append(f"totals.{k} is {type(tot[k]).__name__}")
             tot[k] = None
     out["totals"] = tot
     for key in ("decisions_by_reason", "outcomes_by_status"):
         counts = out.get(key) or {}
-        out[key] = {str(k): v for k, v in counts.items() if _is_number(v)}
+        out[key] = {str(k): v for k, v in counts.items() if is_number(v)}
     aff = dict(out.get("affinity") or {})
     per = aff.get("per_instance")
-    aff["per_instance"] = {str(k): v for k, v in per.items() if _is_number(v)} if isinstance(per, dict) else {}
+    aff["per_instance"] = {str(k): v for k, v in per.items() if is_number(v)} if isinstance(per, dict) else {}
     out["affinity"] = aff
     insts = []
     seen: set[str] = set()
@@ -213,7 +244,7 @@ def clean_snapshot(snap: Any) -> tuple[dict[str, Any] | None, list[str]]:
         seen.add(inst["name"])
         inst = dict(inst)
         for k in _INSTANCE_NUMBERS:
-            if inst.get(k) is not None and not _is_number(inst[k]):
+            if inst.get(k) is not None and not is_number(inst[k]):
                 problems.append(f"{inst['name']}.{k} is {type(inst[k]).__name__}")
                 inst[k] = None
         for section, fields in _SECTION_NUMBERS.items():
@@ -226,7 +257,7 @@ def clean_snapshot(snap: Any) -> tuple[dict[str, Any] | None, list[str]]:
                 continue
             sec = inst[section] = dict(sec)
             for k in fields:
-                if sec.get(k) is not None and not _is_number(sec[k]):
+                if sec.get(k) is not None and not is_number(sec[k]):
                     problems.append(f"{inst['name']}.{section}.{k} is {type(sec[k]).__name__}")
                     sec[k] = None
         insts.append(inst)
@@ -243,7 +274,7 @@ def clean_decision(ev: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     out = dict(ev)
     problems = []
     for k in _DECISION_NUMBERS:
-        if out.get(k) is not None and not _is_number(out[k]):
+        if out.get(k) is not None and not is_number(out[k]):
             problems.append(f"decision.{k} is {type(out[k]).__name__}")
             out[k] = None
     for k in _DECISION_TEXT:
@@ -311,8 +342,8 @@ class Collected:
             self.decisions.append((self.decision_seq, ev))
         elif kind == "outcome":
             ttft, ts = payload.get("ttft_ms"), payload.get("ts")
-            if _is_number(ttft):
-                self.ttft_ms.append((ts if _is_number(ts) else time.time(), float(ttft)))
+            if is_number(ttft):
+                self.ttft_ms.append((ts if is_number(ts) else time.time(), float(ttft)))
             elif ttft is not None:
                 self._malformed(f"outcome.ttft_ms is {type(ttft).__name__}")
         elif kind == "config":
@@ -324,7 +355,7 @@ class Collected:
             self.config_events.append(ev)
         elif kind == "dropped":
             self.dropped += sum(int(v) for v in (payload.get("decisions_sampled_out"), payload.get("overflow"))
-                                if _is_number(v))
+                                if is_number(v))
         elif kind == "_status":
             self.connected = bool(payload.get("connected"))
             self.error = payload.get("error")
