@@ -269,8 +269,19 @@ def simulate(requests: Sequence[Any], policy: str, cfg: SimConfig) -> list[dict[
 # -- CLI -----------------------------------------------------------------------------
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("trace", help="normalized trace (kvtop trace convert/build)")
-    p.add_argument("--policies", required=True, help="comma-separated policies, e.g. lmetric,unified,leastwork")
+    p.add_argument("trace", nargs="?", default=None,
+                   help="normalized trace (kvtop trace convert/build); or --from-db")
+    p.add_argument("--policies", default=None,
+                   help="comma-separated policies, e.g. lmetric,unified,leastwork (with --from-db, "
+                        "default: the recorded policy and the recorded shadows)")
+    p.add_argument("--from-db", default=None, metavar="DB",
+                   help="what-if replay: re-run a recorded run's traffic (its arrivals, sessions, "
+                        "prompts' block chains and delivered output) from a kvtop decision log, and "
+                        "check the recorded policy against the recording (kvtop/whatif.py)")
+    p.add_argument("--run", default=None, metavar="RUN_ID", help="with --from-db: which run (default the latest)")
+    p.add_argument("--speed", type=float, default=None, metavar="X",
+                   help="with --from-db: the recorded engines ran X times the profile's speed (kvtop sim "
+                        "--speed X); default: fitted from the run's own TTFTs")
     p.add_argument("--instances", type=int, default=8, help="simulated instances (default 8)")
     from kvtop.sim.profiles import PROFILES
 
@@ -316,6 +327,21 @@ def run(args: argparse.Namespace) -> int:
     from kvtop.sim.profiles import get_profile
     from kvtop.traces.loader import load_trace
 
+    if args.from_db is not None:
+        if args.trace is not None:
+            raise CliError("give a trace or --from-db, not both")
+        if args.repeats != 1 or args.out or args.limit is not None or args.knob:
+            raise CliError("--from-db takes --policies, --run, --speed, --profile, --mode and --format "
+                           "(the run's own knobs are used)")
+        from kvtop.whatif import run as whatif_run
+
+        return whatif_run(args, simulate, SimConfig)
+    if args.trace is None:
+        raise CliError("a trace is required (or --from-db DB)")
+    if args.run is not None or args.speed is not None:
+        raise CliError("--run and --speed go with --from-db")
+    if not args.policies:
+        raise CliError("--policies is required")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies:
         raise CliError("--policies needs at least one policy")

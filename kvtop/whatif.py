@@ -1,0 +1,501 @@
+"""What-if replay of a recorded run: ``kvtop simulate --from-db kvtop.db [--run R] --policies ...``.
+
+A router's decision log keeps, per request, what is needed to send its traffic again: the
+arrival (``t_proxy_recv``), the session and turn, the input tokens, the prompt's block-hash
+chain (``blocks``, store/chains.py) and, from the outcome, the output tokens delivered. This
+module turns one run of it back into a trace (kvtop/traces/loader.TraceRequest) and runs it
+through the offline simulator (kvtop/simulate.py: the router's own pipeline and policies
+over the simulated engine) under any policies.
+
+Time. The recorded run happened on real (or ``kvtop sim --speed X``) engines in wall time;
+the simulator runs an engine profile in engine time. ``speed`` maps one to the other:
+engine seconds = wall seconds x speed, on the way in (arrivals, think times) and back out
+(latencies are divided by it, so every figure is in the recorded run's wall time). Given
+with ``--speed``, or fitted: for each request that ran alone on its instance from its
+arrival to its first token, the profile's own engine (one request, its recorded cached
+prefix warm) predicts its TTFT in engine seconds; speed is the median of predicted /
+measured. Against ``kvtop sim --speed 10`` with the same profile the fit finds about 10.
+
+Validation. Re-simulating the policy that actually ran must give back the recorded run;
+``validate`` compares TTFT p50/p90, E2E p99, APC and each instance's share of requests,
+so a reader knows how far to trust the other policies' what-ifs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sqlite3
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvtop.traces.loader import TraceRequest
+from store.chains import ChainDecoder
+from store.errors import CliError
+from store.stats import percentile
+
+#: Requests the speed fit uses at most (each is one short engine run).
+FIT_MAX = 400
+
+
+@dataclass
+class RecordedRun:
+    run_id: str
+    policies: list[str]  # the policies that routed it, in order of first use
+    knobs: dict[str, Any]  # the run's --knob values
+    instances: list[str]  # backend names, in the router's order
+    block_size: int
+    requests: list[TraceRequest]  # wall seconds from the first arrival
+    recorded: list[dict[str, Any]]  # one record per replayable request, the replay results format
+    shadows: list[str]  # shadow policies recorded in the run
+    skipped: dict[str, int] = field(default_factory=dict)  # why requests could not be re-run
+    total: int = 0  # first attempts in the run
+
+
+def _connect(path: str | Path) -> sqlite3.Connection:
+    p = Path(path)
+    if not p.is_file():
+        raise CliError(f"--from-db {p}: no such file")
+    try:
+        conn = sqlite3.connect(f"file:{p}?mode=ro", uri=True)
+        conn.row_factory = sqlite3.Row
+        conn.execute("SELECT 1 FROM decisions LIMIT 1")
+    except sqlite3.DatabaseError as exc:
+        raise CliError(f"--from-db {p}: not a kvtop decision log ({exc})") from None
+    cols = {r[1] for r in conn.execute("PRAGMA table_info(decisions)")}
+    if "blocks" not in cols:
+        raise CliError(f"--from-db {p}: written by a kvtop before what-if replay (no block chains "
+                       "in its decisions; schema version 1); record the run again with this kvtop")
+    return conn
+
+
+def load_run(path: str | Path, run_id: str | None = None) -> RecordedRun:
+    """One run of a decision log as a trace plus its recorded results. CliError when unusable."""
+    conn = _connect(path)
+    try:
+        runs = conn.execute("SELECT run_id, started_at, policy, backends, config FROM runs "
+                            "ORDER BY started_at").fetchall()
+        if not runs:
+            raise CliError(f"--from-db {path}: no runs recorded")
+        if run_id is None:
+            run = runs[-1]
+        else:
+            match = [r for r in runs if r["run_id"] == run_id]
+            if not match:
+                known = ", ".join(r["run_id"] for r in runs[-5:])
+                raise CliError(f"--run {run_id}: not in {path} (latest runs: {known})")
+            run = match[0]
+        rid = run["run_id"]
+        config = json.loads(run["config"] or "{}")
+        backends = json.loads(run["backends"] or "[]")
+        instances = [b.get("name") for b in backends] or []
+        block_size = int(config.get("block_size") or 512)
+        rows = conn.execute(
+            "SELECT request_id, session_id, turn, policy, instance, input_tokens, route_class, "
+            "t_proxy_recv, blocks, blocks_parent, shadows FROM decisions "
+            "WHERE run_id = ? AND attempt = 1 ORDER BY id", (rid,)).fetchall()
+        outs: dict[str, sqlite3.Row] = {}
+        for o in conn.execute(
+                "SELECT request_id, attempt, instance, status, stream, ttft_ms, e2e_ms, tpot_ms, "
+                "output_tokens, delivered_hit_tokens, t_recv, t_done FROM outcomes "
+                "WHERE run_id = ? ORDER BY attempt", (rid,)):
+            outs[o["request_id"]] = o  # the last attempt's outcome is the request's
+    finally:
+        conn.close()
+    if not rows:
+        raise CliError(f"--from-db {path}: run {rid} has no decisions")
+    dec = ChainDecoder()
+    skipped: dict[str, int] = {}
+    policies: list[str] = []
+    shadows: list[str] = []
+    kept: list[tuple[sqlite3.Row, sqlite3.Row, list[int]]] = []
+    for row in rows:  # id order: a session's parent row always comes before its child
+        chain = dec.decode(row["request_id"], row["blocks_parent"], row["blocks"])
+        if row["policy"] not in policies:
+            policies.append(row["policy"])
+        if row["shadows"]:
+            try:
+                for s in json.loads(row["shadows"]):
+                    if s.get("policy") not in shadows:
+                        shadows.append(s["policy"])
+            except (ValueError, TypeError, AttributeError):
+                pass
+        o = outs.get(row["request_id"])
+        why = None
+        if chain is None:
+            why = "no block chain (a lost parent row)"
+        elif row["t_proxy_recv"] is None or row["session_id"] is None:
+            why = "no arrival time or session"
+        elif o is None:
+            why = "no outcome recorded"
+        elif o["status"] != "ok" or not o["output_tokens"]:
+            why = f"not answered ({o['status']})"
+        if why:
+            skipped[why] = skipped.get(why, 0) + 1
+            continue
+        kept.append((row, o, chain))
+    if not kept:
+        raise CliError(f"--from-db {path}: no request of run {rid} can be re-run "
+                       f"({', '.join(f'{v} {k}' for k, v in skipped.items())})")
+    kept.sort(key=lambda x: x[0]["t_proxy_recv"])
+    t0 = kept[0][0]["t_proxy_recv"]
+    last_done: dict[str, float] = {}
+    requests, recorded = [], []
+    for row, o, chain in kept:
+        sess = row["session_id"]
+        t = row["t_proxy_recv"] - t0
+        prev = last_done.get(sess)
+        think = max(0.0, t - prev) if prev is not None else None
+        last_done[sess] = (o["t_done"] or row["t_proxy_recv"]) - t0
+        requests.append(TraceRequest(arrival=t, session=sess, turn=row["turn"] or 1,
+                                     input_tokens=row["input_tokens"], output_tokens=o["output_tokens"],
+                                     hash_ids=chain, block_size=block_size, think_time=think,
+                                     source=f"db:{rid}"))
+        recorded.append({"request_id": row["request_id"], "session": sess, "turn": row["turn"], "arrival": t,
+                         "input_tokens": row["input_tokens"], "output_tokens": o["output_tokens"],
+                         "status": "ok", "ttft_ms": o["ttft_ms"], "e2e_ms": o["e2e_ms"], "tpot_ms": o["tpot_ms"],
+                         "cached_tokens": o["delivered_hit_tokens"], "instance": o["instance"],
+                         "route_class": row["route_class"], "stream": o["stream"],
+                         "t_done": last_done[sess],
+                         "arm": "recorded"})
+    return RecordedRun(run_id=rid, policies=policies, knobs=dict(config.get("knobs") or {}),
+                       instances=instances, block_size=block_size, requests=requests, recorded=recorded,
+                       shadows=shadows, skipped=skipped, total=len(rows))
+
+
+# -- time scale ---------------------------------------------------------------------------------
+
+def isolated_ttft_s(profile: Any, input_tokens: int, cached_tokens: int) -> float:
+    """Engine seconds from arrival to first token for one request alone on a fresh engine of
+    ``profile`` whose cache holds the request's first ``cached_tokens`` tokens."""
+    from kvtop.sim.engine import Engine, EngineRequest
+
+    eng = Engine(profile)
+    bs = eng.block_size
+    n = min(input_tokens, eng.max_model_len - 1)
+    hashes = list(range(1, n // bs + 1))
+    warm = min(cached_tokens, n) // bs
+    t = 0.0
+    if warm:
+        eng.add_request(EngineRequest("warm", warm * bs, hashes[:warm], 1, 0.0))
+        t = _run_until(eng, "warm", 0.0, finished=True)
+    eng.add_request(EngineRequest("r", n, hashes, 2, t))
+    return _run_until(eng, "r", t, finished=False) - t
+
+
+def _run_until(eng: Any, rid: str, t: float, *, finished: bool) -> float:
+    for _ in range(100_000):
+        res = eng.step(t)
+        if res.idle:
+            nxt = eng.next_event_time()
+            if nxt is None:
+                raise RuntimeError("engine idle before the request ended")
+            t = max(nxt, t)
+            continue
+        t = res.end_time
+        if finished and any(f.request_id == rid for f in res.finished):
+            return t
+        if not finished and rid in res.first_token:
+            return t
+    raise RuntimeError("engine did not finish one request in 100k steps")
+
+
+@dataclass
+class TimeFit:
+    """Wall seconds of a request alone on its instance, from arrival to first token:
+    ``fixed_s + per_100k_s * input_tokens / 1e5 + engine_s / speed``."""
+
+    speed: float
+    fixed_s: float
+    per_100k_s: float
+    used: int
+    note: str
+
+    def overhead_s(self, input_tokens: int) -> float:
+        """What the wall-clock path adds to a request (router, HTTP, parsing the body)."""
+        return self.fixed_s + self.per_100k_s * input_tokens / 1e5
+
+
+def _lstsq(rows: list[tuple[list[float], float]]) -> list[float] | None:
+    """Least squares by the normal equations (k <= 3 columns); None when singular."""
+    k = len(rows[0][0])
+    m = [[0.0] * (k + 1) for _ in range(k)]
+    for x, y in rows:
+        for i in range(k):
+            m[i][k] += x[i] * y
+            for j in range(k):
+                m[i][j] += x[i] * x[j]
+    for c in range(k):
+        p = max(range(c, k), key=lambda r: abs(m[r][c]))
+        if abs(m[p][c]) < 1e-15:
+            return None
+        m[c], m[p] = m[p], m[c]
+        for r in range(k):
+            if r != c:
+                f = m[r][c] / m[c][c]
+                m[r] = [a - f * b for a, b in zip(m[r], m[c])]
+    return [m[i][k] / m[i][i] for i in range(k)]
+
+
+def fit_time(run: RecordedRun, profile: Any, speed: float | None = None) -> TimeFit | None:
+    """Fit the time scale (unless ``speed`` is given) and the wall-clock overhead.
+
+    Uses streamed requests that ran alone on their instance from arrival to first token: for
+    each, the profile's engine (one request, its recorded cached prefix warm) predicts the
+    TTFT in engine seconds. Least squares of measured on [1, input tokens, predicted] (or on
+    the first two with the last fixed at 1/speed), refitted without the points over four
+    robust standard deviations until none is left out (a late stream, a scheduling hiccup). The overhead
+    grows with the input because the router and the engine's frontend parse the whole body.
+    None when fewer than 8 such requests exist."""
+    by_inst: dict[str, list[tuple[float, float]]] = {}
+    for r in run.recorded:
+        by_inst.setdefault(r["instance"], []).append((r["arrival"], r["t_done"]))
+    points: list[tuple[float, float, float]] = []  # (input / 1e5, predicted engine s, measured wall s)
+    for r in run.recorded:
+        if not r["stream"] or not r["ttft_ms"] or r["ttft_ms"] <= 0:
+            continue
+        start, first = r["arrival"], r["arrival"] + r["ttft_ms"] / 1000
+        busy = 0
+        for a, done in by_inst[r["instance"]]:
+            if a < first and done > start:
+                busy += 1
+                if busy > 1:  # itself, and another
+                    break
+        if busy > 1:
+            continue
+        points.append((r["input_tokens"] / 1e5, isolated_ttft_s(profile, r["input_tokens"], r["cached_tokens"] or 0),
+                       r["ttft_ms"] / 1000))
+        if len(points) >= FIT_MAX:
+            break
+    if len(points) < 8:
+        return None
+    if speed is None:
+        rows = [([1.0, x, e], y) for x, e, y in points]
+    else:
+        rows = [([1.0, x], y - e / speed) for x, e, y in points]
+    coef = None
+    for _ in range(20):
+        coef = _lstsq(rows)
+        if coef is None:
+            return None
+        res = [y - sum(a * b for a, b in zip(coef, x)) for x, y in rows]
+        mad = statistics.median(abs(e) for e in res) * 1.4826
+        keep = [r for r, e in zip(rows, res) if abs(e) <= 4 * mad] if mad > 0 else rows
+        if len(keep) == len(rows) or len(keep) < 8:
+            break
+        rows = keep
+    if speed is None:
+        if coef[2] <= 0:
+            return None
+        speed = 1.0 / coef[2]
+        how = f"fitted on {len(rows)} requests alone on their instance"
+    else:
+        how = "given"
+    return TimeFit(speed, coef[0], coef[1], len(rows), how)
+
+
+def scaled(run: RecordedRun, speed: float) -> list[TraceRequest]:
+    """The run's requests in engine seconds."""
+    out = []
+    for r in run.requests:
+        out.append(TraceRequest(arrival=r.arrival * speed, session=r.session, turn=r.turn,
+                                input_tokens=r.input_tokens, output_tokens=r.output_tokens,
+                                hash_ids=r.hash_ids, block_size=r.block_size,
+                                think_time=None if r.think_time is None else r.think_time * speed,
+                                source=r.source))
+    return out
+
+
+def unscale(records: list[dict[str, Any]], speed: float, names: Sequence[str],
+            fit: TimeFit | None = None) -> list[dict[str, Any]]:
+    """Simulated records back in the recorded run's wall time and instance names, with the
+    fitted wall-clock overhead added to TTFT and E2E (the recording paid it too)."""
+    out = []
+    for rec in records:
+        rec = dict(rec)
+        for k in ("ttft_ms", "e2e_ms", "tpot_ms", "admission_wait_ms", "prefill_leg_ms"):
+            if rec.get(k) is not None:
+                rec[k] = rec[k] / speed
+        if fit is not None:
+            extra = max(0.0, fit.overhead_s(rec["input_tokens"])) * 1000
+            for k in ("ttft_ms", "e2e_ms"):
+                if rec.get(k) is not None:
+                    rec[k] += extra
+        rec["arrival"] = rec["arrival"] / speed
+        inst = rec.get("instance")
+        if isinstance(inst, str) and inst.startswith("i") and inst[1:].isdigit() and int(inst[1:]) < len(names):
+            rec["instance"] = names[int(inst[1:])]
+        out.append(rec)
+    return out
+
+
+# -- validation ---------------------------------------------------------------------------------
+
+def figures(records: Sequence[dict[str, Any]], names: Sequence[str],
+            only: set[str] | None = None) -> dict[str, Any]:
+    """TTFT p50/p90, E2E p99 (ms), APC and each instance's share of requests, over ok requests
+    (TTFT over ``only`` request ids when given: those whose TTFT the recording knows)."""
+    ok = [r for r in records if r.get("status") == "ok"]
+    ttft = [r["ttft_ms"] for r in ok if r.get("ttft_ms") is not None
+            and (only is None or r["request_id"] in only)]
+    e2e = [r["e2e_ms"] for r in ok if r.get("e2e_ms") is not None]
+    inp = sum(r["input_tokens"] for r in ok)
+    hit = sum(r.get("cached_tokens") or 0 for r in ok)
+    n = len(records) or 1
+    share = {name: sum(1 for r in records if r.get("instance") == name) / n for name in names}
+    return {"requests": len(records), "ok": len(ok), "ttft_p50": percentile(ttft, 50),
+            "ttft_p90": percentile(ttft, 90), "e2e_p99": percentile(e2e, 99),
+            "apc": hit / inp if inp else None, "share": share}
+
+
+def validate(recorded: dict[str, Any], sim: dict[str, Any]) -> dict[str, Any]:
+    """How closely the re-simulation of the policy that ran reproduces the recorded run."""
+    def rel(k):
+        a, b = recorded[k], sim[k]
+        return None if not a or b is None else (b - a) / a
+
+    share_gap = max((abs(sim["share"].get(k, 0) - v) for k, v in recorded["share"].items()), default=0.0)
+    apc_pts = None if recorded["apc"] is None or sim["apc"] is None else (sim["apc"] - recorded["apc"]) * 100
+    return {"ttft_p50": rel("ttft_p50"), "ttft_p90": rel("ttft_p90"), "e2e_p99": rel("e2e_p99"),
+            "apc_points": apc_pts, "max_share_gap": share_gap}
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else (f"{v / 1000:.3f} s" if v >= 1000 else f"{v:.1f} ms")
+
+
+def _pct(v: float | None, signed: bool = False) -> str:
+    if v is None:
+        return "-"
+    return f"{v * 100:+.1f}%" if signed else f"{v * 100:.1f}%"
+
+
+def format_report(run: RecordedRun, speed: float, speed_note: str, rows: list[tuple[str, dict[str, Any]]],
+                  check: dict[str, Any] | None, check_policy: str | None, fmt: str = "text") -> str:
+    lines = []
+    skipped = sum(run.skipped.values())
+    lines.append(f"what-if replay of run {run.run_id}: {len(run.requests)} of {run.total} requests "
+                 f"re-run ({skipped} skipped" + (": " + ", ".join(f"{v} {k}" for k, v in run.skipped.items())
+                                                  if skipped else "") + ")")
+    lines.append(f"recorded policy: {', '.join(run.policies)}; instances: {len(run.instances)}; "
+                 f"time scale: engine = wall x {speed:.3g} ({speed_note}); figures in the run's wall time")
+    md = fmt == "md"
+    head = ["arm", "ok", "TTFT p50", "TTFT p90", "E2E p99", "APC"] + list(run.instances)
+    body = [[label, str(f["ok"]), _ms(f["ttft_p50"]), _ms(f["ttft_p90"]), _ms(f["e2e_p99"]), _pct(f["apc"])]
+            + [_pct(f["share"].get(n)) for n in run.instances] for label, f in rows]
+    if fmt == "csv":
+        import csv
+        import io
+
+        buf = io.StringIO()
+        w = csv.writer(buf)
+        w.writerow(["arm", "ok", "ttft_p50_ms", "ttft_p90_ms", "e2e_p99_ms", "apc"] + [f"share_{n}" for n in run.instances])
+        for label, f in rows:
+            w.writerow([label, f["ok"], f["ttft_p50"], f["ttft_p90"], f["e2e_p99"], f["apc"]]
+                       + [f["share"].get(n) for n in run.instances])
+        return buf.getvalue().rstrip("\n")
+    lines.append("")
+    if md:
+        lines.append("| " + " | ".join(head) + " |")
+        lines.append("|" + "|".join("---" if i == 0 else "---:" for i in range(len(head))) + "|")
+        lines += ["| " + " | ".join(r) + " |" for r in body]
+    else:
+        widths = [max(len(h), *(len(r[i]) for r in body)) for i, h in enumerate(head)]
+        lines.append("  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(head, widths))))
+        for r in body:
+            lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+    lines.append("")
+    if check is None:
+        lines.append("validation: the run used several policies (" + ", ".join(run.policies) + "); "
+                     "re-simulating one of them cannot reproduce it, so no fidelity check")
+    else:
+        lines.append(f"validation (re-simulated {check_policy} against the recording): "
+                     f"TTFT p50 {_pct(check['ttft_p50'], True)}, p90 {_pct(check['ttft_p90'], True)}, "
+                     f"E2E p99 {_pct(check['e2e_p99'], True)}, APC {check['apc_points']:+.1f} points, "
+                     f"largest instance-share gap {check['max_share_gap'] * 100:.1f} points"
+                     if check["apc_points"] is not None else
+                     f"validation (re-simulated {check_policy}): TTFT p50 {_pct(check['ttft_p50'], True)}, "
+                     f"p90 {_pct(check['ttft_p90'], True)}, E2E p99 {_pct(check['e2e_p99'], True)}")
+        worst = max(abs(v) for v in (check["ttft_p50"], check["ttft_p90"]) if v is not None) if any(
+            v is not None for v in (check["ttft_p50"], check["ttft_p90"])) else math.inf
+        trust = ("close: the what-ifs below are on a simulator that reproduces this run"
+                 if worst <= 0.15 and (check["apc_points"] is None or abs(check["apc_points"]) <= 3)
+                 else "loose: the simulator does not reproduce this run closely; read the what-ifs as "
+                      "directions, not figures (a wrong --profile or --speed is the usual cause)")
+        lines.append(f"  trust: {trust}")
+    return "\n".join(lines)
+
+
+def run(args: Any, simulate: Any, sim_config: Any) -> int:
+    """``kvtop simulate --from-db``: the CLI's whole path. ``simulate``/``sim_config`` come from
+    kvtop/simulate.py (passed in, so this module does not import it back)."""
+    import sys
+    import time
+
+    from kvtop.sim.profiles import get_profile
+    from router.policies import policy_class
+
+    try:
+        prof = get_profile(args.profile)
+    except KeyError as exc:
+        raise CliError(str(exc.args[0])) from None
+    if args.speed is not None and not args.speed > 0:
+        raise CliError("--speed must be positive")
+    policies = [p.strip() for p in (args.policies or "").split(",") if p.strip()]
+    for p in policies:
+        try:
+            policy_class(p)
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
+    rec = load_run(args.from_db, args.run)
+    if not policies:
+        policies = list(dict.fromkeys(rec.policies + rec.shadows))
+        for p in policies:
+            try:
+                policy_class(p)
+            except ValueError as exc:
+                raise CliError(f"the run used a policy this kvtop does not have ({exc}); pass --policies") from None
+    t0 = time.process_time()
+    fit = fit_time(rec, prof, args.speed)
+    if fit is None and args.speed is None:
+        raise CliError("cannot fit the time scale: fewer than 8 streamed requests ran alone on their "
+                       "instance; pass --speed (e.g. the kvtop sim --speed the run used)")
+    speed = args.speed if fit is None else fit.speed
+    note = "given, no overhead fitted" if fit is None else (
+        f"{fit.note}; wall-clock overhead {fit.fixed_s * 1000:.1f} ms + "
+        f"{fit.per_100k_s * 1000:.1f} ms per 100k input tokens, added to simulated TTFT and E2E")
+    print(f"time scale x{speed:.4g} ({note}) in {time.process_time() - t0:.1f} CPU s", file=sys.stderr)
+    requests = scaled(rec, speed)
+    names = rec.instances or [f"i{k}" for k in range(len({r['instance'] for r in rec.recorded}))]
+    has_ttft = {r["request_id"] for r in rec.recorded if r["ttft_ms"] is not None}
+    recorded_fig = figures(rec.recorded, names)
+    rows: list[tuple[str, dict[str, Any]]] = [("recorded " + "+".join(rec.policies), recorded_fig)]
+    check, check_policy = None, None
+    for pol in policies:
+        canon = policy_class(pol).name
+        knobs = {k: v for k, v in rec.knobs.items() if k in set(policy_class(pol).schema.names())}
+        cfg = sim_config(instances=len(names), profile=args.profile, mode=args.mode,
+                         router_block_size=rec.block_size, knobs=knobs)
+        t0 = time.process_time()
+        try:
+            records = simulate(requests, canon, cfg)
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
+        print(f"simulated {canon}: {len(records)} requests in {time.process_time() - t0:.1f} CPU s",
+              file=sys.stderr)
+        out = unscale(records, speed, names, fit)
+        by_id = {r["request_id"]: r for r in out}
+        # the simulator numbers requests by position; give them the recorded ids back
+        for k, r in enumerate(rec.recorded):
+            s = by_id.get(str(k))
+            if s is not None:
+                s["request_id"] = r["request_id"]
+        fig = figures(out, names, only=has_ttft)
+        rows.append((f"sim {canon}", fig))
+        if len(rec.policies) == 1 and canon == policy_class(rec.policies[0]).name:
+            check, check_policy = validate(recorded_fig, fig), canon
+    print(format_report(rec, speed, note, rows, check, check_policy, args.format))
+    return 0
