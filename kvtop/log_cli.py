@@ -66,6 +66,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--run", help="run id or unique prefix (default: the latest run with this request)")
     p.add_argument("--format", choices=("text", "json"), default="text")
 
+    p = sub.add_parser("shadow", parents=[common], help="per shadow policy and segment: agreement, "
+                       "disagreements by class, est. prefill tokens saved or lost",
+                       description="What each shadow policy (kvtop route --shadow) would have picked, "
+                                   "against the active policy, per policy segment of a run.")
+    p.add_argument("--run", help="run id or unique prefix (default: the latest run)")
+    p.add_argument("--format", choices=("table", "jsonl", "csv"), default="table")
+
     p = sub.add_parser("sql", parents=[common], help="run one read-only SQL statement")
     p.add_argument("query", metavar="SQL", help='e.g. "SELECT reason, count(*) FROM decisions GROUP BY 1"')
     p.add_argument("--param", action="append", default=[], metavar="VALUE",
@@ -168,6 +175,30 @@ def _why(queries, db, args) -> int:
     return 0
 
 
+def _shadow(queries, db, args) -> int:
+    rows = queries.shadow_summary(db, args.run)
+    if not rows:
+        print("no shadow picks in this run (start the router with --shadow P1,P2, or PUT /kvtop/v1/shadows)")
+        return 0
+    if args.format != "table":
+        _emit(rows, args.format)
+        return 0
+    out = []
+    for r in rows:
+        classes = ", ".join(f"{k} {v}" for k, v in sorted(r["disagree_by_class"].items(), key=lambda kv: -kv[1]))
+        gap = r["mean_cost_gap"]
+        out.append({"segment": r["segment"], "shadow": r["shadow"], "picks": r["picks"],
+                    "agreement": _pct(r["agree"], r["picks"]), "disagree by class": classes or "-",
+                    "est. prefill saved": f"{r['saved_prefill_tokens'] or 0:+,} tok",
+                    "mean score gap": "-" if gap is None else f"{gap:.4g}",
+                    "pick us": "-" if r["pick_us_mean"] is None else f"{r['pick_us_mean']:.1f}"})
+    print(_table(out))
+    print("\nest. prefill saved: the shadow's picks' estimated cached tokens minus the real picks', "
+          "summed over disagreements (< 0: it would have prefilled more). mean score gap: the real "
+          "pick's score minus the shadow's own, in the shadow's units, over disagreements.")
+    return 0
+
+
 def _sql(queries, db, args) -> int:
     cols, rows = queries.run_sql(db, args.query, args.param)
     dict_rows = [dict(zip(cols, r)) for r in rows]
@@ -190,7 +221,7 @@ def _export(queries, db, args) -> int:
     return 0
 
 
-_COMMANDS = {"runs": _runs, "decisions": _decisions, "summary": _summary, "why": _why, "sql": _sql,
+_COMMANDS = {"runs": _runs, "decisions": _decisions, "summary": _summary, "why": _why, "shadow": _shadow, "sql": _sql,
              "export": _export}
 
 

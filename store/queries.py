@@ -285,6 +285,43 @@ def segments(db: sqlite_utils.Database | str | Path, run_id: str | None = None) 
     return rows
 
 
+def shadow_summary(db: sqlite_utils.Database | str | Path, run_id: str | None = None) -> list[dict]:
+    """Per policy segment and shadow policy (router/shadow.py): picks, agreement with the
+    active policy, disagreements per route class, the estimated prefill tokens the shadow's
+    picks would have saved (< 0: lost) and the mean gap between the real pick's score and the
+    shadow's own under the shadow's model. Empty when the run had no shadows."""
+    db = _db(db)
+    run_id = resolve_run(db, run_id)
+    if "shadows" not in db["decisions"].columns_dict:
+        return []
+    where = f"{_run_clause(db, run_id)} AND d.shadows IS NOT NULL"
+    rows = _rows(db, f"""SELECT d.policy AS policy, d.policy_version AS policy_version,
+        json_extract(j.value, '$.policy') AS shadow, count(*) AS picks,
+        sum(json_extract(j.value, '$.instance') = d.instance) AS agree,
+        sum(CASE WHEN json_extract(j.value, '$.instance') != d.instance
+                 THEN json_extract(j.value, '$.saved') ELSE 0 END) AS saved_prefill_tokens,
+        avg(CASE WHEN json_extract(j.value, '$.instance') != d.instance
+                 THEN json_extract(j.value, '$.cost_real') - json_extract(j.value, '$.cost_own') END)
+            AS mean_cost_gap,
+        avg(json_extract(j.value, '$.us')) AS pick_us_mean, min(d.ts) AS start_ts, max(d.ts) AS end_ts
+        FROM decisions d, json_each(d.shadows) j WHERE {where}
+        GROUP BY 1, 2, 3 ORDER BY min(d.ts), 3""", (run_id,))
+    by_class = _rows(db, f"""SELECT d.policy AS policy, d.policy_version AS policy_version,
+        json_extract(j.value, '$.policy') AS shadow, d.route_class AS route_class, count(*) AS n
+        FROM decisions d, json_each(d.shadows) j
+        WHERE {where} AND json_extract(j.value, '$.instance') != d.instance
+        GROUP BY 1, 2, 3, 4""", (run_id,))
+    classes: dict[tuple, dict[str, int]] = {}
+    for r in by_class:
+        classes.setdefault((r["policy"], r["policy_version"], r["shadow"]), {})[r["route_class"] or "-"] = r["n"]
+    for r in rows:
+        r["segment"] = f"{r['policy']}@{r['policy_version']}"
+        r["agreement"] = r["agree"] / r["picks"] if r["picks"] else None
+        r["disagree_by_class"] = classes.get((r["policy"], r["policy_version"], r["shadow"]), {})
+        r["run_id"] = run_id
+    return rows
+
+
 def _dist(values: list[float]) -> dict:
     values.sort()
     out = {"n": len(values)}

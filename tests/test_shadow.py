@@ -245,3 +245,28 @@ async def test_a_broken_shadow_never_touches_routing(router, broken_policies):
     assert {d["after"]["dropped"] for d in drops} == {"boom", "slow"}
     st = await (await c.get("/kvtop/v1/state")).json()
     assert st["outcomes_by_status"] == {"ok": 4}
+
+
+async def test_log_shadow_summarises_per_segment(router, capsys):
+    from kvtop.cli import main
+
+    c = await router(2, db=True, shadows=["leastwork", "round_robin"])
+    for k in range(4):
+        await complete(c, f"s{k}")
+    r = await c.put("/kvtop/v1/policy", json={"name": "lmetric"}, headers=AUTH)
+    assert r.status == 200
+    for k in range(3):
+        await complete(c, f"s{k}")
+    await _drain(c)
+    db = c.server.app[STATE].config.db
+    assert main(["log", "--db", db, "shadow", "--format", "jsonl"]) == 0
+    rows = [json.loads(ln) for ln in capsys.readouterr().out.splitlines()]
+    got = {(r["segment"], r["shadow"]): r for r in rows}
+    assert set(got) == {("unified@1", "leastwork"), ("unified@1", "round_robin"),
+                        ("lmetric@2", "leastwork"), ("lmetric@2", "round_robin")}
+    assert got[("unified@1", "leastwork")]["picks"] == 4 and got[("lmetric@2", "round_robin")]["picks"] == 3
+    for r in rows:
+        assert r["agree"] + sum(r["disagree_by_class"].values()) == r["picks"]
+    assert main(["log", "--db", db, "shadow"]) == 0
+    out = capsys.readouterr().out
+    assert "unified@1" in out and "agreement" in out and "est. prefill saved" in out
