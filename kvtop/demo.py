@@ -32,6 +32,9 @@ from kvtop.procs import stop_processes
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--instances", type=int, default=4, metavar="N", help="simulated vLLM instances (default 4)")
     p.add_argument("--policy", default="unified", help="routing policy (default unified)")
+    p.add_argument("--shadow", default=None, metavar="P1,P2",
+                   help="shadow policies the router asks on every request without applying them "
+                        "(kvtop route --shadow; the Policy tab shows them)")
     p.add_argument("--speed", type=float, default=10.0, metavar="X",
                    help="engine time and trace arrivals run X times faster than wall time (default 10)")
     p.add_argument("--db", default=None, metavar="FILE", help="decision log (default: a temporary file)")
@@ -128,6 +131,8 @@ def start_cluster(args: argparse.Namespace, stack: Stack, db: str) -> tuple[str,
     route_args = ["route", "--port", str(port), "--policy", args.policy, "--db", db, "--state-dir", str(state_dir)]
     for u in urls:
         route_args += ["--backend", u]
+    if args.shadow:
+        route_args += ["--shadow", args.shadow]
     router = stack.start("route", route_args)
     url = f"http://127.0.0.1:{port}"
     if not wait_http(url + "/health", router, 30):
@@ -176,6 +181,13 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--instances must be at least 1")
     if args.speed <= 0:
         raise CliError("--speed must be positive")
+    if args.shadow:
+        from router.shadow import ShadowError, parse_specs
+
+        try:
+            parse_specs(args.shadow)
+        except ShadowError as exc:
+            raise CliError(f"--shadow: {exc}") from None
     if args.duration is not None and args.duration <= 0:
         raise CliError("--duration must be positive")
     if args.loops < 1:
