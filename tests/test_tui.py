@@ -275,6 +275,86 @@ async def test_busy_gpu_is_not_drawn_as_trouble_and_low_hit_rates_stand_out():
         assert str(table.get_cell("vllm-0", "est_hit")).endswith("↓") is False
 
 
+async def test_policy_change_log_names_each_knob_with_old_and_new_values():
+    """Issue 20: the log said `knobs lmetric@2 -> lmetric@3` without which knob or values."""
+    app, feed = make_app(steps=2, decisions=0)
+    knobs = dict(syn.POLICIES["current"]["knobs"])
+    features = {"offload_mode": "off", "admission": "off"}
+    feed.push("config", {"ts": NOW, "kind": "knobs", "who": "alice",
+                         "before": {"policy": "unified", "version": 3, "knobs": knobs, "features": features},
+                         "after": {"policy": "unified", "version": 4, "knobs": {**knobs, "overload_factor": 1.5},
+                                   "features": {**features, "admission": "pack"}}})
+    feed.push("config", {"ts": NOW + 1, "kind": "policy", "who": "api",
+                         "before": {"policy": "unified", "version": 4, "knobs": knobs, "features": features},
+                         "after": {"policy": "lmetric", "version": 5, "knobs": {}, "features": features}})
+    feed.push("config", {"ts": NOW + 2, "kind": "health", "who": "outliers",
+                         "before": {"instance": "vllm-2", "healthy": True},
+                         "after": {"instance": "vllm-2", "healthy": False, "reason": "5 errors in a row"}})
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, app)
+        await pilot.press("5")
+        await pilot.pause()
+        app._draw_policy()
+        log = str(app.query_one("#config-log").render())
+        assert ("22:13:59 alice: knobs unified@3 → unified@4: overload_factor 2.0 → 1.5, "
+                "router: admission off → pack") in log
+        assert "22:14:00 api: policy unified@4 → lmetric@5 (knobs at their defaults): no value changed" in log
+        assert "22:14:01 outliers: vllm-2 unhealthy: 5 errors in a row" in log
+
+
+async def test_policy_buttons_stay_on_an_80x24_screen_with_many_knobs():
+    """Issue 20: at 80x24 a real router's 11 knobs and a long docstring pushed the buttons off-screen."""
+    policies = copy.deepcopy(syn.POLICIES)
+    unified = next(p for p in policies["policies"] if p["name"] == "unified")
+    unified["doc"] = " ".join(["a long docstring that wraps over many lines at eighty columns."] * 8)
+    policies["features"] = [{"name": f"router_knob_{k}", "type": "int", "default": k, "min": 0, "max": 99,
+                             "choices": None, "range": "int in [0, 99]", "doc": "router-level [x] knob"}
+                            for k in range(12)]
+    feed = FakeFeed(policies=policies, sessions=syn.sessions(4, 4))
+    feed.push("state", syn.snapshot(4, 0.0))
+    app, _ = make_app(feed)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot, app)
+        await pilot.press("5")
+        await wait_group(app, "policies")
+        await pilot.pause()
+        for bid in ("#btn-policy", "#btn-knobs"):
+            region = app.query_one(bid).region
+            assert region.height and region.bottom <= 23 and region.right <= 80, (bid, region)
+        table = app.query_one("#knob-table")
+        assert table.row_count == 15
+        assert str(table.get_cell("router_knob_0", "range")) == "int in [0, 99]"  # not eaten as markup
+        assert str(table.get_cell("router_knob_0", "doc")) == "router: router-level [x] knob"
+        await pilot.click("#btn-knobs")
+        await pilot.pause()
+        from kvtop.tui.screens import KnobForm
+        assert isinstance(app.screen, KnobForm)
+
+
+async def test_client_ids_are_shown_as_sent_not_read_as_markup():
+    feed = FakeFeed(policies=copy.deepcopy(syn.POLICIES),
+                    sessions={"total": 1, "sort": "tokens", "sessions": [{**syn.sessions(1, 4)["sessions"][0],
+                                                                         "session": "[b]agent[/b]-7"}]})
+    feed.push("state", syn.snapshot(4, 0.0))
+    feed.push("decision", {**syn.decision(0, 4), "session": "[b]agent[/b]-7"})
+    app, _ = make_app(feed)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, app)
+        await pilot.press("4")
+        await settle(pilot, app)
+        table = app.query_one("#decision-table")
+        cell = table.get_row_at(0)[1]
+        rendered = "".join(seg.text for seg in table._render_cell(0, 1, table.rich_style, 40)[0])
+        assert "[b]agent[/b]-7" in rendered, (cell, rendered)
+        await pilot.press("3")
+        app._fetch_sessions()
+        await wait_group(app, "sessions")
+        await settle(pilot, app)
+        sessions = app.query_one("#session-table")
+        rendered = "".join(seg.text for seg in sessions._render_cell(0, 0, sessions.rich_style, 40)[0])
+        assert "[b]agent[/b]-7" in rendered
+
+
 async def test_help_names_keys_as_typed_and_explains_every_column():
     """Issue 20: help listed Textual's key ids (question_mark, left_square_bracket) and no legend."""
     from kvtop.tui.screens import HelpScreen

@@ -26,7 +26,7 @@ from textual_plotext import PlotextPlot
 
 from kvtop.tui.axis import set_y_ticks
 from kvtop.tui.feed import ControlError
-from kvtop.tui.model import (COLUMN_HELP, DEFAULT_SORT, GPU_BUSY_PCT, INSTANCE_COLUMNS, LOW_HIT_RATE, SORT_KEYS,
+from kvtop.tui.model import (COLUMN_HELP, DEFAULT_SORT, config_change_text, GPU_BUSY_PCT, INSTANCE_COLUMNS, LOW_HIT_RATE, SORT_KEYS,
                              THRESHOLDS, Collected, decision_matches, doc_summary, fit_id, fmt_duration, fmt_int,
                              fmt_pct, fmt_secs, gpu_cells, instance_values, is_number, natural_key, sort_value,
                              sparkline, terms_summary)
@@ -181,11 +181,14 @@ class KvtopApp(App):
             with TabPane("4 Decisions", id="decisions"):
                 yield LiveTable(id="decision-table", cursor_type="row", zebra_stripes=True)
             with TabPane("5 Policy", id="policy"):
+                # The buttons sit on the first line, beside the policy's name: a long docstring
+                # or many knobs pushed them off an 80x24 screen when they came last.
+                with Horizontal(id="policy-buttons"):
+                    yield Static(id="policy-name")
+                    yield Button("Switch policy (P)", id="btn-policy", compact=True)
+                    yield Button("Edit knobs (k)", id="btn-knobs", compact=True)
                 yield Static(id="policy-head")
                 yield DataTable(id="knob-table", cursor_type="row", zebra_stripes=True)
-                with Horizontal(id="policy-buttons"):
-                    yield Button("Switch policy (P)", id="btn-policy")
-                    yield Button("Edit knobs (k)", id="btn-knobs")
                 yield Static(id="config-log")
         yield Input(placeholder="filter: words, or reason:X instance:Y session:Z (Esc clears)", id="filter")
         yield Footer()
@@ -564,7 +567,8 @@ class KvtopApp(App):
         # Whole ids where the width allows (two sessions cut to one prefix read as one).
         id_width = max(24, self.size.width - 72)
         for s in rows:
-            cells = {"session": fit_id(str(s["session"]), id_width), "instance": str(s.get("instance")),
+            # Text, not str: a client's session id is data, never markup for DataTable to read.
+            cells = {"session": Text(fit_id(str(s["session"]), id_width)), "instance": Text(str(s.get("instance"))),
                      "turns": str(s.get("turns", 0)), "tokens": fmt_int(s.get("tokens")),
                      "hit": fmt_pct(s.get("est_hit_rate")), "bound": fmt_duration(s.get("bound_for_s")),
                      "idle": fmt_duration(s.get("idle_s")), "moves": str(s.get("moves", 0))}
@@ -594,8 +598,8 @@ class KvtopApp(App):
         hit = ev.get("est_hit") or 0
         hit_s = f"{100 * hit / inp:.0f}% {fmt_int(hit)}" if inp else fmt_int(hit)
         reason = str(ev.get("reason", "?"))
-        session = fit_id(str(ev.get("session") or ""), max(18, self.size.width - 100))
-        return [ts, session, str(ev.get("class", "")), str(ev.get("instance", "")),
+        session = Text(fit_id(str(ev.get("session") or ""), max(18, self.size.width - 100)))
+        return [ts, session, str(ev.get("class", "")), Text(str(ev.get("instance", ""))),
                 Text(reason, style="bold") if reason not in ("argmin", "affinity_stick") else reason,
                 hit_s, terms_summary(ev.get("terms"), ev.get("instance"))]
 
@@ -686,8 +690,8 @@ class KvtopApp(App):
     def _draw_policy(self) -> None:
         body = self.policies_body
         cur = body.get("current") or {}
+        self.query_one("#policy-name", Static).update(Text(f"policy {cur.get('policy', '?')}", style="bold"))
         head = Text()
-        head.append(f"policy {cur.get('policy', '?')}\n", style="bold")
         schema = self._control_schema(cur.get("name"))
         doc = next((p.get("doc", "") for p in body.get("policies", []) if p["name"] == cur.get("name")), "")
         if doc_summary(doc):
@@ -699,6 +703,7 @@ class KvtopApp(App):
                         style="bold")
         if self.last_error:
             head.append(f"last error: {self.last_error}", style=f"bold {self._color('error')}")
+        head.rstrip()
         self.query_one("#policy-head", Static).update(head)
         table = self.query_one("#knob-table", DataTable)
         knobs = self._current_knobs()
@@ -707,21 +712,19 @@ class KvtopApp(App):
             table.remove_row(key)
         for k in schema:
             doc = ("router: " if k.get("router") else "") + str(k.get("doc") or "")
-            cells = [k["name"], str(knobs.get(k["name"], k.get("default"))), str(k.get("default")),
-                     str(k.get("range") or "-"), doc[:60]]
+            # Text, not str: DataTable reads a str cell as markup ("[0, 1]" in a range or doc).
+            cells = [Text(str(v)) for v in (k["name"], knobs.get(k["name"], k.get("default")), k.get("default"),
+                                            k.get("range") or "-", doc)]
             if k["name"] in table.rows:
                 for col, val in zip(("knob", "value", "default", "range", "doc"), cells):
-                    table.update_cell(k["name"], col, val)
+                    if str(table.get_cell(k["name"], col)) != val.plain:
+                        table.update_cell(k["name"], col, val)
             else:
                 table.add_row(*cells, key=k["name"])
-        log = self.query_one("#config-log", Static)
-        lines = []
-        for ev in list(self.collected.config_events)[-6:]:
-            ts = time.strftime("%H:%M:%S", time.localtime(float(ev.get("ts") or 0)))
-            before, after = ev.get("before") or {}, ev.get("after") or {}
-            lines.append(f"{ts} {ev.get('who', '?')}: {ev.get('kind')} {before.get('policy')}@{before.get('version')} → "
-                         f"{after.get('policy')}@{after.get('version')}")
-        log.update("\n".join(lines) or "no policy or knob changes since attach")
+        lines = [config_change_text(ev) for ev in list(self.collected.config_events)[-6:]]
+        log = Text("recent changes\n", style="bold")
+        log.append("\n".join(lines) or "no policy or knob changes since attach")
+        self.query_one("#config-log", Static).update(log)
 
     def _schema(self, name: str | None) -> list[dict[str, Any]]:
         for p in self.policies_body.get("policies", []):

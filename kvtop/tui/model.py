@@ -412,6 +412,42 @@ def doc_summary(doc: str | None) -> str:
     return " ".join(line.strip() for line in first.splitlines())
 
 
+def _knob_text(v: Any) -> str:
+    return "–" if v is None else str(v)
+
+
+def config_change_text(ev: dict[str, Any]) -> str:
+    """One ``config`` event as the policy tab's change log says it: who changed what, with
+    each changed knob's old and new value (the router sends both whole knob sets)."""
+    when = time.strftime("%H:%M:%S", time.localtime(float(ev.get("ts") or 0))) if is_number(ev.get("ts")) else "--:--:--"
+    kind = str(ev.get("kind") or "?")
+    before = ev.get("before") if isinstance(ev.get("before"), dict) else {}
+    after = ev.get("after") if isinstance(ev.get("after"), dict) else {}
+    head = f"{when} {ev.get('who') or '?'}: "
+    if kind in ("policy", "knobs", "run"):
+        label = lambda side: f"{side.get('policy', '?')}@{side.get('version', '?')}"  # noqa: E731
+        if kind == "run":
+            return head + f"router started with {label(after)}"
+        changes = []
+        for section, prefix in (("knobs", ""), ("features", "router: ")):
+            old = before.get(section) if isinstance(before.get(section), dict) else {}
+            new = after.get(section) if isinstance(after.get(section), dict) else {}
+            if kind == "policy" and section == "knobs":
+                continue  # another policy's knobs: not a change of the same knob
+            for name in sorted(set(old) | set(new)):
+                if old.get(name) != new.get(name):
+                    changes.append(f"{prefix}{name} {_knob_text(old.get(name))} → {_knob_text(new.get(name))}")
+        if kind == "policy":
+            text = f"policy {label(before)} → {label(after)} (knobs at their defaults)"
+        else:
+            text = f"knobs {label(before)} → {label(after)}"
+        return head + text + (": " + ", ".join(changes) if changes else ": no value changed")
+    if kind == "health":
+        state = "healthy again" if after.get("healthy") else f"unhealthy: {after.get('reason') or '?'}"
+        return head + f"{after.get('instance', '?')} {state}"
+    return head + f"{kind} {ev.get('before')!s:.60} → {ev.get('after')!s:.60}"
+
+
 # -- decisions ---------------------------------------------------------------------------------
 
 def decision_matches(ev: dict[str, Any], query: str) -> bool:

@@ -81,9 +81,10 @@ class ConfirmScreen(ModalScreen[bool]):
         self.diff = diff
 
     def compose(self) -> ComposeResult:
-        lines = [f"[b]{self.title_text}[/b]", ""]
+        lines = [f"[b]{escape(self.title_text)}[/b]", ""]
         for name, before, after in self.diff:
-            lines.append(f"  {name}: [b]{before}[/b] → [b reverse] {after} [/b reverse]")
+            lines.append(f"  {escape(str(name))}: [b]{escape(str(before))}[/b] → "
+                         f"[b reverse] {escape(str(after))} [/b reverse]")
         with Vertical(id="confirm", classes="dialog"):
             yield Static("\n".join(lines), id="confirm-diff")
             with Horizontal(classes="buttons"):
