@@ -2,7 +2,7 @@
 
 A trivial OpenAI-compatible backend (an aiohttp app in this file, its own process) answers
 instantly; each target sits in front of it on loopback: direct, ``kvtop route`` (``--db none``;
-``kvtop-db`` with the SQLite decision log on),
+``kvtop-db`` with the SQLite decision log on, ``kvtop-db-shadow2`` with it and two shadow policies),
 and, when their venv exists, sglang-router and vllm-router. Per target and mode (non-streaming,
 streaming with 8 SSE chunks):
   - latency: ``--requests`` sequential requests, p50/p99 client-side, and the p50 added over direct;
@@ -140,10 +140,12 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 60, expect: by
 
 def target_cmd(name: str, port: int, backend: str, tmp: str) -> list[str] | None:
     prom = str(free_port())
-    if name in ("kvtop", "kvtop-db"):  # kvtop-db: with the decision log on, as deployed
-        db = str(Path(tmp) / f"overhead-{port}.db") if name == "kvtop-db" else "none"
+    if name in ("kvtop", "kvtop-db", "kvtop-db-shadow2"):
+        # kvtop-db: with the decision log on, as deployed; kvtop-db-shadow2: and two shadow policies
+        db = str(Path(tmp) / f"overhead-{port}.db") if name != "kvtop" else "none"
+        shadow = ["--shadow", "leastwork,unified"] if name == "kvtop-db-shadow2" else []
         return [sys.executable, "-m", "kvtop", "route", "--host", "127.0.0.1", "--port", str(port),
-                "--backend", backend, "--policy", "lmetric", "--db", db, "--state-dir", tmp]
+                "--backend", backend, "--policy", "lmetric", "--db", db, "--state-dir", tmp, *shadow]
     peer = ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", backend,
             "--prometheus-host", "127.0.0.1", "--prometheus-port", prom]
     if name.startswith("sglang-"):

@@ -10,8 +10,8 @@ Per decision a shadow records (the ``shadows`` column, a JSON list, one object p
     {"policy": "leastwork", "instance": "i2", "reason": "argmin",
      "saved": 3584,            # est. prefill tokens the shadow's pick would have saved
                                #   (its instance's estimated hit minus the real one's; < 0: lost)
-     "cost_real": 1.92,        # the real pick's score under the shadow's own model
-     "cost_own": 0.41,         # the shadow's own pick's score (both absent if it has no scores)
+     "cost_real": 1.92,        # when it disagrees: the real pick's score under its own model,
+     "cost_own": 0.41,         #   and its own pick's score (absent for a policy without scores)
      "us": 18.0}               # how long its pick took, microseconds
 
 and the summary (``Shadows.summary``; GET /kvtop/v1/shadows, the state, the dashboard) counts
@@ -153,36 +153,38 @@ class Shadows:
         out: list[dict[str, Any]] = []
         hits = view.hits
         real = d.instance
-        real_name = d.instance_name
-        cls = d.extra.get("route_class", d.request.route_class)
-        names = {c.index: c.name for c in view.candidates}
-        for name, sh in list(self.shadows.items()):
-            t0 = time.perf_counter()
+        perf = time.perf_counter
+        for name, sh in tuple(self.shadows.items()):
+            t0 = perf()
             try:
                 pick = sh.policy.pick(d.request, view)
                 idx = pick.index
-                inst = names[idx]
+                cand = view.candidate(idx)
+                if cand is None:
+                    raise ValueError(f"picked instance {idx}, not a candidate")
             except Exception as exc:  # a shadow must never break routing
                 self._drop(name, f"raised {type(exc).__name__}: {exc}"[:300])
                 continue
-            dt = time.perf_counter() - t0
-            us = dt * 1e6
+            dt = perf() - t0
             sh.picks += 1
-            sh.us_sum += us
-            sh.us_max = max(sh.us_max, us)
-            rec: dict[str, Any] = {"policy": name, "instance": inst, "reason": pick.reason,
-                                   "saved": hits[idx] - hits[real], "us": round(us, 1)}
-            cost_real, cost_own = _score(pick.terms, real_name), _score(pick.terms, inst)
-            if cost_real is not None and cost_own is not None:
-                rec["cost_real"], rec["cost_own"] = round(cost_real, 6), round(cost_own, 6)
+            sh.us_sum += dt * 1e6
+            if dt * 1e6 > sh.us_max:
+                sh.us_max = dt * 1e6
+            saved = hits[idx] - hits[real]
+            rec: dict[str, Any] = {"policy": name, "instance": cand.name, "reason": pick.reason,
+                                   "saved": saved, "us": round(dt * 1e6, 1)}
             if idx == real:
                 sh.agree += 1
             else:
+                real_name = d.instance_name
+                cls = d.extra.get("route_class", d.request.route_class)
                 sh.by_class[cls] = sh.by_class.get(cls, 0) + 1
                 sh.real_at[real_name] = sh.real_at.get(real_name, 0) + 1
-                sh.shadow_at[inst] = sh.shadow_at.get(inst, 0) + 1
-                sh.saved += rec["saved"]
-                if "cost_real" in rec:
+                sh.shadow_at[cand.name] = sh.shadow_at.get(cand.name, 0) + 1
+                sh.saved += saved
+                cost_real, cost_own = _score(pick.terms, real_name), _score(pick.terms, cand.name)
+                if cost_real is not None and cost_own is not None:
+                    rec["cost_real"], rec["cost_own"] = round(cost_real, 6), round(cost_own, 6)
                     sh.gap_sum += cost_real - cost_own
                     sh.gap_n += 1
             out.append(rec)
