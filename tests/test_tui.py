@@ -35,7 +35,7 @@ def make_app(feed=None, *, n=4, steps=40, decisions=60, **kw):
             feed.push("state", syn.snapshot(n, float(t)))
         for k in range(decisions):
             feed.push("decision", syn.decision(k, n))
-            feed.push("outcome", syn.outcome(k))
+            feed.push("outcome", syn.outcome(k, n))
     kw.setdefault("apply_timer", False)  # tests apply explicitly instead of waiting on timers
     kw.setdefault("poll_sessions_s", 0)
     return KvtopApp(feed, url="http://127.0.0.1:8000", clock=lambda: NOW, **kw), feed
@@ -232,9 +232,9 @@ async def test_sort_reads_as_words_keeps_its_arrow_and_follows_clicks():
         assert "sort: prefill backlog ▼" in totals() and "backlog_tokens" not in totals()
         from kvtop.tui.model import INSTANCE_COLUMNS
         for key, label, _ in INSTANCE_COLUMNS:  # every label fits with its arrow
-            assert table.columns[key].width >= len(label) + 2, key
+            assert table.columns[key].width >= len(label) + 1, key
         header = str(table.columns[table.ordered_columns[3].key].label)
-        assert header == "backlog ▼"
+        assert header == "backlog▼"
         # The selection stays on its instance when the rows move.
         table.move_cursor(row=[str(table.get_row_at(i)[0]) for i in range(4)].index("vllm-1"))
         # A click on the "req" header sorts by requests, a second click reverses.
@@ -353,6 +353,53 @@ async def test_client_ids_are_shown_as_sent_not_read_as_markup():
         sessions = app.query_one("#session-table")
         rendered = "".join(seg.text for seg in sessions._render_cell(0, 0, sessions.rich_style, 40)[0])
         assert "[b]agent[/b]-7" in rendered
+
+
+async def test_instances_show_errors_recent_ttft_health_reasons_and_writer_health():
+    """Issue 20: per-instance errors, TTFT p50/p90 over a recent window, why an instance is
+    out; the header says when the decision log's writer is degraded and how many are ejected."""
+    feed = FakeFeed(policies=copy.deepcopy(syn.POLICIES), sessions=syn.sessions(4, 4))
+    snap = syn.snapshot(4, 0.0)
+    snap["router"]["db"] = "/var/tmp/kvtop-demo-x1/kvtop.db"
+    snap["router"]["decision_log"] = {"rows_written": 900, "rows_dropped": 12, "rows_failed": 0,
+                                      "lag_s": 3.0, "degraded": True, "last_error": None}
+    i0, i1, i2, i3 = snap["instances"]
+    i0["errors"]["requests_total"] = 7
+    i2.update(healthy=False, health={"ejected": True, "ejected_for_s": 25.0,
+                                     "last_error": "5 failed requests in a row; ejected for 30 s"})
+    i3.update(healthy=False, health={"ejected": False, "last_error": "ClientConnectorError: refused"})
+    for k, ttft in enumerate([100, 200, 300, 400, 5000]):
+        feed.push("outcome", {"ts": snap["ts"] - 5, "instance": "vllm-1", "ttft_ms": ttft, "status": "ok"})
+    feed.push("outcome", {"ts": snap["ts"] - 300, "instance": "vllm-0", "ttft_ms": 9999, "status": "ok"})  # too old
+    feed.push("state", snap)
+    app, _ = make_app(feed)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, app)
+        table = app.query_one("#instances")
+        cell = lambda name, col: str(table.get_cell(name, col))  # noqa: E731
+        assert cell("vllm-1", "ttft_p50") == "300ms" and cell("vllm-1", "ttft_p90") == "3.2s"  # 400 + 0.6 x 4,600
+        assert cell("vllm-0", "ttft_p50") == "–"  # nothing in the last minute
+        assert cell("vllm-0", "errors") == "7" and cell("vllm-1", "errors") == "0"
+        assert cell("vllm-2", "health") == "⏏ ejected" and cell("vllm-3", "health") == "✖ DOWN"
+        totals = str(app.query_one("#totals").render())
+        assert "vllm-2 ejected: 5 failed requests in a row; ejected for 30 s (back in 25 s)" in totals
+        assert "vllm-3 down: ClientConnectorError: refused" in totals
+        top = str(app.query_one("#topbar").render())
+        assert "⚠ rec DEGRADED: 12 dropped, 3 s behind" in top and "⏏ 1 ejected" in top and "✖ 1 down" in top
+        assert "log /var/tmp/kvtop-demo-x1/kvtop.db" in top
+        assert "prefill_tps" not in [str(c.value) for c in table.columns]
+        # A router that measures prefill rates gets the column, sortable by a click.
+        snap2 = copy.deepcopy(snap)
+        for n, inst in enumerate(snap2["instances"]):
+            inst["prefill_tps_measured"] = 4000.0 + 1000 * n
+        snap2["router"]["decision_log"]["degraded"] = False
+        feed.push("state", snap2)
+        await settle(pilot, app)
+        assert cell("vllm-3", "prefill_tps") == "7,000"
+        assert "● rec" in str(app.query_one("#topbar").render())
+        app.set_sort("prefill_tps")
+        await pilot.pause()
+        assert [str(table.get_row_at(i)[0]) for i in range(4)] == ["vllm-3", "vllm-2", "vllm-1", "vllm-0"]
 
 
 async def test_help_names_keys_as_typed_and_explains_every_column():

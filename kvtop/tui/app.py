@@ -26,7 +26,8 @@ from textual_plotext import PlotextPlot
 
 from kvtop.tui.axis import set_y_ticks
 from kvtop.tui.feed import ControlError
-from kvtop.tui.model import (COLUMN_HELP, DEFAULT_SORT, config_change_text, GPU_BUSY_PCT, INSTANCE_COLUMNS, LOW_HIT_RATE, SORT_KEYS,
+from kvtop.tui.model import (COLUMN_HELP, DEFAULT_SORT, MEASURED_TPS_COLUMN, config_change_text, fmt_latency,
+                             health_state, GPU_BUSY_PCT, INSTANCE_COLUMNS, LOW_HIT_RATE, SORT_KEYS,
                              THRESHOLDS, Collected, decision_matches, doc_summary, fit_id, fmt_duration, fmt_int,
                              fmt_pct, fmt_secs, gpu_cells, instance_values, is_number, natural_key, sort_value,
                              sparkline, terms_summary)
@@ -156,6 +157,8 @@ class KvtopApp(App):
         self._tables_at = 0.0
         self._colors: dict[str, str] = {}
         self._gpu_na: str | None = None
+        self._health_notes: dict[str, str] = {}  # instance -> why it is down or ejected
+        self._measured_tps = False  # the prefill-rate column is there
         for t in THEMES:
             self.register_theme(t)
         self.theme = theme or "kvtop-dark"
@@ -196,7 +199,7 @@ class KvtopApp(App):
     def on_mount(self) -> None:
         t = self.query_one("#instances", DataTable)
         for key, label, width in INSTANCE_COLUMNS:
-            t.add_column(label, key=key, width=max(width, len(label) + 2))  # room for the sort arrow
+            t.add_column(label, key=key, width=max(width, len(label) + 1))  # room for the sort arrow
         d = self.query_one("#decision-table", DataTable)
         for key, label in [("time", "time"), ("session", "session"), ("class", "class"), ("instance", "inst"),
                            ("reason", "reason"), ("hit", "hit"), ("terms", "chosen terms")]:
@@ -343,8 +346,20 @@ class KvtopApp(App):
         elif getattr(self.feed, "control_problem", None):
             # e.g. the router restarted with a token this dashboard cannot find
             marks.append((f"CONTROL UNAVAILABLE: {self.feed.control_problem}", "bold reverse"))
-        if r.get("db"):
-            marks.append((f"● rec {Path(str(r['db'])).name}", "bold"))
+        log = r.get("decision_log") if isinstance(r.get("decision_log"), dict) else {}
+        if r.get("db") and log.get("degraded"):
+            # The writer is losing or failing rows (GET /health says degraded): say how.
+            lost = ", ".join(f"{log[k]} {word}" for k, word in (("rows_dropped", "dropped"), ("rows_failed", "failed"))
+                             if is_number(log.get(k)) and log[k])
+            lag = f", {float(log['lag_s']):.0f} s behind" if is_number(log.get("lag_s")) and log["lag_s"] >= 1 else ""
+            marks.append((f"⚠ rec DEGRADED{': ' + lost if lost else ''}{lag}", f"bold reverse {self._color('error')}"))
+        elif r.get("db"):
+            marks.append(("● rec", "bold"))
+        down = [health_state(i)[0] for i in snap.get("instances", []) if not i.get("healthy")]
+        if down.count("ejected"):
+            marks.append((f"⏏ {down.count('ejected')} ejected", f"bold reverse {self._color('error')}"))
+        if down.count("down"):
+            marks.append((f"✖ {down.count('down')} down", f"bold reverse {self._color('error')}"))
         if r.get("draining"):
             marks.append(("DRAINING", "bold"))
         for text, style in marks:
@@ -355,6 +370,8 @@ class KvtopApp(App):
         t.append(f"  up {fmt_duration(r.get('uptime_s'))}")
         t.append(f"  {r.get('url') or self.url}")
         t.append(f"  {self.hz:g} Hz", style="dim")
+        if r.get("db"):  # last: the whole path, where the width allows (it is printed on quit too)
+            t.append(f"  log {r['db']}", style="dim")
         self._update_static("#topbar", t)
 
     def _draw_banner(self) -> None:
@@ -407,7 +424,9 @@ class KvtopApp(App):
 
     def _instance_cells(self, inst: dict[str, Any], prev: dict[str, Any] | None) -> dict[str, tuple]:
         """Column key -> (comparable, renderable)."""
-        v = instance_values(inst)
+        snap_ts = (self.collected.snapshot or {}).get("ts")
+        now = float(snap_ts) if is_number(snap_ts) else self.clock()
+        v = instance_values(inst, self.collected.instance_ttft(str(inst.get("name")), now))
 
         def arrow(key: str) -> str:
             if prev is None or prev.get(key) is None or v[key] is None:
@@ -416,10 +435,22 @@ class KvtopApp(App):
 
         util, mem, why = gpu_cells(inst.get("gpu"))
         cells: dict[str, tuple] = {}
-        healthy = bool(v["health"])
+        state, reason = health_state(inst)
         cells["name"] = (v["name"], v["name"])
-        cells["health"] = (healthy, Text("● up", style=self._color("success")) if healthy
-                           else Text("✖ DOWN", style=f"bold reverse {self._color('error')}"))
+        cells["health"] = (state, Text("● up", style=self._color("success")) if state == "up"
+                           else Text("⏏ ejected" if state == "ejected" else "✖ DOWN",
+                                     style=f"bold reverse {self._color('error')}"))
+        if reason:
+            self._health_notes[v["name"]] = f"{v['name']} {'ejected' if state == 'ejected' else 'down'}: {reason}"
+        else:
+            self._health_notes.pop(v["name"], None)
+        for key in ("ttft_p50", "ttft_p90"):
+            cells[key] = (v[key], fmt_latency(v[key]))
+        errors = v["errors"]
+        cells["errors"] = (errors, Text(fmt_int(errors), style=f"bold {self._color('error')}") if errors
+                           else Text("0" if errors == 0 else "–", style="dim"))
+        if v["prefill_tps"] is not None:
+            cells["prefill_tps"] = (v["prefill_tps"], fmt_int(v["prefill_tps"]))
         lv = THRESHOLDS["requests"].level(v["requests"])
         a = arrow("requests")
         cells["requests"] = ((v["requests"], a, lv), self._levelled(str(v["requests"]), lv, a))
@@ -462,17 +493,27 @@ class KvtopApp(App):
         for key in [k for k in table.rows if k.value not in names]:
             table.remove_row(key)
             self._cells.pop(str(key.value), None)
+        for name in [n for n in self._health_notes if n not in names]:
+            self._health_notes.pop(name)
+        if not self._measured_tps and any(i.get("prefill_tps_measured") is not None for i in insts):
+            # The router measures prefill rates (a newer router): one more column, at the end.
+            key, label, width = MEASURED_TPS_COLUMN
+            table.add_column(label, key=key, width=max(width, len(label) + 1), default="–")
+            self._measured_tps = True
+            self._cells.clear()  # every row gets the new cell
+        columns = [k for k, _, _ in INSTANCE_COLUMNS] + (["prefill_tps"] if self._measured_tps else [])
         for inst in insts:
             name = inst["name"]
             cells = self._instance_cells(inst, prev_values.get(name))
+            if self._measured_tps and "prefill_tps" not in cells:
+                cells["prefill_tps"] = (None, "–")
             old = self._cells.get(name)
             if name not in table.rows:
-                table.add_row(*[cells[k][1] for k, _, _ in INSTANCE_COLUMNS], key=name)
+                table.add_row(*[cells[k][1] for k in columns], key=name)
                 sort_changed = True
             else:
                 # No cached cells (a theme change drops them to restyle): rewrite the whole row.
-                changed = {key: cells[key][1] for key, _, _ in INSTANCE_COLUMNS
-                           if old is None or old[key][0] != cells[key][0]}
+                changed = {key: cells[key][1] for key in columns if old is None or old[key][0] != cells[key][0]}
                 table.set_cells(name, changed)
                 if self.sort_key in changed or (self.sort_key == "backlog_s" and "backlog_tokens" in changed):
                     sort_changed = True
@@ -506,8 +547,8 @@ class KvtopApp(App):
         table.sort("name", key=by, reverse=self.sort_reverse)
         if selected is not None and selected in table.rows:
             table.move_cursor(row=table.get_row_index(selected), animate=False)
-        for ckey, label, _ in INSTANCE_COLUMNS:
-            mark = (" ▼" if self.sort_reverse else " ▲") if ckey == key else ""
+        for ckey, label, _ in INSTANCE_COLUMNS + ([MEASURED_TPS_COLUMN] if self._measured_tps else []):
+            mark = ("▼" if self.sort_reverse else "▲") if ckey == key else ""
             col = table.columns.get(ckey)  # type: ignore[call-overload]
             if col is not None:
                 col.label = Text(label + mark, style="bold underline" if mark else "")
@@ -537,6 +578,10 @@ class KvtopApp(App):
         sort = f"\nsort: {self.sort_label()} (s next column or click a header, r reverse)"
         if self.filters["overview"]:
             sort += f"  filter: {self.filters['overview']}"
+        if self._health_notes:
+            notes = sorted(self._health_notes.values(), key=natural_key)
+            line.append("\n" + "; ".join(notes[:4]) + (f"; {len(notes) - 4} more" if len(notes) > 4 else ""),
+                        style=f"bold {self._color('error')}")
         if self._gpu_na:
             sort += f"  GPU n/a: {self._gpu_na}"
         if self.collected.dropped:
@@ -769,7 +814,7 @@ class KvtopApp(App):
     def _header_clicked(self, event: DataTable.HeaderSelected) -> None:
         """A click on a column header sorts by it; a second click on it reverses."""
         key = str(event.column_key.value)
-        if key not in SORT_KEYS:
+        if key not in SORT_KEYS and key != MEASURED_TPS_COLUMN[0]:
             key = "backlog_tokens"  # the trend column sorts by the backlog it draws
         if key == self.sort_key:
             self.action_reverse()

@@ -23,18 +23,26 @@ HISTORY = 600  # samples kept per series: 10 min at 1 Hz, 2.5 min at 4 Hz
 
 # (key, label, width). The keys are the DataTable column keys and the sort keys.
 INSTANCE_COLUMNS: list[tuple[str, str, int]] = [
-    ("name", "instance", 10), ("health", "health", 6), ("requests", "req", 5), ("backlog_tokens", "backlog", 8),
-    ("backlog_s", "bl s", 6), ("decode_requests", "dreq", 4), ("decode_tokens", "dtok", 6),
-    ("est_hit", "est%", 5), ("engine_hit", "eng%", 5), ("kv", "KV%", 5), ("gpu_util", "GPU%", 4),
-    ("gpu_mem", "GPU mem", 9), ("trend", "backlog trend", 13),
+    # What an operator reads first comes first: at 120 columns everything up to dtok is on
+    # screen, the rest scrolls sideways with the instance name pinned.
+    ("name", "instance", 10), ("health", "health", 9), ("requests", "req", 5), ("backlog_tokens", "backlog", 8),
+    ("backlog_s", "bl s", 6), ("ttft_p50", "TTFT", 6), ("ttft_p90", "p90", 6), ("est_hit", "est%", 5),
+    ("engine_hit", "eng%", 5), ("errors", "err", 4), ("kv", "KV%", 5), ("gpu_util", "GPU%", 4),
+    ("decode_requests", "dreq", 4), ("decode_tokens", "dtok", 6), ("gpu_mem", "GPU mem", 9),
+    ("trend", "backlog trend", 13),
 ]
+#: Shown only when the router reports it (``instances[i].prefill_tps_measured``), appended.
+MEASURED_TPS_COLUMN = ("prefill_tps", "pf tok/s", 8)
+#: The instance table's TTFT percentiles are over this many seconds of outcomes.
+RECENT_S = 60.0
 SORT_KEYS = [k for k, _, _ in INSTANCE_COLUMNS if k != "trend"]
 #: The overview opens sorted by load: the largest prefill backlog first, as top sorts by CPU.
 DEFAULT_SORT = "backlog_tokens"
 #: Column key -> (what the sort line calls it, what the column means: the help's legend).
 COLUMN_HELP: dict[str, tuple[str, str]] = {
     "name": ("instance", "the vLLM instance's name"),
-    "health": ("health", "● up, or ✖ DOWN: unreachable or ejected for errors"),
+    "health": ("health", "● up; ✖ DOWN (its probe or a connect failed); ⏏ ejected (its requests kept "
+                         "failing); the reason is under the table"),
     "requests": ("requests", "requests in flight on the instance (BS)"),
     "backlog_tokens": ("prefill backlog", "prompt tokens sent whose first token has not come back (P)"),
     "backlog_s": ("backlog seconds", "that backlog in seconds at the router's assumed prefill rate"),
@@ -42,6 +50,10 @@ COLUMN_HELP: dict[str, tuple[str, str]] = {
     "decode_tokens": ("decoding tokens", "context tokens of the decoding requests (D)"),
     "est_hit": ("router est. hit %", "the router's estimated prefix-cache hit rate, recent requests"),
     "engine_hit": ("engine hit %", "the engine's own prefix-cache hit rate, recent"),
+    "ttft_p50": ("TTFT p50", f"median time to first token of its requests, last {RECENT_S:.0f} s"),
+    "ttft_p90": ("TTFT p90", f"90th percentile time to first token, last {RECENT_S:.0f} s"),
+    "errors": ("errors", "requests that failed on this instance since the router started"),
+    "prefill_tps": ("measured prefill rate", "prefill tokens per second the router measured on it"),
     "kv": ("KV use", "the engine's KV-cache usage"),
     "gpu_util": ("GPU utilisation", "GPU busy % (high is good: the GPU is working)"),
     "gpu_mem": ("GPU memory", "GPU memory used / total"),
@@ -127,6 +139,16 @@ def fmt_secs(s: Any) -> str:
     return f"{s:.2f}" if s < 10 else f"{s:.1f}" if s < 100 else f"{s:.0f}"
 
 
+def fmt_latency(ms: Any) -> str:
+    """A latency in its natural unit, narrow: ``85ms``, ``812ms``, ``3.8s``, ``52s``."""
+    if not is_number(ms):
+        return "–"
+    ms = float(ms)
+    if ms < 1000:
+        return f"{ms:.0f}ms"
+    return f"{ms / 1000:.1f}s" if ms < 10_000 else f"{ms / 1000:.0f}s"
+
+
 def fmt_duration(s: float | None) -> str:
     if not is_number(s):
         return "n/a"
@@ -156,13 +178,32 @@ def gpu_cells(gpu: dict[str, Any] | None) -> tuple[str, str, str | None]:
     return ("n/a" if util is None else f"{float(util):.0f}"), mem, None
 
 
-def instance_values(inst: dict[str, Any]) -> dict[str, Any]:
-    """Sortable raw values of one instance row (None sorts first)."""
+def health_state(inst: dict[str, Any]) -> tuple[str, str | None]:
+    """("up" | "down" | "ejected", the reason when not up) from the router's health section."""
+    h = inst.get("health") or {}
+    if inst.get("healthy"):
+        return "up", None
+    why = h.get("last_error") if isinstance(h.get("last_error"), str) else None
+    if h.get("ejected"):
+        left = h.get("ejected_for_s")
+        return "ejected", (why or "failed requests") + (f" (back in {left:.0f} s)" if is_number(left) else "")
+    return "down", why or "not answering"
+
+
+def instance_values(inst: dict[str, Any], ttft: tuple[float | None, float | None] = (None, None)
+                    ) -> dict[str, Any]:
+    """Sortable raw values of one instance row (None sorts first); ``ttft`` is its recent
+    (p50, p90) from ``Collected.instance_ttft``."""
     eng = inst.get("engine") or {}
     gpu = inst.get("gpu") or {}
+    errors = inst.get("errors") or {}
     return {
         "name": inst.get("name", "?"),
         "health": 1 if inst.get("healthy") else 0,
+        "ttft_p50": ttft[0],
+        "ttft_p90": ttft[1],
+        "errors": errors.get("requests_total") if is_number(errors.get("requests_total")) else None,
+        "prefill_tps": inst.get("prefill_tps_measured"),
         "requests": inst.get("num_requests") or 0,
         "backlog_tokens": inst.get("pending_prefill_tokens") or 0,
         "backlog_s": inst.get("backlog_s"),
@@ -188,11 +229,12 @@ def sort_value(v: Any) -> tuple[int, Any]:
 # (drawn as "n/a") and is reported once; dicts and lists that are not are replaced by empty ones.
 _INSTANCE_NUMBERS = ("num_requests", "pending_prefill_tokens", "backlog_s", "decode_requests", "decode_tokens",
                      "routed_total", "input_tokens_total", "est_hit_tokens_total", "est_hit_rate",
-                     "est_hit_rate_recent", "request_rate")
+                     "est_hit_rate_recent", "request_rate", "prefill_tps_measured")
 _SECTION_NUMBERS = {
     "engine": ("kv_usage", "prefix_hit_rate", "prefix_hit_rate_recent", "running", "waiting"),
     "gpu": ("util_pct", "mem_used_bytes", "mem_total_bytes"),
     "health": ("ejected_for_s", "ejections", "consecutive_errors"),
+    "errors": ("requests_total",),
 }
 _TOTAL_NUMBERS = ("in_flight", "num_requests", "pending_prefill_tokens", "backlog_s", "decode_requests",
                   "routed_total", "input_tokens_total", "est_hit_tokens_total", "est_hit_rate", "request_rate",
@@ -310,6 +352,8 @@ class Collected:
     hit_rate: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
     engine_hit_rate: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
     ttft_ms: deque = field(default_factory=lambda: deque(maxlen=5000))  # (ts, ttft) per outcome
+    #: per instance, (ts, ttft) of its recent outcomes: the instance table's TTFT columns
+    ttft_by_instance: dict[str, deque] = field(default_factory=dict)
     _last_totals: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
@@ -343,7 +387,16 @@ class Collected:
         elif kind == "outcome":
             ttft, ts = payload.get("ttft_ms"), payload.get("ts")
             if is_number(ttft):
-                self.ttft_ms.append((ts if is_number(ts) else time.time(), float(ttft)))
+                at = ts if is_number(ts) else time.time()
+                self.ttft_ms.append((at, float(ttft)))
+                name = payload.get("instance")
+                if isinstance(name, str):
+                    ring = self.ttft_by_instance.get(name)
+                    if ring is None:
+                        if len(self.ttft_by_instance) >= 4096:  # a fleet, not an unbounded set of names
+                            return
+                        ring = self.ttft_by_instance[name] = deque(maxlen=1000)
+                    ring.append((at, float(ttft)))
             elif ttft is not None:
                 self._malformed(f"outcome.ttft_ms is {type(ttft).__name__}")
         elif kind == "config":
@@ -386,6 +439,14 @@ class Collected:
         self._last_totals = (inp, hit)
         if engine_rates:
             self.engine_hit_rate.append((ts, 100 * sum(engine_rates) / len(engine_rates)))
+
+    def instance_ttft(self, name: str, now: float, window_s: float = RECENT_S) -> tuple[float | None, float | None]:
+        """(p50, p90) TTFT in ms of ``name``'s outcomes over the last ``window_s``; None without any."""
+        ring = self.ttft_by_instance.get(name)
+        vals = [v for ts, v in ring if ts >= now - window_s] if ring else []
+        if not vals:
+            return None, None
+        return percentile(vals, 50), percentile(vals, 90)
 
     def ttft_series(self, window_s: float, now: float, bucket_s: float | None = None
                     ) -> tuple[list[float], list[float], list[float]]:
@@ -489,7 +550,7 @@ def render_once(snap: dict[str, Any], policies: dict[str, Any] | None = None) ->
              f"policy {r.get('policy', '?')}  knobs "
              + (", ".join(f"{k}={v}" for k, v in sorted((r.get('knobs') or {}).items())) or "-")]
     headers = ["instance", "health", "req", "backlog_tok", "backlog_s", "dec_req", "dec_tok",
-               "est_hit%", "eng_hit%", "kv%", "gpu%", "gpu_mem"]
+               "est_hit%", "eng_hit%", "errors", "kv%", "gpu%", "gpu_mem"]
     rows = []
     notes = []
     for inst in snap.get("instances", []):
@@ -497,9 +558,13 @@ def render_once(snap: dict[str, Any], policies: dict[str, Any] | None = None) ->
         util, mem, why = gpu_cells(inst.get("gpu"))
         if why:
             notes.append(f"{v['name']}: gpu n/a: {why}")
-        rows.append([v["name"], "up" if v["health"] else "DOWN", str(v["requests"]), str(v["backlog_tokens"]),
-                     fmt_secs(v["backlog_s"]), str(v["decode_requests"]), str(v["decode_tokens"]),
-                     fmt_pct(v["est_hit"]), fmt_pct(v["engine_hit"]), fmt_pct(v["kv"]), util, mem])
+        state, reason = health_state(inst)
+        if reason:
+            notes.insert(0, f"{v['name']}: {state}: {reason}")
+        rows.append([v["name"], {"up": "up", "down": "DOWN", "ejected": "EJECTED"}[state], str(v["requests"]),
+                     str(v["backlog_tokens"]), fmt_secs(v["backlog_s"]), str(v["decode_requests"]),
+                     str(v["decode_tokens"]), fmt_pct(v["est_hit"]), fmt_pct(v["engine_hit"]),
+                     "n/a" if v["errors"] is None else str(v["errors"]), fmt_pct(v["kv"]), util, mem])
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(headers)]
     fmt_row = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731
                                       for i, (c, w) in enumerate(zip(cells, widths)))

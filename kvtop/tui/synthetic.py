@@ -112,9 +112,11 @@ def decision(k: int, n: int = 4, *, start: float = 1_700_000_000.0) -> dict[str,
             "migrated_from": None, "decision_us": 41.5, "terms": terms}
 
 
-def outcome(k: int, *, start: float = 1_700_000_000.0) -> dict[str, Any]:
+def outcome(k: int, n: int = 4, *, start: float = 1_700_000_000.0) -> dict[str, Any]:
+    """The outcome of ``decision(k, n)``, on the instance that decision chose."""
     rng = random.Random(-k)
     return {"ts": start + k * 0.25, "request_id": f"req-{k:06d}", "status": "ok",
+            "instance": f"vllm-{random.Random(k).randrange(n)}",
             "ttft_ms": 300 + 2500 * rng.random() ** 3, "e2e_ms": 4000.0}
 
 
