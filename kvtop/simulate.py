@@ -330,9 +330,9 @@ def run(args: argparse.Namespace) -> int:
     if args.from_db is not None:
         if args.trace is not None:
             raise CliError("give a trace or --from-db, not both")
-        if args.repeats != 1 or args.out or args.limit is not None or args.knob:
-            raise CliError("--from-db takes --policies, --run, --speed, --profile, --mode and --format "
-                           "(the run's own knobs are used)")
+        if args.out or args.limit is not None or args.knob or args.workers is not None:
+            raise CliError("--from-db takes --policies, --run, --speed, --profile, --mode, --repeats, "
+                           "--jitter and --format (the run's own knobs are used)")
         from kvtop.whatif import run as whatif_run
 
         return whatif_run(args, simulate, SimConfig)

@@ -24,7 +24,6 @@ so a reader knows how far to trust the other policies' what-ifs.
 from __future__ import annotations
 
 import json
-import math
 import sqlite3
 import statistics
 from collections.abc import Sequence
@@ -144,6 +143,7 @@ def load_run(path: str | Path, run_id: str | None = None) -> RecordedRun:
     t0 = kept[0][0]["t_proxy_recv"]
     last_done: dict[str, float] = {}
     requests, recorded = [], []
+    fine = FineChains(block_size)
     for row, o, chain in kept:
         sess = row["session_id"]
         t = row["t_proxy_recv"] - t0
@@ -152,7 +152,8 @@ def load_run(path: str | Path, run_id: str | None = None) -> RecordedRun:
         last_done[sess] = (o["t_done"] or row["t_proxy_recv"]) - t0
         requests.append(TraceRequest(arrival=t, session=sess, turn=row["turn"] or 1,
                                      input_tokens=row["input_tokens"], output_tokens=o["output_tokens"],
-                                     hash_ids=chain, block_size=block_size, think_time=think,
+                                     hash_ids=fine.chain(sess, row["request_id"], chain, row["input_tokens"]),
+                                     block_size=FINE_BLOCK, think_time=think,
                                      source=f"db:{rid}"))
         recorded.append({"request_id": row["request_id"], "session": sess, "turn": row["turn"], "arrival": t,
                          "input_tokens": row["input_tokens"], "output_tokens": o["output_tokens"],
@@ -164,6 +165,51 @@ def load_run(path: str | Path, run_id: str | None = None) -> RecordedRun:
     return RecordedRun(run_id=rid, policies=policies, knobs=dict(config.get("knobs") or {}),
                        instances=instances, block_size=block_size, requests=requests, recorded=recorded,
                        shadows=shadows, skipped=skipped, total=len(rows))
+
+
+#: The block size of the chains handed to the simulator (see FineChains).
+FINE_BLOCK = 64
+
+
+class FineChains:
+    """Chains at FINE_BLOCK tokens from the router's coarser recorded ones, for the engine.
+
+    The router records a hash per full block of its own size (512 by default), so a prompt's
+    last partial block is invisible: simulated engines would prefill up to 511 tokens of every
+    cached prompt again, which vLLM (16-token blocks) does not. An agentic turn repeats its
+    session's previous prompt whole and appends to it. So: when every full block of the
+    session's previous prompt starts this one and this one is no shorter, the whole previous
+    prompt counts as shared (its partial tail included); otherwise only the common full blocks.
+    A fine block inherits the previous prompt's id inside the shared part, is derived from its
+    coarse block's id elsewhere (``hash((coarse_id, k))``: equal content, equal ids, across
+    sessions too), and beyond the last full coarse block is this request's own. Kept per session:
+    the last coarse chain, input length and fine chain."""
+
+    def __init__(self, coarse_block: int):
+        self.coarse = coarse_block
+        self.per = max(1, coarse_block // FINE_BLOCK)
+        self.last: dict[str, tuple[list[int], int, list[int]]] = {}
+
+    def chain(self, session: str, request_id: str, coarse: list[int], input_tokens: int) -> list[int]:
+        prev = self.last.get(session)
+        shared = 0
+        if prev is not None:
+            p_coarse, p_tokens, p_fine = prev
+            k = 0
+            for a, b in zip(p_coarse, coarse):
+                if a != b:
+                    break
+                k += 1
+            shared = p_tokens if k == len(p_coarse) and input_tokens >= p_tokens else k * self.coarse
+            fine = p_fine[:min(shared // FINE_BLOCK, len(p_fine))]
+        else:
+            fine = []
+        per = self.per
+        for j in range(len(fine), input_tokens // FINE_BLOCK):
+            c = j // per
+            fine.append(hash((coarse[c], j % per)) if c < len(coarse) else hash((request_id, j)))
+        self.last[session] = (coarse, input_tokens, fine)
+        return fine
 
 
 # -- time scale ---------------------------------------------------------------------------------
@@ -334,16 +380,33 @@ def unscale(records: list[dict[str, Any]], speed: float, names: Sequence[str],
 
 # -- validation ---------------------------------------------------------------------------------
 
+METRICS = ("ttft_p50", "ttft_p90", "e2e_p99", "apc")
+
+
+def ordinal_keys(records: Sequence[dict[str, Any]]) -> list[tuple[str, int]]:
+    """(session, n): the n-th request of its session by arrival. A key that survives the
+    simulator's own request numbering and a replica's shifted arrivals (a session moves whole)."""
+    order = sorted(range(len(records)), key=lambda k: (records[k]["arrival"], k))
+    seen: dict[str, int] = {}
+    keys: list[tuple[str, int]] = [("", 0)] * len(records)
+    for k in order:
+        s = records[k]["session"]
+        seen[s] = seen.get(s, 0) + 1
+        keys[k] = (s, seen[s])
+    return keys
+
+
 def figures(records: Sequence[dict[str, Any]], names: Sequence[str],
-            only: set[str] | None = None) -> dict[str, Any]:
+            only: set[tuple[str, int]] | None = None) -> dict[str, Any]:
     """TTFT p50/p90, E2E p99 (ms), APC and each instance's share of requests, over ok requests
-    (TTFT over ``only`` request ids when given: those whose TTFT the recording knows)."""
-    ok = [r for r in records if r.get("status") == "ok"]
-    ttft = [r["ttft_ms"] for r in ok if r.get("ttft_ms") is not None
-            and (only is None or r["request_id"] in only)]
-    e2e = [r["e2e_ms"] for r in ok if r.get("e2e_ms") is not None]
-    inp = sum(r["input_tokens"] for r in ok)
-    hit = sum(r.get("cached_tokens") or 0 for r in ok)
+    (TTFT over ``only`` requests when given: those whose TTFT the recording knows)."""
+    keys = ordinal_keys(records) if only is not None else None
+    ok = [k for k, r in enumerate(records) if r.get("status") == "ok"]
+    ttft = [records[k]["ttft_ms"] for k in ok if records[k].get("ttft_ms") is not None
+            and (keys is None or keys[k] in only)]
+    e2e = [records[k]["e2e_ms"] for k in ok if records[k].get("e2e_ms") is not None]
+    inp = sum(records[k]["input_tokens"] for k in ok)
+    hit = sum(records[k].get("cached_tokens") or 0 for k in ok)
     n = len(records) or 1
     share = {name: sum(1 for r in records if r.get("instance") == name) / n for name in names}
     return {"requests": len(records), "ok": len(ok), "ttft_p50": percentile(ttft, 50),
@@ -351,16 +414,42 @@ def figures(records: Sequence[dict[str, Any]], names: Sequence[str],
             "apc": hit / inp if inp else None, "share": share}
 
 
+def combine(figs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Replicas' figures as one row: each metric's mean, with ``<metric>_ci`` (95% half-width)
+    and ``<metric>_range`` (min, max) when there is more than one replica."""
+    from kvtop.repeats import interval
+
+    out: dict[str, Any] = {"requests": figs[0]["requests"], "ok": round(statistics.mean(f["ok"] for f in figs)),
+                           "replicas": len(figs)}
+    for m in METRICS:
+        vals = [f[m] for f in figs if f[m] is not None]
+        if not vals:
+            out[m] = None
+            continue
+        mean, half = interval(vals)
+        out[m] = mean
+        if len(figs) > 1:
+            out[m + "_ci"] = half
+            out[m + "_range"] = (min(vals), max(vals))
+    names = figs[0]["share"].keys()
+    out["share"] = {n: statistics.mean(f["share"][n] for f in figs) for n in names}
+    return out
+
+
 def validate(recorded: dict[str, Any], sim: dict[str, Any]) -> dict[str, Any]:
-    """How closely the re-simulation of the policy that ran reproduces the recorded run."""
+    """How closely the re-simulation of the policy that ran reproduces the recorded run:
+    relative errors of its (mean) figures, APC in points, and with replicas whether each
+    recorded figure lies inside the replicas' range."""
     def rel(k):
         a, b = recorded[k], sim[k]
         return None if not a or b is None else (b - a) / a
 
     share_gap = max((abs(sim["share"].get(k, 0) - v) for k, v in recorded["share"].items()), default=0.0)
     apc_pts = None if recorded["apc"] is None or sim["apc"] is None else (sim["apc"] - recorded["apc"]) * 100
+    inside = {m: sim[m + "_range"][0] <= recorded[m] <= sim[m + "_range"][1]
+              for m in METRICS if sim.get(m + "_range") and recorded[m] is not None}
     return {"ttft_p50": rel("ttft_p50"), "ttft_p90": rel("ttft_p90"), "e2e_p99": rel("e2e_p99"),
-            "apc_points": apc_pts, "max_share_gap": share_gap}
+            "apc_points": apc_pts, "max_share_gap": share_gap, "inside": inside}
 
 
 def _ms(v: float | None) -> str:
@@ -373,32 +462,47 @@ def _pct(v: float | None, signed: bool = False) -> str:
     return f"{v * 100:+.1f}%" if signed else f"{v * 100:.1f}%"
 
 
+def _cell(f: dict[str, Any], m: str) -> str:
+    v, ci = f[m], f.get(m + "_ci")
+    if v is None:
+        return "-"
+    if m == "apc":
+        return _pct(v) + ("" if ci is None else f" ± {ci * 100:.1f}")
+    if ci is None:
+        return _ms(v)
+    return f"{v / 1000:.3f} ± {ci / 1000:.3f} s" if v >= 1000 else f"{v:.1f} ± {ci:.1f} ms"
+
+
 def format_report(run: RecordedRun, speed: float, speed_note: str, rows: list[tuple[str, dict[str, Any]]],
-                  check: dict[str, Any] | None, check_policy: str | None, fmt: str = "text") -> str:
-    lines = []
-    skipped = sum(run.skipped.values())
-    lines.append(f"what-if replay of run {run.run_id}: {len(run.requests)} of {run.total} requests "
-                 f"re-run ({skipped} skipped" + (": " + ", ".join(f"{v} {k}" for k, v in run.skipped.items())
-                                                  if skipped else "") + ")")
-    lines.append(f"recorded policy: {', '.join(run.policies)}; instances: {len(run.instances)}; "
-                 f"time scale: engine = wall x {speed:.3g} ({speed_note}); figures in the run's wall time")
-    md = fmt == "md"
-    head = ["arm", "ok", "TTFT p50", "TTFT p90", "E2E p99", "APC"] + list(run.instances)
-    body = [[label, str(f["ok"]), _ms(f["ttft_p50"]), _ms(f["ttft_p90"]), _ms(f["e2e_p99"]), _pct(f["apc"])]
-            + [_pct(f["share"].get(n)) for n in run.instances] for label, f in rows]
+                  check: dict[str, Any] | None, check_policy: str | None, fmt: str = "text",
+                  replicas: int = 1, jitter_s: float = 0.0) -> str:
     if fmt == "csv":
         import csv
         import io
 
         buf = io.StringIO()
         w = csv.writer(buf)
-        w.writerow(["arm", "ok", "ttft_p50_ms", "ttft_p90_ms", "e2e_p99_ms", "apc"] + [f"share_{n}" for n in run.instances])
+        cols = ["ttft_p50_ms", "ttft_p90_ms", "e2e_p99_ms", "apc"]
+        w.writerow(["arm", "ok", *cols, *(c + "_ci" for c in cols), *(f"share_{n}" for n in run.instances)])
         for label, f in rows:
-            w.writerow([label, f["ok"], f["ttft_p50"], f["ttft_p90"], f["e2e_p99"], f["apc"]]
-                       + [f["share"].get(n) for n in run.instances])
+            w.writerow([label, f["ok"], *(f[m] for m in METRICS), *(f.get(m + "_ci") for m in METRICS),
+                        *(f["share"].get(n) for n in run.instances)])
         return buf.getvalue().rstrip("\n")
+    lines = []
+    skipped = sum(run.skipped.values())
+    lines.append(f"what-if replay of run {run.run_id}: {len(run.requests)} of {run.total} requests "
+                 f"re-run ({skipped} skipped" + (": " + ", ".join(f"{v} {k}" for k, v in run.skipped.items())
+                                                  if skipped else "") + ")")
+    lines.append(f"recorded policy: {', '.join(run.policies)}; instances: {len(run.instances)}; "
+                 f"time scale: engine = wall x {speed:.4g} ({speed_note}); figures in the run's wall time")
+    if replicas > 1:
+        lines.append(f"simulated: mean ± 95% interval over {replicas} replicas (replica 0 as recorded, the "
+                     f"others with each session shifted by up to ±{jitter_s:g} engine seconds)")
+    head = ["arm", "ok", "TTFT p50", "TTFT p90", "E2E p99", "APC"] + list(run.instances)
+    body = [[label, str(f["ok"]), *(_cell(f, m) for m in METRICS)]
+            + [_pct(f["share"].get(n)) for n in run.instances] for label, f in rows]
     lines.append("")
-    if md:
+    if fmt == "md":
         lines.append("| " + " | ".join(head) + " |")
         lines.append("|" + "|".join("---" if i == 0 else "---:" for i in range(len(head))) + "|")
         lines += ["| " + " | ".join(r) + " |" for r in body]
@@ -411,21 +515,24 @@ def format_report(run: RecordedRun, speed: float, speed_note: str, rows: list[tu
     if check is None:
         lines.append("validation: the run used several policies (" + ", ".join(run.policies) + "); "
                      "re-simulating one of them cannot reproduce it, so no fidelity check")
-    else:
-        lines.append(f"validation (re-simulated {check_policy} against the recording): "
-                     f"TTFT p50 {_pct(check['ttft_p50'], True)}, p90 {_pct(check['ttft_p90'], True)}, "
-                     f"E2E p99 {_pct(check['e2e_p99'], True)}, APC {check['apc_points']:+.1f} points, "
-                     f"largest instance-share gap {check['max_share_gap'] * 100:.1f} points"
-                     if check["apc_points"] is not None else
-                     f"validation (re-simulated {check_policy}): TTFT p50 {_pct(check['ttft_p50'], True)}, "
-                     f"p90 {_pct(check['ttft_p90'], True)}, E2E p99 {_pct(check['e2e_p99'], True)}")
-        worst = max(abs(v) for v in (check["ttft_p50"], check["ttft_p90"]) if v is not None) if any(
-            v is not None for v in (check["ttft_p50"], check["ttft_p90"])) else math.inf
-        trust = ("close: the what-ifs below are on a simulator that reproduces this run"
-                 if worst <= 0.15 and (check["apc_points"] is None or abs(check["apc_points"]) <= 3)
-                 else "loose: the simulator does not reproduce this run closely; read the what-ifs as "
-                      "directions, not figures (a wrong --profile or --speed is the usual cause)")
-        lines.append(f"  trust: {trust}")
+        return "\n".join(lines)
+    apc = "-" if check["apc_points"] is None else f"{check['apc_points']:+.1f} points"
+    lines.append(f"validation (re-simulated {check_policy} against the recording): "
+                 f"TTFT p50 {_pct(check['ttft_p50'], True)}, p90 {_pct(check['ttft_p90'], True)}, "
+                 f"E2E p99 {_pct(check['e2e_p99'], True)}, APC {apc}, "
+                 f"largest instance-share gap {check['max_share_gap'] * 100:.1f} points")
+    if check["inside"]:
+        outside = [m for m, ok in check["inside"].items() if not ok]
+        lines.append("  the recording lies inside the replicas' range on " +
+                     (", ".join(m for m, ok in check["inside"].items() if ok) or "no figure") +
+                     ("" if not outside else "; outside on " + ", ".join(outside)))
+    errs = [abs(v) for v in (check["ttft_p50"], check["ttft_p90"]) if v is not None]
+    close = bool(errs) and max(errs) <= 0.15 and (check["apc_points"] is None or abs(check["apc_points"]) <= 3)
+    trust = ("close: the what-ifs are on a simulator that reproduces this run (TTFT within 15%, APC within "
+             "3 points)" if close else
+             "loose: the simulator does not reproduce this run closely; read the what-ifs as directions, not "
+             "figures (a wrong --profile or --speed is the usual cause; --repeats shows the run-to-run spread)")
+    lines.append(f"  trust: {trust}")
     return "\n".join(lines)
 
 
@@ -435,6 +542,7 @@ def run(args: Any, simulate: Any, sim_config: Any) -> int:
     import sys
     import time
 
+    from kvtop.repeats import perturb
     from kvtop.sim.profiles import get_profile
     from router.policies import policy_class
 
@@ -444,6 +552,8 @@ def run(args: Any, simulate: Any, sim_config: Any) -> int:
         raise CliError(str(exc.args[0])) from None
     if args.speed is not None and not args.speed > 0:
         raise CliError("--speed must be positive")
+    if args.repeats < 1 or args.jitter < 0:
+        raise CliError("--repeats must be at least 1, --jitter at least 0")
     policies = [p.strip() for p in (args.policies or "").split(",") if p.strip()]
     for p in policies:
         try:
@@ -469,8 +579,9 @@ def run(args: Any, simulate: Any, sim_config: Any) -> int:
         f"{fit.per_100k_s * 1000:.1f} ms per 100k input tokens, added to simulated TTFT and E2E")
     print(f"time scale x{speed:.4g} ({note}) in {time.process_time() - t0:.1f} CPU s", file=sys.stderr)
     requests = scaled(rec, speed)
-    names = rec.instances or [f"i{k}" for k in range(len({r['instance'] for r in rec.recorded}))]
-    has_ttft = {r["request_id"] for r in rec.recorded if r["ttft_ms"] is not None}
+    names = rec.instances or sorted({r["instance"] for r in rec.recorded})
+    rec_keys = ordinal_keys(rec.recorded)
+    has_ttft = {k for k, r in zip(rec_keys, rec.recorded) if r["ttft_ms"] is not None}
     recorded_fig = figures(rec.recorded, names)
     rows: list[tuple[str, dict[str, Any]]] = [("recorded " + "+".join(rec.policies), recorded_fig)]
     check, check_policy = None, None
@@ -480,22 +591,18 @@ def run(args: Any, simulate: Any, sim_config: Any) -> int:
         cfg = sim_config(instances=len(names), profile=args.profile, mode=args.mode,
                          router_block_size=rec.block_size, knobs=knobs)
         t0 = time.process_time()
-        try:
-            records = simulate(requests, canon, cfg)
-        except ValueError as exc:
-            raise CliError(str(exc)) from None
-        print(f"simulated {canon}: {len(records)} requests in {time.process_time() - t0:.1f} CPU s",
+        figs = []
+        for replica in range(args.repeats):
+            try:
+                records = simulate(perturb(requests, replica, args.jitter), canon, cfg)
+            except ValueError as exc:
+                raise CliError(str(exc)) from None
+            figs.append(figures(unscale(records, speed, names, fit), names, only=has_ttft))
+        print(f"simulated {canon}: {len(requests)} requests x {args.repeats} in {time.process_time() - t0:.1f} CPU s",
               file=sys.stderr)
-        out = unscale(records, speed, names, fit)
-        by_id = {r["request_id"]: r for r in out}
-        # the simulator numbers requests by position; give them the recorded ids back
-        for k, r in enumerate(rec.recorded):
-            s = by_id.get(str(k))
-            if s is not None:
-                s["request_id"] = r["request_id"]
-        fig = figures(out, names, only=has_ttft)
+        fig = combine(figs)
         rows.append((f"sim {canon}", fig))
         if len(rec.policies) == 1 and canon == policy_class(rec.policies[0]).name:
             check, check_policy = validate(recorded_fig, fig), canon
-    print(format_report(rec, speed, note, rows, check, check_policy, args.format))
+    print(format_report(rec, speed, note, rows, check, check_policy, args.format, args.repeats, args.jitter))
     return 0

@@ -51,10 +51,23 @@ async def test_load_run_rebuilds_the_traffic(router):
             assert len(b.hash_ids) > len(a.hash_ids) and b.hash_ids[:len(a.hash_ids)] == a.hash_ids
             assert b.think_time is not None and b.think_time >= 0
         assert all(r.output_tokens == 2 for r in reqs)  # the fake backend's usage
-    # the chains are the router's own block hashes of those prompts
-    st = c.server.app[STATE]
-    assert all(len(r.hash_ids) == r.input_tokens // 512 for r in run.requests)
-    assert st.cluster.block_size == 512
+    # the simulator gets 64-token chains (FineChains) built on the router's 512-token ones
+    assert all(r.block_size == 64 and len(r.hash_ids) == r.input_tokens // 64 for r in run.requests)
+
+
+def test_fine_chains_share_a_whole_previous_prompt_and_only_full_blocks_otherwise():
+    from kvtop.whatif import FineChains
+
+    fc = FineChains(512)
+    a = fc.chain("s", "a", [11, 12], 1300)  # 2 full coarse blocks + a 276-token tail
+    assert len(a) == 20
+    b = fc.chain("s", "b", [11, 12, 13, 14], 2100)  # extends a: a's tail is shared too
+    assert b[:20] == a and len(b) == 32
+    c = fc.chain("s", "c", [11, 99, 98, 97, 96], 2600)  # diverges after one block: 8 fine blocks
+    assert c[:8] == b[:8] and c[8] != b[8]
+    # another session with the same first block derives the same fine ids (a shared system prompt)
+    d = FineChains(512).chain("t", "d", [11], 600)
+    assert d[:8] == a[:8] and len(d) == 9
 
 
 async def test_unreplayable_rows_are_counted_not_guessed(router, tmp_path):
@@ -121,7 +134,7 @@ async def test_cli_from_db_reports_and_validates(router, tmp_path, capsys):
     (["--from-db", "{old}"], "schema version 1"),
     (["--from-db", "{db}", "--run", "nope"], "--run nope: not in"),
     (["trace.jsonl", "--from-db", "{db}"], "not both"),
-    (["--from-db", "{db}", "--repeats", "3"], "--from-db takes"),
+    (["--from-db", "{db}", "--limit", "3"], "--from-db takes"),
     (["--from-db", "{db}", "--speed", "0"], "--speed must be positive"),
     (["--from-db", "{db}", "--policies", "nope"], "unknown policy"),
     (["trace.jsonl", "--policies", "unified", "--speed", "3"], "go with --from-db"),
