@@ -6,8 +6,10 @@ a replay of the bundled sample trace, and the dashboard attached to it.
   kvtop demo --headless --duration 10 # no TUI: run for 10 s, print the report seed table
 
 Everything listens on 127.0.0.1 on free ports. Quitting (q or ctrl+c) stops every process
-the demo started, by pid, and nothing else. The decision log goes to a temporary directory
-unless --db names a file.
+the demo started, by pid, and nothing else. The decision log is kept (in the state dir,
+~/.local/state/kvtop/demo/, unless --db names a file) and its path printed on the way out;
+the router's locator goes to the state dir too, so `kvtop attach` in a second terminal
+finds the demo. Latencies are wall-clock time at --speed: the engines run that much faster.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", default=None, metavar="FILE", help="trace to replay (default: the bundled sample)")
     p.add_argument("--loops", type=int, default=3, metavar="K",
                    help="with the dashboard, replay the trace up to K times (default 3)")
+    p.add_argument("--loop", action="store_true",
+                   help="with the dashboard, replay the trace again and again until you quit")
 
 
 class Stack:
@@ -127,7 +131,9 @@ def start_cluster(args: argparse.Namespace, stack: Stack, db: str) -> tuple[str,
         if not wait_http(u + "/health", sim, 30):
             raise CliError(f"kvtop sim did not come up: {stack.log_tail('sim') or 'no output'}")
     port = free_port_run(1)
-    state_dir = stack.workdir / "state"
+    from kvtop.tui.feed import default_state_dir
+
+    state_dir = default_state_dir()  # where `kvtop attach` looks: a second terminal finds the demo
     route_args = ["route", "--port", str(port), "--policy", args.policy, "--db", db, "--state-dir", str(state_dir)]
     for u in urls:
         route_args += ["--backend", u]
@@ -204,17 +210,30 @@ def run(args: argparse.Namespace) -> int:
     # processes it started are stopped too instead of outliving it.
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _interrupt)
+    db = args.db or str(demo_db_path())
     with tempfile.TemporaryDirectory(prefix="kvtop-demo-") as tmp:
         workdir = Path(tmp)
-        db = args.db or str(workdir / "kvtop.db")
         stack = Stack(workdir)
+        print(f"kvtop demo: starting {args.instances} simulated instances and the router ...", file=sys.stderr)
         try:
             url, token, _ = start_cluster(args, stack, db)
             if args.headless:
                 return _headless(args, stack, trace, url, workdir, db)
-            return _with_tui(args, stack, trace, url, token, workdir)
+            return _with_tui(args, stack, trace, url, token, workdir, db)
         finally:
             stack.stop()
+            if Path(db).is_file():
+                print(f"kvtop demo: decision log kept at {db}\n  kvtop log --db {db} summary\n"
+                      f"  kvtop log --db {db} why REQUEST_ID", file=sys.stderr)
+
+
+def demo_db_path() -> Path:
+    """A new decision-log file for this demo in the state dir: kept after the demo ends."""
+    from kvtop.tui.feed import default_state_dir
+
+    folder = default_state_dir() / "demo"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / f"kvtop-demo-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.db"
 
 
 def _interrupt(signum, frame) -> None:
@@ -252,27 +271,49 @@ def _headless(args: argparse.Namespace, stack: Stack, trace: str, url: str, work
         raise CliError(f"the run produced no results: {stack.log_tail('replay') or stack.log_tail('route')}")
     table = render(arms, "text")
     sys.stdout.write(table if table.endswith("\n") else table + "\n")
+    if args.speed != 1:
+        print(f"(latencies are wall-clock time with the engines at {args.speed:g}x speed: the simulated "
+              f"engine's own times are {args.speed:g}x these; kvtop simulate reports engine time)")
     return 0
 
 
 def _with_tui(args: argparse.Namespace, stack: Stack, trace: str, url: str, token: str | None,
-              workdir: Path) -> int:
+              workdir: Path, db: str) -> int:
     from kvtop.tui.app import KvtopApp
     from kvtop.tui.feed import RouterFeed
 
     stop = threading.Event()
+    app = KvtopApp(RouterFeed(url, token), url=url, can_control=bool(token), speed=args.speed)
+
+    def tell(note: str, message: str | None = None) -> None:
+        def show() -> None:
+            app.note = note
+            if message:
+                app.notify(message, title="kvtop demo", timeout=20)
+        try:
+            app.call_from_thread(show)
+        except RuntimeError:  # the app is not running (yet, or any more)
+            pass
 
     def loop_replay() -> None:
-        for k in range(args.loops):
+        k = 0
+        while args.loop or k < args.loops:
             if stop.is_set():
                 return
+            if k:
+                tell(f"replay {k + 1}" + ("" if args.loop else f"/{args.loops}"))
             proc = stack.start(f"replay-{k}", replay_args(trace, url, args.speed, workdir / f"results-{k}.jsonl"))
             while proc.poll() is None:
                 if stop.wait(0.5):
                     return
+            k += 1
+        # Without a word the dashboard just went quiet once the trace ran out.
+        tell(f"trace done ({args.loops}×): idle",
+             f"The trace has been replayed {args.loops} times and nothing more is sent. Quit with q; "
+             "kvtop demo --loop replays until you quit.")
 
+    app.note = "replay 1" + ("" if args.loop else f"/{args.loops}")
     threading.Thread(target=loop_replay, name="kvtop-demo-replay", daemon=True).start()
-    app = KvtopApp(RouterFeed(url, token), url=url, can_control=bool(token))
     if args.duration:
         app.call_later(lambda: app.set_timer(args.duration, app.exit))
     try:

@@ -235,7 +235,8 @@ def format_summary(result: dict) -> str:
         n = s["decisions"]
         lines += ["", f"== {s['label']}  {_fmt_ts(s['start_ts'])} .. {_fmt_ts(s['end_ts'])} "
                       f"({_fmt_span(s['start_ts'], s['end_ts'])})",
-                  f"  decisions {n:,}  requests {s['requests']:,}  errors {s['errors']:,}"]
+                  f"  decisions {n:,}  requests {s['requests']:,}  errors {s['errors']:,}"
+                  + (f"  cancelled {s['cancelled']:,} (client gone, cut off)" if s.get("cancelled") else "")]
         lines.append("  reasons      " + _shares(s["reasons"], n))
         lines.append("  classes      " + _shares(s["route_classes"], n))
         lines.append("  outcomes     " + _shares(s["statuses"], n))

@@ -43,6 +43,8 @@ class Arm:
     columns: seedtable.RequestColumns
     apc: dict[str, Any] | None = None  # engine counters {queries, hits} or {value, source}
     load_records: Callable[[], Sequence[Mapping[str, Any]]] | None = None
+    #: requests cut off by their client (a decision log's ``client_gone``), not in the figures
+    cancelled: int = 0
 
     @property
     def requests(self) -> int:
@@ -106,7 +108,7 @@ def load_db_arms(db_path: str, run_id: str | None) -> list[Arm]:
     # A log's arm answers the seed table from SQL (``columns``); its records, a dict per
     # request, are built only if --plot asks. Stand-ins without ``columns`` give records.
     return [Arm(a.label, getattr(a, "columns", None) or seedtable.RecordColumns(a.records), a.apc,
-                lambda a=a: a.records) for a in arms]
+                lambda a=a: a.records, getattr(a, "cancelled", 0)) for a in arms]
 
 
 def _unique_labels(arms: list[Arm]) -> None:
@@ -126,9 +128,12 @@ def render(arms: Sequence[Arm], fmt: str = "text") -> str:
     class_text = seedtable.format_class_table(classes, fmt)
     if fmt == "csv":  # two CSV tables, separated by a blank line
         return seed_text + "\n\n" + class_text + "\n"
+    cut = [f"{a.label} {a.cancelled:,}" for a in arms if a.cancelled]
+    note = ("\n\ncancelled (cut off by their client, e.g. a run stopped mid-way; not counted as "
+            "requests or errors): " + ", ".join(cut)) if cut else ""
     if fmt == "md":
-        return f"## Seed table\n\n{seed_text}\n\n## TTFT by route class\n\n{class_text}\n"
-    return f"{seed_text}\n\nTTFT by route class\n{class_text}\n"
+        return f"## Seed table\n\n{seed_text}{note}\n\n## TTFT by route class\n\n{class_text}\n"
+    return f"{seed_text}{note}\n\nTTFT by route class\n{class_text}\n"
 
 
 def cdf_points(values: Sequence[float]) -> tuple[list[float], list[float]]:

@@ -40,6 +40,10 @@ from store.stats import ranked_percentile
 OUTCOME_COLUMNS = ("status", "http_status", "error", "ttft_ms", "e2e_ms", "tpot_ms", "output_tokens",
                    "delivered_hit_tokens", "t_first_token", "t_done")
 STATUSES = ("ok", "error", "upstream_error", "client_gone", "timeout")
+#: Outcome statuses of requests cut off by their client, not failed (``summary`` counts them apart).
+CANCELLED = ("client_gone",)
+_CANCELLED_SQL = "(" + ", ".join(f"'{c}'" for c in CANCELLED) + ")"
+_RECORD_STATUS = {1: "ok", 0: "error", 2: "cancelled", None: None}
 PERCENTILES = (50, 90, 99)
 _SEP = "\x1f"  # unit separator: cannot appear in a reason, class or status
 
@@ -496,7 +500,10 @@ def summary(db: sqlite_utils.Database | str | Path, run_id: str | None = None) -
             "reasons": r["reasons"],
             "route_classes": r["classes"],
             "statuses": statuses,
-            "errors": sum(v for k, v in statuses.items() if k not in ("ok", "no_outcome")),
+            # A request whose client went away (an agent's Esc, a replay or demo stopped
+            # mid-run) was cut off, not failed: counted apart, as kvtop attach counts it.
+            "errors": sum(v for k, v in statuses.items() if k not in ("ok", "no_outcome", *CANCELLED)),
+            "cancelled": sum(statuses.get(k, 0) for k in CANCELLED),
             "ttft_ms": o["ttft"],
             "e2e_ms": o["e2e"],
             "hits": {
@@ -659,6 +666,9 @@ class Arm:
     end_ts: float | None = None
     #: requests whose final attempt has no outcome row (still in flight, or lost in a crash)
     missing_outcomes: int = 0
+    #: requests cut off by their client (``client_gone``: a run stopped mid-way): left out of
+    #: the records and the seed table's requests and errors, counted here
+    cancelled: int = 0
     #: the segment as a ``kvtop.seedtable.RequestColumns``; None: read ``records`` instead
     columns: SegmentColumns | None = None
     _records: list[dict] | None = field(default=None, repr=False)
@@ -679,7 +689,9 @@ def arms_from_db(db_path: str | Path | sqlite_utils.Database, run_id: str | None
     """One Arm per policy segment of the run (the latest when None), in time order.
 
     A record is a request's final attempt (a retry replaces its first try) joined with that
-    attempt's outcome; ``status`` is ``ok`` or ``error`` (every other outcome status).
+    attempt's outcome; ``status`` is ``ok`` or ``error`` (every other outcome status but
+    ``client_gone``: a request its client cut off did not fail; it is left out of the records
+    and counted in ``Arm.cancelled``).
     ``apc``: the mean ``engine_hit_rate`` of the segment's samples when the router sampled
     engine counters, else sum(delivered) / sum(input) over requests whose engine reported
     cached tokens (``delivered_cached_tokens``), else None.
@@ -709,7 +721,7 @@ def arms_from_db(db_path: str | Path | sqlite_utils.Database, run_id: str | None
         arm = Arm(label=seg["label"], apc=None, run_id=run_id, policy=seg["policy"],
                   policy_version=seg["policy_version"], start_ts=seg["start_ts"], end_ts=seg["end_ts"])
         if columns is None:
-            arm._records, arm.missing_outcomes = load()
+            arm._records, arm.missing_outcomes, arm.cancelled = load()
             delivered = inputs = 0
             for r in arm._records:
                 c = r["cached_tokens"]
@@ -719,8 +731,9 @@ def arms_from_db(db_path: str | Path | sqlite_utils.Database, run_id: str | None
         else:
             arm.columns = columns.get(key) or SegmentColumns(conn, run_id, key)
             arm._load = lambda load=load: load()[0]
+            arm.cancelled = columns.cancelled[key]
             arm.missing_outcomes = (seg["decisions"] - columns.superseded_decisions[key]
-                                    - arm.columns.counts()[0])
+                                    - arm.columns.counts()[0] - arm.cancelled)
             delivered, inputs = arm.columns.delivered_tokens
         arm.apc = _apc(conn, run_id, seg, delivered, inputs, has_samples)
         arms.append(arm)
@@ -728,12 +741,14 @@ def arms_from_db(db_path: str | Path | sqlite_utils.Database, run_id: str | None
 
 
 def _records(conn: sqlite3.Connection, run_id: str, run_clause: str, seg: dict,
-             last_attempt: dict[str, int]) -> tuple[list[dict], int]:
-    """The segment's records and how many final attempts have no outcome."""
+             last_attempt: dict[str, int]) -> tuple[list[dict], int, int]:
+    """The segment's records, how many final attempts have no outcome, and how many were
+    cut off by their client (left out of the records)."""
     label = seg["label"]
     cursor = conn.execute(
         f"""SELECT d.request_id, d.attempt, d.session_id, d.turn, d.input_tokens, o.output_tokens,
-            o.status = 'ok', o.ttft_ms, o.e2e_ms, o.tpot_ms, o.delivered_hit_tokens, d.instance, d.route_class
+            CASE WHEN o.status = 'ok' THEN 1 WHEN o.status IN {_CANCELLED_SQL} THEN 2
+                 WHEN o.status IS NULL THEN NULL ELSE 0 END, o.ttft_ms, o.e2e_ms, o.tpot_ms, o.delivered_hit_tokens, d.instance, d.route_class
         FROM decisions d LEFT JOIN outcomes o
           ON o.request_id = d.request_id AND o.attempt = d.attempt AND +o.run_id = d.run_id
         WHERE {run_clause} AND d.policy = ? AND d.policy_version IS ? ORDER BY d.id""",
@@ -747,7 +762,7 @@ def _records(conn: sqlite3.Connection, run_id: str, run_clause: str, seg: dict,
         # when the attempt has no outcome row (status None here, dropped below).
         records = [
             {"request_id": rid, "session": ses, "turn": turn, "input_tokens": inp,
-             "output_tokens": out, "status": "ok" if ok else None if ok is None else "error",
+             "output_tokens": out, "status": _RECORD_STATUS[ok],
              "ttft_ms": ttft, "e2e_ms": e2e, "tpot_ms": tpot, "cached_tokens": cached, "instance": inst,
              "route_class": rc, "arm": label}
             for rid, att, ses, turn, inp, out, ok, ttft, e2e, tpot, cached, inst, rc in cursor
@@ -756,9 +771,10 @@ def _records(conn: sqlite3.Connection, run_id: str, run_clause: str, seg: dict,
         if gc_was_enabled:
             gc.enable()
     missing = len(records) - sum(map(bool, map(itemgetter("status"), records)))
-    if missing:
-        records = [r for r in records if r["status"] is not None]
-    return records, missing
+    cancelled = sum(1 for r in records if r["status"] == "cancelled")
+    if missing or cancelled:
+        records = [r for r in records if r["status"] is not None and r["status"] != "cancelled"]
+    return records, missing, cancelled
 
 
 def _apc(conn: sqlite3.Connection, run_id: str, seg: dict, delivered: int, inputs: int,
@@ -889,9 +905,11 @@ class SegmentColumns:
 
 
 class _Columns(dict):
-    """Per segment key, its SegmentColumns; plus superseded decisions per segment."""
+    """Per segment key, its SegmentColumns; plus superseded decisions and cancelled
+    requests per segment."""
 
     superseded_decisions: Counter
+    cancelled: Counter
 
 
 def _segment_columns(conn: sqlite3.Connection, run_id: str, last_attempt: dict[str, int]
@@ -901,6 +919,8 @@ def _segment_columns(conn: sqlite3.Connection, run_id: str, last_attempt: dict[s
     records would then derive from the input length)."""
     out = _Columns()
     out.superseded_decisions = Counter()
+    out.cancelled = Counter()
+    not_cancelled = f"status IS NOT NULL AND status NOT IN {_CANCELLED_SQL}"
 
     def seg(pol: str, ver: int | None) -> SegmentColumns:
         if (pol, ver) not in out:
@@ -916,7 +936,7 @@ def _segment_columns(conn: sqlite3.Connection, run_id: str, last_attempt: dict[s
         # Status and class counts, TTFT sums per class (and so per segment).
         for pol, ver, status, cls, n, n_ttft, *pieces in conn.execute(
                 f"""SELECT policy, policy_version, status, route_class, count(*), count(ttft_ms),
-                {_exact_sum_sql('ttft_ms')} FROM outcomes WHERE run_id = ? AND status IS NOT NULL
+                {_exact_sum_sql('ttft_ms')} FROM outcomes WHERE run_id = ? AND {not_cancelled}
                 GROUP BY policy, policy_version, status, route_class""", (run_id,)):
             if not cls:
                 return None
@@ -938,7 +958,7 @@ def _segment_columns(conn: sqlite3.Connection, run_id: str, last_attempt: dict[s
                 sum(CASE WHEN delivered_hit_tokens IS NOT NULL AND input_tokens THEN delivered_hit_tokens END),
                 sum(CASE WHEN delivered_hit_tokens IS NOT NULL AND input_tokens THEN input_tokens END),
                 count(tpot_ms), count(e2e_ms), {_exact_sum_sql('e2e_ms')}
-                FROM outcomes WHERE run_id = ? AND status IS NOT NULL
+                FROM outcomes WHERE run_id = ? AND {not_cancelled}
                 GROUP BY policy, policy_version, instance, status""", (run_id,)):
             s = seg(pol, ver)
             if instance:
@@ -951,6 +971,10 @@ def _segment_columns(conn: sqlite3.Connection, run_id: str, last_attempt: dict[s
                 s.usage[1] += inp or 0
                 add_values(s, ("e2e_ms", None), n_e2e, _exact_total(*pieces))
                 add_values(s, ("tpot_ms", None), n_tpot, None)  # no TPOT mean: ranks only
+        for pol, ver, n in conn.execute(
+                f"""SELECT policy, policy_version, count(*) FROM outcomes
+                WHERE run_id = ? AND status IN {_CANCELLED_SQL} GROUP BY policy, policy_version""", (run_id,)):
+            out.cancelled[(pol, ver)] += n
     except sqlite3.OperationalError as exc:  # e.g. integer overflow on absurd latencies
         if "overflow" not in str(exc):
             raise
@@ -970,6 +994,9 @@ def _segment_columns(conn: sqlite3.Connection, run_id: str, last_attempt: dict[s
                 "WHERE request_id IN (SELECT value FROM json_each(?)) AND +run_id = ? AND status IS NOT NULL",
                 (retried, run_id)):
             if attempt == last_attempt[rid]:
+                continue
+            if status in CANCELLED:  # counted among the cancelled, not the requests
+                out.cancelled[(pol, ver)] -= 1
                 continue
             s = seg(pol, ver)  # a superseded attempt: take it back out of every figure
             s.requests -= 1

@@ -50,6 +50,11 @@ def test_demo_headless_prints_seed_table(tmp_path, which):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "TTFT" in proc.stdout and "demo" in proc.stdout
     assert "Traceback" not in proc.stderr
+    # Issue 20: the decision log was deleted on quit, and nothing said the latencies are wall
+    # time at 10x speed (0.238 s against kvtop simulate's 2.669 s for the same trace).
+    kept = list((tmp_path / ".local" / "state" / "kvtop" / "demo").glob("kvtop-demo-*.db"))
+    assert len(kept) == 1 and f"decision log kept at {kept[0]}" in proc.stderr
+    assert "wall-clock time with the engines at 10x speed" in proc.stdout
 
 
 def _processes_mentioning(text: str) -> list[int]:

@@ -164,3 +164,41 @@ def test_receipt_number_format(value, text):
     from kvtop.receipt import fmt_num
 
     assert fmt_num(value) == text
+
+
+# -- a run stopped mid-way: cut-off requests are cancelled, not errors ------------------------
+
+@pytest.mark.parametrize("flat", [True, False])  # outcomes carrying their decision's columns, or joined
+def test_cut_off_requests_are_cancelled_not_errors(tmp_path, capsys, flat):
+    """Issue 20: quitting the demo mid-run turned cut-off requests into errors in
+    `log summary` and `report --db` while the dashboard said 0."""
+    from store import queries
+    from store.schema import ensure_schema
+
+    path = tmp_path / "kvtop.db"
+    db = sqlite_utils.Database(path)
+    ensure_schema(db)
+    db["runs"].insert({"run_id": "r", "started_at": T0})
+    statuses = ["ok", "ok", "ok", "upstream_error", "client_gone", "client_gone"]
+    seg = {"policy": "unified", "policy_version": 1, "route_class": "MEDIUM", "input_tokens": 1000,
+           "session_id": "s", "turn": 1, "est_hit_tokens": 0}
+    db["decisions"].insert_all({**seg, "run_id": "r", "ts": T0 + k, "request_id": f"q{k}", "attempt": 1,
+                                "instance": f"i{k % 2}", "reason": "argmin"} for k in range(len(statuses)))
+    db["outcomes"].insert_all({**(seg if flat else {}), "run_id": "r", "ts": T0 + k + 1, "request_id": f"q{k}",
+                               "attempt": 1, "instance": f"i{k % 2}", "status": st,
+                               "ttft_ms": 100.0 + k if st == "ok" else None,
+                               "e2e_ms": 500.0 + k if st == "ok" else None} for k, st in enumerate(statuses))
+    db.close()
+    seg_summary = queries.summary(str(path))["segments"][0]
+    assert seg_summary["errors"] == 1 and seg_summary["cancelled"] == 2
+    (arm,) = queries.arms_from_db(str(path))
+    assert arm.cancelled == 2 and arm.missing_outcomes == 0
+    assert sorted(r["status"] for r in arm.records) == ["error", "ok", "ok", "ok"]
+    if arm.columns is not None:
+        assert arm.columns.counts() == (4, 3)
+    rc, out, _ = _kvtop(capsys, "log", "--db", str(path), "summary")
+    assert rc == 0 and "errors 1  cancelled 2 (client gone, cut off)" in out
+    rc, out, _ = _kvtop(capsys, "report", "--db", str(path))
+    assert rc == 0 and "not counted as requests or errors): unified@1 2" in out
+    row = next(line.split() for line in out.splitlines() if line.startswith("unified@1"))
+    assert row[1:4] == ["4", "3", "1"]  # requests, ok, errors

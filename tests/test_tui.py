@@ -504,6 +504,39 @@ async def test_disconnect_banner():
         assert "DISCONNECTED" in str(app.query_one("#topbar").render())
 
 
+async def test_first_frames_say_connecting_not_disconnected():
+    """Issue 20: every demo opened on a red DISCONNECTED frame for about a second."""
+    feed = FakeFeed(policies=copy.deepcopy(syn.POLICIES), sessions=syn.sessions(4, 4))
+    feed.events = feed_that_waits(feed)  # no _status yet: the stream has not answered
+    app, _ = make_app(feed, connect_grace_s=60)
+    async with app.run_test(size=SIZE) as pilot:
+        app.apply(force=True)
+        await pilot.pause()
+        top = str(app.query_one("#topbar").render())
+        assert "connecting" in top and "DISCONNECTED" not in top
+        assert not app.query_one("#banner").display
+        # The router refusing during its start-up is still "connecting" within the grace...
+        app.collected.ingest("_status", {"connected": False, "error": "Connection refused", "retry_in_s": 0.5})
+        app.apply(force=True)
+        await pilot.pause()
+        assert "connecting" in str(app.query_one("#topbar").render())
+        assert not app.query_one("#banner").display
+        # ...and red once the grace is over.
+        app.connect_grace_s = 0
+        app.apply(force=True)
+        await pilot.pause()
+        assert "DISCONNECTED" in str(app.query_one("#topbar").render())
+        assert app.query_one("#banner").display
+
+
+def feed_that_waits(feed):
+    async def events():
+        import asyncio
+        await asyncio.Event().wait()
+        yield "_status", {}
+    return events
+
+
 async def test_chart_y_labels_are_round_and_compact():
     """The charts' y axes read 150k, 1.5s and 80%, not plotext's 139925.0, 2518.4 and 83.3."""
     import re

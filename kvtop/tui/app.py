@@ -122,7 +122,7 @@ class KvtopApp(App):
     def __init__(self, feed: Any, *, url: str = "", readonly: bool = False, can_control: bool = True,
                  hz: float = 4.0, theme: str | None = None, max_decisions: int = 500,
                  clock: Callable[[], float] = time.time, apply_timer: bool = True,
-                 poll_sessions_s: float = 2.0):
+                 poll_sessions_s: float = 2.0, connect_grace_s: float = 3.0, speed: float | None = None):
         super().__init__()
         self.feed = feed
         self.url = url or getattr(feed, "url", "")
@@ -132,6 +132,14 @@ class KvtopApp(App):
         self.clock = clock
         self.apply_timer = apply_timer
         self.poll_sessions_s = poll_sessions_s
+        # A router that is still starting (kvtop demo) refuses the first connection: that is
+        # "connecting", not a red DISCONNECTED frame, until the grace is over.
+        self.connect_grace_s = connect_grace_s
+        self._started = time.monotonic()
+        #: kvtop demo: the simulated engines run this many times faster than wall time
+        self.speed = speed
+        #: a line from whoever runs the app (kvtop demo: the replay's progress), in the header
+        self.note: str | None = None
         self.max_decisions = max_decisions
         self.collected = Collected(max_decisions=max(max_decisions, 100))
         self.paused = False
@@ -337,8 +345,14 @@ class KvtopApp(App):
         marks = []
         if self.paused:
             marks.append(("⏸ PAUSED", "reverse bold"))
-        if not self.collected.connected:
+        if self.connecting:
+            marks.append(("⋯ connecting", "bold"))
+        elif not self.collected.connected:
             marks.append(("✖ DISCONNECTED", "reverse bold"))
+        if self.speed and self.speed != 1:
+            marks.append((f"SIM ×{self.speed:g}: wall-clock times", "bold"))
+        if self.note:
+            marks.append((self.note, "bold"))
         if self.readonly:
             marks.append(("READ-ONLY", "bold"))
         elif not self.can_control:
@@ -374,10 +388,17 @@ class KvtopApp(App):
             t.append(f"  log {r['db']}", style="dim")
         self._update_static("#topbar", t)
 
+    @property
+    def connecting(self) -> bool:
+        """Not connected yet, and either nothing has failed or the start-up grace is not over."""
+        c = self.collected
+        return (not c.connected and not c.ever_connected
+                and (c.error is None or time.monotonic() - self._started < self.connect_grace_s))
+
     def _draw_banner(self) -> None:
         c = self.collected
         banner = self.query_one("#banner", Static)
-        if c.connected:
+        if c.connected or self.connecting:
             if c.malformed_error:
                 # The stream is up but the router sent something the API does not describe:
                 # say so on one line and keep drawing what could be read.

@@ -339,6 +339,7 @@ class Collected:
     snapshot: dict[str, Any] | None = None
     snapshot_seq: int = 0
     connected: bool = False
+    ever_connected: bool = False  # until the first connection the view says "connecting", not red
     error: str | None = None
     retry_at: float | None = None
     decisions: deque = field(default_factory=deque)
@@ -411,6 +412,7 @@ class Collected:
                                 if is_number(v))
         elif kind == "_status":
             self.connected = bool(payload.get("connected"))
+            self.ever_connected = self.ever_connected or self.connected
             self.error = payload.get("error")
             retry = payload.get("retry_in_s")
             self.retry_at = time.time() + retry if retry else None
@@ -443,7 +445,11 @@ class Collected:
     def instance_ttft(self, name: str, now: float, window_s: float = RECENT_S) -> tuple[float | None, float | None]:
         """(p50, p90) TTFT in ms of ``name``'s outcomes over the last ``window_s``; None without any."""
         ring = self.ttft_by_instance.get(name)
-        vals = [v for ts, v in ring if ts >= now - window_s] if ring else []
+        if not ring:
+            return None, None
+        while ring and ring[0][0] < now - window_s:  # outcomes arrive in time order: drop the old
+            ring.popleft()
+        vals = [v for ts, v in ring if ts >= now - window_s]
         if not vals:
             return None, None
         return percentile(vals, 50), percentile(vals, 90)
