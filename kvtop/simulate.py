@@ -51,7 +51,7 @@ from router.request import RouteRequest
 @dataclass
 class SimConfig:
     instances: int = 8
-    profile: str = "h20"
+    profile: Any = "h20"  # a profile name or file, or a Profile (kvtop/whatif.py fits one)
     router_block_size: int = 512
     engine_block_size: int | None = None  # default: the trace's block size
     mode: str = "open"
@@ -66,7 +66,7 @@ def _engine_factory(cfg: SimConfig, trace_block_size: int):
     from kvtop.sim.engine import Engine
     from kvtop.sim.profiles import get_profile
 
-    prof = get_profile(cfg.profile)
+    prof = cfg.profile if not isinstance(cfg.profile, str) else get_profile(cfg.profile)
     ebs = cfg.engine_block_size or max(prof.block_size, trace_block_size)
     capacity_tokens = prof.num_gpu_blocks * prof.block_size
     admission = cfg.admission  # the engine's own waiting queue; the router's is the pipeline's
