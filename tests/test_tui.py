@@ -402,6 +402,35 @@ async def test_instances_show_errors_recent_ttft_health_reasons_and_writer_healt
         assert [str(table.get_row_at(i)[0]) for i in range(4)] == ["vllm-3", "vllm-2", "vllm-1", "vllm-0"]
 
 
+async def test_fleet_strips_show_every_instance_from_16_up():
+    """Issue 20: a fleet of 64-256 instances read at a glance, not 20 rows at a time."""
+    from kvtop.tui.model import fleet_strips
+
+    feed = FakeFeed(policies=copy.deepcopy(syn.POLICIES), sessions=syn.sessions(4, 40))
+    snap = syn.snapshot(40, 0.0)
+    snap["instances"][7]["healthy"] = False
+    feed.push("state", snap)
+    app, _ = make_app(feed)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot, app)
+        fleet = app.query_one("#fleet")
+        assert fleet.display
+        lines = str(fleet.render()).splitlines()
+        # 40 one-character cells per strip, wrapped to the width; the down instance is ✖ in both
+        cells = [line[9:] for line in lines[:-1]]
+        assert sum(len(c) for c in cells) == 80 and all(len(c) <= 80 - 9 - 3 for c in cells)
+        assert lines[0].startswith("backlog") and any(l.startswith("est hit") for l in lines)
+        assert "".join(cells).count("✖") == 2 and "✖ down (1)" in lines[-1]
+    strips = fleet_strips(snap["instances"], 100)
+    busiest = max(snap["instances"], key=lambda i: i["pending_prefill_tokens"] if i["healthy"] else -1)
+    names = sorted((i["name"] for i in snap["instances"]), key=lambda n: int(n.split("-")[1]))
+    assert strips[0][1][names.index(busiest["name"])][0] == "█"  # the busiest is the full bar
+    small, _ = make_app(n=4, steps=2, decisions=0)
+    async with small.run_test(size=SIZE) as pilot:
+        await settle(pilot, small)
+        assert not small.query_one("#fleet").display  # 4 instances: the table says it all
+
+
 async def test_help_names_keys_as_typed_and_explains_every_column():
     """Issue 20: help listed Textual's key ids (question_mark, left_square_bracket) and no legend."""
     from kvtop.tui.screens import HelpScreen

@@ -26,7 +26,7 @@ from textual_plotext import PlotextPlot
 
 from kvtop.tui.axis import set_y_ticks
 from kvtop.tui.feed import ControlError
-from kvtop.tui.model import (COLUMN_HELP, DEFAULT_SORT, MEASURED_TPS_COLUMN, config_change_text, fmt_latency,
+from kvtop.tui.model import (COLUMN_HELP, DEFAULT_SORT, FLEET_MIN, MEASURED_TPS_COLUMN, fleet_strips, config_change_text, fmt_latency,
                              health_state, GPU_BUSY_PCT, INSTANCE_COLUMNS, LOW_HIT_RATE, SORT_KEYS,
                              THRESHOLDS, Collected, decision_matches, doc_summary, fit_id, fmt_duration, fmt_int,
                              fmt_pct, fmt_secs, gpu_cells, instance_values, is_number, natural_key, sort_value,
@@ -177,6 +177,7 @@ class KvtopApp(App):
         yield Static(id="banner")
         with TabbedContent(initial="overview", id="tabs"):
             with TabPane("1 Overview", id="overview"):
+                yield Static(id="fleet")
                 yield LiveTable(id="instances", cursor_type="row", zebra_stripes=True, fixed_columns=1)
                 yield Static(id="totals")
                 yield PlotextPlot(id="overview-backlog")
@@ -222,6 +223,7 @@ class KvtopApp(App):
                            ("doc", "doc")]:
             k.add_column(label, key=key)
         self.query_one("#filter", Input).display = False
+        self.query_one("#fleet", Static).display = False
         t.focus()
         self._refresh_controls()
         self._read_feed()
@@ -313,6 +315,7 @@ class KvtopApp(App):
             if active == "overview" and c.snapshot_seq != self._applied_snapshot and tables_due:
                 self._applied_snapshot = c.snapshot_seq
                 self._draw_instances()
+                self._draw_fleet()
                 self._draw_totals()
             if active == "sessions":
                 if c.snapshot_seq != self._applied_affinity:
@@ -579,6 +582,37 @@ class KvtopApp(App):
         """``prefill backlog ▼``: the sort as the operator reads it."""
         name = COLUMN_HELP.get(self.sort_key, (self.sort_key, ""))[0]
         return f"{name} {'▼' if self.sort_reverse else '▲'}"
+
+    def _draw_fleet(self) -> None:
+        """The fleet strips above the table, from FLEET_MIN instances: every instance at once."""
+        insts = (self.collected.snapshot or {}).get("instances", [])
+        fleet = self.query_one("#fleet", Static)
+        if len(insts) < FLEET_MIN:
+            if fleet.display:
+                fleet.display = False
+            return
+        fleet.display = True
+        label_w = 9
+        styles = {0: "", 1: f"bold {self._color('warning')}", 2: f"bold reverse {self._color('error')}"}
+        t = Text(no_wrap=True)
+        down = sum(1 for i in insts if not i.get("healthy"))
+        lines = fleet_strips(insts, self.size.width - label_w - 3)
+        for n, (label, cells) in enumerate(lines):
+            if n:
+                t.append("\n")
+            t.append(f"{label:<{label_w}}", style="bold" if label else "")
+            run, level = "", None
+            for ch, lv in cells:  # one span per run of a level, not one per instance
+                if lv != level and run:
+                    t.append(run, style=styles[level or 0])
+                    run = ""
+                run += ch
+                level = lv
+            if run:
+                t.append(run, style=styles[level or 0])
+        t.append(f"\n{len(insts)} instances in name order, one character each: bar height = backlog "
+                 f"(of the busiest) and est. hit rate; ✖ down ({down})", style="dim")
+        self._update_static("#fleet", t)
 
     def _draw_totals(self) -> None:
         snap = self.collected.snapshot or {}

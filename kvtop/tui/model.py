@@ -99,6 +99,44 @@ GPU_BUSY_PCT = 70.0
 LOW_HIT_RATE = 0.25
 
 
+#: From this many instances the overview adds the fleet strips: one character per instance.
+FLEET_MIN = 16
+
+
+def fleet_strips(insts: list[dict[str, Any]], width: int) -> list[tuple[str, list[tuple[str, int]]]]:
+    """The fleet at a glance, for 16 to hundreds of instances: per instance (in name order)
+    one character of backlog (bar height relative to the busiest, level 0-2 from
+    ``THRESHOLDS["backlog_s"]``) and one of the router's recent estimated hit rate (height =
+    rate; level 1 below ``LOW_HIT_RATE``); ``✖`` for an instance that is down or ejected.
+
+    Returns (label, [(character, level)]) lines, each at most ``width`` characters of cells,
+    the backlog lines first. Height carries the value, so colour is never the only signal.
+    """
+    ordered = sorted(insts, key=lambda i: natural_key(str(i.get("name", ""))))
+    top = max((float(i.get("pending_prefill_tokens") or 0) for i in ordered), default=0.0)
+    backlog, hit = [], []
+    for inst in ordered:
+        if not inst.get("healthy"):
+            backlog.append(("✖", 2))
+            hit.append(("✖", 2))
+            continue
+        pending = float(inst.get("pending_prefill_tokens") or 0)
+        level = THRESHOLDS["backlog_s"].level(inst.get("backlog_s") if is_number(inst.get("backlog_s")) else None)
+        backlog.append((SPARK[min(7, int(pending / top * 7.999))] if top > 0 else SPARK[0], level))
+        rate = inst.get("est_hit_rate_recent")
+        rate = rate if is_number(rate) else inst.get("est_hit_rate")
+        if is_number(rate):
+            hit.append((SPARK[min(7, max(0, int(float(rate) * 7.999)))], 1 if rate < LOW_HIT_RATE else 0))
+        else:
+            hit.append(("·", 0))
+    width = max(8, width)
+    lines: list[tuple[str, list[tuple[str, int]]]] = []
+    for label, cells in (("backlog", backlog), ("est hit", hit)):
+        for k in range(0, len(cells), width):
+            lines.append((label if k == 0 else "", cells[k:k + width]))
+    return lines
+
+
 def sparkline(values: list[float], width: int = 12) -> str:
     vals = values[-width:]
     if not vals:
