@@ -842,9 +842,10 @@ async def test_save_docs_screenshots():
              ("sessions", (120, 40), None, "sessions"), ("decisions", (120, 40), None, "decisions"),
              ("policy", (120, 40), None, "policy"), ("overview", (80, 24), None, "overview-80x24"),
              ("overview", (120, 40), "kvtop-light", "overview-light"),
-             ("overview", (120, 40), "kvtop-cb", "overview-colour-blind")]
+             ("overview", (120, 40), "kvtop-cb", "overview-colour-blind"),
+             ("overview", (120, 40), None, "fleet-64")]
     for tab, size, theme, name in shots:
-        app, run_before = _snap_app(tab, **({"theme": theme} if theme else {}))
+        app, run_before = _snap_app(tab, n=64 if name == "fleet-64" else 4, **({"theme": theme} if theme else {}))
         async with app.run_test(size=size) as pilot:
             await run_before(pilot)
             if name == "decisions":
