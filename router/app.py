@@ -111,6 +111,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         yield
     finally:
         await kv_events.stop_subscribers(state.kv_subscribers)
+        state.deferred.run()  # decisions whose shadow picks were still queued
         state.upstream.close()
         state.parser.close()
         if state.writer:

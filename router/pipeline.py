@@ -137,7 +137,7 @@ class Pipeline:
         self.on_admit = on_admit or (lambda flow: None)
         self.queue = AdmissionQueue(len(core.cluster.instances))
         #: Shadow policies (router/shadow.py), asked after the decision row is due; ``defer``
-        #: runs that later, off the client's path (live: the loop's next turn; offline: at once).
+        #: runs that later, off the client's path (live: batched about 1 ms later; offline: at once).
         self.shadows: Any = None
         self.defer: Callable[[Callable[[], None]], Any] | None = None
         self._flows: dict[int, Flow] = {}  # id(ticket) -> flow, for tickets at an admission gate

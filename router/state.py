@@ -128,7 +128,8 @@ class RouterState:
         self.shadows = Shadows(parse_specs(config.shadows), budget_ms=config.shadow_budget_ms,
                                on_drop=self._shadow_dropped)
         self.pipeline.shadows = self.shadows
-        self.pipeline.defer = _call_soon
+        self.deferred = _Later()
+        self.pipeline.defer = self.deferred
         self.chains = ChainEncoder()  # compact block chains in decision rows (store/chains.py)
         self.tokenizer = Tokenizer(config.tokenizer) if config.tokenizer else None
         self.parser = BodyParser(config, self.tokenizer)
@@ -246,12 +247,37 @@ class RouterState:
 STATE = web.AppKey("state", RouterState)
 
 
-def _call_soon(fn) -> None:
-    """The live pipeline's defer: run ``fn`` on the loop's next turn, after the send."""
-    try:
-        asyncio.get_running_loop().call_soon(fn)
-    except RuntimeError:  # no loop (a unit test driving the state directly): now
-        fn()
+class _Later:
+    """The live pipeline's defer: queued work runs together ``delay_s`` after the first of it,
+    on the loop. The shadows' picks then run after the answer in all but the slowest
+    backends' case, and a burst of requests costs one timer, not one callback each."""
+
+    def __init__(self, delay_s: float = 0.001):
+        self.delay_s = delay_s
+        self.items: list[Callable[[], None]] = []
+        self.handle: asyncio.TimerHandle | None = None
+
+    def __call__(self, fn: Callable[[], None]) -> None:
+        if self.handle is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # no loop (a unit test driving the state directly): now
+                fn()
+                return
+            self.handle = loop.call_later(self.delay_s, self.run)
+        self.items.append(fn)
+
+    def run(self) -> None:
+        """Run everything queued (the timer, or the shutdown path before the writer closes)."""
+        if self.handle is not None:
+            self.handle.cancel()
+            self.handle = None
+        items, self.items = self.items, []
+        for fn in items:
+            try:
+                fn()
+            except Exception:  # one bad record must not lose the others
+                log.exception("deferred decision record failed")
 
 
 def _wake(flow) -> None:
