@@ -3,8 +3,9 @@
 A trivial backend (bench_overhead's) answers at once; ``kvtop route`` sits in front with
 ``--max-input-tokens`` raised so that huge prompts are routed, not refused. ``--bodies``
 clients each send one ``--mb`` MB chat body at the same moment, ``--rounds`` times, while a
-prober GETs ``/health`` every 20 ms. Printed: answers by status, the router's peak RSS
-(VmHWM from /proc), and /health's p50 / max latency during the bodies.
+prober in a process of its own (so the senders' event loop, busy writing 480 MB, does not
+delay its timer or its reads) GETs ``/health`` every 20 ms. Printed: answers by status, the
+router's peak RSS (VmHWM from /proc), and /health's p50 / p99 / max latency during the bodies.
 
     python benchmarks/bench_bodies.py                  # 8 x 60 MB, 3 rounds (the issue's case)
 """
@@ -41,16 +42,6 @@ async def run(url: str, args: argparse.Namespace) -> tuple[list[int], list[float
     n_msgs = args.mb * 1024 * 1024 // len(json.dumps(msg))
     body = json.dumps({"model": "tiny", "messages": [msg] * n_msgs, "max_tokens": 1}).encode()
     statuses: list[int] = []
-    health: list[float] = []
-    done = asyncio.Event()
-
-    async def probe(http) -> None:
-        while not done.is_set():
-            t0 = time.perf_counter()
-            async with http.get(url + "/health") as r:
-                await r.read()
-            health.append((time.perf_counter() - t0) * 1000)
-            await asyncio.sleep(0.02)
 
     async def one(http) -> None:
         async with http.post(url + "/v1/chat/completions", data=body,
@@ -59,13 +50,47 @@ async def run(url: str, args: argparse.Namespace) -> tuple[list[int], list[float
             statuses.append(r.status)
 
     timeout = aiohttp.ClientTimeout(total=300)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as http:
-        prober = asyncio.create_task(probe(http))
-        for _ in range(args.rounds):
-            await asyncio.gather(*(one(http) for _ in range(args.bodies)))
-        done.set()
-        await prober
+    prober = subprocess.Popen([sys.executable, __file__, "--probe", url], stdout=subprocess.PIPE, text=True)
+    try:
+        await asyncio.sleep(0.5)  # the prober's first probes are before the bodies: a baseline
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as http:
+            for _ in range(args.rounds):
+                await asyncio.gather(*(one(http) for _ in range(args.bodies)))
+    finally:
+        prober.terminate()
+        out, _ = prober.communicate(timeout=30)
+    health = [float(x) for x in out.split()]
     return statuses, health
+
+
+def probe(url: str) -> None:
+    """GET /health every 20 ms until terminated; print each latency in ms (one per line)."""
+    import http.client
+    import signal
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    stop = False
+
+    def on_term(*_):
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_term)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    out = []
+    while not stop:
+        t0 = time.perf_counter()
+        try:
+            conn.request("GET", "/health")
+            conn.getresponse().read()
+        except (OSError, http.client.HTTPException):
+            conn.close()
+            conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+            continue
+        out.append((time.perf_counter() - t0) * 1000)
+        time.sleep(0.02)
+    print("\n".join(f"{x:.3f}" for x in out))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,7 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bodies", type=int, default=8)
     p.add_argument("--mb", type=int, default=60)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--probe", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.probe:
+        probe(args.probe)
+        return 0
     tmp = tempfile.mkdtemp(prefix="kvtop-bodies-")
     bport, rport = bo.free_port(), bo.free_port()
     backend = subprocess.Popen([sys.executable, bo.__file__, "--serve-backend", str(bport)])

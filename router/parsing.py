@@ -85,7 +85,9 @@ class BodyParser:
             return body, route_request(parsed, counted, max_input_tokens=cfg.max_input_tokens)
         if self._pool is None:
             # spawn, not fork: the router has threads (the writer) that a fork would copy mid-flight
-            self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+            # at nice 10, as the tokenizing threads: on a busy host the event loop goes first
+            self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=_lower_priority)
         self.offloaded += 1
         hv = headers.get(cfg.session_header) if cfg.session_header else None
         try:
