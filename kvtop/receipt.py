@@ -11,6 +11,7 @@ plus milliseconds from the router's receipt of the request.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from typing import Any
@@ -24,11 +25,12 @@ TIMELINE = (("t_proxy_recv", "received"), ("ts", "decided"), ("t_prefill_sent", 
 SHOWN = frozenset({"ts", "request_id", "attempt", "session", "turn", "class", "input_tokens", "instance",
                    "reason", "policy", "est_hit", "best_hit", "best_hit_instance", "new_prefill",
                    "decision_us", "terms", "index_source", "migrated_from", "run_id", "token_source",
-                   "session_source", "instance_index", "blocks", "blocks_parent", "id"}
+                   "session_source", "instance_index", "blocks", "blocks_parent", "id", "shadow"}
                   | {k for k, _ in TIMELINE})
 # Decision-log column -> event field, where they differ.
 _ROW_NAMES = {"session_id": "session", "route_class": "class", "est_hit_tokens": "est_hit",
-              "best_hit_tokens": "best_hit", "new_prefill_tokens": "new_prefill", "scores": "terms"}
+              "best_hit_tokens": "best_hit", "new_prefill_tokens": "new_prefill", "scores": "terms",
+              "shadows": "shadow"}
 
 
 def fmt_num(v: Any) -> str:
@@ -140,6 +142,9 @@ def head_lines(ev: dict[str, Any]) -> list[str]:
              f"new prefill {fmt_num(ev.get('new_prefill'))}  decided in {fmt_num(ev.get('decision_us'))} µs"]
     if ev.get("migrated_from"):
         lines.append(f"migrated from {ev['migrated_from']}")
+    shadow = shadow_text(ev.get("shadow"))
+    if shadow:
+        lines.append(shadow)
     extra = extras(ev)
     if extra:
         lines.append("  ".join(f"{k} {v}" for k, v in extra))
@@ -147,6 +152,26 @@ def head_lines(ev: dict[str, Any]) -> list[str]:
     if when:
         lines.append(when)
     return lines
+
+
+def shadow_text(picks: Any) -> str:
+    """The shadow policies' picks on one decision (router/shadow.py), one line; '' for none."""
+    if isinstance(picks, str):
+        try:
+            picks = json.loads(picks)
+        except ValueError:
+            return ""
+    if not isinstance(picks, list):
+        return ""
+    parts = []
+    for p in picks:
+        if not isinstance(p, dict) or not p.get("policy"):
+            continue
+        saved = p.get("saved")
+        est = "" if not isinstance(saved, (int, float)) or not saved else \
+            f", est. prefill {'saved' if saved > 0 else 'added'} {fmt_num(abs(saved))} tok"
+        parts.append(f"{p['policy']} → {p.get('instance', '?')} ({p.get('reason', '?')}{est})")
+    return ("shadows: " + "; ".join(parts)) if parts else ""
 
 
 def extras(ev: dict[str, Any]) -> list[tuple[str, str]]:

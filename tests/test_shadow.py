@@ -25,6 +25,7 @@ from router.request import RouteRequest
 from router.shadow import ShadowError, Shadows, parse_specs
 from store.chains import ChainDecoder, ChainEncoder
 from test_control import AUTH, TOKEN, complete, router  # noqa: F401  (the router fixture)
+from router.app import create_app
 
 
 class Boom(Policy):
@@ -270,3 +271,49 @@ async def test_log_shadow_summarises_per_segment(router, capsys):
     assert main(["log", "--db", db, "shadow"]) == 0
     out = capsys.readouterr().out
     assert "unified@1" in out and "agreement" in out and "est. prefill saved" in out
+
+
+async def test_dashboard_shows_shadows_promotes_one_and_receipts_name_their_picks(router_client, fake_backends,
+                                                                                 tmp_path):
+    """Pilot: the Policy tab's shadow panel, S to promote (confirmation, audit row), and the
+    shadow picks in a decision's receipt, on a real router."""
+    from router.app import Backend, RouterConfig
+    from kvtop.tui.app import KvtopApp
+    from kvtop.tui.feed import RouterFeed
+    from test_tui import SIZE, wait_for, wait_group
+
+    backends = await fake_backends(2)
+    cfg = RouterConfig(backends=[Backend(f"i{k}", url) for k, (_, url) in enumerate(backends)],
+                       db=str(tmp_path / "k.db"), control_token=TOKEN, state_dir=str(tmp_path / "state"),
+                       scrape_interval_s=0.2, shadows=["leastwork", "round_robin"])
+    c = await router_client(create_app(cfg))
+    for k in range(4):
+        await complete(c, f"s{k}")
+    rapp = c.server.app
+    app = KvtopApp(RouterFeed(c.router.url, TOKEN, hz=10), url=c.router.url, apply_timer=False,
+                   poll_sessions_s=0)
+    async with app.run_test(size=SIZE) as pilot:
+        assert await wait_for(pilot, app, lambda: app.collected.snapshot is not None
+                              and app.policies_body.get("policies"))
+        await pilot.press("5")
+        assert await wait_for(pilot, app, lambda: "leastwork" in str(app.query_one("#shadow-panel").render()))
+        panel = str(app.query_one("#shadow-panel").render())
+        assert "round_robin" in panel and "agrees" in panel and "of 4" in panel
+        # the receipt of a decision names each shadow's pick
+        await complete(c, "s9")
+        assert await wait_for(pilot, app, lambda: any(d.get("shadow") for _, d in app.collected.decisions))
+        ev = next(d for _, d in reversed(app.collected.decisions) if d.get("shadow"))
+        from kvtop.receipt import head_lines
+
+        assert any(line.startswith("shadows: leastwork → ") for line in head_lines(ev))
+        # S: pick a shadow, confirm, and the router runs it, with an audit row
+        await pilot.press("S")
+        await pilot.pause()
+        await pilot.press("down", "enter")  # the picker lists the two shadows; take the second
+        await pilot.pause()
+        await pilot.press("y")
+        await wait_group(app, "control")
+        assert rapp[STATE].slot.policy.name in ("leastwork", "round_robin")
+        assert rapp[STATE].slot.version == 2
+        assert await wait_for(pilot, app, lambda: any(ev.get("kind") == "policy"
+                                                      for ev in app.collected.config_events))

@@ -24,6 +24,7 @@ from textual.theme import Theme
 from textual.widgets import (Button, DataTable, Footer, Input, Static, TabbedContent, TabPane)
 from textual_plotext import PlotextPlot
 
+from kvtop.receipt import fmt_num
 from kvtop.tui.axis import set_y_ticks
 from kvtop.tui.feed import ControlError
 from kvtop.tui.model import (COLUMN_HELP, DEFAULT_SORT, FLEET_MIN, MEASURED_TPS_COLUMN, fleet_strips, config_change_text, fmt_latency,
@@ -112,6 +113,7 @@ class KvtopApp(App):
         Binding("right_square_bracket", "window(1)", "window+", show=False, id="kvtop.window_longer"),
         Binding("P", "switch_policy", "policy", id="kvtop.switch_policy"),
         Binding("k", "edit_knobs", "knobs", id="kvtop.edit_knobs"),
+        Binding("S", "promote_shadow", "promote shadow", show=False, id="kvtop.promote_shadow"),
         Binding("1", "tab('overview')", "overview", show=False, id="kvtop.tab.overview"),
         Binding("2", "tab('charts')", "charts", show=False, id="kvtop.tab.charts"),
         Binding("3", "tab('sessions')", "sessions", show=False, id="kvtop.tab.sessions"),
@@ -201,6 +203,7 @@ class KvtopApp(App):
                     yield Button("Edit knobs (k)", id="btn-knobs", compact=True)
                 yield Static(id="policy-head")
                 yield DataTable(id="knob-table", cursor_type="row", zebra_stripes=True)
+                yield Static(id="shadow-panel")
                 yield Static(id="config-log")
         yield Input(placeholder="filter: words, or reason:X instance:Y session:Z (Esc clears)", id="filter")
         yield Footer()
@@ -821,10 +824,86 @@ class KvtopApp(App):
                         table.update_cell(k["name"], col, val)
             else:
                 table.add_row(*cells, key=k["name"])
+        self.query_one("#shadow-panel", Static).update(self._shadow_text())
         lines = [config_change_text(ev) for ev in list(self.collected.config_events)[-6:]]
         log = Text("recent changes\n", style="bold")
         log.append("\n".join(lines) or "no policy or knob changes since attach")
         self.query_one("#config-log", Static).update(log)
+
+    def _shadows(self) -> dict[str, Any]:
+        sh = (self.collected.snapshot or {}).get("shadows")
+        return sh if isinstance(sh, dict) else {}
+
+    def _shadow_text(self) -> Text:
+        """The shadow panel: per shadow policy, agreement with the active one, where they
+        disagree, and what its picks would have saved by the router's estimate."""
+        sh = self._shadows()
+        rows = [r for r in sh.get("shadows") or [] if isinstance(r, dict) and isinstance(r.get("policy"), str)]
+        out = Text("shadow policies", style="bold")
+        if not rows and not sh.get("dropped"):
+            out.append("  none (kvtop route --shadow P1,P2, or PUT /kvtop/v1/shadows)\n", style="dim")
+            return out
+        if rows and self.control_enabled:
+            out.append("  S promotes one to active", style="dim")
+        out.append("\n")
+        for r in rows:
+            picks = r.get("picks") if is_number(r.get("picks")) else 0
+            agree = r.get("agreement")
+            out.append(f"  {r['policy']:<16}", style="bold")
+            out.append(f"agrees {fmt_pct(agree) + '%' if is_number(agree) else '–'} of {fmt_num(picks)}")
+            by_class = r.get("disagree_by_class") if isinstance(r.get("disagree_by_class"), dict) else {}
+            if by_class:
+                top = sorted(by_class.items(), key=lambda kv: -kv[1] if is_number(kv[1]) else 0)[:4]
+                out.append("  differs on " + ", ".join(f"{k} {fmt_num(v)}" for k, v in top))
+            saved = r.get("saved_prefill_tokens")
+            if is_number(saved) and picks:
+                style = self._color("success") if saved > 0 else (self._color("warning") if saved < 0 else "")
+                out.append("  est. prefill ")
+                out.append(f"{'saved' if saved >= 0 else 'added'} {fmt_num(abs(saved))} tok", style=style)
+            moved = r.get("disagree_shadow_instance") if isinstance(r.get("disagree_shadow_instance"), dict) else {}
+            if moved:
+                top = sorted(moved.items(), key=lambda kv: -kv[1] if is_number(kv[1]) else 0)[:3]
+                out.append("  would send to " + ", ".join(f"{k} {fmt_num(v)}" for k, v in top), style="dim")
+            out.append("\n")
+        for d in (sh.get("dropped") or [])[-2:]:
+            if isinstance(d, dict):
+                out.append(f"  dropped {d.get('policy', '?')}: {d.get('why', '')}\n", style=self._color("error"))
+        out.rstrip()
+        return out
+
+    def action_promote_shadow(self) -> None:
+        """Make a shadow policy the active one (with its knobs), after the usual confirmation."""
+        if not self.control_enabled:
+            return
+        rows = [r for r in self._shadows().get("shadows") or [] if isinstance(r, dict) and r.get("policy")]
+        if not rows:
+            self.notify("no shadow policies on this router (kvtop route --shadow P1,P2)", severity="warning")
+            return
+
+        def promote(name: str | None) -> None:
+            row = next((r for r in rows if r["policy"] == name), None)
+            if row is None:
+                return
+            cur = self.policies_body.get("current") or {}
+            knobs = row.get("knobs") if isinstance(row.get("knobs"), dict) else {}
+            agree = row.get("agreement")
+            diff = [("policy", cur.get("policy", "?"), name),
+                    ("agreement so far", "", fmt_pct(agree) + "%" if is_number(agree) else "–")]
+            diff += [(f"knobs.{k}", (cur.get("knobs") or {}).get(k, "-"), v) for k, v in knobs.items()]
+
+            def confirmed(ok: bool | None) -> None:
+                if ok:
+                    self._apply_change("put_policy", name, dict(knobs))
+
+            self.push_screen(ConfirmScreen(f"Promote shadow {name} to the active policy", diff), confirmed)
+
+        if len(rows) == 1:
+            promote(rows[0]["policy"])
+            return
+        names = {r["policy"] for r in rows}
+        choices = [p for p in self.policies_body.get("policies", []) if p.get("name") in names] or \
+            [{"name": n} for n in names]
+        self.push_screen(PolicyPicker(choices, None, title="Promote a shadow policy"), promote)
 
     def _schema(self, name: str | None) -> list[dict[str, Any]]:
         for p in self.policies_body.get("policies", []):
@@ -852,7 +931,7 @@ class KvtopApp(App):
 
     # -- actions --------------------------------------------------------------------------------
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        if action in ("switch_policy", "edit_knobs"):
+        if action in ("switch_policy", "edit_knobs", "promote_shadow"):
             return self.control_enabled
         return True
 
@@ -984,7 +1063,7 @@ class KvtopApp(App):
         lines = ["[b]kvtop attach: keys[/b]", ""]
         for b in self.BINDINGS:
             if isinstance(b, Binding) and b.id:
-                if b.action in ("switch_policy", "edit_knobs") and not self.control_enabled:
+                if b.action in ("switch_policy", "edit_knobs", "promote_shadow") and not self.control_enabled:
                     continue
                 keys = escape(self.key_names(b.id, b.key))
                 lines.append(f"  [b]{keys:<10}[/b] {escape(b.description):<10} [dim]{b.id}[/dim]")

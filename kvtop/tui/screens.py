@@ -108,10 +108,11 @@ class ConfirmScreen(ModalScreen[bool]):
 class PolicyPicker(ModalScreen[str | None]):
     BINDINGS = [Binding("escape", "dismiss(None)", "cancel", id="kvtop.picker.cancel")]
 
-    def __init__(self, policies: list[dict[str, Any]], current: str | None):
+    def __init__(self, policies: list[dict[str, Any]], current: str | None, title: str = "Switch policy"):
         super().__init__()
         self.policies = policies
         self.current = current
+        self.title_text = title
 
     def compose(self) -> ComposeResult:
         opts = []
@@ -120,7 +121,7 @@ class PolicyPicker(ModalScreen[str | None]):
             mark = " (current)" if p["name"] == self.current else ""
             opts.append(Option(f"{p['name']}{mark}  [dim]{escape(doc[0][:70]) if doc else ''}[/dim]", id=p["name"]))
         with Vertical(id="picker", classes="dialog"):
-            yield Static("[b]Switch policy[/b]  (Enter picks, Esc cancels)")
+            yield Static(f"[b]{escape(self.title_text)}[/b]  (Enter picks, Esc cancels)")
             yield OptionList(*opts, id="picker-list")
 
     def on_mount(self) -> None:
