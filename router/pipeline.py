@@ -137,7 +137,8 @@ class Pipeline:
         self.on_admit = on_admit or (lambda flow: None)
         self.queue = AdmissionQueue(len(core.cluster.instances))
         #: Shadow policies (router/shadow.py), asked after the decision row is due; ``defer``
-        #: runs that later, off the client's path (live: batched about 1 ms later; offline: at once).
+        #: bounds how long that may wait for the attempt to end (live: 50 ms, batched; offline:
+        #: no wait), so the picks run after the client's answer, off its path.
         self.shadows: Any = None
         self.defer: Callable[[Callable[[], None]], Any] | None = None
         self._flows: dict[int, Flow] = {}  # id(ticket) -> flow, for tickets at an admission gate
@@ -274,7 +275,7 @@ class Pipeline:
             flow.t_first = self.clock()
         leg = flow.leg
         if leg is not None and leg.ticket.phase == "prefill":
-            self.cluster.first_token(leg.ticket)
+            self.cluster.first_token(leg.ticket, observed=observed)
             self._prefill_over(leg.ticket)
 
     def finish(self, flow: Flow, status: str, *, http_status: int | None = None, error: str | None = None,
@@ -296,6 +297,8 @@ class Pipeline:
         if not d.recorded:  # it never went upstream (refused, or the client left while queued)
             d.extra["admission_wait_ms"] = flow.wait_ms
             self._record_decision(d)
+        elif d.view is not None:  # its shadow picks were waiting: now, before its outcome
+            self._shadow_and_record(d)
         o = Outcome(status=status, stream=int(flow.request.stream if stream is None else stream),
                     t_recv=flow.t_recv, t_done=now, http_status=http_status, error=error,
                     output_tokens=output_tokens, delivered_hit_tokens=cached_tokens,
@@ -335,8 +338,10 @@ class Pipeline:
         t.new_prefill = new_prefill
 
     def _record_decision(self, d: Decision, *, defer: bool = False) -> None:
-        """Write the decision once. With shadows on, they pick first on the decision's own
-        view; ``defer`` (the request went upstream) lets that happen after the send."""
+        """Write the decision once. With shadows on, they pick first, on the decision's own
+        view; ``defer`` (the request went upstream) lets that wait until the attempt ends
+        (``finish``, after the client has its answer) or the driver's ``defer`` fires,
+        whichever comes first."""
         d.recorded = True
         shadows = self.shadows
         if shadows is None or not shadows.active or d.view is None:
@@ -349,7 +354,10 @@ class Pipeline:
 
     def _shadow_and_record(self, d: Decision) -> None:
         view, d.view = d.view, None
-        d.shadow = self.shadows.evaluate(d, view)
+        if view is None:  # already written (finish came first, or no shadows were on)
+            return
+        if self.shadows is not None and self.shadows.active:
+            d.shadow = self.shadows.evaluate(d, view)
         self.sink.decision(d)
 
     def idle(self) -> bool:

@@ -249,10 +249,12 @@ STATE = web.AppKey("state", RouterState)
 
 class _Later:
     """The live pipeline's defer: queued work runs together ``delay_s`` after the first of it,
-    on the loop. The shadows' picks then run after the answer in all but the slowest
-    backends' case, and a burst of requests costs one timer, not one callback each."""
+    on the loop. A decision waiting for its shadow picks is written when its attempt ends
+    (router/pipeline.py) or by this timer, whichever comes first: requests shorter than
+    ``delay_s`` pay for their shadows after their answer, longer ones' decisions show up at
+    most ``delay_s`` late, and a burst of requests costs one timer."""
 
-    def __init__(self, delay_s: float = 0.001):
+    def __init__(self, delay_s: float = 0.05):
         self.delay_s = delay_s
         self.items: list[Callable[[], None]] = []
         self.handle: asyncio.TimerHandle | None = None

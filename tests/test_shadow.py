@@ -114,6 +114,34 @@ def test_shadows_pick_on_the_decisions_own_view_and_never_change_counters():
     assert pipe.idle()
 
 
+def test_live_shadows_wait_for_the_answer_and_write_the_decision_once():
+    """Live, the picks wait until the attempt ends (or the driver's timer): the decision is
+    still written once, with the picks, and before its outcome."""
+    shadows = Shadows(parse_specs("leastwork"))
+    pipe, sink = _pipeline("unified", shadows)
+    order = []
+    sink.decision = lambda d: order.append(("decision", d))
+    sink.outcome = lambda d, o: order.append(("outcome", d))
+    later = []
+    pipe.defer = later.append
+    d = _run(pipe, 0, "s", [1, 2])  # finish came before the timer
+    assert [k for k, _ in order] == ["decision", "outcome"] and d.shadow
+    for fn in later:  # the timer fires afterwards: nothing more is written
+        fn()
+    assert len(order) == 2
+    # a long request: the timer writes the decision while it is still running
+    req = RouteRequest("r9", "t", "header", 9, [5, 6], "tokens", "completions", True, 4)
+    flow = pipe.receive(req)
+    pipe.route(flow)
+    pipe.admit(flow)
+    pipe.sent(flow)
+    assert len(order) == 2
+    later[-1]()
+    assert order[-1][0] == "decision" and order[-1][1].shadow
+    pipe.finish(flow, OK, output_tokens=4)
+    assert [k for k, _ in order[2:]] == ["decision", "outcome"]
+
+
 def test_saved_tokens_is_the_hit_difference():
     # i0 holds the session's prefix; a round-robin shadow picking elsewhere loses exactly that hit
     shadows = Shadows(parse_specs("round_robin"))
