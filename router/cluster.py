@@ -21,6 +21,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from router.calibration import DEFAULT_PRIOR, Calibration, PrefillPrior
 from router.exact_index import ExactIndex
 from router.prefix_index import PrefixIndex
 
@@ -58,6 +59,8 @@ class SessionInfo:
     last_seen: float = 0.0
     bound_since: float = 0.0  # when the session moved to its current instance
     moves: int = 0
+    gap_sum: float = 0.0  # seconds between its turns' arrivals, summed (its return rate)
+    gaps: int = 0
 
 
 @dataclass(slots=True)
@@ -71,6 +74,8 @@ class Candidate:
     pending_prefill: int  # P_i
     num_requests: int  # BS_i
     decode_tokens: int  # D_i
+    decode_requests: int = 0  # requests decoding on i now
+    prefill_tps: float = 0.0  # i's measured prefill rate (router/calibration.py); 0: no sample yet
 
 
 @dataclass(slots=True)
@@ -83,6 +88,8 @@ class ClusterView:
     session_turn: int  # the turn this request is (1 for a new session)
     rr_counter: int
     hits: list[int]  # estimated hit per instance index, healthy or not
+    #: Filled only for a policy that asks (``needs_lookahead``); see ``Cluster.lookahead``.
+    lookahead: "Lookahead | None" = None
 
     def candidate(self, index: int | None) -> Candidate | None:
         if index is None:
@@ -91,6 +98,27 @@ class ClusterView:
             if c.index == index:
                 return c
         return None
+
+
+@dataclass(slots=True)
+class Lookahead:
+    """What a placement would do beyond its own request, per candidate instance index.
+
+    ``wait_s``: seconds of prefill queued ahead (each pending request's calibrated T(q, h),
+    the head's elapsed service taken off); ``victims``: the sessions whose cached blocks the
+    request's new blocks would push out of the estimated LRU, as (session, tokens evicted);
+    ``session``: the routed session's own record (None on its first turn); ``bound``: the
+    other sessions whose instance is i and that may still come back (see ``Cluster.lookahead``)."""
+
+    now: float
+    calibration: Calibration
+    block_size: int
+    wait_s: dict[int, float]
+    victims: dict[int, list[tuple[SessionInfo, int]]]
+    session: SessionInfo | None
+    fleet_gap_s: float | None  # mean gap between turns over every session seen; None before one
+    capacity_tokens: list[int]  # each instance's estimated cache, in tokens
+    bound: dict[int, list[SessionInfo]]  # the other sessions bound to each candidate
 
 
 @dataclass(slots=True)
@@ -106,7 +134,8 @@ class Ticket:
 class Cluster:
     def __init__(self, names: Sequence[str], *, block_size: int = 512,
                  capacity_blocks: int | Sequence[int] = 518, urls: Sequence[str] | None = None,
-                 max_sessions: int = 200_000, clock=time.time):
+                 max_sessions: int = 200_000, clock=time.time,
+                 prefill_prior: PrefillPrior = DEFAULT_PRIOR):
         if not names:
             raise ValueError("a cluster needs at least one instance")
         urls = list(urls) if urls is not None else [""] * len(names)
@@ -120,6 +149,12 @@ class Cluster:
         self.in_flight = 0
         #: What the engines report they hold (router/kv_events.py feeds it); None without KV events.
         self.exact: ExactIndex | None = None
+        #: Each instance's measured prefill speed (router/calibration.py), fed by first tokens.
+        self.calibration = Calibration(len(names), prefill_prior)
+        self._prefilling: list[dict[int, Ticket]] = [{} for _ in names]  # tickets before first token
+        self.gap_sum = 0.0  # every session's gaps between turns, for sessions with none yet
+        self.gaps = 0
+        self._bound: list[set[str]] = [set() for _ in names]  # session ids bound to each instance
 
     # -- what policies see ----------------------------------------------------------
     def hits(self, blocks: Sequence[int], input_tokens: int, *, exact: bool = True,
@@ -149,21 +184,89 @@ class Cluster:
         return "exact" if exact and ex is not None and ex.live_mask >> instance & 1 else "estimate"
 
     def view(self, blocks: Sequence[int], input_tokens: int, session_id: str | None, *,
-             exact: bool = True) -> ClusterView:
+             exact: bool = True, lookahead: bool = False) -> ClusterView:
         hits = self.hits(blocks, input_tokens, exact=exact, drift=True)
+        cal = self.calibration
         cands = [
             Candidate(s.index, s.name, hits[s.index], max(0, input_tokens - hits[s.index]),
-                      s.pending_prefill_tokens, s.num_requests, s.ongoing_decode_tokens)
+                      s.pending_prefill_tokens, s.num_requests, s.ongoing_decode_tokens,
+                      s.decode_requests, cal.tps(s.index) if cal.samples(s.index) else 0.0)
             for s in self.instances if s.healthy
         ]
         sess = self.sessions.get(session_id) if session_id is not None else None
-        return ClusterView(cands, input_tokens, sess.instance if sess else None,
+        view = ClusterView(cands, input_tokens, sess.instance if sess else None,
                            (sess.turns + 1) if sess else 1, self.rr_counter, hits)
+        if lookahead:
+            view.lookahead = self.lookahead(cands, len(blocks), session_id, sess)
+        return view
+
+    def lookahead(self, cands: Sequence[Candidate], num_blocks: int, session_id: str | None,
+                  sess: SessionInfo | None) -> Lookahead:
+        """The facts a future-aware policy needs beyond the counters (see ``Lookahead``).
+
+        Victims come from the estimated LRU: placing the request on i adds its blocks i lacks;
+        what exceeds i's capacity leaves from the oldest end, and each evicted block counts
+        against the session that last inserted it, if that session is still bound to i (a
+        session that moved away has its cache elsewhere)."""
+        now = self.clock()
+        cal = self.calibration
+        bs = self.block_size
+        wait: dict[int, float] = {}
+        victims: dict[int, list[tuple[SessionInfo, int]]] = {}
+        index = self.index
+        for c in cands:
+            i = c.index
+            tickets = self._prefilling[i]
+            if tickets:
+                total = 0.0
+                head = None
+                for t in tickets.values():
+                    total += cal.seconds(i, t.new_prefill, t.input_tokens - t.new_prefill)
+                    if head is None or t.started < head.started:
+                        head = t
+                # the head has been served since it arrived or the last first token, whichever is later
+                done = now - max(head.started, cal.last_first(i))
+                head_s = cal.seconds(i, head.new_prefill, head.input_tokens - head.new_prefill)
+                total -= min(max(done, 0.0), head_s)
+                wait[i] = max(total, 0.0)
+            else:
+                wait[i] = 0.0
+            lacking = num_blocks - c.hit // bs
+            overflow = index.cached_blocks(i) + lacking - index.capacity[i]
+            lost: list[tuple[SessionInfo, int]] = []
+            if overflow > 0:
+                for tag, n in index.oldest_tags(i, overflow, skip=session_id).items():
+                    other = self.sessions.get(tag) if tag is not None else None
+                    if other is not None and other.instance == i:
+                        lost.append((other, n * bs))
+            victims[i] = lost
+        fleet_gap = self.gap_sum / self.gaps if self.gaps else None
+        bound: dict[int, list[SessionInfo]] = {}
+        for c in cands:
+            live = []
+            ids = self._bound[c.index]
+            for sid in list(ids):
+                other = self.sessions.get(sid)
+                if other is None or other.instance != c.index:
+                    ids.discard(sid)
+                    continue
+                g = other.gap_sum / other.gaps if other.gaps else fleet_gap
+                # a numerical cut, not a model: idle over 14 mean gaps is odds below e^-14
+                if g and now - other.last_seen > 14 * g:
+                    ids.discard(sid)
+                    continue
+                if sid != session_id:
+                    live.append(other)
+            bound[c.index] = live
+        caps = [n * bs for n in index.capacity]
+        return Lookahead(now, cal, bs, wait, victims, sess, fleet_gap, caps, bound)
 
     # -- lifecycle ------------------------------------------------------------------
     def dispatch(self, instance: int, input_tokens: int, est_hit: int, blocks: Sequence[int],
-                 *, decode: bool = True, cache_blocks: bool = True) -> Ticket:
-        """Charge ``instance`` for a request and record its blocks in the estimated cache."""
+                 *, decode: bool = True, cache_blocks: bool = True,
+                 session_id: str | None = None) -> Ticket:
+        """Charge ``instance`` for a request and record its blocks in the estimated cache
+        (as ``session_id``'s, for the lookahead's eviction estimate)."""
         s = self.instances[instance]
         new_prefill = max(0, input_tokens - est_hit)
         s.num_requests += 1
@@ -173,15 +276,23 @@ class Cluster:
         s.input_tokens_total += input_tokens
         s.est_hit_tokens_total += est_hit
         if cache_blocks:
-            self.index.insert(instance, blocks)
+            self.index.insert(instance, blocks, session_id)
             if self.exact is not None:
                 self.exact.speculate(instance, blocks, self.clock())
         self.in_flight += 1
-        return Ticket(instance, input_tokens, new_prefill, decode, "prefill", self.clock())
+        t = Ticket(instance, input_tokens, new_prefill, decode, "prefill", self.clock())
+        self._prefilling[instance][id(t)] = t
+        return t
 
-    def first_token(self, t: Ticket) -> None:
+    def first_token(self, t: Ticket, *, observed: bool = True) -> None:
+        """The ticket's prefill is over. ``observed``: the router saw the first token when it
+        came (a streamed answer), so its time measures the instance's prefill speed."""
         if t.phase != "prefill":
             return
+        if observed:
+            self.calibration.observe(t.instance, t.new_prefill, t.input_tokens - t.new_prefill,
+                                     t.started, self.clock())
+        self._prefilling[t.instance].pop(id(t), None)
         s = self.instances[t.instance]
         s.pending_prefill_tokens -= t.new_prefill
         if t.decode:
@@ -195,6 +306,7 @@ class Cluster:
         s = self.instances[t.instance]
         if t.phase == "prefill":
             s.pending_prefill_tokens -= t.new_prefill
+            self._prefilling[t.instance].pop(id(t), None)
         elif t.decode:
             s.ongoing_decode_tokens -= t.input_tokens
             s.decode_requests -= 1
@@ -217,6 +329,12 @@ class Cluster:
                 self.sessions.popitem(last=False)
         else:
             self.sessions.move_to_end(session_id)
+            if new_turn and sess.turns:
+                gap = now - sess.last_seen
+                sess.gap_sum += gap
+                sess.gaps += 1
+                self.gap_sum += gap
+                self.gaps += 1
             if sess.instance != instance:
                 sess.instance = instance
                 sess.bound_since = now
@@ -227,6 +345,7 @@ class Cluster:
         sess.last_input_tokens = input_tokens
         sess.last_est_hit_tokens = est_hit
         sess.last_seen = now
+        self._bound[instance].add(session_id)
         return sess
 
     def set_healthy(self, instance: int, healthy: bool) -> bool:
@@ -242,4 +361,4 @@ class Cluster:
             s.num_requests == 0 and s.ongoing_tokens == 0 and s.pending_prefill_tokens == 0
             and s.ongoing_decode_tokens == 0 and s.decode_requests == 0
             for s in self.instances
-        ) and self.in_flight == 0
+        ) and self.in_flight == 0 and not any(self._prefilling)

@@ -100,9 +100,10 @@ class RoutingCore:
         self.slot = PolicySlot(policy, self.slot.version + 1)
         return self.slot
 
-    def view(self, req: RouteRequest, exclude: tuple[int, ...] = ()) -> ClusterView:
+    def view(self, req: RouteRequest, exclude: tuple[int, ...] = (), *,
+             lookahead: bool = False) -> ClusterView:
         view = self.cluster.view(req.blocks, req.input_tokens, req.session_id,
-                                 exact=req.token_source != "text_approx")
+                                 exact=req.token_source != "text_approx", lookahead=lookahead)
         if exclude:
             view.candidates = [c for c in view.candidates if c.index not in exclude]
         return view
@@ -112,7 +113,7 @@ class RoutingCore:
         """Pick an instance (no counters change). Raises NoInstance when none is healthy."""
         slot = self.slot
         t0 = time.perf_counter()
-        view = self.view(req, exclude)
+        view = self.view(req, exclude, lookahead=slot.policy.needs_lookahead)
         if not view.candidates:
             raise NoInstance("no healthy instance available")
         pick = slot.policy.pick(req, view)
@@ -140,7 +141,8 @@ class RoutingCore:
         ``new_turn`` is False for a retry, which is the same turn on another instance.
         """
         r = d.request
-        d.ticket = self.cluster.dispatch(d.instance, r.input_tokens, d.est_hit_tokens, r.blocks)
+        d.ticket = self.cluster.dispatch(d.instance, r.input_tokens, d.est_hit_tokens, r.blocks,
+                                         session_id=r.session_id)
         self.cluster.bind_session(r.session_id, d.instance, r.input_tokens, d.est_hit_tokens,
                                   new_turn=new_turn)
         return d.ticket

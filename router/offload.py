@@ -9,8 +9,9 @@ preference, not a mandate; ``offload_mode``:
   ``p_more_loaded``), or P's BS > ``p_overload_factor`` x mean(BS) (``p_overloaded``);
   offload if D is decoding (``p_idle_d_busy``); else keep (``d_idle``: nothing to disrupt).
 - ``cost``: keep if D is not decoding (``d_idle``); offload when the disruption saved on D,
-  new_D / prefill_tps x disruption_factor, exceeds P's queue time P_P / prefill_tps plus
-  ``kv_transfer_s`` (``cost_offload``), else keep (``cost_keep``).
+  new_D / tps_D x disruption_factor, exceeds P's queue time P_P / tps_P plus
+  ``kv_transfer_s`` (``cost_offload``), else keep (``cost_keep``). tps_X is X's measured
+  prefill rate (router/calibration.py) once it has a sample, else the ``prefill_tps`` knob.
 
 Below the threshold the reason is ``below_threshold``; a cluster with no other healthy
 instance gives ``no_peer``. Offloaded requests are route class HEAVY_P2P, kept HEAVY ones
@@ -60,8 +61,11 @@ class OffloadDecision:
 
 def loads(cluster: Cluster) -> list[Candidate]:
     """Each healthy instance's load as a Candidate (hit/new unused here), without a prefix match."""
+    cal = cluster.calibration
     return [Candidate(s.index, s.name, 0, 0, s.pending_prefill_tokens, s.num_requests,
-                      s.ongoing_decode_tokens) for s in cluster.instances if s.healthy]
+                      s.ongoing_decode_tokens, s.decode_requests,
+                      cal.tps(s.index) if cal.samples(s.index) else 0.0)
+            for s in cluster.instances if s.healthy]
 
 
 def decide_offload(d_index: int, new_tokens: int, candidates: Sequence[Candidate],
@@ -92,10 +96,13 @@ def decide_offload(d_index: int, new_tokens: int, candidates: Sequence[Candidate
             reason = D_IDLE
         offload = reason == P_IDLE_D_BUSY
     else:  # cost
-        tps = knobs["prefill_tps"]
-        saved = new_tokens / tps * knobs["disruption_factor"]
-        cost = p.pending_prefill / tps + knobs["kv_transfer_s"]
-        terms.update(saved_s=round(saved, 4), cost_s=round(cost, 4))
+        # each instance's measured rate once it has one (router/calibration.py), else the knob
+        tps_d = d.prefill_tps or knobs["prefill_tps"]
+        tps_p = p.prefill_tps or knobs["prefill_tps"]
+        saved = new_tokens / tps_d * knobs["disruption_factor"]
+        cost = p.pending_prefill / tps_p + knobs["kv_transfer_s"]
+        terms.update(saved_s=round(saved, 4), cost_s=round(cost, 4), tps_D=round(tps_d, 1),
+                     tps_P=round(tps_p, 1))
         if not d_busy:
             reason = D_IDLE
         else:

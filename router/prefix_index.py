@@ -35,6 +35,7 @@ class PrefixIndex:
         self.capacity = list(capacity_blocks)
         self._lru: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_instances)]
         self._owners: dict[int, int] = {}  # block hash -> bitmask of instances
+        self._tags: dict[int, str] = {}  # block hash -> the session that last inserted it (lookahead)
         self.evictions = [0] * num_instances
 
     @property
@@ -72,8 +73,10 @@ class PrefixIndex:
             pos, v = hi + 1, nxt
         return matched
 
-    def insert(self, instance: int, blocks: Sequence[int]) -> None:
-        """Record that ``instance`` now holds ``blocks`` (a request was dispatched there)."""
+    def insert(self, instance: int, blocks: Sequence[int], tag: str | None = None) -> None:
+        """Record that ``instance`` now holds ``blocks`` (a request was dispatched there).
+
+        ``tag`` (a session id) marks the blocks as that session's, for ``oldest_tags``."""
         lru = self._lru[instance]
         owners = self._owners
         bit = 1 << instance
@@ -84,6 +87,10 @@ class PrefixIndex:
             else:
                 lru[h] = None
                 owners[h] = owners.get(h, 0) | bit
+        if tag is not None:
+            tags = self._tags
+            for h in blocks:
+                tags[h] = tag
         cap = self.capacity[instance]
         while len(lru) > cap:
             old, _ = lru.popitem(last=False)
@@ -92,7 +99,27 @@ class PrefixIndex:
                 owners[old] = mask
             else:
                 owners.pop(old, None)
+                self._tags.pop(old, None)
             self.evictions[instance] += 1
+
+    def oldest_tags(self, instance: int, count: int, skip: str | None = None) -> dict[str | None, int]:
+        """The next ``count`` blocks ``instance`` would evict, counted by tag (session).
+
+        Blocks tagged ``skip`` (the session being routed: its blocks are touched, not evicted)
+        are passed over. O(count) over the LRU's oldest end."""
+        out: dict[str | None, int] = {}
+        if count <= 0:
+            return out
+        tags = self._tags
+        for h in self._lru[instance]:
+            t = tags.get(h)
+            if t is not None and t == skip:
+                continue
+            out[t] = out.get(t, 0) + 1
+            count -= 1
+            if count == 0:
+                break
+        return out
 
     def forget_instance(self, instance: int) -> None:
         """Drop everything believed cached on ``instance`` (it restarted or was reset)."""
@@ -104,6 +131,7 @@ class PrefixIndex:
                 owners[h] = mask
             else:
                 owners.pop(h, None)
+                self._tags.pop(h, None)
         self._lru[instance].clear()
 
 

@@ -59,6 +59,9 @@ class Policy:
     aliases: ClassVar[tuple[str, ...]] = ()
     schema: ClassVar[KnobSchema] = KnobSchema()
     needs_session: ClassVar[bool] = False
+    #: Asks the cluster for ``view.lookahead`` (queued seconds, eviction victims): O(evicted
+    #: blocks) more per decision, so only policies that use it ask.
+    needs_lookahead: ClassVar[bool] = False
 
     def __init__(self, knobs: dict[str, Any] | None = None):
         self.knobs = self.schema.validate(knobs or {})

@@ -23,7 +23,9 @@ class UnifiedAB(Policy):
     + lmetric_decode_weight x D_i / prefill_tps - discount_i,
     with discount_i = min(turn - 1, migration_discount_cap) x decode_iteration_s for i != a
     on turn >= 2 (a long session has already paid for its cache; moving it costs less than a
-    fresh start suggests). Ties by new_i, then BS_i, then round-robin. Decode tokens are
+    fresh start suggests). Ties by new_i, then BS_i, then round-robin. prefill_tps here is
+    instance i's measured rate once it has a sample (router/calibration.py; the rate used is
+    each candidate's ``tps`` term), the knob before that. Decode tokens are
     turned into seconds through prefill_tps, so lmetric_decode_weight is "a decoding token
     costs this fraction of a prefill token" (our reading of the seed knob).
 
@@ -42,7 +44,8 @@ class UnifiedAB(Policy):
              "a decoding token's cost as a fraction of a prefill token", min=0.0, max=1e3),
         Knob("decode_iteration_s", float, 0.05, "seconds one decode step costs per request in the batch",
              min=0.0, max=10.0),
-        Knob("prefill_tps", float, 5000.0, "prefill tokens per second of one instance", min=1.0, max=1e7),
+        Knob("prefill_tps", float, 5000.0,
+             "prefill tokens per second of one instance, until its own rate is measured", min=1.0, max=1e7),
         Knob("migration_discount_cap", int, 5, "turns of discount a non-owner instance can earn",
              min=0, max=1000),
         Knob("migration_request_factor", float, 1.5,
@@ -73,12 +76,15 @@ class UnifiedAB(Policy):
         if view.session_turn >= 2:
             discount = min(view.session_turn - 1, kn["migration_discount_cap"]) * dit
         a = view.session_instance
+        rates = [c.prefill_tps or tps for c in cands]  # measured once sampled, else the knob
         scores = [
-            c.num_requests * dit + (c.pending_prefill + c.new) / tps + w * c.decode_tokens / tps
+            c.num_requests * dit + (c.pending_prefill + c.new) / r + w * c.decode_tokens / r
             - (discount if c.index != a else 0.0)
-            for c in cands
+            for c, r in zip(cands, rates)
         ]
         terms = [terms_of(c, s) for c, s in zip(cands, scores)]
+        for t, r in zip(terms, rates):
+            t["tps"] = round(r, 1)
         if stick is not None:  # every candidate's terms, as unified records them
             return Pick(stick.index, AFFINITY_STICK, terms)
         k, _, used = argmin_with_ties(cands, scores, (lambda c: c.new, lambda c: c.num_requests),
