@@ -10,6 +10,7 @@ from typing import Any
 
 from router.config import KnobError
 from router.policies.base import REASONS, Pick, Policy
+from router.policies.expected_cost import ExpectedCost
 from router.policies.leastwork import LeastWork
 from router.policies.leastwork_kappa import LeastWorkKappa
 from router.policies.lmetric import LMetric
@@ -21,7 +22,8 @@ from router.policies.unified_ab import UnifiedAB
 
 POLICIES: dict[str, type[Policy]] = {
     cls.name: cls
-    for cls in (RoundRobin, LoadOnly, LMetric, Sticky, Unified, UnifiedAB, LeastWork, LeastWorkKappa)
+    for cls in (RoundRobin, LoadOnly, LMetric, Sticky, Unified, UnifiedAB, LeastWork, LeastWorkKappa,
+                ExpectedCost)
 }
 ALIASES: dict[str, str] = {alias: cls.name for cls in POLICIES.values() for alias in cls.aliases}
 

@@ -1,0 +1,119 @@
+"""expected_cost: the instance with the least expected cost in seconds, now and next turn. No knobs."""
+
+from __future__ import annotations
+
+import math
+
+from router.calibration import DEFAULT_PRIOR
+from router.cluster import Candidate, ClusterView, Lookahead, SessionInfo
+from router.policies.base import (AFFINITY_LOST, AFFINITY_NEW, AFFINITY_STICK, Pick, Policy,
+                                  argmin_with_ties, terms_of)
+
+
+def return_odds(turns: int, gap_sum: float, gaps: int, idle_s: float, fleet_gap_s: float | None) -> float:
+    """Probability that a session seen for ``turns`` turns sends another one.
+
+    Laplace's rule on its own history (k turns, k - 1 of them continuations, none seen
+    ending): pi = k / (k + 1). Its gaps between turns are taken as exponential with its own
+    mean gap (the fleet's mean while it has none); having been idle ``idle_s`` seconds, Bayes
+    gives pi e^(-idle/g) / (pi e^(-idle/g) + 1 - pi)."""
+    pi = turns / (turns + 1.0)
+    g = gap_sum / gaps if gaps else fleet_gap_s
+    if not g or g <= 0:
+        return pi
+    alive = pi * math.exp(-max(idle_s, 0.0) / g)
+    return alive / (alive + 1.0 - pi)
+
+
+def session_odds(s: SessionInfo, la: Lookahead) -> float:
+    return return_odds(s.turns, s.gap_sum, s.gaps, la.now - s.last_seen, la.fleet_gap_s)
+
+
+class ExpectedCost(Policy):
+    """expected_cost: argmin over healthy instances i of the expected seconds this placement
+    costs, everyone's, now and at the next turns:
+
+        cost_i = wait_i + own_i + interference_i + evict_i + keep_i
+
+    - wait_i: the prefill queued on i ahead of this request, each pending request's T_i(q, h)
+      summed, less the service the head has had (chunked prefill serves the queue in order);
+    - own_i = T_i(new_i, hit_i): this request's prefill of its uncached tokens after its
+      cached ones, attention included (T grows with context);
+    - interference_i = BS_i x own_i: every request in flight on i decodes while this prefill
+      runs (those decoding now, and those prefilling ahead of it once they finish), one token
+      per chunk, so each is held up by about the length of this prefill;
+    - evict_i = sum over the sessions whose blocks this request's new blocks would evict
+      from i (the estimated LRU's oldest end, sessions still bound to i) of
+      p_return(s) x T_i(evicted_s, context_s - evicted_s): their tail re-prefilled if they return;
+    - keep_i = p_next x T_i(lost_i, L - lost_i): this session's own prefix lost on i before its
+      next turn, lost_i = min(L, max(0, demand_i + L - capacity_i)), where demand_i is the
+      context of the other sessions bound to i weighted by their p_return and L this
+      request's input: the value of keeping the prefix where it will stay.
+
+    T_i(q, h) = scale_i x (q + (2qh + q^2) / (2 A)) / R: the prior's shape (R prefill tokens/s
+    of the linear layers, A = the context where attention costs as much; from the engine
+    profile) at i's measured scale (router/calibration.py). p_return(s): Laplace's rule on
+    the session's turns, k / (k + 1), discounted by its idle time against its own mean gap
+    between turns (the fleet's while it has none). p_next = turn / (turn + 1).
+
+    Ties by new_i, then BS_i, then the global round-robin counter. Reasons: affinity_stick
+    (stayed on the session's instance), affinity_new (first turn), affinity_lost (its instance
+    is unhealthy), argmin / tie_rr (moved). Nothing is tuned: the constants are the profile's
+    or measured. No knobs."""
+
+    name = "expected_cost"
+    needs_session = True
+    needs_lookahead = True
+
+    def pick(self, req, view: ClusterView) -> Pick:
+        cands = view.candidates
+        la = view.lookahead
+        scores: list[float] = []
+        terms: list[dict] = []
+        turn = view.session_turn
+        p_next = turn / (turn + 1.0)
+        length = view.input_tokens
+        for c in cands:
+            parts = self._cost(c, view, la, p_next, length)
+            score = sum(parts.values())
+            scores.append(score)
+            t = terms_of(c, round(score, 4))
+            # the rate this decision used: i's calibrated prefill tokens/s (the prior before samples)
+            t["tps"] = round(la.calibration.tps(c.index) if la is not None else c.prefill_tps, 1)
+            t.update({k: round(v, 4) for k, v in parts.items()})
+            terms.append(t)
+        k, reason, used = argmin_with_ties(cands, scores, (lambda c: c.new, lambda c: c.num_requests),
+                                           view.rr_counter)
+        chosen = cands[k]
+        if view.session_instance is None:
+            reason = AFFINITY_NEW
+        elif chosen.index == view.session_instance:
+            reason = AFFINITY_STICK
+        elif view.candidate(view.session_instance) is None:
+            reason = AFFINITY_LOST
+        return Pick(chosen.index, reason, terms, uses_rr=used)
+
+    @staticmethod
+    def _cost(c: Candidate, view: ClusterView, la: Lookahead | None, p_next: float,
+              length: int) -> dict[str, float]:
+        if la is None:  # asked as a shadow of a policy without lookahead: today's terms only
+            tps = c.prefill_tps or DEFAULT_PRIOR.tokens_per_s
+            own = c.new / tps
+            return {"wait_s": c.pending_prefill / tps, "own_s": own,
+                    "interf_s": c.num_requests * own, "evict_s": 0.0, "keep_s": 0.0}
+        cal = la.calibration
+        i = c.index
+        own = cal.seconds(i, c.new, c.hit)
+        evict = 0.0
+        for s, lost in la.victims.get(i, ()):
+            ctx = s.last_input_tokens
+            lost = min(lost, ctx)
+            evict += session_odds(s, la) * cal.seconds(i, lost, ctx - lost)
+        keep = 0.0
+        if p_next > 0:
+            demand = sum(session_odds(s, la) * s.last_input_tokens for s in la.bound.get(i, ()))
+            lost = min(length, max(0, int(demand + length - la.capacity_tokens[i])))
+            if lost:
+                keep = p_next * cal.seconds(i, lost, length - lost)
+        return {"wait_s": la.wait_s.get(i, 0.0), "own_s": own, "interf_s": c.num_requests * own,
+                "evict_s": evict, "keep_s": keep}
