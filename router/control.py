@@ -173,6 +173,8 @@ class Control:
                 "health": st.health.instance_json(i) if st.health is not None else None,
                 "index_source": st.cluster.index_source(i),
                 "kv_events": kv_events.instance_json(st.cluster, st.kv_subscribers, i),
+                # measured prefill rate (router/calibration.py): tokens/s or None, and its sample count
+                **st.cluster.calibration.snapshot(i),
             })
             for k in ("num_requests", "pending_prefill_tokens", "decode_requests", "routed_total",
                       "input_tokens_total", "est_hit_tokens_total", "errors_total"):

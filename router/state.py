@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from router import features as router_features
+from router.calibration import DEFAULT_PRIOR, PrefillPrior
 from router.cluster import Cluster
 from router.config import KnobError
 from router.core import Decision, PolicySlot, RoutingCore
@@ -118,7 +119,9 @@ class RouterState:
         self.features = router_features.Features.build(feature_knobs)
         policy = build_policy(config.policy, {**self.features.shared_for(schema), **policy_knobs})
         cluster = Cluster([b.name for b in config.backends], urls=[b.url for b in config.backends],
-                          block_size=config.block_size, capacity_blocks=config.capacity_blocks)
+                          block_size=config.block_size, capacity_blocks=config.capacity_blocks,
+                          prefill_prior=PrefillPrior(config.assumed_prefill_tps,
+                                                     DEFAULT_PRIOR.attention_tokens))
         self.kv_index = attach_index(cluster, config.backends,
                                      speculative_ttl_s=config.kv_speculative_ttl_s)
         self.kv_subscribers: list = []  # router/kv_events.Subscriber per backend (None: no events)

@@ -403,3 +403,17 @@ async def test_auth_endpoint_checks_a_token_and_changes_nothing(router_client, t
     assert client.server.app[STATE].slot.version == version
     state = await (await client.get("/kvtop/v1/state")).json()
     assert state["router"]["db"] is None and "features" in state["router"]
+
+
+async def test_state_shows_each_instances_measured_prefill_rate(router):
+    """prefill_tps_measured: null before any first token, then tokens/s from the samples."""
+    c = await router(2)
+    s = await (await c.get("/kvtop/v1/state")).json()
+    assert [(i["prefill_tps_measured"], i["prefill_tps_samples"]) for i in s["instances"]] == [(None, 0), (None, 0)]
+    st = c.server.app[STATE]
+    st.cluster.calibration.observe(1, 4000, 0, dispatched=10.0, first_token=12.0)
+    s = await (await c.get("/kvtop/v1/state")).json()
+    st.cluster.calibration.forget(1)
+    assert s["instances"][1]["prefill_tps_measured"] == pytest.approx(2000.0)
+    assert s["instances"][1]["prefill_tps_samples"] == 1
+    assert s["instances"][0]["prefill_tps_measured"] is None

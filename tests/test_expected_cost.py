@@ -1,0 +1,231 @@
+"""expected_cost and the prefill calibration it shares: the formula's terms on crafted clusters,
+where its constants come from, and the measurement itself."""
+
+from __future__ import annotations
+
+import ast
+import math
+from pathlib import Path
+
+import pytest
+
+from router.calibration import DEFAULT_PRIOR, Calibration, PrefillPrior
+from router.cluster import Cluster
+from router.policies import build_policy
+from router.policies.expected_cost import ExpectedCost, return_odds
+
+ROOT = Path(__file__).resolve().parents[1]
+BS = 512
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def chain(session: int, n: int) -> list[int]:
+    """n block hashes of one session's prompt (distinct per session)."""
+    return [session * 1_000_000 + k for k in range(n)]
+
+
+def cluster(n: int = 2, capacity_blocks: int = 400) -> tuple[Cluster, Clock]:
+    clock = Clock()
+    return Cluster([f"i{i}" for i in range(n)], block_size=BS, capacity_blocks=capacity_blocks,
+                   clock=clock), clock
+
+
+def serve(c: Cluster, clock: Clock, instance: int, session: str, blocks: list[int], *,
+          prefill_s: float = 1.0, finish: bool = True):
+    """Dispatch a request, bind its session, first token after ``prefill_s``, then end it."""
+    inp = len(blocks) * BS
+    hit = c.hits(blocks, inp)[instance]
+    t = c.dispatch(instance, inp, hit, blocks, session_id=session)
+    c.bind_session(session, instance, inp, hit)
+    clock.t += prefill_s
+    c.first_token(t)
+    if finish:
+        c.finish(t)
+    return t
+
+
+def decide(c: Cluster, blocks: list[int], session: str):
+    v = c.view(blocks, len(blocks) * BS, session, lookahead=True)
+    p = ExpectedCost().pick(None, v)
+    return p, {t["instance"]: t for t in p.terms}
+
+
+# -- where the constants come from ------------------------------------------------------------
+
+def test_default_prior_is_the_h20_profile():
+    """Nothing fitted: the prior is the h20 engine profile's own b and c (kvtop/sim/profiles.py),
+    1/b tokens/s and b/2c tokens, the router's default GPU (as its 265k-token capacity is)."""
+    from kvtop.sim.profiles import H20
+
+    assert DEFAULT_PRIOR.tokens_per_s == pytest.approx(1 / H20.b)
+    assert DEFAULT_PRIOR.attention_tokens == pytest.approx(H20.b / (2 * H20.c))
+
+
+def test_prior_seconds_is_the_engine_models_prefill():
+    """T0(q, h) is b*q + c*(2qh + q^2): the step-time model's linear and attention terms."""
+    from kvtop.sim.profiles import H20
+
+    for q, h in ((8192, 0), (2000, 150_000), (100_000, 50_000)):
+        assert DEFAULT_PRIOR.seconds(q, h) == pytest.approx(H20.b * q + H20.c * (2 * q * h + q * q))
+
+
+def _numbers(path: Path) -> set:
+    return {n.value for n in ast.walk(ast.parse(path.read_text()))
+            if isinstance(n, ast.Constant) and isinstance(n.value, (int, float)) and not isinstance(n.value, bool)}
+
+
+def test_expected_cost_has_no_tuned_constants():
+    """No knobs, and no numbers but structure: 0 and 1 (Laplace's rule, empty sums), 2 (none
+    left: the attention factor lives in calibration.py) and 4/1 (rounding of recorded terms)."""
+    assert ExpectedCost.schema.names() == []
+    assert _numbers(ROOT / "router" / "policies" / "expected_cost.py") <= {0, 0.0, 1, 1.0, 4}
+    # calibration.py: the profile's b and c, the formula's 2s, one pseudo-observation (1)
+    assert _numbers(ROOT / "router" / "calibration.py") <= {0, 1, 1.0, 2, 2.0, 187e-6, 2.8e-9, 0.0}
+
+
+# -- the calibration -------------------------------------------------------------------------
+
+def test_service_time_is_taken_from_departures():
+    """Two requests queued together: the second's service starts at the first's first token."""
+    cal = Calibration(1, PrefillPrior(1000.0, 1e12))  # attention negligible: T0 = q / 1000
+    assert cal.observe(0, 2000, 0, dispatched=0.0, first_token=4.0) == pytest.approx(4.0)
+    assert cal.observe(0, 1000, 0, dispatched=1.0, first_token=6.0) == pytest.approx(2.0)
+    assert cal.measured_tps(0) == pytest.approx(3000 / 6.0)
+    # an idle gap: the third's service starts at its own dispatch
+    assert cal.observe(0, 500, 0, dispatched=10.0, first_token=11.0) == pytest.approx(1.0)
+    assert cal.samples(0) == 3
+
+
+def test_scale_counts_the_prior_as_one_observation():
+    cal = Calibration(2, PrefillPrior(1000.0, 1e12))
+    assert cal.scale(0) == 1.0 and cal.tps(0) == 1000.0 and cal.measured_tps(0) is None
+    cal.observe(0, 1000, 0, 0.0, 10.0)  # 10x slower than the prior says
+    assert cal.scale(0) == pytest.approx((1 + 10) / 2)
+    for k in range(1, 50):
+        cal.observe(0, 1000, 0, 10.0 * k, 10.0 * (k + 1))
+    assert cal.scale(0) == pytest.approx((1 + 50 * 10) / 51)  # converges to the measurement
+    assert cal.tps(0) == pytest.approx((1000 + 50_000) / (1 + 500))
+    assert cal.scale(1) == 1.0  # per instance
+    assert cal.snapshot(0) == {"prefill_tps_measured": 100.0, "prefill_tps_samples": 50}
+
+
+def test_full_hits_and_unobserved_first_tokens_are_not_samples():
+    c, clock = cluster(1)
+    blocks = chain(1, 10)
+    serve(c, clock, 0, "a", blocks)
+    assert c.calibration.samples(0) == 1
+    serve(c, clock, 0, "a", blocks)  # everything but the last block cached: still q > 0
+    t = c.dispatch(0, 10 * BS, 0, blocks)
+    clock.t += 5.0
+    c.first_token(t, observed=False)  # a non-streamed answer: its first token time is unknown
+    c.finish(t)
+    assert c.calibration.samples(0) == 2
+    assert c.counters_zero()
+
+
+# -- the policy ------------------------------------------------------------------------------
+
+def test_return_odds_follow_laplace_and_idle_time():
+    assert return_odds(1, 0.0, 0, 0.0, None) == pytest.approx(0.5)  # one turn: 1/2
+    assert return_odds(7, 60.0, 6, 0.0, None) == pytest.approx(7 / 8)
+    fresh, stale = return_odds(7, 60.0, 6, 5.0, None), return_odds(7, 60.0, 6, 100.0, None)
+    assert fresh > stale  # idle 10 mean gaps: nearly surely gone
+    x = 7 / 8 * math.exp(-10)
+    assert stale == pytest.approx(x / (x + 1 / 8))
+    assert return_odds(1, 0.0, 0, 30.0, 10.0) < 0.5  # no gap of its own: the fleet's mean
+
+
+def test_sticks_while_the_queue_is_shorter_than_the_re_prefill():
+    c, clock = cluster(2)
+    a = chain(1, 100)  # 51k tokens cached on i0
+    serve(c, clock, 0, "s", a)
+    nxt = a + chain(9, 4)
+    p, terms = decide(c, nxt, "s")
+    assert p.index == 0 and p.reason == "affinity_stick"
+    assert terms["i0"]["own_s"] < terms["i1"]["own_s"] / 10
+
+
+def test_moves_when_the_owner_is_queued_longer_than_the_re_prefill():
+    c, clock = cluster(2, capacity_blocks=2000)
+    a = chain(1, 20)  # a small session on i0 ...
+    serve(c, clock, 0, "s", a)
+    for k in range(3):  # ... behind three cold 100k prompts still prefilling there
+        t = c.dispatch(0, 200 * BS, 0, chain(20 + k, 200), session_id=f"o{k}")
+        c.bind_session(f"o{k}", 0, 200 * BS, 0)
+    p, terms = decide(c, a + chain(9, 2), "s")
+    assert terms["i0"]["wait_s"] > terms["i1"]["own_s"]
+    assert p.index == 1 and p.reason == "argmin"
+
+
+def test_attention_makes_a_long_cold_prefill_dearer_than_its_tokens():
+    """The same uncached tokens cost more after a long cached context only by attention; a
+    cold 150k prompt costs more than 3x a cold 50k one."""
+    cal = Calibration(1)
+    assert cal.seconds(0, 150_000, 0) > 3 * cal.seconds(0, 50_000, 0)
+    assert cal.seconds(0, 1000, 150_000) > cal.seconds(0, 1000, 0)
+
+
+def test_a_measured_slow_instance_costs_more():
+    c, clock = cluster(2)
+    for k in range(4):  # i0 measured 3x slower than the prior, i1 as fast
+        c.calibration.observe(0, 10_000, 0, clock.t, clock.t + 3 * DEFAULT_PRIOR.seconds(10_000, 0))
+        c.calibration.observe(1, 10_000, 0, clock.t, clock.t + DEFAULT_PRIOR.seconds(10_000, 0))
+        clock.t += 100
+    p, terms = decide(c, chain(5, 40), "new")
+    assert p.index == 1 and p.reason == "affinity_new"
+    assert terms["i0"]["own_s"] == pytest.approx(terms["i1"]["own_s"] * c.calibration.scale(0), rel=1e-4)
+    assert terms["i0"]["tps"] < terms["i1"]["tps"]
+
+
+def test_interference_prefers_the_instance_with_fewer_requests_in_flight():
+    c, clock = cluster(2, capacity_blocks=2000)
+    for k in range(2):  # two requests decoding on i0
+        t = c.dispatch(0, 2 * BS, 0, chain(30 + k, 2), session_id=f"d{k}")
+        c.first_token(t)
+    p, terms = decide(c, chain(5, 40), "new")
+    assert p.index == 1
+    assert terms["i0"]["interf_s"] == pytest.approx(2 * terms["i0"]["own_s"], abs=1e-3)
+
+
+def test_eviction_spares_a_live_session_and_not_a_departed_one():
+    """Equal load and no cache for the new prompt anywhere: it goes where its blocks evict a
+    session that has stopped coming back, not one that returns every few seconds."""
+    c, clock = cluster(2, capacity_blocks=100)
+    live, gone = chain(1, 80), chain(2, 80)
+    for turn in range(4):  # "live" returns every 2 s on i0; "gone" had 4 turns long ago on i1
+        serve(c, clock, 1, "gone", gone[: 60 + turn], prefill_s=0.5)
+        clock.t += 1.5
+    clock.t += 600
+    for turn in range(4):
+        serve(c, clock, 0, "live", live[: 60 + turn], prefill_s=0.5)
+        clock.t += 1.5
+    p, terms = decide(c, chain(5, 60), "new")
+    assert terms["i0"]["evict_s"] > terms["i1"]["evict_s"]
+    assert p.index == 1
+
+
+def test_every_candidate_is_recorded_with_the_rate_it_used():
+    c, clock = cluster(3)
+    p, terms = decide(c, chain(5, 10), "new")
+    assert set(terms) == {"i0", "i1", "i2"}
+    for t in terms.values():
+        assert t["score"] == pytest.approx(t["wait_s"] + t["own_s"] + t["interf_s"] + t["evict_s"]
+                                           + t["keep_s"], abs=1e-3)
+        assert t["tps"] == pytest.approx(DEFAULT_PRIOR.tokens_per_s, rel=1e-3)
+
+
+def test_without_lookahead_it_still_picks():
+    """As a shadow of a policy that did not ask for the lookahead: today's terms only."""
+    c, clock = cluster(2)
+    v = c.view(chain(5, 10), 10 * BS, "x")
+    assert v.lookahead is None
+    p = build_policy("expected_cost").pick(None, v)
+    assert p.index in (0, 1)
+    assert all(t["evict_s"] == 0 for t in p.terms)
