@@ -18,19 +18,31 @@ scale: ``T(q, h) = scale_i x T0(q, h)``.
 Measurement: a request's service time on instance i is taken the way a FIFO queue's is
 recovered from its departures, ``S = t_first_token - max(t_dispatch, previous first token
 on i)``: time it spent at the head of i's prefill queue, including the decode steps that
-interleave with its chunks. Then, with one pseudo-observation at the prior::
+interleave with its chunks. Only first tokens the router saw count (a non-streaming
+answer's is not observable), and only requests with something to prefill (q > 0).
 
-    scale_i = (1 + n x sum(S) / sum(T0)) / (n + 1)
-    tps_i   = (n0_tokens + sum(q)) / (n0_tokens / prior_tps + sum(S)),  n0_tokens = sum(q) / n
+Estimate, in two levels. The fleet's scale counts the prior as one observation::
 
-``tps_i`` is the plain tokens-per-second figure (for rules that take one rate; shown in the
-state as ``prefill_tps_measured`` = sum(q) / sum(S), without the prior). Only first tokens
-the router saw count (a non-streaming answer's is not observable), and only requests with
-something to prefill (q > 0).
+    k_fleet = (1 + N x sum(S) / sum(T0)) / (N + 1)        over all N samples
+    tps_fleet = (q_mean + sum(q)) / (q_mean / prior_tps + sum(S))
+
+and each instance's is shrunk toward it by how much of the spread between instances is
+real (empirical Bayes on x = ln(S / T0)): with s_w^2 the variance of x within instances and
+tau^2 = var(instance means) - s_w^2 x mean(1 / n_i) the part left for real differences,
+an instance with n_i samples weighs its own ratio w_i = n_i / (n_i + s_w^2 / tau^2)::
+
+    scale_i = (1 - w_i) x k_fleet + w_i x sum_i(S) / sum_i(T0)
+
+w_i = 0 (every instance takes the fleet's value) while tau^2 <= 0 or there are too few
+samples to tell; a fleet of identical GPUs therefore gets one well-measured rate rather than
+n noisy ones, and a mixed fleet separates as soon as its measurements do. ``tps_i`` (for
+rules that take one rate) is shrunk the same way; the state shows each instance's raw
+``prefill_tps_measured`` = sum_i(q) / sum_i(S).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -55,13 +67,15 @@ DEFAULT_PRIOR = PrefillPrior(tokens_per_s=1 / 187e-6, attention_tokens=187e-6 / 
 
 
 class _Instance:
-    __slots__ = ("n", "sum_q", "sum_s", "sum_t0", "last_first")
+    __slots__ = ("n", "sum_q", "sum_s", "sum_t0", "sum_x", "sum_xx", "last_first")
 
     def __init__(self) -> None:
         self.n = 0
         self.sum_q = 0
         self.sum_s = 0.0
         self.sum_t0 = 0.0
+        self.sum_x = 0.0  # ln(S / T0) per sample, for the spread within and between instances
+        self.sum_xx = 0.0
         self.last_first = float("-inf")
 
 
@@ -71,6 +85,9 @@ class Calibration:
     def __init__(self, num_instances: int, prior: PrefillPrior = DEFAULT_PRIOR):
         self.prior = prior
         self._inst = [_Instance() for _ in range(num_instances)]
+        self._scale: list[float] | None = None  # computed on first read after a change
+        self._tps: list[float] = []
+        self._weight: list[float] = []
 
     def observe(self, instance: int, new_tokens: int, cached_tokens: int, dispatched: float,
                 first_token: float) -> float | None:
@@ -83,15 +100,62 @@ class Calibration:
         service = first_token - start
         if service <= 0:  # overtaken inside one step: no time of its own to attribute
             return None
+        t0 = self.prior.seconds(new_tokens, cached_tokens)
+        x = math.log(service / t0)
         st.n += 1
         st.sum_q += new_tokens
         st.sum_s += service
-        st.sum_t0 += self.prior.seconds(new_tokens, cached_tokens)
+        st.sum_t0 += t0
+        st.sum_x += x
+        st.sum_xx += x * x
+        self._scale = None
         return service
 
     def forget(self, instance: int) -> None:
         """Start over on ``instance`` (it restarted: its speed may have changed)."""
         self._inst[instance] = _Instance()
+        self._scale = None
+
+    def _refresh(self) -> None:
+        """The fleet's estimate (the prior as one observation), then each instance's, shrunk
+        toward the fleet's by its share of the evidence (empirical Bayes, see the module doc)."""
+        insts = self._inst
+        big_n = sum(st.n for st in insts)
+        r0 = self.prior.tokens_per_s
+        if big_n == 0:
+            self._scale = [1.0] * len(insts)
+            self._tps = [r0] * len(insts)
+            self._weight = [0.0] * len(insts)
+            return
+        sum_q = sum(st.sum_q for st in insts)
+        sum_s = sum(st.sum_s for st in insts)
+        sum_t0 = sum(st.sum_t0 for st in insts)
+        k_fleet = (1.0 + big_n * sum_s / sum_t0) / (big_n + 1)
+        q_mean = sum_q / big_n
+        tps_fleet = (q_mean + sum_q) / (q_mean / r0 + sum_s)
+        sampled = [st for st in insts if st.n]
+        weights = {id(st): 0.0 for st in insts}
+        dof = big_n - len(sampled)
+        if len(sampled) >= 2 and dof >= 1:
+            within = sum(st.sum_xx - st.sum_x * st.sum_x / st.n for st in sampled) / dof
+            means = [st.sum_x / st.n for st in sampled]
+            mu = sum(means) / len(means)
+            between = sum((m - mu) ** 2 for m in means) / (len(means) - 1)
+            tau2 = between - within * sum(1.0 / st.n for st in sampled) / len(sampled)
+            if tau2 > 0:
+                m = within / tau2  # pseudo-samples of the fleet's value each instance starts with
+                for st in sampled:
+                    weights[id(st)] = st.n / (st.n + m)
+        self._scale, self._tps, self._weight = [], [], []
+        for st in insts:
+            w = weights[id(st)]
+            self._weight.append(w)
+            if w > 0:
+                self._scale.append((1 - w) * k_fleet + w * st.sum_s / st.sum_t0)
+                self._tps.append((1 - w) * tps_fleet + w * st.sum_q / st.sum_s)
+            else:
+                self._scale.append(k_fleet)
+                self._tps.append(tps_fleet)
 
     # -- what policies read ----------------------------------------------------------
     def last_first(self, instance: int) -> float:
@@ -101,27 +165,35 @@ class Calibration:
     def samples(self, instance: int) -> int:
         return self._inst[instance].n
 
+    @property
+    def measured(self) -> bool:
+        """Has any instance a sample yet (before that, every rate is the prior)?"""
+        return any(st.n for st in self._inst)
+
     def scale(self, instance: int) -> float:
-        """Measured seconds per prior second on ``instance`` (1.0 before any sample)."""
-        st = self._inst[instance]
-        if st.n == 0 or st.sum_t0 <= 0:
-            return 1.0
-        return (1.0 + st.n * st.sum_s / st.sum_t0) / (st.n + 1)
+        """Measured seconds per prior second on ``instance`` (1.0 before any sample anywhere)."""
+        if self._scale is None:
+            self._refresh()
+        return self._scale[instance]
+
+    def own_weight(self, instance: int) -> float:
+        """How much of ``instance``'s scale is its own measurement (0: the fleet's)."""
+        if self._scale is None:
+            self._refresh()
+        return self._weight[instance]
 
     def seconds(self, instance: int, new_tokens: int, cached_tokens: int) -> float:
         """T(q, h) on ``instance``: the prior's shape at the measured scale."""
         return self.scale(instance) * self.prior.seconds(new_tokens, cached_tokens)
 
     def tps(self, instance: int) -> float:
-        """Prefill tokens per second on ``instance``, the prior counted as one observation."""
-        st = self._inst[instance]
-        if st.n == 0 or st.sum_s <= 0:
-            return self.prior.tokens_per_s
-        n0 = st.sum_q / st.n
-        return (n0 + st.sum_q) / (n0 / self.prior.tokens_per_s + st.sum_s)
+        """Prefill tokens per second on ``instance`` (shrunk toward the fleet's like ``scale``)."""
+        if self._scale is None:
+            self._refresh()
+        return self._tps[instance]
 
     def measured_tps(self, instance: int) -> float | None:
-        """sum(q) / sum(S) over the samples alone; None before the first."""
+        """sum(q) / sum(S) over the instance's own samples alone; None before the first."""
         st = self._inst[instance]
         if st.n == 0 or st.sum_s <= 0:
             return None

@@ -75,7 +75,7 @@ class Candidate:
     num_requests: int  # BS_i
     decode_tokens: int  # D_i
     decode_requests: int = 0  # requests decoding on i now
-    prefill_tps: float = 0.0  # i's measured prefill rate (router/calibration.py); 0: no sample yet
+    prefill_tps: float = 0.0  # i's measured prefill rate (router/calibration.py); 0: no sample in the fleet yet
 
 
 @dataclass(slots=True)
@@ -187,10 +187,11 @@ class Cluster:
              exact: bool = True, lookahead: bool = False) -> ClusterView:
         hits = self.hits(blocks, input_tokens, exact=exact, drift=True)
         cal = self.calibration
+        measured = cal.measured
         cands = [
             Candidate(s.index, s.name, hits[s.index], max(0, input_tokens - hits[s.index]),
                       s.pending_prefill_tokens, s.num_requests, s.ongoing_decode_tokens,
-                      s.decode_requests, cal.tps(s.index) if cal.samples(s.index) else 0.0)
+                      s.decode_requests, cal.tps(s.index) if measured else 0.0)
             for s in self.instances if s.healthy
         ]
         sess = self.sessions.get(session_id) if session_id is not None else None

@@ -11,7 +11,7 @@ preference, not a mandate; ``offload_mode``:
 - ``cost``: keep if D is not decoding (``d_idle``); offload when the disruption saved on D,
   new_D / tps_D x disruption_factor, exceeds P's queue time P_P / tps_P plus
   ``kv_transfer_s`` (``cost_offload``), else keep (``cost_keep``). tps_X is X's measured
-  prefill rate (router/calibration.py) once it has a sample, else the ``prefill_tps`` knob.
+  prefill rate (router/calibration.py) once the fleet has a sample, else the ``prefill_tps`` knob.
 
 Below the threshold the reason is ``below_threshold``; a cluster with no other healthy
 instance gives ``no_peer``. Offloaded requests are route class HEAVY_P2P, kept HEAVY ones
@@ -64,7 +64,7 @@ def loads(cluster: Cluster) -> list[Candidate]:
     cal = cluster.calibration
     return [Candidate(s.index, s.name, 0, 0, s.pending_prefill_tokens, s.num_requests,
                       s.ongoing_decode_tokens, s.decode_requests,
-                      cal.tps(s.index) if cal.samples(s.index) else 0.0)
+                      cal.tps(s.index) if cal.measured else 0.0)
             for s in cluster.instances if s.healthy]
 
 
@@ -96,7 +96,7 @@ def decide_offload(d_index: int, new_tokens: int, candidates: Sequence[Candidate
             reason = D_IDLE
         offload = reason == P_IDLE_D_BUSY
     else:  # cost
-        # each instance's measured rate once it has one (router/calibration.py), else the knob
+        # each instance's measured rate once the fleet has one (router/calibration.py), else the knob
         tps_d = d.prefill_tps or knobs["prefill_tps"]
         tps_p = p.prefill_tps or knobs["prefill_tps"]
         saved = new_tokens / tps_d * knobs["disruption_factor"]

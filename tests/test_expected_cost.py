@@ -86,7 +86,8 @@ def test_expected_cost_has_no_tuned_constants():
     left: the attention factor lives in calibration.py) and 4/1 (rounding of recorded terms)."""
     assert ExpectedCost.schema.names() == []
     assert _numbers(ROOT / "router" / "policies" / "expected_cost.py") <= {0, 0.0, 1, 1.0, 4}
-    # calibration.py: the profile's b and c, the formula's 2s, one pseudo-observation (1)
+    # calibration.py: the profile's b and c, the formula's 2s, one pseudo-observation (1),
+    # the variance's square
     assert _numbers(ROOT / "router" / "calibration.py") <= {0, 1, 1.0, 2, 2.0, 187e-6, 2.8e-9, 0.0}
 
 
@@ -104,7 +105,7 @@ def test_service_time_is_taken_from_departures():
 
 
 def test_scale_counts_the_prior_as_one_observation():
-    cal = Calibration(2, PrefillPrior(1000.0, 1e12))
+    cal = Calibration(1, PrefillPrior(1000.0, 1e12))
     assert cal.scale(0) == 1.0 and cal.tps(0) == 1000.0 and cal.measured_tps(0) is None
     cal.observe(0, 1000, 0, 0.0, 10.0)  # 10x slower than the prior says
     assert cal.scale(0) == pytest.approx((1 + 10) / 2)
@@ -112,8 +113,30 @@ def test_scale_counts_the_prior_as_one_observation():
         cal.observe(0, 1000, 0, 10.0 * k, 10.0 * (k + 1))
     assert cal.scale(0) == pytest.approx((1 + 50 * 10) / 51)  # converges to the measurement
     assert cal.tps(0) == pytest.approx((1000 + 50_000) / (1 + 500))
-    assert cal.scale(1) == 1.0  # per instance
     assert cal.snapshot(0) == {"prefill_tps_measured": 100.0, "prefill_tps_samples": 50}
+
+
+def test_identical_instances_share_the_fleets_rate():
+    """Noise alone between instances (tau^2 <= 0): every instance, sampled or not, takes the
+    fleet's value, so one unlucky sample does not make an instance look 3x slower."""
+    cal = Calibration(3, PrefillPrior(1000.0, 1e12))
+    noise = [1.0, 0.8, 1.3, 1.3, 0.8, 1.0]
+    for k, f in enumerate(noise):  # i0 and i1 alike, each sample off by its own noise
+        cal.observe(k % 2, 1000, 0, 100.0 * k, 100.0 * k + f)
+    assert cal.scale(0) == cal.scale(1) == cal.scale(2)  # i2 has no sample: the fleet's
+    assert cal.own_weight(0) == 0.0
+
+
+def test_a_really_slower_instance_separates():
+    """Steady 3x between instances, small noise within: each weighs its own measurement."""
+    cal = Calibration(2, PrefillPrior(1000.0, 1e12))
+    for k in range(8):
+        f = 1.0 + 0.05 * (k % 3)
+        cal.observe(0, 1000, 0, 100.0 * k, 100.0 * k + 3 * f)
+        cal.observe(1, 1000, 0, 100.0 * k, 100.0 * k + f)
+    assert cal.own_weight(0) > 0.9 and cal.own_weight(1) > 0.9
+    assert cal.scale(0) / cal.scale(1) == pytest.approx(3.0, rel=0.1)
+    assert cal.tps(1) / cal.tps(0) == pytest.approx(3.0, rel=0.1)
 
 
 def test_full_hits_and_unobserved_first_tokens_are_not_samples():
@@ -174,13 +197,16 @@ def test_attention_makes_a_long_cold_prefill_dearer_than_its_tokens():
 
 def test_a_measured_slow_instance_costs_more():
     c, clock = cluster(2)
-    for k in range(4):  # i0 measured 3x slower than the prior, i1 as fast
-        c.calibration.observe(0, 10_000, 0, clock.t, clock.t + 3 * DEFAULT_PRIOR.seconds(10_000, 0))
-        c.calibration.observe(1, 10_000, 0, clock.t, clock.t + DEFAULT_PRIOR.seconds(10_000, 0))
+    for k in range(6):  # i0 measured steadily 3x slower than i1
+        f = 1.0 + 0.05 * (k % 2)
+        c.calibration.observe(0, 10_000, 0, clock.t, clock.t + 3 * f * DEFAULT_PRIOR.seconds(10_000, 0))
+        c.calibration.observe(1, 10_000, 0, clock.t, clock.t + f * DEFAULT_PRIOR.seconds(10_000, 0))
         clock.t += 100
     p, terms = decide(c, chain(5, 40), "new")
     assert p.index == 1 and p.reason == "affinity_new"
-    assert terms["i0"]["own_s"] == pytest.approx(terms["i1"]["own_s"] * c.calibration.scale(0), rel=1e-4)
+    ratio = c.calibration.scale(0) / c.calibration.scale(1)
+    assert ratio > 2.5
+    assert terms["i0"]["own_s"] == pytest.approx(terms["i1"]["own_s"] * ratio, rel=1e-3)
     assert terms["i0"]["tps"] < terms["i1"]["tps"]
 
 

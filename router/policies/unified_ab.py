@@ -24,7 +24,7 @@ class UnifiedAB(Policy):
     with discount_i = min(turn - 1, migration_discount_cap) x decode_iteration_s for i != a
     on turn >= 2 (a long session has already paid for its cache; moving it costs less than a
     fresh start suggests). Ties by new_i, then BS_i, then round-robin. prefill_tps here is
-    instance i's measured rate once it has a sample (router/calibration.py; the rate used is
+    instance i's measured rate once the fleet has a sample (router/calibration.py; the rate used is
     each candidate's ``tps`` term), the knob before that. Decode tokens are
     turned into seconds through prefill_tps, so lmetric_decode_weight is "a decoding token
     costs this fraction of a prefill token" (our reading of the seed knob).
