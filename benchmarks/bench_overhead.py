@@ -140,10 +140,10 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 60, expect: by
 
 def target_cmd(name: str, port: int, backend: str, tmp: str) -> list[str] | None:
     prom = str(free_port())
-    if name in ("kvtop", "kvtop-db", "kvtop-db-shadow2"):
-        # kvtop-db: with the decision log on, as deployed; kvtop-db-shadow2: and two shadow policies
-        db = str(Path(tmp) / f"overhead-{port}.db") if name != "kvtop" else "none"
-        shadow = ["--shadow", "leastwork,unified"] if name == "kvtop-db-shadow2" else []
+    if name in ("kvtop", "kvtop-db", "kvtop-shadow2", "kvtop-db-shadow2"):
+        # kvtop-db: with the decision log on, as deployed; *-shadow2: and two shadow policies
+        db = str(Path(tmp) / f"overhead-{port}.db") if name.startswith("kvtop-db") else "none"
+        shadow = ["--shadow", "leastwork,unified"] if name.endswith("-shadow2") else []
         return [sys.executable, "-m", "kvtop", "route", "--host", "127.0.0.1", "--port", str(port),
                 "--backend", backend, "--policy", "lmetric", "--db", db, "--state-dir", tmp, *shadow]
     peer = ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", backend,
