@@ -1,4 +1,5 @@
-"""Start N simulated vLLM instances on loopback ports, in one process and one event loop.
+"""Start N simulated vLLM instances on loopback ports, in one process and one event loop
+(or, with ``--process-per-instance``, one process each).
 
 Each instance serves vLLM's OpenAI API (/v1/completions, /v1/chat/completions, streaming or
 not), /metrics with vLLM's names, /tokenize, /v1/completions/render, /health, /v1/models,
@@ -104,6 +105,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "endpoint on PORT+2i+1 (route with --backend URL@kv=...@kv-replay=...)")
     parser.add_argument("--duration", type=float, default=None, metavar="S",
                         help="exit after S wall seconds (for tests and scripts)")
+    parser.add_argument("--process-per-instance", action="store_true",
+                        help="run each instance in a process of its own, so one instance's heavy "
+                             "request (parsing a 20 MB prompt) cannot stall another's /health or steps, "
+                             "and instances use every core; costs a Python process (~40 MB) each")
+    parser.add_argument("--instance-offset", type=int, default=0, help=argparse.SUPPRESS)
 
 
 def build_instances(args: argparse.Namespace):
@@ -133,6 +139,7 @@ def build_instances(args: argparse.Namespace):
         raise CliError(str(exc.args[0])) from None
     model = args.model or profile.model
     instances = []
+    off = getattr(args, "instance_offset", 0)
     for i in range(args.instances):
         port = args.port_base + i
         engine = Engine(profile, num_gpu_blocks=args.num_gpu_blocks, max_model_len=args.max_model_len,
@@ -142,15 +149,16 @@ def build_instances(args: argparse.Namespace):
                         admission=_admission_hook(args))
         instances.append(SimInstance(engine, model=model, host=args.host, port=port,
                                      speed=args.speed, stream_interval_ms=args.stream_interval_ms,
-                                     engine_label=str(i)))
+                                     engine_label=str(off + i)))
         kv_base = getattr(args, "kv_events_port_base", None)
         if kv_base is not None:
             from kvtop.sim.kv_publisher import KvEventPublisher
 
-            if kv_base < 1 or kv_base + 2 * args.instances > 65535:
+            if kv_base < 1 or kv_base + 2 * (off + args.instances) > 65535:
                 raise CliError("--kv-events-port-base: ports must lie in 1..65535")
-            instances[-1].kv_publisher = KvEventPublisher(engine, host=args.host, port=kv_base + 2 * i,
-                                                          replay_port=kv_base + 2 * i + 1)
+            k = off + i
+            instances[-1].kv_publisher = KvEventPublisher(engine, host=args.host, port=kv_base + 2 * k,
+                                                          replay_port=kv_base + 2 * k + 1)
     return instances
 
 
@@ -171,9 +179,12 @@ def run(args: argparse.Namespace) -> int:
     from kvtop.sim.server import serve
 
     instances = build_instances(args)
+    if args.process_per_instance and args.instances > 1:
+        return _run_processes(args)
+    off = args.instance_offset
 
     def ready(insts) -> None:
-        for i, inst in enumerate(insts):
+        for i, inst in enumerate(insts, start=off):
             e = inst.engine
             p = e.profile
             est = " ESTIMATED" if p.estimated else ""
@@ -203,6 +214,58 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(f"cannot listen on {args.host} ports {args.port_base}.."
                            f"{args.port_base + args.instances - 1}: {exc.strerror}") from None
         raise
+    return 0
+
+
+def _child_argv(args: argparse.Namespace, i: int) -> list[str]:
+    """``kvtop sim`` arguments for instance i alone (its port, labels and KV ports as in one process)."""
+    argv = ["sim", "--instances", "1", "--port-base", str(args.port_base + i), "--host", args.host,
+            "--profile", str(args.profile), "--speed", repr(args.speed),
+            "--stream-interval-ms", repr(args.stream_interval_ms), "--prefix-metrics", args.prefix_metrics,
+            "--instance-offset", str(i)]
+    for flag in ("max_model_len", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens", "model",
+                 "kv_events_port_base", "duration"):
+        v = getattr(args, flag, None)
+        if v is not None:
+            argv += ["--" + flag.replace("_", "-"), str(v)]
+    if getattr(args, "admission", None):
+        argv += ["--admission", args.admission, "--admission-lookahead", str(args.admission_lookahead)]
+    return argv
+
+
+def _run_processes(args: argparse.Namespace) -> int:
+    """One child process per instance; this one forwards SIGINT/SIGTERM and ends them all when
+    one ends (its exit status is the first failure's)."""
+    import subprocess
+    import sys
+    import time
+
+    from kvtop.procs import stop_processes
+
+    children = [subprocess.Popen([sys.executable, "-m", "kvtop", *_child_argv(args, i)], stdin=subprocess.DEVNULL)
+                for i in range(args.instances)]
+    stopping = False
+
+    def on_signal(signum, _frame) -> None:
+        nonlocal stopping
+        stopping = True
+
+    old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while not stopping:
+            codes = [c.poll() for c in children]
+            if any(code is not None for code in codes):
+                break
+            time.sleep(0.1)
+    finally:
+        stop_processes(children, grace_s=10.0)
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    failed = [c.returncode for c in children if c.returncode not in (0, -signal.SIGTERM, None)]
+    if failed and not stopping:
+        print(f"kvtop sim: an instance process exited with status {failed[0]}; stopped the others",
+              file=sys.stderr)
+        return 2
     return 0
 
 

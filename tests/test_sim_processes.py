@@ -1,0 +1,102 @@
+"""kvtop sim --process-per-instance: each instance in its own process, one heavy request on
+one instance does not stall another, and the parent ends every child it started."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from conftest import free_port
+
+
+def _get(port: int, path: str) -> tuple[int, bytes]:
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        c.request("GET", path)
+        r = c.getresponse()
+        return r.status, r.read()
+    finally:
+        c.close()
+
+
+def _wait(ports, timeout=30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if all(_get(p, "/health")[0] == 200 for p in ports):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise AssertionError("instances did not come up")
+
+
+def _closed(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_process_per_instance_isolates_and_stops_cleanly():
+    base = free_port()
+    while not _closed(base + 1):
+        base = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kvtop", "sim", "--instances", "2", "--port-base", str(base),
+                             "--speed", "1000", "--duration", "60", "--process-per-instance"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait([base, base + 1])
+        # each process labels its metrics as instance i would in one process
+        for i in range(2):
+            _, text = _get(base + i, "/metrics")
+            assert f'engine="{i}"' in text.decode()
+        # a long prompt on instance 0; instance 1's /health meanwhile
+        lat: list[float] = []
+        stop = threading.Event()
+
+        def probe() -> None:
+            while not stop.is_set():
+                t0 = time.perf_counter()
+                _get(base + 1, "/health")
+                lat.append(time.perf_counter() - t0)
+                time.sleep(0.01)
+
+        th = threading.Thread(target=probe)
+        th.start()
+        body = json.dumps({"model": "m", "prompt": "w " * 250_000, "max_tokens": 1}).encode()
+        c = http.client.HTTPConnection("127.0.0.1", base, timeout=60)
+        c.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        assert c.getresponse().status == 200
+        c.close()
+        stop.set()
+        th.join()
+        assert lat and max(lat) < 0.5, max(lat)  # one process: tens of ms; here ~1 ms
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert sorted(line.split(":")[0] for line in out.splitlines() if line.startswith("instance")) == \
+        ["instance 0", "instance 1"]
+    assert _closed(base) and _closed(base + 1)  # no child left serving
+
+
+def test_a_child_that_cannot_start_ends_the_rest():
+    base = free_port()
+    blocker = socket.socket()
+    blocker.bind(("127.0.0.1", 0))
+    busy = blocker.getsockname()[1]
+    blocker.listen()
+    try:
+        # instance 1's port is taken: its process fails, the parent stops instance 0 and says so
+        proc = subprocess.run([sys.executable, "-m", "kvtop", "sim", "--instances", "2", "--port-base",
+                               str(busy - 1), "--duration", "30", "--process-per-instance"],
+                              capture_output=True, text=True, timeout=60)
+    finally:
+        blocker.close()
+    assert proc.returncode == 2
+    assert "an instance process exited" in proc.stderr
+    assert _closed(busy - 1)
