@@ -89,6 +89,30 @@ def refusal(exc: BadRequest) -> web.Response:
     return resp
 
 
+#: Bodies with a Content-Length from this size on are read as chunks joined once.
+_BIG_READ = 1 << 20
+
+
+async def _read_big(request: web.Request, n: int) -> bytes:
+    """A large body with a known length: its chunks joined once at the end, instead of
+    aiohttp's bytearray grown chunk by chunk and then copied whole into bytes (two passes
+    over 60 MB on the event loop). A body that is not ``n`` bytes is a 400."""
+    chunks: list[bytes] = []
+    got = 0
+    content = request.content
+    while True:
+        chunk = await content.readany()
+        if not chunk:
+            break
+        got += len(chunk)
+        if got > n:
+            raise BadRequest("the request body is longer than its Content-Length")
+        chunks.append(chunk)
+    if got != n:
+        raise BadRequest(f"the request body ended after {got:,} of {n:,} bytes")
+    return b"".join(chunks)
+
+
 async def read_body(request: web.Request, timeout_s: float | None) -> bytes:
     """The request body within ``timeout_s`` (a slow or stalled client gets a 408); a body over
     the app's ``client_max_size`` is a 413, refused before reading when its length says so."""
@@ -100,6 +124,9 @@ async def read_body(request: web.Request, timeout_s: float | None) -> bytes:
         if not timeout_s or request.content.is_eof():
             return await request.read()  # no limit, or the whole body is already here
         async with asyncio.timeout(timeout_s):  # unlike wait_for, no extra task per request
+            n = request.content_length
+            if n is not None and n >= _BIG_READ:
+                return await _read_big(request, n)
             return await request.read()
     except TimeoutError:
         raise BadRequest(f"the request body did not arrive within {timeout_s:g} s", status=408) from None
