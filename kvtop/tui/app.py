@@ -124,8 +124,13 @@ class KvtopApp(App):
     def __init__(self, feed: Any, *, url: str = "", readonly: bool = False, can_control: bool = True,
                  hz: float = 4.0, theme: str | None = None, max_decisions: int = 500,
                  clock: Callable[[], float] = time.time, apply_timer: bool = True,
-                 poll_sessions_s: float = 2.0, connect_grace_s: float = 3.0, speed: float | None = None):
+                 poll_sessions_s: float = 2.0, connect_grace_s: float = 3.0, speed: float | None = None,
+                 keymap: dict[str, str] | None = None, config_file: Any = None):
         super().__init__()
+        #: attach.toml (kvtop/tui/config.py): a theme switched from the palette is saved there
+        self.config_file = config_file
+        self._config_write_failed = False
+        self._theme_saved: str | None = None  # None until the starting theme is set
         self.feed = feed
         self.url = url or getattr(feed, "url", "")
         self.readonly_flag = readonly
@@ -172,6 +177,9 @@ class KvtopApp(App):
         for t in THEMES:
             self.register_theme(t)
         self.theme = theme or "kvtop-dark"
+        self._theme_saved = self.theme  # as started (flag or file): not written back unchanged
+        if keymap:
+            self.set_keymap(dict(keymap))
 
     # -- layout ------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -441,6 +449,22 @@ class KvtopApp(App):
         if self.is_mounted:
             self._applied_snapshot = -1
             self._static_cache.clear()
+            self._remember_theme(_theme)
+
+    def _remember_theme(self, theme: str) -> None:
+        """Save a theme the user switched to in the config file; a write failure is one notice."""
+        if (self.config_file is None or self._theme_saved is None or theme == self._theme_saved
+                or self._config_write_failed):
+            return
+        from kvtop.tui.config import save_theme
+
+        try:
+            save_theme(self.config_file, theme)
+        except (OSError, ValueError) as exc:
+            self._config_write_failed = True  # notify once, then carry on without saving
+            self.notify(f"cannot save the theme to {self.config_file}: {exc}", severity="warning", timeout=8)
+            return
+        self._theme_saved = theme
 
     def _levelled(self, text: str, level: int, arrow: str = "") -> Text:
         if level == 2:

@@ -11,6 +11,10 @@ token the dashboard is read-only.
 
 Keys: ? help, p pause, s/r sort, / filter, +/- refresh rate, [/] chart window,
 1-5 tabs, ctrl+p command palette (policy switch, knobs, themes). docs/tui.md has the rest.
+
+Config file: $XDG_CONFIG_HOME/kvtop/attach.toml (default ~/.config/kvtop/attach.toml, or
+--config PATH) sets theme, hz, max_decisions and [keys] (binding id = key, e.g.
+kvtop.sort = "o"); flags win over it. A theme picked from the palette is saved there.
 """
 
 from __future__ import annotations
@@ -29,11 +33,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "else the locator's token file)")
     p.add_argument("--state-dir", default=None, metavar="DIR",
                    help="where routers write router-<port>.json (default ~/.local/state/kvtop)")
-    p.add_argument("--hz", type=float, default=4.0, metavar="HZ",
+    p.add_argument("--config", default=None, metavar="PATH",
+                   help="config file (default $XDG_CONFIG_HOME/kvtop/attach.toml, "
+                        "i.e. ~/.config/kvtop/attach.toml); flags win over it")
+    p.add_argument("--hz", type=float, default=None, metavar="HZ",
                    help="screen refresh rate, 0.5-10 (default 4; + and - change it live)")
     p.add_argument("--theme", default=None,
                    help="kvtop-dark (default), kvtop-light, kvtop-cb (colour-blind safe), or any Textual theme")
-    p.add_argument("--max-decisions", type=int, default=500, metavar="N",
+    p.add_argument("--max-decisions", type=int, default=None, metavar="N",
                    help="decision rows kept on screen (default 500)")
 
 
@@ -41,9 +48,9 @@ def run(args: argparse.Namespace) -> int:
     from kvtop.cli import CliError
     from kvtop.tui.feed import ControlError, check_token, fetch_json, resolve_target
 
-    if not 0.5 <= args.hz <= 10:
+    if args.hz is not None and not 0.5 <= args.hz <= 10:
         raise CliError("--hz must be between 0.5 and 10")
-    if args.max_decisions < 1:
+    if args.max_decisions is not None and args.max_decisions < 1:
         raise CliError("--max-decisions must be at least 1")
     if args.theme is not None:
         # checked before connecting: an unknown name would otherwise be a Textual traceback
@@ -51,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
 
         if args.theme not in theme_names():
             raise CliError(f"unknown theme {args.theme!r}; one of: {', '.join(theme_names())}")
+    config_file, config = read_config(args)
+    hz, max_decisions, theme = settings(args, config)
     try:
         target = resolve_target(args.url, token_file=args.token_file, state_dir=args.state_dir)
         snap = fetch_json(target.url, "/state", timeout=5.0)
@@ -87,9 +96,32 @@ def run(args: argparse.Namespace) -> int:
         # the same search as at start (flag, env, the locator of this URL), run again on reconnect
         return resolve_target(target.url, token_file=args.token_file, state_dir=args.state_dir).token
 
-    feed = RouterFeed(target.url, target.token, hz=args.hz, token_loader=token_loader)
+    feed = RouterFeed(target.url, target.token, hz=hz, token_loader=token_loader)
     app = KvtopApp(feed, url=target.url, readonly=readonly,
-                   can_control=bool(target.token), hz=args.hz, theme=args.theme,
-                   max_decisions=args.max_decisions)
+                   can_control=bool(target.token), hz=hz, theme=theme,
+                   max_decisions=max_decisions, keymap=config.get("keys"), config_file=config_file)
     app.run()
     return 0
+
+
+def settings(args: argparse.Namespace, config: dict) -> tuple[float, int, str | None]:
+    """(hz, max_decisions, theme): flags win over the config file, the file over the defaults."""
+    hz = args.hz if args.hz is not None else config.get("hz", 4.0)
+    max_decisions = args.max_decisions if args.max_decisions is not None else config.get("max_decisions", 500)
+    theme = args.theme if args.theme is not None else config.get("theme")
+    return hz, max_decisions, theme
+
+
+def read_config(args: argparse.Namespace):
+    """(path, settings) of the config file; a bad file is a one-line CliError naming file and key."""
+    from kvtop.cli import CliError
+    from kvtop.tui.app import KvtopApp, theme_names
+    from kvtop.tui.config import ConfigError, config_path, load_config
+
+    path = config_path(getattr(args, "config", None))
+    ids = {b.id for b in KvtopApp.BINDINGS if getattr(b, "id", None)}
+    try:
+        return path, load_config(path, required=bool(getattr(args, "config", None)),
+                                 binding_ids=ids, themes=theme_names())
+    except ConfigError as exc:
+        raise CliError(str(exc)) from None
