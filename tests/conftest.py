@@ -11,6 +11,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 
 
+@pytest.fixture(autouse=True)
+def _private_config_home(tmp_path_factory, monkeypatch):
+    """No test reads the machine's own ~/.config/kvtop (kvtop attach's config file): a broken
+    file there must not fail the suite, nor a theme switch in a test write to it."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path_factory.mktemp("xdg-config")))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
