@@ -109,11 +109,13 @@ class RoutingCore:
         return view
 
     def decide(self, req: RouteRequest, *, exclude: tuple[int, ...] = (), attempt: int = 1,
-               reason_override: str | None = None) -> Decision:
-        """Pick an instance (no counters change). Raises NoInstance when none is healthy."""
+               reason_override: str | None = None, lookahead: bool = False) -> Decision:
+        """Pick an instance (no counters change). Raises NoInstance when none is healthy.
+        ``lookahead`` builds the view's lookahead even if the policy does not ask for it (a
+        shadow policy that does will read the same view)."""
         slot = self.slot
         t0 = time.perf_counter()
-        view = self.view(req, exclude, lookahead=slot.policy.needs_lookahead)
+        view = self.view(req, exclude, lookahead=lookahead or slot.policy.needs_lookahead)
         if not view.candidates:
             raise NoInstance("no healthy instance available")
         pick = slot.policy.pick(req, view)

@@ -156,7 +156,9 @@ class Pipeline:
 
         Raises NoInstance (nothing charged) when no healthy instance is left."""
         attempt = 1 if flow.decision is None else flow.decision.attempt + 1
+        shadows = self.shadows
         d = self.core.decide(flow.request, exclude=exclude, attempt=attempt,
+                             lookahead=shadows is not None and shadows.needs_lookahead,
                              reason_override=RETRY if attempt > 1 else None)
         d.extra["t_proxy_recv"] = flow.t_recv
         if flow.first is not None:

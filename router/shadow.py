@@ -138,6 +138,11 @@ class Shadows:
     def names(self) -> list[str]:
         return list(self.shadows)
 
+    @property
+    def needs_lookahead(self) -> bool:
+        """A shadow reads ``view.lookahead`` (router/cluster.py): the view must carry it."""
+        return any(sh.policy.needs_lookahead for sh in self.shadows.values())
+
     def set(self, specs: list[tuple[str, dict[str, Any]]]) -> None:
         """Replace the set. A shadow kept with the same knobs keeps its counts."""
         now = self.clock()

@@ -47,6 +47,26 @@ class Slow(Policy):
         return Pick(view.candidates[-1].index, ARGMIN)
 
 
+class Looks(Policy):
+    """Asks for the lookahead view and remembers whether it got one."""
+
+    name = "looks"
+    needs_lookahead = True
+    seen: list = []
+
+    def pick(self, req, view):
+        Looks.seen.append(view.lookahead is not None)
+        return Pick(view.candidates[0].index, ARGMIN)
+
+
+def test_a_shadow_that_needs_the_lookahead_gets_it(monkeypatch):
+    monkeypatch.setitem(POLICIES, "looks", Looks)
+    Looks.seen = []
+    pipe, _ = _pipeline("unified", Shadows(parse_specs("looks")))
+    _run(pipe, 0, "s", [1, 2])
+    assert Looks.seen == [True]
+
+
 @pytest.fixture
 def broken_policies(monkeypatch):
     monkeypatch.setitem(POLICIES, "boom", Boom)
