@@ -1,0 +1,548 @@
+"""The five tabs of ``kvtop attach``, one widget each, over the app's one data model.
+
+Each tab is a ``TabPane`` that composes its own widgets (the ids the CSS and the tests use) and
+draws them from ``app.collected`` and the app's view state (filters, sort, chart window). The
+app (kvtop/tui/app.py) decides when: it calls the visible tab's draw methods from ``apply``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from rich.text import Text
+from textual import on
+from textual.app import ComposeResult
+from textual.containers import Horizontal, Vertical
+from textual.widgets import Button, DataTable, Static, TabPane
+from textual_plotext import PlotextPlot
+
+from kvtop.receipt import fmt_num
+from kvtop.tui.axis import set_y_ticks
+from kvtop.tui.model import (FLEET_MIN, INSTANCE_COLUMNS, GPU_BUSY_PCT, LOW_HIT_RATE, MEASURED_TPS_COLUMN, THRESHOLDS,
+                             config_change_text, decision_matches, doc_summary, fit_id, fleet_strips, fmt_duration,
+                             fmt_int, fmt_latency, fmt_pct, fmt_secs, gpu_cells, health_state, instance_values,
+                             is_number, natural_key, sort_value, sparkline, terms_summary)
+from kvtop.tui.screens import ReceiptScreen
+from kvtop.tui.widgets import LiveTable
+
+
+def chart_now(app: Any) -> float:
+    """The charts' "now": the latest snapshot's time, else the app's clock."""
+    now = app.clock()
+    snap = app.collected.snapshot or {}
+    if snap.get("ts"):
+        now = float(snap["ts"])
+    return now
+
+
+def draw_backlog(app: Any, backlog: PlotextPlot) -> None:
+    """The prefill backlog per instance over the chart window: the overview's plot and the charts tab's."""
+    now = chart_now(app)
+    c = app.collected
+    w = app.window_s
+    plt = backlog.plt
+    plt.clear_data()
+    plt.clear_figure()
+    plt.title(f"prefill backlog tokens per instance (last {w}s; [ ] window)")
+    ranked = sorted(c.backlog.items(), key=lambda kv: -(kv[1][-1][1] if kv[1] else 0))
+    plotted: list[float] = []
+    for name, ring in ranked[:8]:  # more lines than this is noise; the table has every instance
+        pts = [(ts - now, v) for ts, v in ring if now - w <= ts <= now]  # plotext raises on a series
+        if pts:                                                           # wholly outside xlim
+            plt.plot([p[0] for p in pts], [p[1] for p in pts], label=name, marker="braille")
+            plotted += [p[1] for p in pts]
+    set_y_ticks(plt, plotted, "count", rows=backlog.size.height, integer=True)
+    plt.xlim(-w, 0)
+    plt.xlabel("seconds ago")
+    backlog.refresh()
+
+
+class OverviewTab(TabPane):
+    """Instances table, fleet strips, totals and the backlog plot."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._cells: dict[str, dict[str, tuple]] = {}
+        self._sort_values: dict[str, dict[str, Any]] = {}
+        self._gpu_na: str | None = None
+        self._health_notes: dict[str, str] = {}  # instance -> why it is down or ejected
+        self._measured_tps = False  # the prefill-rate column is there
+        self._theme_seq = -1  # the app's theme change count the cells were drawn under
+
+    def compose(self) -> ComposeResult:
+        yield Static(id="fleet")
+        yield LiveTable(id="instances", cursor_type="row", zebra_stripes=True, fixed_columns=1)
+        yield Static(id="totals")
+        yield PlotextPlot(id="overview-backlog")
+
+    def draw(self) -> None:
+        self.draw_instances()
+        self.draw_fleet()
+        self.draw_totals()
+
+    def draw_backlog(self) -> None:
+        draw_backlog(self.app, self.query_one("#overview-backlog", PlotextPlot))
+
+    def _levelled(self, text: str, level: int, arrow: str = "") -> Text:
+        app: Any = self.app
+        if level == 2:
+            return Text(f"{text}{arrow}", style=f"bold reverse {app._color('error')}")
+        if level == 1:
+            return Text(f"{text}{arrow}", style=f"bold {app._color('warning')}")
+        return Text(f"{text}{arrow}")
+
+    def _instance_cells(self, inst: dict[str, Any], prev: dict[str, Any] | None) -> dict[str, tuple]:
+        """Column key -> (comparable, renderable)."""
+        app: Any = self.app
+        snap_ts = (app.collected.snapshot or {}).get("ts")
+        now = float(snap_ts) if is_number(snap_ts) else app.clock()
+        v = instance_values(inst, app.collected.instance_ttft(str(inst.get("name")), now))
+
+        def arrow(key: str) -> str:
+            if prev is None or prev.get(key) is None or v[key] is None:
+                return "  "
+            return " ▲" if v[key] > prev[key] else " ▼" if v[key] < prev[key] else "  "
+
+        util, mem, why = gpu_cells(inst.get("gpu"))
+        cells: dict[str, tuple] = {}
+        state, reason = health_state(inst)
+        cells["name"] = (v["name"], v["name"])
+        cells["health"] = (state, Text("● up", style=app._color("success")) if state == "up"
+                           else Text("⏏ ejected" if state == "ejected" else "✖ DOWN",
+                                     style=f"bold reverse {app._color('error')}"))
+        if reason:
+            self._health_notes[v["name"]] = f"{v['name']} {'ejected' if state == 'ejected' else 'down'}: {reason}"
+        else:
+            self._health_notes.pop(v["name"], None)
+        for key in ("ttft_p50", "ttft_p90"):
+            cells[key] = (v[key], fmt_latency(v[key]))
+        errors = v["errors"]
+        cells["errors"] = (errors, Text(fmt_int(errors), style=f"bold {app._color('error')}") if errors
+                           else Text("0" if errors == 0 else "–", style="dim"))
+        if v["prefill_tps"] is not None:
+            cells["prefill_tps"] = (v["prefill_tps"], fmt_int(v["prefill_tps"]))
+        lv = THRESHOLDS["requests"].level(v["requests"])
+        a = arrow("requests")
+        cells["requests"] = ((v["requests"], a, lv), self._levelled(str(v["requests"]), lv, a))
+        lv = THRESHOLDS["backlog_s"].level(v["backlog_s"])
+        a = arrow("backlog_tokens")
+        cells["backlog_tokens"] = ((v["backlog_tokens"], a, lv), self._levelled(fmt_int(v["backlog_tokens"]), lv, a))
+        cells["backlog_s"] = ((v["backlog_s"], lv), self._levelled(fmt_secs(v["backlog_s"]), lv))
+        cells["decode_requests"] = (v["decode_requests"], str(v["decode_requests"]))
+        cells["decode_tokens"] = (v["decode_tokens"], fmt_int(v["decode_tokens"]))
+        for key in ("est_hit", "engine_hit"):
+            low = is_number(v[key]) and v[key] < LOW_HIT_RATE
+            cells[key] = (v[key], self._levelled(fmt_pct(v[key]) + ("↓" if low else ""), 1) if low
+                          else fmt_pct(v[key]))
+        lv = THRESHOLDS["kv"].level(v["kv"])
+        cells["kv"] = ((v["kv"], lv), self._levelled(fmt_pct(v["kv"]), lv))
+        if why:
+            cells["gpu_util"] = (why, Text("n/a", style="dim"))
+            cells["gpu_mem"] = (why, Text("n/a", style="dim"))
+            self._gpu_na = why
+        else:
+            busy = is_number(v["gpu_util"]) and v["gpu_util"] >= GPU_BUSY_PCT
+            cells["gpu_util"] = ((util, busy), Text(util, style=app._color("success")) if busy else Text(util))
+            cells["gpu_mem"] = (mem, mem)
+        ring = app.collected.backlog.get(v["name"])
+        spark = sparkline([x for _, x in list(ring)[-12:]]) if ring else ""
+        cells["trend"] = (spark, spark)
+        self._sort_values[v["name"]] = v
+        return cells
+
+    def draw_instances(self) -> None:
+        app: Any = self.app
+        if self._theme_seq != app._theme_seq:  # a theme change: rewrite every row in its colours
+            self._theme_seq = app._theme_seq
+            self._cells.clear()
+        table = self.query_one("#instances", DataTable)
+        snap = app.collected.snapshot or {}
+        insts = snap.get("instances", [])
+        query = app.filters["overview"].lower()
+        if query:
+            insts = [i for i in insts if query in str(i.get("name", "")).lower()]
+        names = {i["name"] for i in insts}
+        prev_values = dict(self._sort_values)
+        sort_changed = False
+        for key in [k for k in table.rows if k.value not in names]:
+            table.remove_row(key)
+            self._cells.pop(str(key.value), None)
+        for name in [n for n in self._health_notes if n not in names]:
+            self._health_notes.pop(name)
+        if not self._measured_tps and any(i.get("prefill_tps_measured") is not None for i in insts):
+            # The router measures prefill rates (a newer router): one more column, at the end.
+            key, label, width = MEASURED_TPS_COLUMN
+            table.add_column(label, key=key, width=max(width, len(label) + 1), default="–")
+            self._measured_tps = True
+            self._cells.clear()  # every row gets the new cell
+        columns = [k for k, _, _ in INSTANCE_COLUMNS] + (["prefill_tps"] if self._measured_tps else [])
+        for inst in insts:
+            name = inst["name"]
+            cells = self._instance_cells(inst, prev_values.get(name))
+            if self._measured_tps and "prefill_tps" not in cells:
+                cells["prefill_tps"] = (None, "–")
+            old = self._cells.get(name)
+            if name not in table.rows:
+                table.add_row(*[cells[k][1] for k in columns], key=name)
+                sort_changed = True
+            else:
+                # No cached cells (a theme change drops them to restyle): rewrite the whole row.
+                changed = {key: cells[key][1] for key in columns if old is None or old[key][0] != cells[key][0]}
+                table.set_cells(name, changed)
+                if app.sort_key in changed or (app.sort_key == "backlog_s" and "backlog_tokens" in changed):
+                    sort_changed = True
+                if prev_values.get(name, {}).get(app.sort_key) != self._sort_values[name].get(app.sort_key):
+                    sort_changed = True
+            self._cells[name] = cells
+        if sort_changed:
+            self.sort_instances()
+
+    def sort_instances(self) -> None:
+        app: Any = self.app
+        key = app.sort_key
+        values = self._sort_values
+        names = sorted(values, key=natural_key)
+        # Ties (idle instances all have backlog 0) by requests, then by name, a-z whichever
+        # way the column runs: the order never flickers between equal rows.
+        rank = {n: (-k if app.sort_reverse else k) for k, n in enumerate(names)}
+
+        def by(name_cell: Any) -> Any:
+            name = str(getattr(name_cell, "plain", name_cell))
+            v = values.get(name, {})
+            return (sort_value(v.get(key)), sort_value(v.get("requests")), rank.get(name, 0))
+
+        table = self.query_one("#instances", DataTable)
+        # The selection stays on its instance while rows move under it.
+        selected = None
+        if table.row_count and table.cursor_row >= 0:
+            try:
+                selected = table.coordinate_to_cell_key(table.cursor_coordinate).row_key
+            except Exception:  # no cell at the cursor (an empty table)
+                selected = None
+        table.sort("name", key=by, reverse=app.sort_reverse)
+        if selected is not None and selected in table.rows:
+            table.move_cursor(row=table.get_row_index(selected), animate=False)
+        for ckey, label, _ in INSTANCE_COLUMNS + ([MEASURED_TPS_COLUMN] if self._measured_tps else []):
+            mark = ("▼" if app.sort_reverse else "▲") if ckey == key else ""
+            col = table.columns.get(ckey)  # type: ignore[call-overload]
+            if col is not None:
+                col.label = Text(label + mark, style="bold underline" if mark else "")
+        table.refresh()
+
+    def draw_fleet(self) -> None:
+        """The fleet strips above the table, from FLEET_MIN instances: every instance at once."""
+        app: Any = self.app
+        insts = (app.collected.snapshot or {}).get("instances", [])
+        fleet = self.query_one("#fleet", Static)
+        if len(insts) < FLEET_MIN:
+            if fleet.display:
+                fleet.display = False
+            return
+        fleet.display = True
+        label_w = 9
+        styles = {0: "", 1: f"bold {app._color('warning')}", 2: f"bold reverse {app._color('error')}"}
+        t = Text(no_wrap=True)
+        down = sum(1 for i in insts if not i.get("healthy"))
+        lines = fleet_strips(insts, app.size.width - label_w - 3)
+        for n, (label, cells) in enumerate(lines):
+            if n:
+                t.append("\n")
+            t.append(f"{label:<{label_w}}", style="bold" if label else "")
+            run, level = "", None
+            for ch, lv in cells:  # one span per run of a level, not one per instance
+                if lv != level and run:
+                    t.append(run, style=styles[level or 0])
+                    run = ""
+                run += ch
+                level = lv
+            if run:
+                t.append(run, style=styles[level or 0])
+        t.append(f"\n{len(insts)} instances in name order, one character each: bar height = backlog "
+                 f"(of the busiest) and est. hit rate; ✖ down ({down})", style="dim")
+        app._update_static("#fleet", t)
+
+    def draw_totals(self) -> None:
+        app: Any = self.app
+        snap = app.collected.snapshot or {}
+        tot = snap.get("totals", {})
+        n = len(snap.get("instances", []))
+        line = Text()
+        line.append(f"in flight {tot.get('in_flight', 0)}  ", style="bold")
+        line.append(f"backlog {fmt_int(tot.get('pending_prefill_tokens'))} tok / {fmt_secs(tot.get('backlog_s'))} s  ")
+        line.append(f"decode {tot.get('decode_requests', 0)} req  ")
+        hit = tot.get("est_hit_rate")  # None until the router has seen input: no rate, not "n/a%"
+        line.append(f"est hit {fmt_pct(hit)}%  " if hit is not None else "est hit –  ")
+        line.append(f"routed {fmt_int(tot.get('routed_total'))}  errors {tot.get('errors_total', 0)}  ")
+        line.append(f"healthy {tot.get('healthy_instances', 0)}/{n}")
+        reasons = snap.get("decisions_by_reason") or {}
+        if reasons:
+            top = sorted(reasons.items(), key=lambda kv: -kv[1])[:5]
+            line.append("\nreasons " + "  ".join(f"{k} {v}" for k, v in top), style="dim")
+        sort = f"\nsort: {app.sort_label()} (s next column or click a header, r reverse)"
+        if app.filters["overview"]:
+            sort += f"  filter: {app.filters['overview']}"
+        if self._health_notes:
+            notes = sorted(self._health_notes.values(), key=natural_key)
+            line.append("\n" + "; ".join(notes[:4]) + (f"; {len(notes) - 4} more" if len(notes) > 4 else ""),
+                        style=f"bold {app._color('error')}")
+        if self._gpu_na:
+            sort += f"  GPU n/a: {self._gpu_na}"
+        if app.collected.dropped:
+            sort += f"  events dropped by the router for this viewer: {app.collected.dropped}"
+        line.append(sort, style="dim")
+        app._update_static("#totals", line)
+
+
+class ChartsTab(TabPane):
+    """Backlog, TTFT and prefix-hit plots over the chart window."""
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="chart-stack"):
+            yield PlotextPlot(id="chart-backlog")
+            with Horizontal(id="chart-row"):
+                yield PlotextPlot(id="chart-ttft")
+                yield PlotextPlot(id="chart-hit")
+
+    def draw(self) -> None:
+        app: Any = self.app
+        now = chart_now(app)
+        c = app.collected
+        w = app.window_s
+        draw_backlog(app, self.query_one("#chart-backlog", PlotextPlot))
+        ttft = self.query_one("#chart-ttft", PlotextPlot)
+        plt = ttft.plt
+        plt.clear_data()
+        plt.clear_figure()
+        plt.title("TTFT p50 / p90")  # the tick labels carry the unit, ms or s
+        xs, p50, p90 = c.ttft_series(w, now)
+        if xs:
+            plt.plot(xs, p50, label="p50", marker="braille")
+            plt.plot(xs, p90, label="p90", marker="braille")
+        set_y_ticks(plt, p50 + p90, "ms", rows=ttft.size.height)
+        plt.xlim(-w, 0)
+        ttft.refresh()
+        hit = self.query_one("#chart-hit", PlotextPlot)
+        plt = hit.plt
+        plt.clear_data()
+        plt.clear_figure()
+        plt.title("prefix hit % (router est / engine)")
+        for label, ring in (("est", c.hit_rate), ("engine", c.engine_hit_rate)):
+            pts = [(ts - now, v) for ts, v in ring if now - w <= ts <= now]
+            if pts:
+                plt.plot([p[0] for p in pts], [p[1] for p in pts], label=label, marker="braille")
+        plt.xlim(-w, 0)
+        set_y_ticks(plt, [], "%", rows=hit.size.height, lo=0, hi=100)
+        hit.refresh()
+
+
+class SessionsTab(TabPane):
+    """Affinity summary and the session table (from GET sessions)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._session_order: list[str] = []
+
+    def compose(self) -> ComposeResult:
+        yield Static(id="affinity")
+        yield LiveTable(id="session-table", cursor_type="row", zebra_stripes=True)
+
+    def draw_affinity(self) -> None:
+        app: Any = self.app
+        aff = (app.collected.snapshot or {}).get("affinity") or {}
+        per = aff.get("per_instance") or {}
+        total = max(1, sum(per.values()))
+        t = Text()
+        t.append(f"sessions {fmt_int(aff.get('sessions', 0))}  moved {aff.get('moved_sessions', 0)} "
+                 f"({aff.get('moves', 0)} moves)\n", style="bold")
+        parts = [f"{k} {n} ({100 * n / total:.0f}%)" for k, n in per.items()]
+        t.append("per instance: " + "  ".join(parts[:16]) + (" …" if len(parts) > 16 else ""))
+        app._update_static("#affinity", t)
+
+    def draw_sessions(self) -> None:
+        app: Any = self.app
+        table = self.query_one("#session-table", DataTable)
+        query = app.filters["sessions"].lower()
+        rows = [s for s in app.sessions_body.get("sessions", [])
+                if not query or query in f"{s.get('session')} {s.get('instance')}".lower()]
+        keep = {str(s["session"]) for s in rows}
+        for key in [k for k in table.rows if k.value not in keep]:
+            table.remove_row(key)
+        # Whole ids where the width allows (two sessions cut to one prefix read as one).
+        id_width = max(24, app.size.width - 72)
+        for s in rows:
+            # Text, not str: a client's session id is data, never markup for DataTable to read.
+            cells = {"session": Text(fit_id(str(s["session"]), id_width)), "instance": Text(str(s.get("instance"))),
+                     "turns": str(s.get("turns", 0)), "tokens": fmt_int(s.get("tokens")),
+                     "hit": fmt_pct(s.get("est_hit_rate")), "bound": fmt_duration(s.get("bound_for_s")),
+                     "idle": fmt_duration(s.get("idle_s")), "moves": str(s.get("moves", 0))}
+            key = str(s["session"])
+            if key in table.rows:
+                table.set_cells(key, {col: val for col, val in cells.items() if table.get_cell(key, col) != val})
+            else:
+                table.add_row(*cells.values(), key=key)
+        # Heaviest first by the tokens shown, re-sorted whenever that order changes. The sort
+        # key is the row's own cell object: cut ids are not unique, and keying by their text
+        # put 41,168 tokens below 19,826.
+        def tokens(s: dict[str, Any]) -> float:
+            t = s.get("tokens")
+            return float(t) if isinstance(t, (int, float)) else -1.0
+
+        order = [str(s["session"]) for s in sorted(rows, key=lambda s: (-tokens(s), str(s["session"])))]
+        if order != self._session_order:
+            self._session_order = order
+            rank = {k: n for n, k in enumerate(order)}
+            by_cell = {id(table.get_cell(k, "session")): rank.get(str(k.value), 0) for k in table.rows}
+            table.sort("session", key=lambda cell: by_cell.get(id(cell), 0))
+
+
+class DecisionsTab(TabPane):
+    """The decision log; Enter on a row opens its receipt."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._dec_events: dict[str, dict[str, Any]] = {}
+
+    def compose(self) -> ComposeResult:
+        yield LiveTable(id="decision-table", cursor_type="row", zebra_stripes=True)
+
+    def _decision_row(self, ev: dict[str, Any]) -> list[Any]:
+        app: Any = self.app
+        ts = time.strftime("%H:%M:%S", time.localtime(float(ev.get("ts") or 0)))
+        inp = ev.get("input_tokens") or 0
+        hit = ev.get("est_hit") or 0
+        hit_s = f"{100 * hit / inp:.0f}% {fmt_int(hit)}" if inp else fmt_int(hit)
+        reason = str(ev.get("reason", "?"))
+        session = Text(fit_id(str(ev.get("session") or ""), max(18, app.size.width - 100)))
+        return [ts, session, str(ev.get("class", "")), Text(str(ev.get("instance", ""))),
+                Text(reason, style="bold") if reason not in ("argmin", "affinity_stick") else reason,
+                hit_s, terms_summary(ev.get("terms"), ev.get("instance"))]
+
+    def draw_decisions(self, rebuild: bool = False) -> None:
+        app: Any = self.app
+        table = self.query_one("#decision-table", DataTable)
+        c = app.collected
+        query = app.filters["decisions"]
+        at_end = table.cursor_row >= table.row_count - 1 or not table.has_focus
+        if rebuild:
+            table.clear()
+            self._dec_events.clear()
+            mark = 0
+        else:
+            mark = app._applied_decision
+        new = [(seq, ev) for seq, ev in c.decisions if seq > mark and (not query or decision_matches(ev, query))]
+        for seq, ev in new[-app.max_decisions:]:
+            key = f"d{seq}"
+            table.add_row(*self._decision_row(ev), key=key)
+            self._dec_events[key] = ev
+        # Cap: drop the oldest rows, never the whole table.
+        while table.row_count > app.max_decisions:
+            oldest = next(iter(table.rows))
+            table.remove_row(oldest)
+            self._dec_events.pop(str(oldest.value), None)
+        app._applied_decision = c.decision_seq
+        if at_end and table.row_count:
+            table.move_cursor(row=table.row_count - 1, animate=False)
+            table.scroll_end(animate=False, immediate=True)
+
+    @on(DataTable.RowSelected, "#decision-table")
+    def open_receipt(self, event: DataTable.RowSelected) -> None:
+        app: Any = self.app
+        ev = self._dec_events.get(str(event.row_key.value))
+        if ev is not None:
+            app.push_screen(ReceiptScreen(ev))
+
+
+class PolicyTab(TabPane):
+    """The current policy, its knobs, the shadow policies and the recent changes."""
+
+    def compose(self) -> ComposeResult:
+        # The buttons sit on the first line, beside the policy's name: a long docstring
+        # or many knobs pushed them off an 80x24 screen when they came last.
+        with Horizontal(id="policy-buttons"):
+            yield Static(id="policy-name")
+            yield Button("Switch policy (P)", id="btn-policy", compact=True)
+            yield Button("Edit knobs (k)", id="btn-knobs", compact=True)
+        yield Static(id="policy-head")
+        yield DataTable(id="knob-table", cursor_type="row", zebra_stripes=True)
+        yield Static(id="shadow-panel")
+        yield Static(id="config-log")
+
+    def draw(self) -> None:
+        app: Any = self.app
+        body = app.policies_body
+        cur = body.get("current") or {}
+        self.query_one("#policy-name", Static).update(Text(f"policy {cur.get('policy', '?')}", style="bold"))
+        head = Text()
+        schema = app._control_schema(cur.get("name"))
+        doc = next((p.get("doc", "") for p in body.get("policies", []) if p["name"] == cur.get("name")), "")
+        if doc_summary(doc):
+            head.append(doc_summary(doc) + "\n", style="dim")
+        if app.readonly:
+            head.append("read-only: policy and knob changes are hidden\n", style="bold")
+        elif not app.can_control:
+            head.append("no control token found: read-only (use --token-file or $KVTOP_CONTROL_TOKEN)\n",
+                        style="bold")
+        if app.last_error:
+            head.append(f"last error: {app.last_error}", style=f"bold {app._color('error')}")
+        head.rstrip()
+        self.query_one("#policy-head", Static).update(head)
+        table = self.query_one("#knob-table", DataTable)
+        knobs = app._current_knobs()
+        keep = {k["name"] for k in schema}
+        for key in [k for k in table.rows if k.value not in keep]:
+            table.remove_row(key)
+        for k in schema:
+            doc = ("router: " if k.get("router") else "") + str(k.get("doc") or "")
+            # Text, not str: DataTable reads a str cell as markup ("[0, 1]" in a range or doc).
+            cells = [Text(str(v)) for v in (k["name"], knobs.get(k["name"], k.get("default")), k.get("default"),
+                                            k.get("range") or "-", doc)]
+            if k["name"] in table.rows:
+                for col, val in zip(("knob", "value", "default", "range", "doc"), cells):
+                    if str(table.get_cell(k["name"], col)) != val.plain:
+                        table.update_cell(k["name"], col, val)
+            else:
+                table.add_row(*cells, key=k["name"])
+        self.query_one("#shadow-panel", Static).update(self.shadow_text())
+        lines = [config_change_text(ev) for ev in list(app.collected.config_events)[-6:]]
+        log = Text("recent changes\n", style="bold")
+        log.append("\n".join(lines) or "no policy or knob changes since attach")
+        self.query_one("#config-log", Static).update(log)
+
+    def shadow_text(self) -> Text:
+        """The shadow panel: per shadow policy, agreement with the active one, where they
+        disagree, and what its picks would have saved by the router's estimate."""
+        app: Any = self.app
+        sh = app._shadows()
+        rows = [r for r in sh.get("shadows") or [] if isinstance(r, dict) and isinstance(r.get("policy"), str)]
+        out = Text("shadow policies", style="bold")
+        if not rows and not sh.get("dropped"):
+            out.append("  none (kvtop route --shadow P1,P2, or PUT /kvtop/v1/shadows)\n", style="dim")
+            return out
+        if rows and app.control_enabled:
+            out.append("  S promotes one to active", style="dim")
+        out.append("\n")
+        for r in rows:
+            picks = r.get("picks") if is_number(r.get("picks")) else 0
+            agree = r.get("agreement")
+            out.append(f"  {r['policy']:<16}", style="bold")
+            out.append(f"agrees {fmt_pct(agree) + '%' if is_number(agree) else '–'} of {fmt_num(picks)}")
+            by_class = r.get("disagree_by_class") if isinstance(r.get("disagree_by_class"), dict) else {}
+            if by_class:
+                top = sorted(by_class.items(), key=lambda kv: -kv[1] if is_number(kv[1]) else 0)[:4]
+                out.append("  differs on " + ", ".join(f"{k} {fmt_num(v)}" for k, v in top))
+            saved = r.get("saved_prefill_tokens")
+            if is_number(saved) and picks:
+                style = app._color("success") if saved > 0 else (app._color("warning") if saved < 0 else "")
+                out.append("  est. prefill ")
+                out.append(f"{'saved' if saved >= 0 else 'added'} {fmt_num(abs(saved))} tok", style=style)
+            moved = r.get("disagree_shadow_instance") if isinstance(r.get("disagree_shadow_instance"), dict) else {}
+            if moved:
+                top = sorted(moved.items(), key=lambda kv: -kv[1] if is_number(kv[1]) else 0)[:3]
+                out.append("  would send to " + ", ".join(f"{k} {fmt_num(v)}" for k, v in top), style="dim")
+            out.append("\n")
+        for d in (sh.get("dropped") or [])[-2:]:
+            if isinstance(d, dict):
+                out.append(f"  dropped {d.get('policy', '?')}: {d.get('why', '')}\n", style=app._color("error"))
+        out.rstrip()
+        return out
