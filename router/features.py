@@ -31,7 +31,8 @@ FEATURE_KNOBS = KnobSchema((
          "cost: seconds to move a HEAVY request's KV from P to D (about 25 GB/s for 20k "
          "tokens of Qwen3-30B-A3B KV, plus setup)", min=0.0, max=600.0),
     Knob("prefill_tps", float, 5000.0,
-         "prefill tokens per second of one instance (shared with unified_ab)", min=1.0, max=1e7),
+         "prefill tokens per second of one instance, used until the router has measured the "
+         "instances' own rates (router/calibration.py; shared with unified_ab)", min=1.0, max=1e7),
     Knob("disruption_factor", float, 1.0,
          "cost: seconds of decode disruption on D per second of prefill kept there", min=0.0, max=1000.0),
     Knob("admission", str, "off",
