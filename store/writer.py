@@ -61,6 +61,7 @@ class Writer:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
+        self._urgent = threading.Event()  # a flush or close is waiting: end the window now
         self._open_error: BaseException | None = None
         self._cols = {t: [c for c in cols if c != "id"] for t, cols in TABLES.items()}
 
@@ -82,6 +83,7 @@ class Writer:
         if self._thread is None:
             return
         self._queue.put(_STOP)
+        self._urgent.set()
         self._thread.join(timeout)
         self._thread = None
 
@@ -113,6 +115,7 @@ class Writer:
         """Block until every row queued before this call is written (for tests and shutdown)."""
         done = threading.Event()
         self._queue.put(done)
+        self._urgent.set()
         return done.wait(timeout)
 
     @property
@@ -140,6 +143,12 @@ class Writer:
             except queue.Empty:
                 continue
             deadline = time.monotonic() + self.flush_interval
+            # One wake per window, not one per row: rows queued meanwhile are drained below
+            # without blocking. (A blocking get per row woke this thread on every put, and each
+            # wake took the GIL from the event loop in the middle of a request.)
+            if self._queue.qsize() < self.max_batch and not self._urgent.is_set():
+                self._urgent.wait(max(0.0, deadline - time.monotonic()))
+            self._urgent.clear()
             while True:
                 if item is _STOP:
                     stopping = True
@@ -153,12 +162,7 @@ class Writer:
                 try:
                     item = self._queue.get_nowait()
                 except queue.Empty:
-                    if time.monotonic() >= deadline:
-                        break
-                    try:
-                        item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
-                    except queue.Empty:
-                        break
+                    break
             if stopping:
                 # Drain whatever is still queued behind the stop request.
                 while True:
