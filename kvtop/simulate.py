@@ -11,6 +11,10 @@ the trace's block size, e.g. 64 for Claude Code traces) instead of vLLM's 16, be
 hash ids only identify blocks of that size and finer blocks would cost time for nothing.
 The engine's KV capacity in tokens is kept the same.
 
+``--from-db kvtop.db`` replays a recorded run instead of a trace (kvtop/whatif.py): its
+arrivals, sessions, prompts' block chains and delivered output, under any policies, with the
+time scale fitted from the run and a line saying how closely the policy that ran is reproduced.
+
 Modes: open (each request at its trace arrival) or closed (a session's next turn is sent
 its think time after the previous answer ended, as agents do; first turns at arrival).
 

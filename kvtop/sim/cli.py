@@ -1,5 +1,5 @@
 """Start N simulated vLLM instances on loopback ports, in one process and one event loop
-(or, with ``--process-per-instance``, one process each).
+(or, with `--process-per-instance`, one process each).
 
 Each instance serves vLLM's OpenAI API (/v1/completions, /v1/chat/completions, streaming or
 not), /metrics with vLLM's names, /tokenize, /v1/completions/render, /health, /v1/models,
