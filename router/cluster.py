@@ -100,25 +100,79 @@ class ClusterView:
         return None
 
 
-@dataclass(slots=True)
 class Lookahead:
     """What a placement would do beyond its own request, per candidate instance index.
 
     ``wait_s``: seconds of prefill queued ahead (each pending request's calibrated T(q, h),
-    the head's elapsed service taken off); ``victims``: the sessions whose cached blocks the
-    request's new blocks would push out of the estimated LRU, as (session, tokens evicted);
-    ``session``: the routed session's own record (None on its first turn); ``bound``: the
-    other sessions whose instance is i and that may still come back (see ``Cluster.lookahead``)."""
+    the head's elapsed service taken off); ``session``: the routed session's own record
+    (None on its first turn). Two facts cost a walk and are computed on first use, per
+    instance, so a policy can skip candidates that cannot win: ``victims(i)``, the sessions
+    whose cached blocks the request's new blocks would push out of i's estimated LRU, as
+    (session, tokens evicted); ``bound(i)``, the other sessions bound to i that may still come
+    back (see ``Cluster.lookahead``). Read them before the request is dispatched."""
 
-    now: float
-    calibration: Calibration
-    block_size: int
-    wait_s: dict[int, float]
-    victims: dict[int, list[tuple[SessionInfo, int]]]
-    session: SessionInfo | None
-    fleet_gap_s: float | None  # mean gap between turns over every session seen; None before one
-    capacity_tokens: list[int]  # each instance's estimated cache, in tokens
-    bound: dict[int, list[SessionInfo]]  # the other sessions bound to each candidate
+    __slots__ = ("now", "calibration", "block_size", "wait_s", "session", "fleet_gap_s",
+                 "capacity_tokens", "_cluster", "_num_blocks", "_session_id", "_hits", "_victims",
+                 "_bound")
+
+    def __init__(self, cluster: "Cluster", now: float, wait_s: dict[int, float], num_blocks: int,
+                 hits: dict[int, int], session_id: str | None, session: SessionInfo | None,
+                 fleet_gap_s: float | None):
+        self.now = now
+        self.calibration = cluster.calibration
+        self.block_size = cluster.block_size
+        self.wait_s = wait_s
+        self.session = session
+        self.fleet_gap_s = fleet_gap_s  # mean gap between turns over every session seen; None before one
+        self.capacity_tokens = [n * cluster.block_size for n in cluster.index.capacity]
+        self._cluster = cluster
+        self._num_blocks = num_blocks
+        self._session_id = session_id
+        self._hits = hits
+        self._victims: dict[int, list[tuple[SessionInfo, int]]] = {}
+        self._bound: dict[int, list[SessionInfo]] = {}
+
+    def victims(self, i: int) -> list[tuple[SessionInfo, int]]:
+        """Placing the request on i adds the blocks i lacks; what exceeds i's capacity leaves
+        from the oldest end, and each evicted block counts against the session that last
+        inserted it, if that session is still bound to i (one that moved has its cache
+        elsewhere). O(evicted blocks)."""
+        got = self._victims.get(i)
+        if got is None:
+            cl = self._cluster
+            bs = self.block_size
+            lacking = self._num_blocks - self._hits[i] // bs
+            overflow = cl.index.cached_blocks(i) + lacking - cl.index.capacity[i]
+            got = []
+            if overflow > 0:
+                for tag, n in cl.index.oldest_tags(i, overflow, skip=self._session_id).items():
+                    other = cl.sessions.get(tag) if tag is not None else None
+                    if other is not None and other.instance == i:
+                        got.append((other, n * bs))
+            self._victims[i] = got
+        return got
+
+    def bound(self, i: int) -> list[SessionInfo]:
+        """The other sessions bound to i that may still return. O(sessions bound to i)."""
+        got = self._bound.get(i)
+        if got is None:
+            got = []
+            cl = self._cluster
+            ids = cl._bound[i]
+            for sid in list(ids):
+                other = cl.sessions.get(sid)
+                if other is None or other.instance != i:
+                    ids.discard(sid)
+                    continue
+                g = other.gap_sum / other.gaps if other.gaps else self.fleet_gap_s
+                # a numerical cut, not a model: idle over 14 mean gaps is odds below e^-14
+                if g and self.now - other.last_seen > 14 * g:
+                    ids.discard(sid)
+                    continue
+                if sid != self._session_id:
+                    got.append(other)
+            self._bound[i] = got
+        return got
 
 
 @dataclass(slots=True)
@@ -203,18 +257,11 @@ class Cluster:
 
     def lookahead(self, cands: Sequence[Candidate], num_blocks: int, session_id: str | None,
                   sess: SessionInfo | None) -> Lookahead:
-        """The facts a future-aware policy needs beyond the counters (see ``Lookahead``).
-
-        Victims come from the estimated LRU: placing the request on i adds its blocks i lacks;
-        what exceeds i's capacity leaves from the oldest end, and each evicted block counts
-        against the session that last inserted it, if that session is still bound to i (a
-        session that moved away has its cache elsewhere)."""
+        """The facts a future-aware policy needs beyond the counters (see ``Lookahead``): the
+        queued seconds now, the evictions and bound sessions when asked."""
         now = self.clock()
         cal = self.calibration
-        bs = self.block_size
         wait: dict[int, float] = {}
-        victims: dict[int, list[tuple[SessionInfo, int]]] = {}
-        index = self.index
         for c in cands:
             i = c.index
             tickets = self._prefilling[i]
@@ -232,35 +279,9 @@ class Cluster:
                 wait[i] = max(total, 0.0)
             else:
                 wait[i] = 0.0
-            lacking = num_blocks - c.hit // bs
-            overflow = index.cached_blocks(i) + lacking - index.capacity[i]
-            lost: list[tuple[SessionInfo, int]] = []
-            if overflow > 0:
-                for tag, n in index.oldest_tags(i, overflow, skip=session_id).items():
-                    other = self.sessions.get(tag) if tag is not None else None
-                    if other is not None and other.instance == i:
-                        lost.append((other, n * bs))
-            victims[i] = lost
         fleet_gap = self.gap_sum / self.gaps if self.gaps else None
-        bound: dict[int, list[SessionInfo]] = {}
-        for c in cands:
-            live = []
-            ids = self._bound[c.index]
-            for sid in list(ids):
-                other = self.sessions.get(sid)
-                if other is None or other.instance != c.index:
-                    ids.discard(sid)
-                    continue
-                g = other.gap_sum / other.gaps if other.gaps else fleet_gap
-                # a numerical cut, not a model: idle over 14 mean gaps is odds below e^-14
-                if g and now - other.last_seen > 14 * g:
-                    ids.discard(sid)
-                    continue
-                if sid != session_id:
-                    live.append(other)
-            bound[c.index] = live
-        caps = [n * bs for n in index.capacity]
-        return Lookahead(now, cal, bs, wait, victims, sess, fleet_gap, caps, bound)
+        return Lookahead(self, now, wait, num_blocks, {c.index: c.hit for c in cands}, session_id,
+                         sess, fleet_gap)
 
     # -- lifecycle ------------------------------------------------------------------
     def dispatch(self, instance: int, input_tokens: int, est_hit: int, blocks: Sequence[int],

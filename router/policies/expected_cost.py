@@ -68,19 +68,32 @@ class ExpectedCost(Policy):
     def pick(self, req, view: ClusterView) -> Pick:
         cands = view.candidates
         la = view.lookahead
-        scores: list[float] = []
-        terms: list[dict] = []
         turn = view.session_turn
         p_next = turn / (turn + 1.0)
         length = view.input_tokens
-        for c in cands:
-            parts = self._cost(c, view, la, p_next, length)
-            score = sum(parts.values())
-            scores.append(score)
+        # Today's terms for every candidate; the future terms (evict, keep: never negative, and
+        # a walk of the LRU each) only where today's alone do not already exceed the best full
+        # cost: skipping the others cannot change the pick or its tie-breaks.
+        parts = [self._today(c, la) for c in cands]
+        lower = [sum(p.values()) for p in parts]
+        best = float("inf")
+        for k in sorted(range(len(cands)), key=lower.__getitem__):
+            if lower[k] > best:
+                break
+            parts[k].update(self._future(cands[k], la, p_next, length))
+            best = min(best, sum(parts[k].values()))
+        scores: list[float] = []
+        terms: list[dict] = []
+        for c, part in zip(cands, parts):
+            score = sum(part.values())
+            complete = "evict_s" in part
+            scores.append(score if complete else float("inf"))
             t = terms_of(c, round(score, 4))
             # the rate this decision used: i's calibrated prefill tokens/s (the prior before samples)
             t["tps"] = round(la.calibration.tps(c.index) if la is not None else c.prefill_tps, 1)
-            t.update({k: round(v, 4) for k, v in parts.items()})
+            t.update({k: round(v, 4) for k, v in part.items()})
+            if not complete:
+                t["bound"] = True  # score is today's terms only, a lower bound above the best
             terms.append(t)
         k, reason, used = argmin_with_ties(cands, scores, (lambda c: c.new, lambda c: c.num_requests),
                                            view.rr_counter)
@@ -94,26 +107,29 @@ class ExpectedCost(Policy):
         return Pick(chosen.index, reason, terms, uses_rr=used)
 
     @staticmethod
-    def _cost(c: Candidate, view: ClusterView, la: Lookahead | None, p_next: float,
-              length: int) -> dict[str, float]:
-        if la is None:  # asked as a shadow of a policy without lookahead: today's terms only
+    def _today(c: Candidate, la: Lookahead | None) -> dict[str, float]:
+        if la is None:  # asked as a shadow of a policy without lookahead: counters only
             tps = c.prefill_tps or DEFAULT_PRIOR.tokens_per_s
             own = c.new / tps
-            return {"wait_s": c.pending_prefill / tps, "own_s": own,
-                    "interf_s": c.num_requests * own, "evict_s": 0.0, "keep_s": 0.0}
+            return {"wait_s": c.pending_prefill / tps, "own_s": own, "interf_s": c.num_requests * own}
+        own = la.calibration.seconds(c.index, c.new, c.hit)
+        return {"wait_s": la.wait_s.get(c.index, 0.0), "own_s": own, "interf_s": c.num_requests * own}
+
+    @staticmethod
+    def _future(c: Candidate, la: Lookahead | None, p_next: float, length: int) -> dict[str, float]:
+        if la is None:
+            return {"evict_s": 0.0, "keep_s": 0.0}
         cal = la.calibration
         i = c.index
-        own = cal.seconds(i, c.new, c.hit)
         evict = 0.0
-        for s, lost in la.victims.get(i, ()):
+        for s, lost in la.victims(i):
             ctx = s.last_input_tokens
             lost = min(lost, ctx)
             evict += session_odds(s, la) * cal.seconds(i, lost, ctx - lost)
         keep = 0.0
         if p_next > 0:
-            demand = sum(session_odds(s, la) * s.last_input_tokens for s in la.bound.get(i, ()))
+            demand = sum(session_odds(s, la) * s.last_input_tokens for s in la.bound(i))
             lost = min(length, max(0, int(demand + length - la.capacity_tokens[i])))
             if lost:
                 keep = p_next * cal.seconds(i, lost, length - lost)
-        return {"wait_s": la.wait_s.get(i, 0.0), "own_s": own, "interf_s": c.num_requests * own,
-                "evict_s": evict, "keep_s": keep}
+        return {"evict_s": evict, "keep_s": keep}
