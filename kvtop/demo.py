@@ -1,7 +1,7 @@
 """A whole kvtop setup on this machine, one command: simulated vLLM instances, the router,
 a replay of the bundled sample trace, and the dashboard attached to it.
 
-  kvtop demo                          # 4 instances, policy unified, the TUI
+  kvtop demo                          # 4 instances, policy expected_cost, the TUI
   kvtop demo --instances 8 --policy lmetric --speed 20
   kvtop demo --headless --duration 10 # no TUI: run for 10 s, print the report seed table
 
@@ -29,11 +29,12 @@ import urllib.request
 from pathlib import Path
 
 from kvtop.procs import stop_processes
+from router.policies import DEFAULT_POLICY
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--instances", type=int, default=4, metavar="N", help="simulated vLLM instances (default 4)")
-    p.add_argument("--policy", default="unified", help="routing policy (default unified)")
+    p.add_argument("--policy", default=DEFAULT_POLICY, help=f"routing policy (default {DEFAULT_POLICY})")
     p.add_argument("--shadow", default=None, metavar="P1,P2",
                    help="shadow policies the router asks on every request without applying them "
                         "(kvtop route --shadow; the Policy tab shows them)")

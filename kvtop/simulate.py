@@ -48,7 +48,7 @@ from router.config import KnobError, parse_knob_args
 from router.core import NoInstance, RoutingCore
 from router.features import FEATURE_KNOBS, Features
 from router.pipeline import ERROR, OK, PREFILL, Flow, Pipeline
-from router.policies import build_policy
+from router.policies import DEFAULT_POLICY, build_policy
 from router.request import RouteRequest
 
 
@@ -276,8 +276,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", nargs="?", default=None,
                    help="normalized trace (kvtop trace convert/build); or --from-db")
     p.add_argument("--policies", default=None,
-                   help="comma-separated policies, e.g. lmetric,unified,leastwork (with --from-db, "
-                        "default: the recorded policy and the recorded shadows)")
+                   help="comma-separated policies, e.g. lmetric,unified,leastwork (default: "
+                        "expected_cost, the router's default; with --from-db, the recorded policy and "
+                        "the recorded shadows)")
     p.add_argument("--from-db", default=None, metavar="DB",
                    help="what-if replay: re-run a recorded run's traffic (its arrivals, sessions, "
                         "prompts' block chains and delivered output) from a kvtop decision log, and "
@@ -344,9 +345,7 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("a trace is required (or --from-db DB)")
     if args.run is not None or args.speed is not None:
         raise CliError("--run and --speed go with --from-db")
-    if not args.policies:
-        raise CliError("--policies is required")
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    policies = [p.strip() for p in (args.policies or DEFAULT_POLICY).split(",") if p.strip()]
     if not policies:
         raise CliError("--policies needs at least one policy")
     try:

@@ -27,7 +27,7 @@ import sys
 from router import limits
 from router.app import STATE, create_app, start_server, tls_context
 from router.config import KnobError, parse_knob_args
-from router.policies import POLICIES, ALIASES
+from router.policies import ALIASES, DEFAULT_POLICY, POLICIES
 from router.shadow import ShadowError, parse_specs
 from router.state import DEFAULT_CAPACITY_TOKENS, Backend, RouterConfig
 from router.upstream import Pool, UpstreamError
@@ -74,7 +74,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a vLLM instance: URL, name=URL, optionally @gpu=N, @kv=tcp://HOST:5557 (its KV "
                         "events: exact cache state, docs/kv-events.md) and @kv-replay=tcp://HOST:5558 "
                         "(its replay endpoint, to fill gaps) (repeat for each)")
-    p.add_argument("--policy", default="unified", help=f"routing policy ({names}); default unified")
+    p.add_argument("--policy", default=DEFAULT_POLICY,
+                   help=f"routing policy ({names}); default {DEFAULT_POLICY} (docs/policies.md)")
     p.add_argument("--shadow", default=None, metavar="P1,P2",
                    help="shadow policies: each is asked for its pick on every request (same view, off "
                         "the client's path, never applied); recorded per decision and summarised in "

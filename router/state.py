@@ -24,7 +24,7 @@ from router.core import Decision, PolicySlot, RoutingCore
 from router.kv_events import attach_index
 from router.pipeline import Outcome, Pipeline
 from router.shadow import Shadows, parse_specs
-from router.policies import build_policy, policy_class
+from router.policies import DEFAULT_POLICY, build_policy, policy_class
 from aiohttp import web
 
 from router.parsing import BodyParser
@@ -52,7 +52,7 @@ class Backend:
 @dataclass
 class RouterConfig:
     backends: list[Backend]
-    policy: str = "unified"
+    policy: str = DEFAULT_POLICY
     knobs: dict[str, Any] = field(default_factory=dict)
     host: str = "127.0.0.1"
     port: int = 8000

@@ -242,8 +242,8 @@ def test_every_candidate_is_recorded_with_the_rate_it_used():
     p, terms = decide(c, chain(5, 10), "new")
     assert set(terms) == {"i0", "i1", "i2"}
     for t in terms.values():
-        assert t["score"] == pytest.approx(t["wait_s"] + t["own_s"] + t["interf_s"] + t["evict_s"]
-                                           + t["keep_s"], abs=1e-3)
+        assert t["score"] == pytest.approx(t["wait_s"] + t["own_s"] + t["interf_s"] + t.get("evict_s", 0)
+                                           + t.get("keep_s", 0), abs=1e-3)
         assert t["tps"] == pytest.approx(DEFAULT_PRIOR.tokens_per_s, rel=1e-3)
 
 
@@ -255,3 +255,67 @@ def test_without_lookahead_it_still_picks():
     p = build_policy("expected_cost").pick(None, v)
     assert p.index in (0, 1)
     assert all(t["evict_s"] == 0 for t in p.terms)
+
+
+def test_it_is_the_default_of_route_simulate_and_demo():
+    import argparse
+
+    from kvtop import demo, simulate
+    from router import cli
+    from router.policies import DEFAULT_POLICY
+    from router.state import RouterConfig
+
+    assert DEFAULT_POLICY == "expected_cost"
+    assert RouterConfig(backends=[]).policy == DEFAULT_POLICY
+    for mod in (cli, demo):
+        p = argparse.ArgumentParser()
+        mod.add_arguments(p)
+        assert p.get_default("policy") == DEFAULT_POLICY
+    p = argparse.ArgumentParser()
+    simulate.add_arguments(p)
+    assert p.get_default("policies") is None  # None: DEFAULT_POLICY (run() says so in --help)
+
+
+def test_simulate_without_policies_runs_the_default(tmp_path, capsys):
+    import json
+
+    from kvtop.cli import main
+
+    trace = tmp_path / "t.jsonl"
+    with open(trace, "w") as f:
+        for k in range(6):
+            f.write(json.dumps({"request_id": f"r{k}", "session": f"s{k % 2}", "turn": k // 2 + 1,
+                                "arrival": float(k), "input_tokens": 2048 * (k // 2 + 1), "output_tokens": 8,
+                                "hash_ids": list(range(4 * (k // 2 + 1))), "block_size": 512}) + "\n")
+    assert main(["simulate", str(trace), "--instances", "2"]) == 0
+    assert "expected_cost" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_skipping_candidates_that_cannot_win_changes_nothing(seed):
+    """The future terms are computed only where today's terms do not already exceed the best
+    full cost; a full evaluation of every candidate picks the same instance."""
+    import random
+
+    from router.policies.base import argmin_with_ties
+
+    rng = random.Random(seed)
+    c, clock = cluster(4, capacity_blocks=120)
+    for k in range(30):  # sessions of various sizes come and go on random instances
+        sess = rng.randrange(8)
+        blocks = chain(sess, rng.randrange(5, 90))
+        t = serve(c, clock, rng.randrange(4), f"s{sess}", blocks, prefill_s=rng.random(), finish=rng.random() < 0.7)
+        clock.t += rng.random() * 3
+    blocks = chain(rng.randrange(8), rng.randrange(5, 110))
+    sid = f"s{rng.randrange(8)}"
+    v = c.view(blocks, len(blocks) * BS, sid, lookahead=True)
+    pol = ExpectedCost()
+    got = pol.pick(None, v)
+    turn = v.session_turn
+    full = [sum({**pol._today(x, v.lookahead), **pol._future(x, v.lookahead, turn / (turn + 1.0),
+                                                            v.input_tokens)}.values()) for x in v.candidates]
+    k, _, _ = argmin_with_ties(v.candidates, full, (lambda x: x.new, lambda x: x.num_requests), v.rr_counter)
+    assert got.index == v.candidates[k].index
+    for t, f in zip(got.terms, full):
+        if t.get("bound"):
+            assert t["score"] <= f + 1e-3 and f > min(full)  # a lower bound, of a loser

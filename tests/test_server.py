@@ -17,6 +17,7 @@ import pytest
 import sqlite_utils
 
 from router.app import Backend, RouterConfig, create_app
+from router.policies import DEFAULT_POLICY
 
 TOKEN = "front-test-token"
 #: bound on every network wait, so a server that never answers fails the test instead of hanging it
@@ -414,7 +415,7 @@ async def test_control_mutation_needs_the_token_through_the_relay(router_server,
     reader, writer = await connect(router)
     writer.write(post("/kvtop/v1/policy", body).replace(b"POST", b"PUT", 1))
     assert_json_error(await read_response(reader), 401)
-    assert router.state.slot.policy.name == "unified"
+    assert router.state.slot.policy.name == DEFAULT_POLICY  # unchanged
     writer.write(post("/kvtop/v1/policy", body, f"Authorization: Bearer {TOKEN}").replace(b"POST", b"PUT", 1))
     r = await read_response(reader)
     assert r.status == 200 and r.json()["name"] == "round_robin"

@@ -635,8 +635,10 @@ async def live_router(aiohttp_server, fake_backends, tmp_path):
     from router.app import Backend, RouterConfig, create_app
 
     backends = await fake_backends(2)
+    # unified, not the default: a policy with knobs, which these tests show and edit
     cfg = RouterConfig(backends=[Backend(f"i{k}", url) for k, (_, url) in enumerate(backends)],
-                       db=None, control_token=TOKEN, state_dir=str(tmp_path / "state"), scrape_interval_s=0.2)
+                       db=None, control_token=TOKEN, state_dir=str(tmp_path / "state"), scrape_interval_s=0.2,
+                       policy="unified")
     app = create_app(cfg)
     server = await aiohttp_server(app, host="127.0.0.1")
     return server, app, str(server.make_url("")).rstrip("/")

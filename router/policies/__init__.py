@@ -20,6 +20,10 @@ from router.policies.sticky import Sticky
 from router.policies.unified import Unified
 from router.policies.unified_ab import UnifiedAB
 
+#: The policy `kvtop route`, `kvtop simulate` and `kvtop demo` use unless told otherwise
+#: (docs/policies.md says why, and when another policy is the better choice).
+DEFAULT_POLICY = "expected_cost"
+
 POLICIES: dict[str, type[Policy]] = {
     cls.name: cls
     for cls in (RoundRobin, LoadOnly, LMetric, Sticky, Unified, UnifiedAB, LeastWork, LeastWorkKappa,
@@ -44,4 +48,4 @@ def build_policy(name: str, knobs: dict[str, Any] | None = None) -> Policy:
     return policy_class(name)(knobs)
 
 
-__all__ = ["POLICIES", "ALIASES", "REASONS", "Pick", "Policy", "build_policy", "policy_class"]
+__all__ = ["DEFAULT_POLICY", "POLICIES", "ALIASES", "REASONS", "Pick", "Policy", "build_policy", "policy_class"]
