@@ -25,7 +25,6 @@ from router.request import RouteRequest
 from router.shadow import ShadowError, Shadows, parse_specs
 from store.chains import ChainDecoder, ChainEncoder
 from test_control import AUTH, TOKEN, complete, router  # noqa: F401  (the router fixture)
-from router.app import create_app
 
 
 class Boom(Policy):

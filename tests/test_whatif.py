@@ -16,8 +16,7 @@ from kvtop.sim.profiles import get_profile
 from kvtop.traces.loader import TraceRequest
 from kvtop.whatif import RecordedRun, fit_time, isolated_ttft_s, load_run
 from router.app import STATE
-from store.errors import CliError
-from test_control import AUTH, complete, router  # noqa: F401  (the router fixture)
+from test_control import complete, router  # noqa: F401  (the router fixture)
 
 
 async def _record(c, turns: int = 4, sessions: int = 3) -> str:
