@@ -130,6 +130,15 @@ def main() -> None:
     if names is not None:
         print(f"parse the same page as the scrape does (its {len(names)} names): "
               f"{per_call_us(lambda: engine_metrics(parse_prometheus(page, names))):8.1f} µs")
+    gpus = telemetry.GpuSampler()
+    if gpus.init():  # one NVML sample of GPU 0 (utilisation + memory), in the scrape's thread
+        try:
+            print(f"NVML sample of one GPU (utilisation + memory): "
+                  f"{per_call_us(lambda: gpus.sample([0])):8.1f} µs")
+        finally:
+            gpus.shutdown()
+    else:
+        print(f"NVML sample: n/a ({gpus.reason})")
 
 
 if __name__ == "__main__":
