@@ -81,7 +81,8 @@ class Decision:
         return {
             "ts": self.ts, "request_id": r.request_id, "attempt": self.attempt,
             "session": r.session_id, "turn": self.turn, "class": self.extra.get("route_class", r.route_class),
-            "input_tokens": r.input_tokens, "instance": self.instance_name, "reason": self.reason,
+            "input_tokens": r.input_tokens, "token_source": r.token_source, "instance": self.instance_name,
+            "reason": self.reason,
             "policy": self.slot.label, "est_hit": self.est_hit_tokens, "best_hit": self.best_hit_tokens,
             "best_hit_instance": self.best_hit_instance, "new_prefill": self.new_prefill_tokens,
             "migrated_from": self.migrated_from, "decision_us": round(self.decision_us, 2),
