@@ -16,6 +16,8 @@ and the offline simulator all use this class.
 
 from __future__ import annotations
 
+from copy import copy
+
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -151,6 +153,16 @@ class Lookahead:
                         got.append((other, n * bs))
             self._victims[i] = got
         return got
+
+    def freeze(self, indexes: Sequence[int]) -> None:
+        """Compute every lazy fact now and copy the session records they hold, so that a
+        reader after the request was dispatched (a shadow policy, deferred) sees the cluster
+        as it was at the decision, not as the dispatch changed it."""
+        for i in indexes:
+            self._victims[i] = [(copy(s), n) for s, n in self.victims(i)]
+            self._bound[i] = [copy(s) for s in self.bound(i)]
+        if self.session is not None:
+            self.session = copy(self.session)
 
     def bound(self, i: int) -> list[SessionInfo]:
         """The other sessions bound to i that may still return. O(sessions bound to i)."""

@@ -121,6 +121,9 @@ class RoutingCore:
             raise NoInstance("no healthy instance available")
         pick = slot.policy.pick(req, view)
         elapsed_us = (time.perf_counter() - t0) * 1e6
+        if lookahead and view.lookahead is not None:
+            # built for a shadow that may read it after dispatch (deferred): fix it now
+            view.lookahead.freeze([c.index for c in view.candidates])
         if pick.uses_rr:
             self.cluster.rr_counter += 1
         hits = view.hits

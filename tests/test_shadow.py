@@ -54,7 +54,8 @@ class Looks(Policy):
     seen: list = []
 
     def pick(self, req, view):
-        Looks.seen.append(view.lookahead is not None)
+        la = view.lookahead  # present, and frozen before the dispatch (every candidate's walk done)
+        Looks.seen.append(la is not None and set(la._victims) == {c.index for c in view.candidates})
         return Pick(view.candidates[0].index, ARGMIN)
 
 
@@ -364,3 +365,33 @@ async def test_dashboard_shows_shadows_promotes_one_and_receipts_name_their_pick
         assert rapp[STATE].slot.version == 2
         assert await wait_for(pilot, app, lambda: any(ev.get("kind") == "policy"
                                                       for ev in app.collected.config_events))
+
+
+def test_a_deferred_shadow_reads_the_lookahead_as_it_was_at_the_decision():
+    """A shadow runs after the request was dispatched (deferred): its eviction lookahead must be
+    the one before the dispatch inserted the request's blocks, as the live policy's was."""
+    from router.cluster import Cluster
+
+    def fresh() -> Cluster:
+        c = Cluster(["i0", "i1"], block_size=4, capacity_blocks=6)
+        for sid, blocks in (("a", [1, 2, 3]), ("b", [4, 5, 6])):  # both on i0, which is then full
+            c.dispatch(0, len(blocks) * 4, 0, blocks, session_id=sid)
+            c.bind_session(sid, 0, len(blocks) * 4, 0, new_turn=True)
+        return c
+
+    new = [7, 8, 9, 10]
+
+    def victims_after_dispatch(freeze: bool) -> list[tuple[str, int]]:
+        c = fresh()
+        view = c.view(new, 17, "c", lookahead=True)
+        if freeze:
+            view.lookahead.freeze([cand.index for cand in view.candidates])
+        c.dispatch(0, 17, 0, new, session_id="c")
+        c.bind_session("c", 0, 17, 0, new_turn=True)
+        return sorted((s.session_id, n) for s, n in view.lookahead.victims(0))
+
+    c = fresh()
+    before = sorted((s.session_id, n) for s, n in c.view(new, 17, "c", lookahead=True).lookahead.victims(0))
+    assert before == [("a", 12), ("b", 4)]  # 4 new blocks on a full 6-block cache: a's 3, one of b's
+    assert victims_after_dispatch(freeze=True) == before
+    assert victims_after_dispatch(freeze=False) != before  # what the shadow read before the fix
