@@ -1,6 +1,7 @@
 """Cost of the simulator: the engine in virtual time, and the HTTP server streaming tokens.
 
     python benchmarks/bench_sim_server.py engine [--requests 10000] [--engines 8]
+    python benchmarks/bench_sim_server.py trace FILE [--requests 10000] [--session-gap 20]
     python benchmarks/bench_sim_server.py server [--speed 10] [--streams 16] [--tokens 400]
 
 ``engine``: an agentic-shaped synthetic trace (sessions whose every turn repeats the previous
@@ -8,6 +9,9 @@ context and adds 1-8k tokens; prompts 5k-200k tokens; block size 64; outputs 50-
 through N engines in a tiny discrete-event loop, sessions pinned to engines. Prints steps/s
 and simulated requests per CPU second; the offline simulator's budget is 10,000 requests
 over 8 engines in <= 20 s.
+
+``trace FILE``: the same synthetic trace written as a normalized trace (kvtop/traces/loader.py),
+so ``kvtop simulate FILE`` runs the benchmark's load through the router's policies.
 
 ``server``: one instance (``--speed``) on a free 127.0.0.1 port in a subprocess, driven by
 concurrent streaming clients in this process; prints the server's CPU seconds (user + sys,
@@ -54,7 +58,8 @@ def synthetic_agentic_trace(num_requests: int, seed: int = 1, block_size: int = 
     return out
 
 
-def bench_engine(num_requests: int, num_engines: int, session_gap_s: float = 20.0) -> None:
+def bench_engine(num_requests: int, num_engines: int, session_gap_s: float = 20.0,
+                 coalesce: bool = True) -> None:
     from kvtop.sim.engine import Engine, EngineRequest
 
     trace = synthetic_agentic_trace(num_requests, session_gap_s=session_gap_s)
@@ -62,43 +67,75 @@ def bench_engine(num_requests: int, num_engines: int, session_gap_s: float = 20.
                       engine_id=str(i)) for i in range(num_engines)]
     c0 = time.process_time()
     w0 = time.perf_counter()
-    # events: (time, kind, index); kind 0 = arrival, 1 = engine step
-    events = [(r[0], 0, k) for k, r in enumerate(trace)]
+    # events: (time, kind, index, generation); kind 0 = arrival, 1 = engine step. Engines
+    # coalesce uneventful decode steps as kvtop simulate has them do; an arrival inside such a
+    # result cuts it short, and the step event is re-pushed with a new generation.
+    events = [(r[0], 0, k, 0) for k, r in enumerate(trace)]
     heapq.heapify(events)
     scheduled = [False] * num_engines
-    steps = finished = hits = prompts = 0
+    in_flight: list = [None] * num_engines
+    generation = [0] * num_engines
+    calls = finished = hits = prompts = 0
     while events:
-        t, kind, k = heapq.heappop(events)
+        t, kind, k, gen = heapq.heappop(events)
         if kind == 0:
             arrival, session, n, hashes, max_tokens = trace[k]
             i = session % num_engines
+            res = in_flight[i]
+            end = res.end_time if res is not None else None
             engines[i].add_request(EngineRequest(f"r{k}", n, hashes, max_tokens, arrival))
             prompts += n
+            if res is not None and res.end_time != end:
+                generation[i] += 1
+                heapq.heappush(events, (res.end_time, 1, i, generation[i]))
             if not scheduled[i]:
                 scheduled[i] = True
-                heapq.heappush(events, (t, 1, i))
+                generation[i] += 1
+                heapq.heappush(events, (t, 1, i, generation[i]))
+            continue
+        if gen != generation[k]:
             continue
         e = engines[k]
-        r = e.step(t)
-        steps += 1
+        r = e.step(t, coalesce=coalesce)
+        calls += 1
         for f in r.finished:
             finished += 1
             hits += f.num_cached_tokens
+        in_flight[k] = None
+        generation[k] += 1
         if not r.idle:
-            heapq.heappush(events, (r.end_time, 1, k))
+            in_flight[k] = r
+            heapq.heappush(events, (r.end_time, 1, k, generation[k]))
         elif (nxt := e.next_event_time()) is not None:
-            heapq.heappush(events, (nxt, 1, k))
+            heapq.heappush(events, (nxt, 1, k, generation[k]))
         else:
             scheduled[k] = False
+    steps = sum(e.num_steps for e in engines)
     cpu = time.process_time() - c0
     wall = time.perf_counter() - w0
     sim_end = max(e.busy_time for e in engines)
     print(f"engine: {finished} requests ({prompts / 1e6:.1f}M prompt tokens, hit rate "
-          f"{hits / prompts:.2f}) over {num_engines} engines, {steps} steps, "
-          f"{sum(e.num_preemptions for e in engines)} preemptions")
+          f"{hits / prompts:.2f}) over {num_engines} engines, {steps} steps in {calls} step calls "
+          f"(coalesce {'on' if coalesce else 'off'}), {sum(e.num_preemptions for e in engines)} preemptions")
     print(f"engine: {cpu:.2f} CPU s ({wall:.2f} wall s): {steps / cpu:,.0f} steps/s, "
           f"{finished / cpu:,.0f} simulated requests per CPU second; busiest engine "
           f"{sim_end:,.0f} engine-seconds busy")
+
+
+def write_agentic_trace(path: str, num_requests: int, session_gap_s: float = 20.0) -> int:
+    """The engine benchmark's trace as a normalized trace file (block size 64, chained ids)."""
+    from kvtop.traces.loader import TraceRequest, write_trace
+
+    trace = synthetic_agentic_trace(num_requests, session_gap_s=session_gap_s)
+    turns: dict[int, int] = {}
+    out = []
+    for arrival, session, n, hashes, max_tokens in trace:
+        turns[session] = turns.get(session, 0) + 1
+        out.append(TraceRequest(arrival=arrival, session=f"s{session}", turn=turns[session],
+                                input_tokens=n, output_tokens=max_tokens, hash_ids=list(hashes),
+                                block_size=64, source="bench_sim_server"))
+    return write_trace(path, out, {"source": "benchmarks/bench_sim_server.py trace",
+                                   "requests": num_requests, "session_gap_s": session_gap_s})
 
 
 def _free_port() -> int:
@@ -167,6 +204,12 @@ def main() -> None:
     e.add_argument("--engines", type=int, default=8)
     e.add_argument("--session-gap", type=float, default=20.0,
                    help="mean seconds between new sessions (smaller = more load; 6 overloads 8 H20s)")
+    e.add_argument("--no-coalesce", action="store_true",
+                   help="one engine step per call, as kvtop sim's server runs it")
+    w = sub.add_parser("trace")
+    w.add_argument("file", help="output path (.jsonl or .jsonl.gz)")
+    w.add_argument("--requests", type=int, default=10_000)
+    w.add_argument("--session-gap", type=float, default=20.0)
     s = sub.add_parser("server")
     s.add_argument("--speed", type=float, default=10.0)
     s.add_argument("--streams", type=int, default=16)
@@ -175,7 +218,10 @@ def main() -> None:
     s.add_argument("--stream-interval-ms", type=float, default=20.0)
     args = ap.parse_args()
     if args.what == "engine":
-        bench_engine(args.requests, args.engines, args.session_gap)
+        bench_engine(args.requests, args.engines, args.session_gap, not args.no_coalesce)
+    elif args.what == "trace":
+        n = write_agentic_trace(args.file, args.requests, args.session_gap)
+        print(f"wrote {n} requests to {args.file}")
     else:
         bench_server(args.speed, args.streams, args.tokens, args.rounds, args.stream_interval_ms)
 

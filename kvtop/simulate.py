@@ -166,6 +166,11 @@ def simulate(requests: Sequence[Any], policy: str, cfg: SimConfig) -> list[dict[
             push(r.arrival, "arrive", k)
 
     stepping = [False] * cfg.instances
+    # The engines coalesce uneventful decode steps (Engine.step(coalesce=True)); a request
+    # sent to an engine inside such a result cuts it short, so each engine's step_end carries
+    # a generation and a cut re-schedules it (the stale event is skipped).
+    in_flight: list[Any] = [None] * cfg.instances   # the engine's current StepResult
+    generation = [0] * cfg.instances
     # engine request id -> (flow, trace index, output tokens, engine block hashes)
     upstream: dict[str, tuple[Flow, int, int, list[int]]] = {}
     kv_params: dict[str, dict] = {}
@@ -194,14 +199,20 @@ def simulate(requests: Sequence[Any], policy: str, cfg: SimConfig) -> list[dict[
             ereq = EngineRequest(rid, flow.request.input_tokens, hashes, out, t,
                                  kv_transfer_params=kv_params.pop(rid, None))
             key = rid
+        i = leg.instance
+        res = in_flight[i]
+        end = res.end_time if res is not None else None
         try:
-            engines[leg.instance].add_request(ereq)
+            engines[i].add_request(ereq)
         except EngineRejected as exc:
             pipe.finish(flow, ERROR, error=str(exc))
             ended(k, t)
             return
+        if res is not None and res.end_time != end:   # the coalesced steps were cut
+            generation[i] += 1
+            push(res.end_time, "step_end", (i, res, generation[i]))
         upstream[key] = (flow, k, out, hashes)
-        kick(leg.instance, t)
+        kick(i, t)
 
     meta: dict[str, tuple[int, int, list[int]]] = {}
     while heap:
@@ -234,7 +245,7 @@ def simulate(requests: Sequence[Any], policy: str, cfg: SimConfig) -> list[dict[
         elif kind == "step":
             i = payload
             eng = engines[i]
-            res = eng.step(t)
+            res = eng.step(t, coalesce=True)
             if res.idle:
                 stepping[i] = False
                 nxt = eng.next_event_time()
@@ -242,9 +253,14 @@ def simulate(requests: Sequence[Any], policy: str, cfg: SimConfig) -> list[dict[
                     stepping[i] = True
                     push(max(nxt, t), "step", i)
                 continue
-            push(res.end_time, "step_end", (i, res))
+            in_flight[i] = res
+            generation[i] += 1
+            push(res.end_time, "step_end", (i, res, generation[i]))
         else:  # step_end
-            i, res = payload
+            i, res, gen = payload
+            if gen != generation[i]:
+                continue   # re-scheduled earlier by a cut
+            in_flight[i] = None
             for rid in res.first_token:
                 up = upstream.get(rid)
                 if up is not None and up[0].leg.kind != PREFILL:

@@ -101,7 +101,7 @@ def regroup_block_ids(hash_ids: Sequence[int], id_block_size: int, block_size: i
     if block_size % id_block_size == 0:
         step = block_size // id_block_size
         usable = min(nblocks, len(hash_ids) // step)
-        return [hash_ids[(k + 1) * step - 1] for k in range(usable)]
+        return list(hash_ids[step - 1:usable * step:step])   # ids at k*step + step-1, k < usable
     if id_block_size % block_size == 0:
         per = id_block_size // block_size
         out: list[int] = []

@@ -489,3 +489,79 @@ def test_random_workloads_keep_invariants_and_drain(seed, blocks, budget, seqs, 
     run_until_idle(e, t)
     assert e.num_allocated_blocks() == 0 and e.kv_usage == 0.0
     assert sum(e.request_success.values()) == n_req
+
+
+# ---------------------------------------------------------------- coalesced decode steps
+
+def drive_with_arrivals(e: Engine, arrivals: list[EngineRequest], coalesce: bool):
+    """An event loop as kvtop simulate runs it: arrivals at their times (before a step that
+    starts at the same time), and a coalesced result re-read after each arrival, which may
+    have cut it. Returns (finished requests, step calls)."""
+    inf = float("inf")
+    k, nxt, res, finished, calls = 0, None, None, [], 0
+    while True:
+        ta = arrivals[k].arrival_time if k < len(arrivals) else inf
+        if ta == inf and nxt is None:
+            return finished, calls
+        if ta <= (inf if nxt is None else nxt):
+            e.add_request(arrivals[k])
+            k += 1
+            nxt = res.end_time if res is not None else (ta if nxt is None else nxt)
+            continue
+        t = nxt
+        res = e.step(t, coalesce=coalesce)
+        calls += 1
+        finished += res.finished
+        check_invariants(e)
+        if not res.idle:
+            nxt = res.end_time
+        else:
+            res = None
+            after = e.next_event_time()
+            nxt = max(after, t) if after is not None and e.has_work() else None
+
+
+def counters(e: Engine):
+    return (e.num_steps, e.busy_time, e.generation_tokens, e.prompt_tokens, e.prefix_queries, e.prefix_hits,
+            e.preempted_prefix_queries, e.preempted_prefix_hits, e.num_preemptions, e.num_free_blocks,
+            e.num_cached_blocks, dict(e.request_success))
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), blocks=st.integers(30, 200), seqs=st.integers(1, 8),
+       profile=st.sampled_from(["h20", "cpu-tiny"]), mode=st.sampled_from(["after_alloc", "at_lookup"]),
+       hook=st.booleans())
+def test_coalesced_steps_give_the_same_requests_and_counters(seed, blocks, seqs, profile, mode, hook):
+    """coalesce=True must only save step calls: every finished request (its whole timeline) and
+    every counter equal stepping one by one, with arrivals landing inside coalesced results
+    (cuts), a blocked waiting queue, frontend delays (cpu-tiny), at_lookup metrics and a hook."""
+    rng = random.Random(seed)
+    bases = [list(range(k * 10_000, k * 10_000 + 900)) for k in range(3)]
+    arrivals, t = [], 0.0
+    for k in range(14):
+        n = rng.randint(1, min(900, blocks * 16 // 2))
+        t += rng.choice([0.0, rng.uniform(0.0, 0.05), rng.uniform(0.0, 0.5)])
+        arrivals.append(EngineRequest(f"r{k}", n, hash_token_blocks(rng.choice(bases)[:n], 16),
+                                      rng.randint(1, 120), t))
+    kw = dict(num_gpu_blocks=blocks, block_size=16, max_num_seqs=seqs, prefix_metrics=mode)
+    order = (lambda views, budget: sorted(range(len(views)), key=lambda i: views[i].cost)) if hook else None
+    plain, coalesced = Engine(profile, admission=order, **kw), Engine(profile, admission=order, **kw)
+    a, calls_a = drive_with_arrivals(plain, arrivals, coalesce=False)
+    b, calls_b = drive_with_arrivals(coalesced, arrivals, coalesce=True)
+    assert a == b and counters(plain) == counters(coalesced)
+    assert calls_b <= calls_a
+
+
+def test_coalescing_saves_step_calls_and_a_late_arrival_cuts_it():
+    e = Engine("h20", block_size=16)
+    e.add_request(req("a", 100, max_tokens=60))
+    first = e.step(0.0, coalesce=True)          # the prefill: a first token, never coalesced
+    assert first.first_token == ["a"] and first.num_steps == 1
+    r = e.step(first.end_time, coalesce=True)   # decode: runs on to the step before a new block
+    assert r.num_steps == 112 - 101 + 1 and r.emitted == {"a": 1 + r.num_steps}
+    cut_at = r.now + (r.end_time - r.now) / 2
+    e.add_request(req("b", 40, max_tokens=1, arrival=cut_at))
+    assert 1 <= r.num_steps < 12 and r.end_time >= cut_at     # only steps that began before it
+    assert e.running[0].output == r.emitted["a"] == 1 + r.num_steps
+    nxt = e.step(r.end_time, coalesce=True)
+    assert "b" in nxt.first_token                               # admitted at the first boundary after it

@@ -128,13 +128,19 @@ class FinishedRequest:
 
 @dataclass(slots=True)
 class StepResult:
-    """What one ``step(now)`` did. Every event happens at ``end_time = now + duration``."""
+    """What one ``step(now)`` did. Every event happens at ``end_time = now + duration``.
+
+    With ``step(now, coalesce=True)`` one result can stand for ``num_steps`` consecutive
+    decode steps in which nothing but decoding happened (no first token, finish, preemption
+    or admission); ``num_scheduled_*`` are then per step and ``emitted`` holds the outputs
+    after the last one."""
 
     now: float
     duration: float = 0.0
     end_time: float = 0.0
     num_scheduled_tokens: int = 0
     num_scheduled_reqs: int = 0
+    num_steps: int = 1
     first_token: list[str] = field(default_factory=list)
     emitted: dict[str, int] = field(default_factory=dict)   # request id -> its output tokens so far
     finished: list[FinishedRequest] = field(default_factory=list)
@@ -148,6 +154,23 @@ class StepResult:
 
 # request states
 _PENDING, _WAITING, _TRANSFERRING, _RUNNING, _DONE = range(5)
+
+
+class _Stretch:
+    """The decode steps a coalesced StepResult added after its first one: each one's start,
+    end and the engine's busy time after it, so that a cut can take steps back."""
+
+    __slots__ = ("result", "end0", "busy0", "starts", "ends", "busys", "k")
+
+    def __init__(self, result: StepResult, end0: float, busy0: float, starts: list[float],
+                 ends: list[float], busys: list[float]):
+        self.result = result
+        self.end0 = end0
+        self.busy0 = busy0
+        self.starts = starts
+        self.ends = ends
+        self.busys = busys
+        self.k = 0      # extra steps applied to the engine's state
 
 
 class _Req:
@@ -242,6 +265,7 @@ class Engine:
         self.waiting: deque[_Req] = deque()
         self.running: list[_Req] = []
         self._transferring: list[_Req] = []
+        self._stretch: _Stretch | None = None   # the last coalesced result, while it can be cut
 
         # counters (cumulative) and busy-time window
         self.num_preemptions = 0
@@ -289,6 +313,8 @@ class Engine:
         req = _Req(request, request.arrival_time + self.frontend_overhead_s
                    + self.profile.frontend_s_per_token * request.num_prompt_tokens)
         req.max_tokens = max_tokens
+        if self._stretch is not None:
+            self._cut(req.ready_at)
         self._requests[req.id] = req
         self._seq += 1
         bisect.insort(self._pending, (req.ready_at, self._seq, req))
@@ -298,6 +324,8 @@ class Engine:
         req = self._requests.get(request_id)
         if req is None:
             return None
+        if self._stretch is not None:
+            self._cut(float("-inf") if now is None else now)
         if req.state == _PENDING:
             self._pending = [e for e in self._pending if e[2] is not req]
         elif req.state == _WAITING:
@@ -368,8 +396,18 @@ class Engine:
 
     # ------------------------------------------------------------------ the step
 
-    def step(self, now: float) -> StepResult:
-        """Run one scheduler step starting at engine time ``now``."""
+    def step(self, now: float, *, coalesce: bool = False) -> StepResult:
+        """Run one scheduler step starting at engine time ``now``.
+
+        ``coalesce``: when the step only decoded, also run the decode steps after it that
+        would change nothing but token counts (up to the first one that needs a block,
+        finishes a request or meets a request becoming ready) and return them as one result.
+        A later ``add_request`` or ``abort`` that lands inside cuts the result back to the
+        steps that began before it (``end_time`` moves earlier; the engine's state is then
+        exactly as if only those steps had run), so a driver that re-reads ``end_time``
+        after adding a request sees the same steps as without ``coalesce``. The offline
+        simulator uses it; the HTTP server, which streams each token, does not."""
+        self._stretch = None
         result = StepResult(now=now, end_time=now)
         self._release_ready(now)
         if not self.running and not self.waiting:
@@ -474,7 +512,86 @@ class Engine:
                 result.finished.append(self._finish(req, "length", end, params))
         if any_finished:
             self.running = [r for r in self.running if r.state == _RUNNING]
+        elif (coalesce and not attn_sum and len(scheduled) == len(running) and not result.first_token
+              and not result.preempted and not result.transfers_started
+              and (not self.waiting or (self.admission is None and self.prefix_metrics == "after_alloc"))):
+            # Only decoding happened, and every running request was scheduled. While the waiting
+            # queue (if any) stays blocked and no request needs a block, finishes or becomes
+            # ready, the next steps are this one with each context one token longer: the
+            # same admission attempt fails for the same reason (its inputs, the free blocks,
+            # the cache and the batch, do not change), so run them here without the
+            # per-request work. at_lookup metrics and an admission hook see every attempt.
+            self._coalesce(result, decode_ctx)
         return result
+
+    def _coalesce(self, result: StepResult, decode_ctx: int) -> None:
+        running = self.running
+        bs = self.block_size
+        n = 1 << 30
+        for req in running:
+            room = len(req.blocks) * bs - req.computed   # decode steps before it needs a block
+            left = req.max_tokens - req.output - 1        # decode steps before the one it ends in
+            if room < n:
+                n = room
+            if left < n:
+                n = left
+        if n <= 0:
+            return
+        horizon = self.next_event_time()
+        if horizon is None:
+            horizon = float("inf")
+        num = len(running)
+        step_time = self.profile.step_time
+        t = result.end_time
+        busy = self.busy_time
+        ctx = decode_ctx + num
+        starts: list[float] = []
+        ends: list[float] = []
+        busys: list[float] = []
+        while len(starts) < n and t < horizon:
+            duration = step_time(num, num, 0, ctx, 0)   # the arguments step() would pass
+            starts.append(t)
+            t = t + duration
+            busy += duration
+            ends.append(t)
+            busys.append(busy)
+            ctx += num
+        k = len(starts)
+        if not k:
+            return
+        self._stretch = _Stretch(result, result.end_time, self.busy_time, starts, ends, busys)
+        self._advance(k)
+
+    def _advance(self, k: int) -> None:
+        """Move the coalesced result to ``k`` extra steps (fewer than now: a cut)."""
+        st = self._stretch
+        u = k - st.k
+        if not u:
+            return
+        emitted = st.result.emitted
+        for req in self.running:
+            req.computed += u
+            req.num_tokens += u
+            req.output += u
+            emitted[req.id] = req.output
+        num = len(self.running)
+        self.generation_tokens += num * u
+        self.num_steps += u
+        self.busy_time = st.busys[k - 1] if k else st.busy0
+        end = st.ends[k - 1] if k else st.end0
+        res = st.result
+        res.end_time = end
+        res.duration = end - res.now
+        res.num_steps = 1 + k
+        self._recent_steps[-1] = (res.now, end - res.now)
+        st.k = k
+
+    def _cut(self, t: float) -> None:
+        """Keep only the coalesced steps that began before ``t``."""
+        st = self._stretch
+        keep = bisect.bisect_left(st.starts, t, 0, st.k)
+        if keep < st.k:
+            self._advance(keep)
 
     # ------------------------------------------------------------------ internals
 
@@ -663,14 +780,15 @@ class Engine:
         cached = self._cached
         append = req.blocks.append
         hol_set = self._hol_set
+        kv_events = self.kv_events
         for _ in range(n):
-            b = popitem(last=False)[0]
+            b = popitem(False)[0]
             h = block_hash[b]
             if h is not None:
                 del cached[h]     # evict
                 block_hash[b] = None
-                if self.kv_events is not None:
-                    self.kv_events.append((0, h))
+                if kv_events is not None:
+                    kv_events.append((0, h))
                 if b in hol_set:
                     self._hol_req = None
                     hol_set = self._hol_set = set()
