@@ -20,6 +20,7 @@ VERBS: list[tuple[str, str, str]] = [
     ("attach", "kvtop.tui.cli", "live terminal dashboard on a running router"),
     ("sim", "kvtop.sim.cli", "start N simulated vLLM instances on loopback"),
     ("simulate", "kvtop.simulate", "offline: run a trace through policies in virtual time"),
+    ("sweep", "kvtop.sweep", "offline: policies x knob grids x traces x loads, train/validate split"),
     ("replay", "kvtop.replay", "replay a trace against a router or instance over HTTP"),
     ("report", "kvtop.report", "the seed table and per-class TTFT from results or a database"),
     ("trace", "kvtop.traces.cli", "convert, build, cap and describe traces"),

@@ -4,7 +4,9 @@ Replica 0 is the trace as it is. Replica r >= 1 shifts each session's arrivals b
 drawn uniformly from [-jitter, +jitter] seconds (a generator seeded with r, so every policy
 sees the same N traces): each session keeps its own turn order and gaps, while which sessions
 overlap, and so the load each decision meets, changes as it would between two real runs.
-Every (policy, replica) pair is one offline simulation; they run in parallel processes.
+Every (policy, replica) pair is one offline simulation (a ``Task``; ``kvtop sweep`` adds
+traces, knob settings and loads); they run in forked worker processes that share the trace,
+or on a Ray cluster (kvtop/ray_runner.py), and the rows are the same wherever they ran.
 
 Per policy and metric the report gives the mean over replicas and a 95% confidence interval
 (Student's t, n-1 degrees of freedom). Between the best policy on a metric and each other one,
@@ -18,8 +20,8 @@ import math
 import os
 import random
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
-from dataclasses import replace
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, replace
 from typing import Any
 
 #: Two-sided 95% Student's t quantiles by degrees of freedom (1-30); past 30, 1.96 is close.
@@ -62,35 +64,148 @@ def perturb(requests: Sequence[Any], replica: int, jitter_s: float) -> list[Any]
     return out
 
 
-def _one(task: tuple[Any, ...]) -> tuple[str, int, dict[str, Any]]:
+@dataclass(frozen=True)
+class Task:
+    """One offline simulation: a trace (by name), a policy and its config, a replica, a load.
+
+    ``rate_scale`` multiplies the arrival rate (arrival times divided by it; a session's think
+    times shrink with them); ``tag`` is the caller's label, returned with the row."""
+
+    trace: str
+    policy: str
+    config: Any
+    replica: int = 0
+    jitter_s: float = 0.0
+    rate_scale: float = 1.0
+    tag: Any = None
+
+
+#: The traces and the simulate function of the current run, set before the worker processes
+#: are forked (so a 10,000-request trace is not pickled once per task) or, on Ray, once per actor.
+_SHARED: dict[str, Any] = {}
+
+
+def _setup(simulate: Callable[..., Any], traces: dict[str, Sequence[Any]]) -> None:
+    _SHARED["simulate"] = simulate
+    _SHARED["traces"] = traces
+
+
+def scale_rate(requests: Sequence[Any], scale: float) -> list[Any]:
+    """The trace with its arrival rate times ``scale``: every arrival (and think time) / scale."""
+    if scale == 1.0:
+        return list(requests)
+    return [replace(r, arrival=r.arrival / scale,
+                    think_time=None if r.think_time is None else r.think_time / scale) for r in requests]
+
+
+def run_task(task: Task, simulate: Callable[..., Any] | None = None,
+             traces: dict[str, Sequence[Any]] | None = None) -> tuple[Task, dict[str, Any]]:
+    """Run one task; its seed-table row (the METRICS, APC, errors, requests)."""
     from kvtop.seedtable import seed_row
 
-    simulate, requests, policy, cfg, replica, jitter_s = task
-    records = simulate(perturb(requests, replica, jitter_s), policy, cfg)
-    row = seed_row(records, instances=[f"i{i}" for i in range(cfg.instances)])
-    return policy, replica, {k: row[k] for k, _ in METRICS} | {"apc": row["apc"], "errors": row["errors"]}
+    simulate = simulate or _SHARED["simulate"]
+    requests = (traces or _SHARED["traces"])[task.trace]
+    requests = perturb(scale_rate(requests, task.rate_scale), task.replica, task.jitter_s)
+    records = simulate(requests, task.policy, task.config)
+    row = seed_row(records, instances=[f"i{i}" for i in range(task.config.instances)])
+    return task, {k: row[k] for k, _ in METRICS} | {"apc": row["apc"], "errors": row["errors"],
+                                                     "requests": len(records)}
+
+
+def _run_indexed(item: tuple[int, Task]) -> tuple[int, dict[str, Any]]:
+    k, task = item
+    return k, run_task(task)[1]
+
+
+def run_tasks(simulate: Callable[..., Any], traces: dict[str, Sequence[Any]], tasks: Sequence[Task],
+              workers: int | None = None, ray_address: str | None = None,
+              progress: Callable[[int, int], None] | None = None) -> list[dict[str, Any]]:
+    """Every task's row, in the order of ``tasks``: in this process (``workers`` 1), in forked
+    worker processes (default one per core), or on a Ray cluster (``ray_address``, see
+    kvtop/ray_runner.py). The simulation is deterministic, so the rows do not depend on where
+    a task ran. ``progress(done, total)`` is called as tasks finish."""
+    total = len(tasks)
+    rows: list[dict[str, Any] | None] = [None] * total
+    done = 0
+    if ray_address is not None:
+        from kvtop.ray_runner import run_on_ray
+
+        for k, row in run_on_ray(ray_address, _setup, _run_indexed, (simulate, traces), list(enumerate(tasks)),
+                                 workers):
+            rows[k] = row
+            done += 1
+            if progress:
+                progress(done, total)
+        return rows  # type: ignore[return-value]
+    workers = max(1, min(workers or os.cpu_count() or 1, total))
+    if workers == 1:
+        for k, task in enumerate(tasks):
+            rows[k] = run_task(task, simulate, traces)[1]
+            done += 1
+            if progress:
+                progress(done, total)
+        return rows  # type: ignore[return-value]
+    import multiprocessing
+
+    _setup(simulate, traces)   # inherited by forked workers; spawned ones get it as initargs
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
+    ctx = multiprocessing.get_context(method)
+    init = (None, ()) if method == "fork" else (_setup, (simulate, traces))
+    try:
+        with ProcessPoolExecutor(workers, mp_context=ctx, initializer=init[0], initargs=init[1]) as pool:
+            futures = [pool.submit(_run_indexed, (k, task)) for k, task in enumerate(tasks)]
+            for fut in as_completed(futures):
+                k, row = fut.result()
+                rows[k] = row
+                done += 1
+                if progress:
+                    progress(done, total)
+    finally:
+        _SHARED.clear()
+    return rows  # type: ignore[return-value]
 
 
 def run_replicas(simulate: Callable[..., list[dict[str, Any]]], requests: Sequence[Any],
                  configs: dict[str, Any], repeats: int, jitter_s: float,
-                 workers: int | None = None) -> dict[str, list[dict[str, Any]]]:
+                 workers: int | None = None, ray_address: str | None = None,
+                 progress: Callable[[int, int], None] | None = None) -> dict[str, list[dict[str, Any]]]:
     """{policy: [row of replica 0, 1, ...]} for ``configs`` ({policy: SimConfig}); ``simulate`` is
     kvtop.simulate.simulate (passed in: that module imports this one)."""
-    tasks = [(simulate, list(requests), pol, cfg, r, jitter_s) for pol, cfg in configs.items() for r in range(repeats)]
-    out: dict[str, list[dict[str, Any] | None]] = {pol: [None] * repeats for pol in configs}
-    workers = max(1, min(workers or os.cpu_count() or 1, len(tasks)))
-    if workers == 1:
-        results = map(_one, tasks)
-    else:
-        pool = ProcessPoolExecutor(workers)
-        results = pool.map(_one, tasks)
-    try:
-        for pol, r, row in results:
-            out[pol][r] = row
-    finally:
-        if workers > 1:
-            pool.shutdown()
-    return out  # type: ignore[return-value]
+    tasks = [Task("trace", pol, cfg, r, jitter_s) for pol, cfg in configs.items() for r in range(repeats)]
+    rows = run_tasks(simulate, {"trace": requests}, tasks, workers, ray_address, progress)
+    out: dict[str, list[dict[str, Any]]] = {pol: [] for pol in configs}
+    for task, row in zip(tasks, rows):
+        out[task.policy].append(row)
+    return out
+
+
+class task_progress:
+    """A progress bar with an ETA on stderr while tasks run, only when stderr is a terminal;
+    ``with task_progress(n, "simulating") as advance:`` gives the ``progress`` callback."""
+
+    def __init__(self, total: int, label: str):
+        self.total, self.label, self.bar = total, label, None
+
+    def __enter__(self) -> Callable[[int, int], None]:
+        import sys
+
+        if not sys.stderr.isatty() or self.total < 2:
+            return lambda done, total: None
+        from rich.console import Console
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                                   TimeElapsedColumn, TimeRemainingColumn)
+
+        self.bar = Progress(TextColumn(self.label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                            TextColumn("ETA"), TimeRemainingColumn(), console=Console(file=sys.stderr),
+                            transient=True)
+        self.bar.__enter__()
+        task = self.bar.add_task(self.label, total=self.total)
+        return lambda done, total: self.bar.update(task, completed=done)
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            return self.bar.__exit__(*exc)
+        return None
 
 
 def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, tuple[float, float] | None]]:

@@ -330,7 +330,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--jitter", type=float, default=2.0, metavar="S",
                    help="largest shift of a session's arrivals in a replica, seconds (default 2)")
     p.add_argument("--workers", type=int, default=None, metavar="N",
-                   help="processes for --repeats (default: one per core)")
+                   help="processes for --repeats (default: one per core; with --ray, one actor per CPU "
+                        "of the cluster)")
+    p.add_argument("--ray", default=None, metavar="ADDRESS",
+                   help="run the --repeats replicas on a Ray cluster (host:port of its head, 'auto', or "
+                        "'local' to start one here); needs pip install 'kvtop[ray]'. Same results as local")
     p.add_argument("--format", choices=("text", "md", "csv"), default="text")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="write each policy's results as DIR/<policy>.jsonl (for kvtop report)")
@@ -351,7 +355,7 @@ def run(args: argparse.Namespace) -> int:
     if args.from_db is not None:
         if args.trace is not None:
             raise CliError("give a trace or --from-db, not both")
-        if args.out or args.limit is not None or args.knob or args.workers is not None:
+        if args.out or args.limit is not None or args.knob or args.workers is not None or args.ray:
             raise CliError("--from-db takes --policies, --run, --speed, --profile, --mode, --repeats, "
                            "--jitter and --format (the run's own knobs are used)")
         from kvtop.whatif import run as whatif_run
@@ -398,10 +402,12 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(f"cannot create --out {out_dir}: {exc.strerror or exc}") from None
     if args.repeats < 1 or (args.workers is not None and args.workers < 1) or args.jitter < 0:
         raise CliError("--repeats and --workers must be at least 1, --jitter at least 0")
+    if args.ray is not None and args.repeats < 2:
+        raise CliError("--ray runs --repeats replicas: give --repeats 2 or more")
     if args.repeats > 1:
         if out_dir:
             raise CliError("--out writes one run's records; use it without --repeats")
-        from kvtop.repeats import format_report, run_replicas
+        from kvtop.repeats import format_report, run_replicas, task_progress
 
         configs = {pol: SimConfig(instances=args.instances, profile=args.profile, mode=args.mode,
                                   router_block_size=args.router_block_size,
@@ -410,7 +416,9 @@ def run(args: argparse.Namespace) -> int:
                                   admission=args.engine_admission) for pol in policies}
         t0 = time.time()
         try:
-            runs = run_replicas(simulate, requests, configs, args.repeats, args.jitter, args.workers)
+            with task_progress(len(configs) * args.repeats, "simulating") as progress:
+                runs = run_replicas(simulate, requests, configs, args.repeats, args.jitter, args.workers,
+                                    args.ray, progress)
         except ValueError as exc:
             raise CliError(str(exc)) from None
         print(f"simulated {len(policies)} policies x {args.repeats} replicas in {time.time() - t0:.1f} s wall",
