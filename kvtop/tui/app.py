@@ -24,7 +24,8 @@ from textual.theme import Theme
 from textual.widgets import Button, DataTable, Footer, Input, Static, TabbedContent
 
 from kvtop.tui.feed import ControlError
-from kvtop.tui.model import (COLUMN_HELP, DEFAULT_SORT, INSTANCE_COLUMNS, MEASURED_TPS_COLUMN, SORT_KEYS, Collected,
+from kvtop.tui.model import (COLUMN_HELP, DEFAULT_SORT, INSTANCE_COLUMNS, MEASURED_TPS_COLUMN, OPTIONAL_COLUMNS,
+                             SORT_KEYS, Collected,
                              doc_summary, fmt_duration, fmt_pct, health_state, is_number)
 from kvtop.tui.screens import ConfirmScreen, HelpScreen, KnobForm, PolicyPicker
 from kvtop.tui.tabs import ChartsTab, DecisionsTab, OverviewTab, PolicyTab, SessionsTab
@@ -108,6 +109,8 @@ class KvtopApp(App):
         Binding("P", "switch_policy", "policy", id="kvtop.switch_policy"),
         Binding("k", "edit_knobs", "knobs", id="kvtop.edit_knobs"),
         Binding("S", "promote_shadow", "promote shadow", show=False, id="kvtop.promote_shadow"),
+        # attach URL URL ...: which router the policy and knob actions act on
+        Binding("R", "next_router", "next router", show=False, id="kvtop.next_router"),
         Binding("1", "tab('overview')", "overview", show=False, id="kvtop.tab.overview"),
         Binding("2", "tab('charts')", "charts", show=False, id="kvtop.tab.charts"),
         Binding("3", "tab('sessions')", "sessions", show=False, id="kvtop.tab.sessions"),
@@ -128,7 +131,7 @@ class KvtopApp(App):
         self.feed = feed
         self.url = url or getattr(feed, "url", "")
         self.readonly_flag = readonly
-        self.can_control = can_control
+        self._can_control = can_control
         self.hz = hz
         self.clock = clock
         self.apply_timer = apply_timer
@@ -172,6 +175,7 @@ class KvtopApp(App):
     # -- layout ------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
         yield Static(id="topbar")
+        yield Static(id="routers")  # attach URL URL ...: one line per router
         yield Static(id="banner")
         with TabbedContent(initial="overview", id="tabs"):
             yield OverviewTab("1 Overview", id="overview")
@@ -187,7 +191,7 @@ class KvtopApp(App):
         for key, label, width in INSTANCE_COLUMNS:
             t.add_column(label, key=key, width=max(width, len(label) + 1))  # room for the sort arrow
         d = self.query_one("#decision-table", DataTable)
-        for key, label in [("time", "time"), ("session", "session"), ("class", "class"), ("instance", "inst"),
+        for key, label in [("time", "time")] + ([("router", "router")] if self.multi else []) + [("session", "session"), ("class", "class"), ("instance", "inst"),
                            ("reason", "reason"), ("hit", "hit"), ("terms", "chosen terms")]:
             d.add_column(label, key=key)
         s = self.query_one("#session-table", DataTable)
@@ -201,6 +205,7 @@ class KvtopApp(App):
             k.add_column(label, key=key)
         self.query_one("#filter", Input).display = False
         self.query_one("#fleet", Static).display = False
+        self.query_one("#routers", Static).display = self.multi
         t.focus()
         self._refresh_controls()
         self._read_feed()
@@ -262,8 +267,31 @@ class KvtopApp(App):
         return self.readonly_flag or bool(snap.get("router", {}).get("readonly"))
 
     @property
+    def multi(self) -> bool:
+        """Several routers in front of the same instances (``kvtop attach URL URL ...``)."""
+        return len(getattr(self.feed, "routers", ())) > 1
+
+    @property
+    def can_control(self) -> bool:
+        """A token was found (for the selected router, with several)."""
+        if self.multi:
+            return self.feed.current.can_control
+        return self._can_control
+
+    @can_control.setter
+    def can_control(self, value: bool) -> None:
+        self._can_control = value
+
+    @property
     def control_enabled(self) -> bool:
         return not self.readonly and self.can_control
+
+    def on_router(self) -> str:
+        """`` on r2 (http://...)`` with several routers, so every control action says where it goes."""
+        if not self.multi:
+            return ""
+        link = self.feed.current
+        return f" on {link.label} ({link.feed.url})"
 
     def _tick(self) -> None:
         """The refresh timer. It can fire once more while the app shuts down its widgets."""
@@ -368,6 +396,40 @@ class KvtopApp(App):
         if r.get("db"):  # last: the whole path, where the width allows (it is printed on quit too)
             t.append(f"  log {r['db']}", style="dim")
         self._update_static("#topbar", t)
+        if self.multi:
+            self._draw_routers()
+
+    def _draw_routers(self) -> None:
+        """One line per router: policy, request rate, instances up, in flight, control, link."""
+        snap = self.collected.snapshot or {}
+        summary = {r.get("label"): r for r in snap.get("routers") or [] if isinstance(r, dict)}
+        t = Text(no_wrap=True, overflow="ellipsis")
+        for k, link in enumerate(self.feed.routers):
+            if k:
+                t.append("\n")
+            r = summary.get(link.label) or {}
+            chosen = k == self.feed.selected
+            t.append(f"{'▶' if chosen else ' '} {link.label} ", style="bold reverse" if chosen else "bold")
+            t.append(f" {link.feed.url}  ")
+            if not link.connected:
+                t.append(f"✖ unreachable: {link.error or 'connecting'}", style=f"bold {self._color('error')}")
+                continue
+            t.append(f"{r.get('policy') or '?'}", style="bold")
+            t.append(f"  {float(r.get('request_rate') or 0):.1f} req/s  in flight {r.get('in_flight') or 0}")
+            up, n = r.get("healthy_instances"), r.get("instances") or 0
+            t.append(f"  {up if is_number(up) else '?'}/{n} up",
+                     style="" if up == n else f"bold {self._color('error')}")
+            problem = getattr(link.feed, "control_problem", None)
+            if self.readonly_flag or r.get("readonly"):
+                t.append("  read-only", style="dim")
+            elif not link.can_control:
+                t.append("  read-only (no token)", style="dim")
+            elif problem:
+                t.append(f"  CONTROL UNAVAILABLE: {problem}", style="bold reverse")
+            else:
+                t.append("  control ok", style=self._color("success"))
+        t.append("\n  R: next router (policy and knob changes act on ▶)", style="dim")
+        self._update_static("#routers", t)
 
     @property
     def connecting(self) -> bool:
@@ -469,7 +531,8 @@ class KvtopApp(App):
                 if ok:
                     self._apply_change("put_policy", name, dict(knobs))
 
-            self.push_screen(ConfirmScreen(f"Promote shadow {name} to the active policy", diff), confirmed)
+            self.push_screen(ConfirmScreen(f"Promote shadow {name} to the active policy{self.on_router()}", diff),
+                             confirmed)
 
         if len(rows) == 1:
             promote(rows[0]["policy"])
@@ -507,7 +570,21 @@ class KvtopApp(App):
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action in ("switch_policy", "edit_knobs", "promote_shadow"):
             return self.control_enabled
+        if action == "next_router":
+            return self.multi
         return True
+
+    def action_next_router(self) -> None:
+        """With several routers: the next one becomes the one control acts on."""
+        if not self.multi:
+            return
+        self.feed.select(self.feed.selected + 1)
+        self.policies_body = {"current": {}, "policies": []}
+        self.last_error = None
+        self._refresh_controls()
+        self._load_policies()
+        self.notify(f"policy and knob changes now act{self.on_router()}", timeout=3)
+        self.apply(force=True)
 
     def action_pause(self) -> None:
         self.paused = not self.paused
@@ -522,7 +599,7 @@ class KvtopApp(App):
     def _header_clicked(self, event: DataTable.HeaderSelected) -> None:
         """A click on a column header sorts by it; a second click on it reverses."""
         key = str(event.column_key.value)
-        if key not in SORT_KEYS and key != MEASURED_TPS_COLUMN[0]:
+        if key not in SORT_KEYS and key not in (MEASURED_TPS_COLUMN[0], "drift", "share"):
             key = "backlog_tokens"  # the trend column sorts by the backlog it draws
         if key == self.sort_key:
             self.action_reverse()
@@ -647,8 +724,9 @@ class KvtopApp(App):
                   "  click a column header to sort by it; again to reverse",
                   "  filter: words, or reason:X instance:Y session:Z class:C", "",
                   "[b]Overview columns[/b]", ""]
-        for key, label, _ in INSTANCE_COLUMNS:
-            lines.append(f"  [b]{escape(label):<13}[/b] {escape(COLUMN_HELP[key][1])}")
+        for key, label, _ in INSTANCE_COLUMNS + OPTIONAL_COLUMNS:
+            lines.append(f"  [b]{escape(label):<13}[/b] {escape(COLUMN_HELP[key][1])}"
+                         + (" (when the router reports it)" if (key, label, _) in OPTIONAL_COLUMNS else ""))
         lines += ["", "▲/▼ after a value: it rose/fell since the last frame. Bold: moderate load; "
                       "reverse video: heavy.",
                   "", "The dim names are binding ids, for remapping keys. Esc closes."]
@@ -683,7 +761,8 @@ class KvtopApp(App):
             if ok:
                 self._apply_change("put_policy", name, {})
 
-        self.push_screen(ConfirmScreen(f"Switch policy to {name} (knobs at their defaults)", diff), confirmed)
+        self.push_screen(ConfirmScreen(f"Switch policy to {name}{self.on_router()} (knobs at their defaults)", diff),
+                         confirmed)
 
     @on(Button.Pressed, "#btn-knobs")
     def action_edit_knobs(self) -> None:
@@ -702,7 +781,8 @@ class KvtopApp(App):
                 if ok:
                     self._apply_change("patch_knobs", None, changed)
 
-            self.push_screen(ConfirmScreen(f"Change knobs of {cur.get('policy', '?')}", diff), confirmed)
+            self.push_screen(ConfirmScreen(f"Change knobs of {cur.get('policy', '?')}{self.on_router()}", diff),
+                             confirmed)
 
         self.push_screen(KnobForm(str(cur.get("name", "?")), schema, knobs), edited)
 
@@ -715,9 +795,10 @@ class KvtopApp(App):
                 result = await self.feed.patch_knobs(knobs)
         except ControlError as exc:
             self.last_error = exc.message
-            self.notify(exc.message, title="the router refused the change", severity="error", timeout=15)
+            self.notify(exc.message, title=f"the router refused the change{self.on_router()}", severity="error",
+                        timeout=15)
             self._draw_policy()
             return
         self.last_error = None
-        self.notify(f"now {result.get('policy')}", title="applied", timeout=4)
+        self.notify(f"now {result.get('policy')}{self.on_router()}", title="applied", timeout=4)
         self._load_policies()

@@ -8,6 +8,12 @@ token the dashboard is read-only.
   kvtop attach                      # the router on this machine
   kvtop attach http://127.0.0.1:8001 --readonly
   kvtop attach --once               # one plain-text snapshot, for scripts and bug reports
+  kvtop attach http://127.0.0.1:8001 http://127.0.0.1:8002   # two routers, same instances
+
+Several URLs: routers in front of the same instances. One line per router (policy, req/s,
+instances up, control), one instance table (rows matched by backend URL, load summed, an
+in-flight share column r1/r2/...), decisions labelled by router. Policy and knob changes act
+on the selected router (marked ▶); R selects the next one.
 
 Keys: ? help, p pause, s/r sort, / filter, +/- refresh rate, [/] chart window,
 1-5 tabs, ctrl+p command palette (policy switch, knobs, themes). docs/tui.md has the rest.
@@ -21,11 +27,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("url", nargs="?", default=None, metavar="URL",
-                   help="router base URL (default: the state dir's locator, else http://127.0.0.1:8000)")
+    p.add_argument("url", nargs="*", default=None, metavar="URL",
+                   help="router base URL (default: the state dir's locator, else http://127.0.0.1:8000); "
+                        "several: routers in front of the same instances, shown together")
     p.add_argument("--once", action="store_true", help="print one plain-text snapshot and exit")
     p.add_argument("--readonly", action="store_true", help="hide every control (policy and knob changes)")
     p.add_argument("--token-file", default=None, metavar="FILE",
@@ -60,8 +68,12 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(f"unknown theme {args.theme!r}; one of: {', '.join(theme_names())}")
     config_file, config = read_config(args)
     hz, max_decisions, theme = settings(args, config)
+    urls = list(args.url or [])
+    if len(urls) > 1:
+        return run_several(args, urls, hz=hz, max_decisions=max_decisions, theme=theme, config=config,
+                           config_file=config_file)
     try:
-        target = resolve_target(args.url, token_file=args.token_file, state_dir=args.state_dir)
+        target = resolve_target(urls[0] if urls else None, token_file=args.token_file, state_dir=args.state_dir)
         snap = fetch_json(target.url, "/state", timeout=5.0)
     except ControlError as exc:
         raise CliError(exc.message) from None
@@ -100,6 +112,62 @@ def run(args: argparse.Namespace) -> int:
     app = KvtopApp(feed, url=target.url, readonly=readonly,
                    can_control=bool(target.token), hz=hz, theme=theme,
                    max_decisions=max_decisions, keymap=config.get("keys"), config_file=config_file)
+    app.run()
+    return 0
+
+
+def run_several(args: argparse.Namespace, urls: list[str], *, hz: float, max_decisions: int, theme: str | None,
+                config: dict, config_file: Any) -> int:
+    """``attach URL URL ...``: several routers in front of the same instances, as one dashboard."""
+    from kvtop.cli import CliError
+    from kvtop.tui.feed import ControlError, check_token, fetch_json, resolve_target
+    from kvtop.tui.model import clean_snapshot, merge_router_snapshots, render_once
+
+    targets, snaps, control = [], [], []
+    for k, url in enumerate(urls):
+        label = f"r{k + 1}"
+        try:
+            target = resolve_target(url, token_file=args.token_file, state_dir=args.state_dir)
+            snap = fetch_json(target.url, "/state", timeout=5.0)
+        except ControlError as exc:
+            raise CliError(f"{label}: {exc.message}") from None
+        clean, problems = clean_snapshot(snap)
+        if clean is None or (args.once and problems):
+            raise CliError(f"{label}: {target.url} sent a malformed /kvtop/v1/state: {'; '.join(problems[:3])}")
+        readonly = bool(args.readonly or (clean.get("router") or {}).get("readonly"))
+        ok = bool(target.token) and not readonly
+        if ok and not args.once:
+            try:
+                why = check_token(target.url, target.token)  # type: ignore[arg-type]
+            except ControlError as exc:
+                raise CliError(f"{label}: {exc.message}") from None
+            if why is not None:
+                raise CliError(f"{label}: the token from {target.token_source} was refused by {target.url}: {why}")
+        targets.append(target)
+        snaps.append((label, clean))
+        control.append(ok)
+    if args.once:
+        merged = merge_router_snapshots(snaps)
+        lines = [f"{r['label']} {t.url}  policy {r['policy']}  {float(r['request_rate'] or 0):.2f} req/s  "
+                 f"in flight {r['in_flight'] or 0}  {r['healthy_instances']}/{r['instances']} up"
+                 for r, t in zip(merged["routers"], targets)]
+        share = [f"{i['name']}: " + " ".join(f"{lb}={n}" for lb, n in i["routers"].items())
+                 for i in merged["instances"]]
+        sys.stdout.write("\n".join(lines) + "\n" + render_once(merged) + "in flight by router  "
+                         + "  ".join(share) + "\n")
+        return 0
+    if not (sys.stdout.isatty() and sys.stdin.isatty()):
+        raise CliError("no terminal to draw the dashboard on; use --once for a plain-text snapshot")
+    from kvtop.tui.app import KvtopApp
+    from kvtop.tui.feed import MultiFeed, RouterFeed
+
+    def loader(url: str):
+        return lambda: resolve_target(url, token_file=args.token_file, state_dir=args.state_dir).token
+
+    feeds = [RouterFeed(t.url, t.token, hz=hz, token_loader=loader(t.url)) for t in targets]
+    app = KvtopApp(MultiFeed(feeds, can_control=control), url=targets[0].url, readonly=bool(args.readonly),
+                   hz=hz, theme=theme, max_decisions=max_decisions, keymap=config.get("keys"),
+                   config_file=config_file)
     app.run()
     return 0
 

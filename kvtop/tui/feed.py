@@ -462,3 +462,162 @@ class FakeFeed:
 
     async def close(self) -> None:
         pass
+
+
+@dataclass
+class RouterLink:
+    """One of several routers the dashboard watches: its feed and what the header says of it."""
+
+    label: str
+    feed: Any
+    can_control: bool = True
+    snapshot: dict[str, Any] | None = None
+    connected: bool = False
+    error: str | None = None
+    names: dict[str, str] | None = None  # this router's instance name -> the table's name
+
+
+class MultiFeed:
+    """Several routers in front of the same instances, read as one feed (``attach URL URL ...``).
+
+    ``events()`` merges the routers' streams: every state becomes one merged snapshot
+    (``merge_router_snapshots``: instances matched by backend URL, each router's in-flight
+    share), decisions and config events carry their router's label, and the connection is
+    up while every router's is. Policy, knob and shadow calls go to the *selected* router
+    (``select``); sessions come from all of them.
+    """
+
+    def __init__(self, feeds: list[Any], can_control: list[bool] | None = None, labels: list[str] | None = None):
+        labels = labels or [f"r{k + 1}" for k in range(len(feeds))]
+        flags = can_control or [bool(getattr(f, "token", None)) for f in feeds]
+        self.routers = [RouterLink(lb, f, c) for lb, f, c in zip(labels, feeds, flags)]
+        self.selected = 0
+        self._queue: asyncio.Queue | None = None
+
+    @property
+    def current(self) -> RouterLink:
+        return self.routers[self.selected]
+
+    @property
+    def url(self) -> str:
+        return self.current.feed.url
+
+    @property
+    def token(self) -> str | None:
+        return getattr(self.current.feed, "token", None)
+
+    @property
+    def control_problem(self) -> str | None:
+        return getattr(self.current.feed, "control_problem", None)
+
+    def select(self, index: int) -> None:
+        """Make router ``index`` the one control acts on (and whose policy the header shows)."""
+        self.selected = index % len(self.routers)
+        if self._queue is not None:
+            self._queue.put_nowait((-1, "_remerge", None))
+
+    def set_hz(self, hz: float) -> None:
+        for r in self.routers:
+            r.feed.set_hz(hz)
+
+    def merged(self) -> dict[str, Any]:
+        from kvtop.tui.model import merge_router_snapshots
+
+        return merge_router_snapshots([(r.label, r.snapshot) for r in self.routers], self.selected)
+
+    async def events(self) -> AsyncIterator[tuple[str, Any]]:
+        from kvtop.tui.model import clean_snapshot
+
+        self._queue = queue = asyncio.Queue(maxsize=1000)
+
+        async def pump(k: int) -> None:
+            async for kind, payload in self.routers[k].feed.events():
+                await queue.put((k, kind, payload))
+
+        tasks = [asyncio.create_task(pump(k)) for k in range(len(self.routers))]
+        try:
+            while True:
+                k, kind, payload = await queue.get()
+                link = self.routers[k] if k >= 0 else self.current
+                if kind == "_remerge":
+                    if any(r.snapshot for r in self.routers):
+                        yield "state", self.merged()
+                    continue
+                if kind == "state":
+                    snap, problems = clean_snapshot(payload)
+                    if problems:
+                        yield "_malformed", {"error": f"{link.label}: state: " + "; ".join(problems[:3])}
+                    if snap is None:
+                        continue
+                    link.snapshot = snap
+                    link.names = {str(i["name"]): str(i.get("url") or i["name"]) for i in snap["instances"]}
+                    yield "state", self.merged()
+                elif kind in ("decision", "config") and isinstance(payload, dict):
+                    yield kind, {**payload, "router": link.label}
+                elif kind == "outcome" and isinstance(payload, dict):
+                    yield kind, {**payload, "instance": self._table_name(link, payload.get("instance")),
+                                 "router": link.label}
+                elif kind == "_status":
+                    link.connected = bool(payload.get("connected"))
+                    link.error = payload.get("error")
+                    down = [r for r in self.routers if not r.connected]
+                    first = down[0] if down else None
+                    yield "_status", {"connected": not down,
+                                      "error": f"{first.label} ({first.feed.url}): {first.error or 'connecting'}"
+                                      if first else None,
+                                      "retry_in_s": payload.get("retry_in_s") if not link.connected else None}
+                elif kind == "_malformed" and isinstance(payload, dict):
+                    yield kind, {"error": f"{link.label}: {payload.get('error')}"}
+                else:
+                    yield kind, payload
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    def _table_name(self, link: RouterLink, name: Any) -> Any:
+        """An instance as this router names it -> as the merged table names it (by URL)."""
+        url = (link.names or {}).get(str(name))
+        if url is None:
+            return name
+        for r in self.routers:
+            for n, u in (r.names or {}).items():
+                if u == url:
+                    return n
+        return name
+
+    async def policies(self) -> dict[str, Any]:
+        return await self.current.feed.policies()
+
+    async def sessions(self, limit: int = 200) -> dict[str, Any]:
+        """Every router's sessions; a session two routers both know is shown where it has more tokens."""
+        rows: dict[str, dict[str, Any]] = {}
+        total, errors = 0, []
+        for r in self.routers:
+            try:
+                body = await r.feed.sessions(limit)
+            except ControlError as exc:
+                errors.append(exc)
+                continue
+            if not isinstance(body, dict) or not isinstance(body.get("sessions"), list):
+                continue
+            total += body.get("total") if isinstance(body.get("total"), int) else 0
+            for s in body["sessions"]:
+                if not isinstance(s, dict) or "session" not in s:
+                    continue
+                s = {**s, "router": r.label, "instance": f"{s.get('instance')} ({r.label})"}
+                old = rows.get(str(s["session"]))
+                if old is None or (s.get("tokens") or 0) > (old.get("tokens") or 0):
+                    rows[str(s["session"])] = s
+        if errors and len(errors) == len(self.routers):
+            raise errors[0]
+        return {"total": total, "sessions": list(rows.values())}
+
+    async def put_policy(self, name: str, knobs: dict[str, Any]) -> dict[str, Any]:
+        return await self.current.feed.put_policy(name, knobs)
+
+    async def patch_knobs(self, knobs: dict[str, Any]) -> dict[str, Any]:
+        return await self.current.feed.patch_knobs(knobs)
+
+    async def close(self) -> None:
+        for r in self.routers:
+            await r.feed.close()

@@ -528,7 +528,9 @@ def config_change_text(ev: dict[str, Any]) -> str:
     kind = str(ev.get("kind") or "?")
     before = ev.get("before") if isinstance(ev.get("before"), dict) else {}
     after = ev.get("after") if isinstance(ev.get("after"), dict) else {}
-    head = f"{when} {ev.get('who') or '?'}: "
+    # several routers (attach URL URL ...): which one changed
+    where = f"{ev['router']} " if isinstance(ev.get("router"), str) else ""
+    head = f"{when} {where}{ev.get('who') or '?'}: "
     if kind in ("policy", "knobs", "run"):
         label = lambda side: f"{side.get('policy', '?')}@{side.get('version', '?')}"  # noqa: E731
         if kind == "run":
@@ -559,11 +561,11 @@ def decision_matches(ev: dict[str, Any], query: str) -> bool:
     """``reason:argmin instance:i0 session:abc`` fields, or bare words matched anywhere."""
     for word in query.split():
         key, sep, want = word.partition(":")
-        if sep and key in ("reason", "instance", "session", "class", "policy"):
+        if sep and key in ("reason", "instance", "session", "class", "policy", "router"):
             if want.lower() not in str(ev.get(key, "")).lower():
                 return False
         elif not any(word.lower() in str(ev.get(k, "")).lower()
-                     for k in ("reason", "instance", "session", "class", "policy", "request_id")):
+                     for k in ("reason", "instance", "session", "class", "policy", "request_id", "router")):
             return False
     return True
 
@@ -629,3 +631,145 @@ def render_once(snap: dict[str, Any], policies: dict[str, Any] | None = None) ->
         lines.append("outcomes " + " ".join(f"{k}={n}" for k, n in sorted(snap["outcomes_by_status"].items())))
     lines += notes
     return "\n".join(lines) + "\n"
+
+
+# -- several routers in front of the same instances (kvtop attach URL URL ...) ------------------
+
+#: Shown when an instance reports KV events (``instances[i].kv_events``): how far the router's
+#: estimate would have been from the engine's own record, and where its hits come from now.
+DRIFT_COLUMN = ("drift", "drift", 11)
+#: Shown when the dashboard watches several routers: each router's share of the instance's
+#: requests in flight.
+SHARE_COLUMN = ("share", "in-flight share", 16)
+#: The instance table's columns that appear only when the data has them, in the legend's order.
+OPTIONAL_COLUMNS = [MEASURED_TPS_COLUMN, DRIFT_COLUMN, SHARE_COLUMN]
+COLUMN_HELP.update({
+    "drift": ("KV drift", "share of prompt tokens the router's estimate would have been off from the "
+                          "engine's KV events (the highest of the routers'), then the index source: "
+                          "exact (events), estimate (none), or the subscriber's state (resync, ...)"),
+    "share": ("in-flight share", "each router's share of the requests in flight on the instance, "
+                                 "in the order of the routers line above (r1/r2/...)"),
+})
+
+_SUMMED = ("num_requests", "pending_prefill_tokens", "backlog_s", "decode_requests", "decode_tokens",
+           "ongoing_tokens", "routed_total", "input_tokens_total", "est_hit_tokens_total", "request_rate")
+#: Worst first: what the drift cell says when routers disagree about an instance's index.
+_SOURCE_RANK = ("disconnected", "stopped", "resync", "replaying", "waiting", "estimate", "exact")
+
+
+def drift_of(inst: dict[str, Any]) -> tuple[float | None, str | None]:
+    """(drift share, index source) of one instance; (None, None) without KV events."""
+    kv = inst.get("kv_events")
+    if not isinstance(kv, dict):
+        return None, None
+    drift = kv.get("drift") if isinstance(kv.get("drift"), dict) else {}
+    share = drift.get("share") if is_number(drift.get("share")) else None
+    state = kv.get("state") if isinstance(kv.get("state"), str) else None
+    source = inst.get("index_source") if isinstance(inst.get("index_source"), str) else None
+    # The subscriber's own state says more than "estimate" while it recovers (resync, replaying).
+    if state and state != "exact" and state in _SOURCE_RANK:
+        source = state
+    return share, source or state
+
+
+def fmt_drift(share: float | None, source: str | None) -> str:
+    if share is None and source is None:
+        return "–"
+    return f"{fmt_pct(share) + '%' if share is not None else '–'} {source or '?'}"
+
+
+def _add(a: Any, b: Any) -> Any:
+    if is_number(a) and is_number(b):
+        return a + b
+    return a if is_number(a) else b
+
+
+def merge_router_snapshots(snaps: list[tuple[str, dict[str, Any] | None]], selected: int = 0) -> dict[str, Any]:
+    """One snapshot of several routers in front of the same instances (matched by backend URL).
+
+    ``snaps`` is (label, cleaned snapshot or None) per router. Per instance: the load the
+    routers put on it summed (in flight, backlog, decode), the estimated hit rate weighted by
+    each router's input tokens, up only where every router sees it up, the engine and GPU
+    as the first router reporting it saw them, the worst KV-event drift, and ``routers``:
+    label -> requests in flight from that router. ``router`` is the selected router's section
+    (policy, control), ``routers`` one summary per router for the header.
+    """
+    live = [(k, label, s) for k, (label, s) in enumerate(snaps) if s]
+    merged: dict[str, dict[str, Any]] = {}
+    order: list[str] = []
+    pick = next((s for k, _, s in live if k == selected), live[0][2] if live else {})
+    for k, label, snap in live:
+        for inst in snap.get("instances", []):
+            key = str(inst.get("url") or inst.get("name"))
+            share = inst.get("num_requests") if is_number(inst.get("num_requests")) else 0
+            m = merged.get(key)
+            if m is None:
+                m = merged[key] = dict(inst)
+                m["routers"] = {}
+                m["errors"] = dict(inst.get("errors") or {})
+                order.append(key)
+                m["_drift"] = [drift_of(inst)]
+                m["_recent"] = [(inst.get("est_hit_rate_recent"), inst.get("input_tokens_total"))]
+            else:
+                for f in _SUMMED:
+                    m[f] = _add(m.get(f), inst.get(f))
+                errs = inst.get("errors") or {}
+                m["errors"]["requests_total"] = _add(m["errors"].get("requests_total"), errs.get("requests_total"))
+                if m.get("healthy") and not inst.get("healthy"):
+                    m["healthy"], m["health"] = False, inst.get("health")
+                for sec in ("engine", "gpu"):
+                    if not m.get(sec) and inst.get(sec):
+                        m[sec] = inst[sec]
+                m["_drift"].append(drift_of(inst))
+                m["_recent"].append((inst.get("est_hit_rate_recent"), inst.get("input_tokens_total")))
+            m["routers"][label] = share
+    instances = []
+    for key in order:
+        m = merged[key]
+        inp, hit = m.get("input_tokens_total"), m.get("est_hit_tokens_total")
+        m["est_hit_rate"] = hit / inp if is_number(inp) and inp and is_number(hit) else None
+        rec = [(r, w if is_number(w) and w > 0 else 1.0) for r, w in m.pop("_recent") if is_number(r)]
+        m["est_hit_rate_recent"] = sum(r * w for r, w in rec) / sum(w for _, w in rec) if rec else None
+        drifts = m.pop("_drift")
+        shares = [s for s, _ in drifts if s is not None]
+        sources = [src for _, src in drifts if src is not None]
+        if shares or sources:
+            worst = min(sources, key=lambda s: _SOURCE_RANK.index(s) if s in _SOURCE_RANK else 0) if sources else None
+            m["kv_events"] = {"state": worst, "drift": {"share": max(shares) if shares else None}}
+            m["index_source"] = worst
+        for label, _ in snaps:
+            m["routers"].setdefault(label, 0)
+        instances.append(m)
+    totals: dict[str, Any] = {}
+    for _, _, snap in live:
+        for f, v in (snap.get("totals") or {}).items():
+            if is_number(v):
+                totals[f] = _add(totals.get(f), v)
+    inp, hit = totals.get("input_tokens_total"), totals.get("est_hit_tokens_total")
+    totals["est_hit_rate"] = hit / inp if is_number(inp) and inp and is_number(hit) else None
+    totals["healthy_instances"] = sum(1 for i in instances if i.get("healthy"))
+    affinity: dict[str, Any] = {"per_instance": {}}
+    counts: dict[str, dict[str, Any]] = {"decisions_by_reason": {}, "outcomes_by_status": {}}
+    for _, _, snap in live:
+        aff = snap.get("affinity") or {}
+        for f in ("sessions", "moved_sessions", "moves"):
+            if is_number(aff.get(f)):
+                affinity[f] = affinity.get(f, 0) + aff[f]
+        for name, n in (aff.get("per_instance") or {}).items():
+            affinity["per_instance"][name] = affinity["per_instance"].get(name, 0) + n
+        for sec, acc in counts.items():
+            for name, n in (snap.get(sec) or {}).items():
+                acc[name] = acc.get(name, 0) + n
+    summaries = []
+    for k, (label, snap) in enumerate(snaps):
+        r = (snap or {}).get("router") or {}
+        tot = (snap or {}).get("totals") or {}
+        summaries.append({"label": label, "url": r.get("url"), "policy": r.get("policy"),
+                          "request_rate": tot.get("request_rate"), "in_flight": tot.get("in_flight"),
+                          "healthy_instances": tot.get("healthy_instances"),
+                          "instances": len((snap or {}).get("instances", [])), "readonly": r.get("readonly"),
+                          "draining": r.get("draining"), "selected": k == selected, "seen": snap is not None})
+    out = dict(pick)
+    out.update({"ts": max((float(s.get("ts") or 0) for _, _, s in live), default=0.0) or None,
+                "instances": instances, "totals": totals, "affinity": affinity, "routers": summaries, **counts})
+    return out

@@ -19,10 +19,11 @@ from textual_plotext import PlotextPlot
 
 from kvtop.receipt import fmt_num
 from kvtop.tui.axis import set_y_ticks
-from kvtop.tui.model import (FLEET_MIN, INSTANCE_COLUMNS, GPU_BUSY_PCT, LOW_HIT_RATE, MEASURED_TPS_COLUMN, THRESHOLDS,
-                             config_change_text, decision_matches, doc_summary, fit_id, fleet_strips, fmt_duration,
-                             fmt_int, fmt_latency, fmt_pct, fmt_secs, gpu_cells, health_state, instance_values,
-                             is_number, natural_key, sort_value, sparkline, terms_summary)
+from kvtop.tui.model import (DRIFT_COLUMN, FLEET_MIN, GPU_BUSY_PCT, INSTANCE_COLUMNS, LOW_HIT_RATE,
+                             MEASURED_TPS_COLUMN, SHARE_COLUMN, THRESHOLDS, config_change_text, decision_matches,
+                             doc_summary, drift_of, fit_id, fleet_strips, fmt_drift, fmt_duration, fmt_int,
+                             fmt_latency, fmt_pct, fmt_secs, gpu_cells, health_state, instance_values, is_number,
+                             natural_key, sort_value, sparkline, terms_summary)
 from kvtop.tui.screens import ReceiptScreen
 from kvtop.tui.widgets import LiveTable
 
@@ -67,7 +68,9 @@ class OverviewTab(TabPane):
         self._sort_values: dict[str, dict[str, Any]] = {}
         self._gpu_na: str | None = None
         self._health_notes: dict[str, str] = {}  # instance -> why it is down or ejected
-        self._measured_tps = False  # the prefill-rate column is there
+        #: columns added when the data has them, at the end, in the order they appeared: the
+        #: measured prefill rate, KV-event drift, several routers' in-flight shares
+        self._optional: list[tuple[str, str, int]] = []
         self._theme_seq = -1  # the app's theme change count the cells were drawn under
 
     def compose(self) -> ComposeResult:
@@ -122,6 +125,21 @@ class OverviewTab(TabPane):
                            else Text("0" if errors == 0 else "–", style="dim"))
         if v["prefill_tps"] is not None:
             cells["prefill_tps"] = (v["prefill_tps"], fmt_int(v["prefill_tps"]))
+        share, source = drift_of(inst)
+        if share is not None or source is not None:
+            v["drift"] = share
+            # an estimate that is off, or an index that is not exact, is worth a look
+            bad = (share is not None and share >= 0.05) or source not in (None, "exact")
+            cells["drift"] = ((share, source), self._levelled(fmt_drift(share, source), 1) if bad
+                              else fmt_drift(share, source))
+        routers = inst.get("routers")
+        if isinstance(routers, dict) and routers:
+            counts = [int(n) if is_number(n) else 0 for n in routers.values()]
+            total = sum(counts)
+            text = "/".join(map(str, counts)) + (
+                "  " + "/".join(f"{100 * n / total:.0f}" for n in counts) + "%" if total else "")
+            v["share"] = tuple(counts)
+            cells["share"] = (tuple(counts), text)
         lv = THRESHOLDS["requests"].level(v["requests"])
         a = arrow("requests")
         cells["requests"] = ((v["requests"], a, lv), self._levelled(str(v["requests"]), lv, a))
@@ -170,18 +188,23 @@ class OverviewTab(TabPane):
             self._cells.pop(str(key.value), None)
         for name in [n for n in self._health_notes if n not in names]:
             self._health_notes.pop(name)
-        if not self._measured_tps and any(i.get("prefill_tps_measured") is not None for i in insts):
-            # The router measures prefill rates (a newer router): one more column, at the end.
-            key, label, width = MEASURED_TPS_COLUMN
-            table.add_column(label, key=key, width=max(width, len(label) + 1), default="–")
-            self._measured_tps = True
-            self._cells.clear()  # every row gets the new cell
-        columns = [k for k, _, _ in INSTANCE_COLUMNS] + (["prefill_tps"] if self._measured_tps else [])
+        have = {c[0] for c in self._optional}
+        for col, present in ((MEASURED_TPS_COLUMN, lambda i: i.get("prefill_tps_measured") is not None),
+                             (DRIFT_COLUMN, lambda i: isinstance(i.get("kv_events"), dict)),
+                             (SHARE_COLUMN, lambda i: isinstance(i.get("routers"), dict))):
+            if col[0] not in have and any(present(i) for i in insts):
+                # The data has it (a router that measures prefill rates, KV events, several
+                # routers): one more column, at the end.
+                key, label, width = col
+                table.add_column(label, key=key, width=max(width, len(label) + 1), default="–")
+                self._optional.append(col)
+                self._cells.clear()  # every row gets the new cell
+        columns = [k for k, _, _ in INSTANCE_COLUMNS] + [k for k, _, _ in self._optional]
         for inst in insts:
             name = inst["name"]
             cells = self._instance_cells(inst, prev_values.get(name))
-            if self._measured_tps and "prefill_tps" not in cells:
-                cells["prefill_tps"] = (None, "–")
+            for key, _, _ in self._optional:
+                cells.setdefault(key, (None, "–"))
             old = self._cells.get(name)
             if name not in table.rows:
                 table.add_row(*[cells[k][1] for k in columns], key=name)
@@ -223,7 +246,7 @@ class OverviewTab(TabPane):
         table.sort("name", key=by, reverse=app.sort_reverse)
         if selected is not None and selected in table.rows:
             table.move_cursor(row=table.get_row_index(selected), animate=False)
-        for ckey, label, _ in INSTANCE_COLUMNS + ([MEASURED_TPS_COLUMN] if self._measured_tps else []):
+        for ckey, label, _ in INSTANCE_COLUMNS + self._optional:
             mark = ("▼" if app.sort_reverse else "▲") if ckey == key else ""
             col = table.columns.get(ckey)  # type: ignore[call-overload]
             if col is not None:
@@ -409,12 +432,13 @@ class DecisionsTab(TabPane):
     def _decision_row(self, ev: dict[str, Any]) -> list[Any]:
         app: Any = self.app
         ts = time.strftime("%H:%M:%S", time.localtime(float(ev.get("ts") or 0)))
+        router = [Text(str(ev.get("router") or ""))] if app.multi else []  # attach URL URL ...
         inp = ev.get("input_tokens") or 0
         hit = ev.get("est_hit") or 0
         hit_s = f"{100 * hit / inp:.0f}% {fmt_int(hit)}" if inp else fmt_int(hit)
         reason = str(ev.get("reason", "?"))
         session = Text(fit_id(str(ev.get("session") or ""), max(18, app.size.width - 100)))
-        return [ts, session, str(ev.get("class", "")), Text(str(ev.get("instance", ""))),
+        return [ts, *router, session, str(ev.get("class", "")), Text(str(ev.get("instance", ""))),
                 Text(reason, style="bold") if reason not in ("argmin", "affinity_stick") else reason,
                 hit_s, terms_summary(ev.get("terms"), ev.get("instance"))]
 
@@ -472,7 +496,8 @@ class PolicyTab(TabPane):
         app: Any = self.app
         body = app.policies_body
         cur = body.get("current") or {}
-        self.query_one("#policy-name", Static).update(Text(f"policy {cur.get('policy', '?')}", style="bold"))
+        self.query_one("#policy-name", Static).update(
+            Text(f"policy {cur.get('policy', '?')}{app.on_router()}", style="bold"))
         head = Text()
         schema = app._control_schema(cur.get("name"))
         doc = next((p.get("doc", "") for p in body.get("policies", []) if p["name"] == cur.get("name")), "")
