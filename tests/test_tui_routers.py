@@ -226,3 +226,29 @@ async def test_once_with_two_routers_prints_each_and_the_merged_table(aiohttp_se
     assert "in flight by router  i0: r1=0 r2=0  i1: r1=0 r2=0" in out
     rc = await asyncio.to_thread(main, ["attach", "--once", url1, "http://127.0.0.1:9"])
     assert rc == 2 and "r2: cannot reach the router at http://127.0.0.1:9" in capsys.readouterr().err
+
+
+# -- the instance table's header tooltips (issue 20) ------------------------------------------------
+
+async def test_column_headers_explain_themselves_with_the_help_legend():
+    from kvtop.tui.model import COLUMN_HELP
+
+    app, feed = make_app(steps=2, decisions=0)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, app)
+        table = app.query_one("#instances")
+        x = 1
+        seen = {}
+        for col in table.ordered_columns[:8]:  # the columns on screen at 120 wide
+            width = col.get_render_width(table)
+            await pilot.hover("#instances", offset=(x + 1, 0))  # the header row
+            await pilot.pause()
+            seen[str(col.key.value)] = table.tooltip
+            x += width
+        assert seen["est_hit"] == f"{COLUMN_HELP['est_hit'][0]}: {COLUMN_HELP['est_hit'][1]}"
+        assert seen["backlog_s"].startswith("backlog seconds: that backlog in seconds")
+        assert all(seen[k] and COLUMN_HELP[k][1] in seen[k] and COLUMN_HELP[k][1] in app.help_text()
+                   for k in seen)  # one source: the help's legend says the same
+        await pilot.hover("#instances", offset=(3, 2))  # a data row: no column tooltip
+        await pilot.pause()
+        assert table.tooltip is None

@@ -25,8 +25,8 @@ from textual.widgets import Button, DataTable, Footer, Input, Static, TabbedCont
 
 from kvtop.tui.feed import ControlError
 from kvtop.tui.model import (COLUMN_HELP, DEFAULT_SORT, INSTANCE_COLUMNS, MEASURED_TPS_COLUMN, OPTIONAL_COLUMNS,
-                             SORT_KEYS, Collected,
-                             doc_summary, fmt_duration, fmt_pct, health_state, is_number)
+                             SORT_KEYS, Collected, column_legend, doc_summary, fmt_duration, fmt_pct, health_state,
+                             is_number)
 from kvtop.tui.screens import ConfirmScreen, HelpScreen, KnobForm, PolicyPicker
 from kvtop.tui.tabs import ChartsTab, DecisionsTab, OverviewTab, PolicyTab, SessionsTab
 
@@ -725,7 +725,7 @@ class KvtopApp(App):
                   "  filter: words, or reason:X instance:Y session:Z class:C", "",
                   "[b]Overview columns[/b]", ""]
         for key, label, _ in INSTANCE_COLUMNS + OPTIONAL_COLUMNS:
-            lines.append(f"  [b]{escape(label):<13}[/b] {escape(COLUMN_HELP[key][1])}"
+            lines.append(f"  [b]{escape(label):<13}[/b] {escape(column_legend(key) or '')}"
                          + (" (when the router reports it)" if (key, label, _) in OPTIONAL_COLUMNS else ""))
         lines += ["", "▲/▼ after a value: it rose/fell since the last frame. Bold: moderate load; "
                       "reverse video: heavy.",

@@ -61,6 +61,12 @@ COLUMN_HELP: dict[str, tuple[str, str]] = {
 }
 
 
+def column_legend(key: str) -> str | None:
+    """What an instance-table column means, as its header tooltip and the help's legend say it."""
+    entry = COLUMN_HELP.get(key)
+    return f"{entry[0]}: {entry[1]}" if entry else None
+
+
 def natural_key(name: str) -> tuple:
     """``i2`` before ``i10``: digit runs compare as numbers."""
     return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))

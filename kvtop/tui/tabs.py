@@ -20,7 +20,8 @@ from textual_plotext import PlotextPlot
 from kvtop.receipt import fmt_num
 from kvtop.tui.axis import set_y_ticks
 from kvtop.tui.model import (DRIFT_COLUMN, FLEET_MIN, GPU_BUSY_PCT, INSTANCE_COLUMNS, LOW_HIT_RATE,
-                             MEASURED_TPS_COLUMN, SHARE_COLUMN, THRESHOLDS, config_change_text, decision_matches,
+                             MEASURED_TPS_COLUMN, SHARE_COLUMN, THRESHOLDS, column_legend, config_change_text,
+                             decision_matches,
                              doc_summary, drift_of, fit_id, fleet_strips, fmt_drift, fmt_duration, fmt_int,
                              fmt_latency, fmt_pct, fmt_secs, gpu_cells, health_state, instance_values, is_number,
                              natural_key, sort_value, sparkline, terms_summary)
@@ -78,6 +79,19 @@ class OverviewTab(TabPane):
         yield LiveTable(id="instances", cursor_type="row", zebra_stripes=True, fixed_columns=1)
         yield Static(id="totals")
         yield PlotextPlot(id="overview-backlog")
+
+    def on_mount(self) -> None:
+        self.watch(self.query_one("#instances", DataTable), "hover_coordinate", self._header_tooltip, init=False)
+
+    def _header_tooltip(self, coordinate: Any) -> None:
+        """Over a column header, the tooltip says what the column means: the help's legend text."""
+        table = self.query_one("#instances", DataTable)
+        tip = None
+        columns = table.ordered_columns
+        if coordinate.row == -1 and 0 <= coordinate.column < len(columns):
+            tip = column_legend(str(columns[coordinate.column].key.value))
+        if table.tooltip != tip:
+            table.tooltip = tip
 
     def draw(self) -> None:
         self.draw_instances()
