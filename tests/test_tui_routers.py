@@ -252,3 +252,39 @@ async def test_column_headers_explain_themselves_with_the_help_legend():
         await pilot.hover("#instances", offset=(3, 2))  # a data row: no column tooltip
         await pilot.pause()
         assert table.tooltip is None
+
+
+# -- sessions detail and copy to clipboard (issue 20) ------------------------------------------------
+
+async def test_enter_on_a_session_shows_its_turns_and_c_copies_its_whole_id():
+    from kvtop.tui.screens import ReceiptScreen, SessionScreen
+
+    long_id = "agent-claude-code-7f3a9c2e-4b1d-4e8a-9f0c-" + "x" * 40 + "-0042"
+    feed = FakeFeed(policies=copy.deepcopy(syn.POLICIES),
+                    sessions={"total": 1, "sessions": [{**syn.sessions(1, 4)["sessions"][0], "session": long_id,
+                                                        "instance": "vllm-2", "turns": 3}]})
+    feed.push("state", syn.snapshot(4, 1.0))
+    for k in range(3):
+        feed.push("decision", {**syn.decision(k, 4), "session": long_id, "turn": k + 1})
+    feed.push("decision", syn.decision(9, 4))  # another session's: not among its turns
+    app, _ = make_app(feed)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, app)
+        await pilot.press("3")
+        app._fetch_sessions()
+        await wait_group(app, "sessions")
+        await settle(pilot, app)
+        await pilot.press("enter")
+        await pilot.pause()
+        assert isinstance(app.screen, SessionScreen)
+        assert long_id in str(app.screen.query_one("#session-head").render())  # whole, not cut
+        turns = app.screen.query_one("#session-turns")
+        assert turns.row_count == 3
+        await pilot.press("c")
+        await pilot.pause()
+        assert app.clipboard == long_id
+        await pilot.press("enter")  # the newest turn's receipt
+        await pilot.pause()
+        assert isinstance(app.screen, ReceiptScreen) and app.screen.ev["turn"] == 3
+        await pilot.press("c")
+        assert app.clipboard == app.screen.ev["request_id"]

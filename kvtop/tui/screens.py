@@ -25,7 +25,8 @@ class ReceiptScreen(ModalScreen[None]):
     format, times as local clock plus milliseconds from the router's receipt of the request.
     """
 
-    BINDINGS = [Binding("escape,q,enter", "dismiss", "close", id="kvtop.receipt.close")]
+    BINDINGS = [Binding("escape,q,enter", "dismiss", "close", id="kvtop.receipt.close"),
+                Binding("c", "copy_id", "copy request id", id="kvtop.receipt.copy")]
 
     def __init__(self, ev: dict[str, Any]):
         super().__init__()
@@ -35,7 +36,7 @@ class ReceiptScreen(ModalScreen[None]):
         head = Text()
         for n, line in enumerate(receipt.head_lines(self.ev)):
             head.append(("\n" if n else "") + line, style="bold" if line.startswith("→") else "")
-        note = "▶ marks the chosen instance · Esc closes"
+        note = "▶ marks the chosen instance · c copies the request id · Esc closes"
         if self.ev.get("reason") == "affinity_stick":
             note = "the session's instance passed the affinity gate; score is what the fallback would have scored · " + note
         with Vertical(id="receipt", classes="dialog"):
@@ -55,6 +56,74 @@ class ReceiptScreen(ModalScreen[None]):
             row += [Text(v, style=style, justify="left" if i == 0 else "right") for i, v in enumerate(cells)]
             table.add_row(*row, key=f"c{n}")
         table.focus()
+
+    def action_copy_id(self) -> None:
+        rid = str(self.ev.get("request_id") or "")
+        self.app.copy_to_clipboard(rid)
+        self.notify(f"copied {rid}", timeout=3)
+
+
+class SessionScreen(ModalScreen[None]):
+    """One session: its full id, instance, turns, tokens and hits, and the turns the dashboard
+    saw it route (newest last; Enter opens a turn's receipt). ``c`` copies the session id."""
+
+    BINDINGS = [Binding("escape,q", "dismiss", "close", id="kvtop.session.close"),
+                Binding("c", "copy_id", "copy id", id="kvtop.session.copy")]
+
+    def __init__(self, session: dict[str, Any], turns: list[dict[str, Any]]):
+        super().__init__()
+        self.session = session
+        self.turns = turns
+
+    @property
+    def session_id(self) -> str:
+        return str(self.session.get("session", ""))
+
+    def compose(self) -> ComposeResult:
+        from kvtop.tui.model import fmt_duration, fmt_int, fmt_pct
+
+        s = self.session
+        head = Text()
+        head.append("session ", style="bold")
+        head.append(self.session_id + "\n")  # whole, never cut: this is where it is read or copied
+        head.append(f"instance {s.get('instance', '?')}  turns {s.get('turns', 0)}  tokens {fmt_int(s.get('tokens'))}"
+                    f"  last hit {fmt_pct(s.get('est_hit_rate'))}% ({fmt_int(s.get('last_est_hit_tokens'))} of "
+                    f"{fmt_int(s.get('last_input_tokens'))} tok)\n")
+        head.append(f"stayed {fmt_duration(s.get('bound_for_s'))} on its instance  idle {fmt_duration(s.get('idle_s'))}"
+                    f"  moves {s.get('moves', 0)}")
+        note = (f"{len(self.turns)} turns seen by this dashboard · Enter: a turn's receipt · "
+                "c copies the session id · Esc closes")
+        with Vertical(id="session-detail", classes="dialog"):
+            yield Static(head, id="session-head")
+            yield DataTable(id="session-turns", cursor_type="row", zebra_stripes=True)
+            yield Static(Text(note, style="dim"), id="session-note")
+
+    def on_mount(self) -> None:
+        import time
+
+        from kvtop.tui.model import fmt_int
+
+        table = self.query_one(DataTable)
+        for key in ("time", "turn", "instance", "reason", "input", "est. hit"):
+            table.add_column(key, key=key)
+        for n, ev in enumerate(self.turns):
+            inp, hit = ev.get("input_tokens") or 0, ev.get("est_hit") or 0
+            table.add_row(time.strftime("%H:%M:%S", time.localtime(float(ev.get("ts") or 0))),
+                          Text(str(ev.get("turn", ""))),
+                          Text(str(ev.get("instance", "")) + (f" ({ev['router']})" if ev.get("router") else "")),
+                          Text(str(ev.get("reason", ""))), fmt_int(inp),
+                          f"{100 * hit / inp:.0f}% {fmt_int(hit)}" if inp else fmt_int(hit), key=f"t{n}")
+        if table.row_count:
+            table.move_cursor(row=table.row_count - 1, animate=False)
+        table.focus()
+
+    @on(DataTable.RowSelected, "#session-turns")
+    def _open_turn(self, event: DataTable.RowSelected) -> None:
+        self.app.push_screen(ReceiptScreen(self.turns[int(str(event.row_key.value)[1:])]))
+
+    def action_copy_id(self) -> None:
+        self.app.copy_to_clipboard(self.session_id)
+        self.notify(f"copied {self.session_id}", timeout=3)
 
 
 class HelpScreen(ModalScreen[None]):

@@ -25,7 +25,7 @@ from kvtop.tui.model import (DRIFT_COLUMN, FLEET_MIN, GPU_BUSY_PCT, INSTANCE_COL
                              doc_summary, drift_of, fit_id, fleet_strips, fmt_drift, fmt_duration, fmt_int,
                              fmt_latency, fmt_pct, fmt_secs, gpu_cells, health_state, instance_values, is_number,
                              natural_key, sort_value, sparkline, terms_summary)
-from kvtop.tui.screens import ReceiptScreen
+from kvtop.tui.screens import ReceiptScreen, SessionScreen
 from kvtop.tui.widgets import LiveTable
 
 
@@ -431,6 +431,18 @@ class SessionsTab(TabPane):
             rank = {k: n for n, k in enumerate(order)}
             by_cell = {id(table.get_cell(k, "session")): rank.get(str(k.value), 0) for k in table.rows}
             table.sort("session", key=lambda cell: by_cell.get(id(cell), 0))
+
+
+    @on(DataTable.RowSelected, "#session-table")
+    def open_session(self, event: DataTable.RowSelected) -> None:
+        """Enter on a session: its detail (full id, hits, the turns seen) with copy-to-clipboard."""
+        app: Any = self.app
+        key = str(event.row_key.value)
+        row = next((s for s in app.sessions_body.get("sessions", []) if str(s.get("session")) == key), None)
+        if row is None:
+            return
+        turns = [ev for _, ev in app.collected.decisions if str(ev.get("session")) == key][-200:]
+        app.push_screen(SessionScreen(row, turns))
 
 
 class DecisionsTab(TabPane):
