@@ -862,13 +862,23 @@ async def test_save_docs_screenshots():
 
 # -- LiveTable draws exactly what DataTable draws -----------------------------------------------
 
-@pytest.mark.parametrize("tab, table_id", [("1", "#instances"), ("3", "#session-table"), ("4", "#decision-table")])
-async def test_live_table_cells_match_datatable(tab, table_id):
-    """The content-keyed cache and the direct text path must give DataTable's own segments."""
+def _same_line(table, y):
+    """LiveTable's line y against DataTable's own (its render_line, the base class's)."""
     from rich.segment import Segment
     from textual.widgets import DataTable
 
-    app, feed = make_app(n=8, steps=12, decisions=40, theme="kvtop-cb")
+    ours = list(Segment.simplify(list(table.render_line(y))))
+    theirs = list(Segment.simplify(list(DataTable.render_line(table, y))))
+    return ours == theirs, ours, theirs
+
+
+@pytest.mark.parametrize("tab, table_id", [("1", "#instances"), ("3", "#session-table"), ("4", "#decision-table")])
+@pytest.mark.parametrize("theme", ["kvtop-cb", "kvtop-light"])
+async def test_live_table_lines_match_datatable(tab, table_id, theme):
+    """The content-keyed cell cache draws every line exactly as DataTable does: zebra rows,
+    the pinned column scrolled sideways, the cursor, the mouse hover, focus or not, moved rows
+    (their mouse meta), after a theme change."""
+    app, feed = make_app(n=8, steps=12, decisions=40, theme=theme)
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot, app)
         await pilot.press(tab)
@@ -880,15 +890,29 @@ async def test_live_table_cells_match_datatable(tab, table_id):
         app.set_sort("backlog_tokens")  # moved rows must not keep their old mouse meta
         await pilot.pause()
         checked = 0
-        for row in range(-1, table.row_count):
-            for col in range(len(table.columns)):
-                for cursor in (False, True):
-                    style = table._get_row_style(row, table.rich_style)
-                    width = table.ordered_columns[col].get_render_width(table)
-                    ours = table._render_cell(row, col, style, width, cursor=cursor)
-                    table._cell_render_cache.clear()
-                    theirs = DataTable._render_cell(table, row, col, style, width, cursor=cursor)
-                    assert [list(Segment.simplify(line)) for line in ours] == \
-                        [list(Segment.simplify(line)) for line in theirs], (row, col, cursor)
-                    checked += 1
-        assert checked > 100
+
+        async def check_all(label):
+            nonlocal checked
+            await pilot.pause()
+            for y in range(min(table.size.height, table.row_count + 1)):
+                same, ours, theirs = _same_line(table, y)
+                assert same, (label, y, ours, theirs)
+                checked += 1
+
+        await check_all("first")
+        table.move_cursor(row=2)
+        await check_all("cursor")
+        await pilot.hover(table_id, offset=(4, 3))  # the mouse over a row
+        await check_all("hover")
+        table.scroll_x = 30  # sideways, the pinned column stays
+        await check_all("scrolled")
+        table.scroll_x = 0
+        app.set_focus(None)
+        await check_all("blurred")
+        app.theme = "textual-dark" if theme != "textual-dark" else "kvtop-dark"
+        await settle(pilot, app)
+        await check_all("theme")
+        feed.push("state", syn.snapshot(8, 99.0))
+        await settle(pilot, app)
+        await check_all("new values")
+        assert checked > 60

@@ -2,153 +2,214 @@
 
 Textual's ``DataTable`` keys every render cache on a table-wide update counter, so one
 ``update_cell`` (or ``add_row``/``remove_row``) re-renders every visible cell through Rich on
-the next frame: at 4 Hz with 64 instances that was most of attach's CPU. Here each cell's
-rendered line is cached by the identity of the cell's value (the app replaces a value only
-when its text changed) and the styles around it, without the ``row``/``column`` mouse meta,
-which is added afterwards: rows that only moved (sort, the decision log dropping its oldest
-rows) are not re-rendered either. Single-line text that fits its column is rendered straight
-to segments; anything else goes through Rich exactly as ``DataTable`` does.
+the next frame: at 4 Hz with 64 instances that was most of attach's CPU. ``LiveTable`` draws
+its data rows itself through Textual's public Line API (``render_line``): each cell is
+rendered the way ``DataTable`` renders it (``Styled(Padding(cell))`` with the table's
+component styles: zebra rows, the fixed column, the cursor and the mouse hover) and kept,
+keyed by the identity of the cell's value (the app replaces a value only when its text
+changed) and the styles and width it was drawn with, without the ``row``/``column`` mouse
+meta, which is added per frame: rows that only moved (a sort, the decision log dropping its
+oldest rows) are not re-rendered either. The header, and any table shape kvtop does not use
+(multi-line rows, fixed rows, row labels, a cell or column cursor), go through
+``DataTable.render_line``. Only Textual's public API is used, so the version can float within
+a major release; tests/test_tui.py checks every line against ``DataTable``'s own.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from rich.cells import cell_len
 from rich.padding import Padding
 from rich.segment import Segment
 from rich.style import Style
 from rich.text import Text
+from textual import events
+from textual.coordinate import Coordinate
+from textual.geometry import Region
 from textual.renderables.styled import Styled
+from textual.strip import Strip
 from textual.widgets import DataTable
-from textual.widgets._data_table import CellDoesNotExist, ColumnKey, RowKey, default_cell_formatter
 
-_EMPTY = Text(no_wrap=True, end="")
-_LEFT = (None, "default", "left")
+_FIXED_META = Style.from_meta({"fixed": True})
+
+
+def cell_renderable(value: Any) -> Any:
+    """A cell's value as ``DataTable`` displays a one-line cell (its ``default_cell_formatter``)."""
+    if value is None:
+        return Text()
+    if isinstance(value, str):
+        text = Text.from_markup(value.split("\n", 1)[0], end="")
+        text.no_wrap = True
+        return text
+    if isinstance(value, float):
+        return Text(f"{value:.2f}", no_wrap=True, end="")
+    if isinstance(value, (Text,)) or hasattr(value, "__rich_console__") or hasattr(value, "__rich__"):
+        return value
+    return Text(str(value), no_wrap=True, end="")
 
 
 class LiveTable(DataTable):
     """A ``DataTable`` with a content-keyed cell cache (see the module docstring)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        # set before DataTable.__init__, whose reactive watchers already clear caches
-        # row key -> column key -> (value, styles and width it was rendered with, lines without meta)
-        self._content_cache: dict[Any, dict[Any, tuple[Any, tuple, list[list[Segment]]]]] = {}
-        self._meta_styles: dict[tuple[int, int], Style] = {}
-        self._row_styles: dict[tuple, Style] = {}  # header, fixed, even, odd; per focus state
+        self._deferring = False  # inside set_cells: one refresh at the end
         super().__init__(*args, **kwargs)
+        # row key -> column key -> (value, the state it was drawn in, segments without meta)
+        self._cells_drawn: dict[Any, dict[Any, tuple[Any, tuple, list[Segment]]]] = {}
+        self._meta: dict[tuple[int, int], Style] = {}
+        self._styles: dict[tuple, Style] | None = None  # component styles, until the theme or CSS changes
+        self._frame_style: Style | None = None
+        self._frame_pseudo: Any = None
+        self._mouse_over = False  # the hover highlight follows the mouse, not the keys (as DataTable's)
 
-    def _clear_caches(self) -> None:
-        super()._clear_caches()
-        self._content_cache.clear()
-        self._row_styles.clear()
-
-    def notify_style_update(self) -> None:
-        self._content_cache.clear()  # theme or CSS changed: component styles differ
-        self._row_styles.clear()
-        super().notify_style_update()
-
+    # -- updates ----------------------------------------------------------------------------
     def set_cells(self, row_key: Any, values: dict[str, Any]) -> None:
         """``update_cell`` for several cells of one row, with one refresh instead of one each."""
         if not values:
             return
-        row = self._data[RowKey(row_key) if isinstance(row_key, str) else row_key]
-        for column_key, value in values.items():
-            ck = ColumnKey(column_key)
-            if ck not in self._column_locations:
-                raise CellDoesNotExist(f"No cell exists for row_key={row_key!r}, column_key={column_key!r}.")
-            row[ck] = value
-        self._update_count += 1
+        self._deferring = True
+        try:
+            for column_key, value in values.items():
+                self.update_cell(row_key, column_key, value)
+        finally:
+            self._deferring = False
         self.refresh()
 
-    def _get_row_style(self, row_index: int, base_style: Style) -> Style:
-        # DataTable recomputes the component's rich_style (a CSS lookup) for every line drawn.
-        if row_index >= self.fixed_rows and not self.zebra_stripes:
-            return base_style
-        kind = (-1 if row_index == -1 else -2 if row_index < self.fixed_rows else row_index % 2,
-                self._pseudo_class_state)
-        style = self._row_styles.get(kind)
-        if style is None:
-            style = self._row_styles[kind] = super()._get_row_style(row_index, base_style)
-        return style
+    def refresh(self, *regions: Any, **kwargs: Any) -> Any:
+        if self._deferring:
+            return self
+        return super().refresh(*regions, **kwargs)
 
     def remove_row(self, row_key: Any) -> None:
         super().remove_row(row_key)
-        self._content_cache.pop(row_key, None)  # RowKey hashes and compares like its str
+        self._cells_drawn.pop(row_key, None)  # RowKey hashes and compares like its str
 
     def clear(self, columns: bool = False) -> Any:
-        self._content_cache.clear()
+        self._cells_drawn.clear()
         return super().clear(columns)
 
-    def _render_cell(self, row_index: int, column_index: int, base_style: Style, width: int,
-                     cursor: bool = False, hover: bool = False) -> list[list[Segment]]:
-        if column_index < 0:  # row labels: not used by kvtop, keep Textual's path
-            return super()._render_cell(row_index, column_index, base_style, width, cursor, hover)
-        header = row_index == -1
-        column_key = self._column_locations.get_key(column_index)
-        if header:
-            row_key: Any = self._header_row_key
-            height = self.header_height
-            value: Any = self.ordered_columns[column_index].label
-        else:
-            row_key = self._row_locations.get_key(row_index)
-            row = self.rows.get(row_key) if row_key is not None else None
-            if row is None or row.height != 1:
-                return super()._render_cell(row_index, column_index, base_style, width, cursor, hover)
-            height = 1
-            value = self._data[row_key].get(column_key)
-        fixed = not header and (row_index < self.fixed_rows or column_index < self.fixed_columns)
-        state = (base_style, width, height, fixed, cursor, hover, self.show_cursor, self._show_hover_cursor,
-                 self._pseudo_class_state, self.cell_padding)
-        row_cache = self._content_cache.get(row_key)
-        if row_cache is None:
-            row_cache = self._content_cache[row_key] = {}
-        hit = row_cache.get(column_key)
-        if hit is not None and hit[0] is value and hit[1] == state:
-            lines = hit[2]
-        else:
-            component_style, post_style = self._get_styles_to_render_cell(
-                header, False, fixed, hover, cursor, self.show_cursor, self._show_hover_cursor,
-                self.cursor_foreground_priority == "css", self.cursor_background_priority == "css")
-            if header:
-                renderable: Any = value
-            else:
-                renderable = _EMPTY if value is None else default_cell_formatter(value, wrap=False, height=1) or _EMPTY
-            lines = self._render_plain(renderable, base_style + component_style, post_style, width, height)
-            row_cache[column_key] = (value, state, lines)
-        meta = self._meta_styles.get((row_index, column_index))
-        if meta is None:
-            meta = self._meta_styles[(row_index, column_index)] = Style.from_meta(
-                {"row": row_index, "column": column_index})
-        return [[Segment(text, style + meta if style else meta) for text, style, _ in line] for line in lines]
+    def notify_style_update(self) -> None:
+        self._cells_drawn.clear()  # theme or CSS changed: component styles differ
+        self._styles = None
+        super().notify_style_update()
 
-    def _render_plain(self, renderable: Any, pre_style: Style, post_style: Style, width: int,
-                      height: int) -> list[list[Segment]]:
-        """The cell's lines as ``DataTable`` renders them, minus the mouse meta."""
-        pad = self.cell_padding
-        inner = width - 2 * pad
-        if (height == 1 and isinstance(renderable, Text) and renderable.justify in _LEFT and inner >= 0
-                and "\n" not in renderable.plain and "\t" not in renderable.plain and cell_len(renderable.plain) <= inner):
-            # Padding(Text) inside Styled, without Rich's line splitting and cropping.
-            edge = pre_style + post_style if post_style else pre_style
-            line = [Segment(" " * pad, edge)] if pad else []
-            console = self.app.console
-            if renderable.spans:
-                segments = list(renderable.render(console, ""))  # combines the base style with spans
-            else:  # Text.render leaves a span-less Text's own style to __rich_console__
-                segments = [Segment(renderable.plain, console.get_style(renderable.style, default=Style.null()))]
-            for text, style, _ in segments:
-                if text:
-                    s = pre_style + style if style else pre_style
-                    line.append(Segment(text, s + post_style if post_style else s))
-            fill = inner - cell_len(renderable.plain)
-            if fill:
-                line.append(Segment(" " * fill, edge))
-            if pad:
-                line.append(Segment(" " * pad, edge))
-            return [line]
-        options = self.app.console_options.update_dimensions(width, height)
-        if height == 1:
-            options = options.update(no_wrap=True)
-        return self.app.console.render_lines(
-            Styled(Padding(renderable, (0, pad)), pre_style=pre_style, post_style=post_style), options)
+    # -- the mouse hover, as DataTable shows it ---------------------------------------------------
+    def on_mouse_move(self, event: events.MouseMove) -> None:
+        self._mouse_over = bool(event.style.meta)
+
+    def on_leave(self, event: events.Leave) -> None:
+        self._mouse_over = False
+
+    def on_key(self, event: events.Key) -> None:
+        self._mouse_over = False  # keyboard navigation hides the hover highlight
+
+    # -- drawing ---------------------------------------------------------------------------------
+    def render_lines(self, crop: Region) -> list[Strip]:
+        self._frame_style = self.rich_style  # one CSS lookup per frame, not one per line
+        self._frame_pseudo = self.get_pseudo_class_state()
+        try:
+            return super().render_lines(crop)
+        finally:
+            self._frame_style = self._frame_pseudo = None
+
+    @property
+    def _pseudo(self) -> Any:
+        """The pseudo classes (focus, hover, ...) the component styles depend on."""
+        return self._frame_pseudo if self._frame_pseudo is not None else self.get_pseudo_class_state()
+
+    def _style(self, name: str) -> Style:
+        if self._styles is None:
+            self._styles = {}
+        key = (name, self._pseudo)
+        style = self._styles.get(key)  # type: ignore[call-overload]
+        if style is None:
+            style = self._styles[key] = self.get_component_rich_style(name, partial=False) if name.endswith(
+                ("cursor", "hover")) else self.get_component_styles(name).rich_style
+        return style
+
+    def render_line(self, y: int) -> Strip:
+        header = self.header_height if self.show_header else 0
+        if y < header or self.fixed_rows or self.cursor_type != "row":
+            return super().render_line(y)
+        width = self.size.width
+        scroll_x, scroll_y = self.scroll_offset
+        index = y - header + scroll_y
+        base = self._frame_style if self._frame_style is not None else self.rich_style
+        if not 0 <= index < self.row_count:
+            return super().render_line(y)
+        try:
+            row_key = self.coordinate_to_cell_key(Coordinate(index, 0)).row_key
+        except Exception:
+            return super().render_line(y)
+        row = self.rows.get(row_key)
+        if row is None or row.height != 1 or (row.label is not None and self.show_row_labels):
+            return super().render_line(y)
+        columns = self.ordered_columns
+        values = self.get_row(row_key)
+        cursor = self.show_cursor and self.cursor_coordinate.row == index
+        hover = self.show_cursor and self._mouse_over and self.hover_coordinate.row == index
+        if self.zebra_stripes:
+            row_style = self._style("datatable--odd-row" if index % 2 else "datatable--even-row")
+        else:
+            row_style = base
+        drawn = self._cells_drawn.get(row_key)
+        if drawn is None:
+            drawn = self._cells_drawn[row_key] = {}
+        fixed_n = self.fixed_columns
+        fixed: list[Segment] = []
+        scrollable: list[Segment] = []
+        fixed_width = 0
+        table_width = 0
+        for column_index, column in enumerate(columns):
+            cell_width = column.get_render_width(self)
+            if column_index >= fixed_n:
+                table_width += cell_width
+            value = values[column_index] if column_index < len(values) else None
+            is_fixed = column_index < fixed_n
+            if is_fixed:
+                fixed_width += cell_width
+                fixed += self._cell(drawn, (column.key, 1), value, self._style("datatable--fixed") + _FIXED_META,
+                                    cell_width, True, cursor, hover, index, column_index)
+            scrollable += self._cell(drawn, column.key, value, row_style, cell_width, is_fixed, cursor, hover,
+                                     index, column_index)
+        component = Style()
+        if hover:
+            component += self._style("datatable--hover")
+        if cursor:
+            component += self._style("datatable--cursor")
+        extend = row_style + component + Style.from_meta({"row": index, "column": 0, "out_of_bounds": True})
+        scrollable.append(Segment(" " * max(0, width - table_width), extend))
+        line = fixed + list(Strip(scrollable).crop(scroll_x + fixed_width, scroll_x + width))
+        return Strip(line).adjust_cell_length(width, base).simplify()
+
+    def _cell(self, drawn: dict, key: Any, value: Any, row_style: Style, width: int, is_fixed: bool,
+              cursor: bool, hover: bool, row_index: int, column_index: int) -> list[Segment]:
+        """One cell's segments: from the cache when its value, styles and width are the same."""
+        state = (row_style, width, is_fixed, cursor, hover, self.cell_padding, self._pseudo,
+                 self.cursor_foreground_priority, self.cursor_background_priority)
+        hit = drawn.get(key)
+        if hit is not None and hit[0] is value and hit[1] == state:
+            segments = hit[2]
+        else:
+            component = Style()
+            if hover:
+                component += self._style("datatable--hover")
+            if cursor:
+                component += self._style("datatable--cursor")
+                if is_fixed:
+                    component += self._style("datatable--fixed-cursor")
+            post = Style.null()
+            if self.cursor_foreground_priority == "css":
+                post += Style.from_color(color=component.color)
+            if self.cursor_background_priority == "css":
+                post += Style.from_color(bgcolor=component.bgcolor)
+            options = self.app.console_options.update_dimensions(width, 1).update(no_wrap=True)
+            lines = self.app.console.render_lines(
+                Styled(Padding(cell_renderable(value), (0, self.cell_padding)), pre_style=row_style + component,
+                       post_style=post), options)
+            segments = lines[0] if lines else [Segment(" " * width, row_style)]
+            drawn[key] = (value, state, segments)
+        meta = self._meta.get((row_index, column_index))
+        if meta is None:
+            meta = self._meta[(row_index, column_index)] = Style.from_meta({"row": row_index, "column": column_index})
+        return [Segment(text, style + meta if style else meta, control) for text, style, control in segments]
