@@ -257,7 +257,7 @@ class Engine:
         # its prefix hit stays valid until one of its hit blocks is evicted, so keep it.
         self._hol_req: _Req | None = None
         self._hol_hit: list[int] = []
-        self._hol_set: set[int] = set()
+        self._hol_pos: dict[int, int] = {}   # block of the memo's hit -> its position in it
         self._hol_touch_free = 0       # hit blocks of the memo with refcount 0
         self._pending: list[tuple[float, int, _Req]] = []      # frontend, sorted by ready time
         self.kv_events: list | None = None  # KV facts for kvtop/sim/kv_publisher.py, when it is on
@@ -687,7 +687,7 @@ class Engine:
                 if more:
                     hit = hit + more
                     self._hol_hit = hit
-                    self._hol_set.update(more)
+                    self._hol_pos.update(zip(more, range(k, k + len(more))))
                     self._hol_touch_free += list(map(ref.__getitem__, more)).count(0)
             hit_tokens = len(hit) * bs
         else:
@@ -734,11 +734,11 @@ class Engine:
             fail = need_new + touch_free > n_free
         if fail:
             if not memo:   # it will be retried next step: remember its hit until one is evicted
-                self._hol_req, self._hol_hit, self._hol_set = req, hit, set(hit)
+                self._hol_req, self._hol_hit, self._hol_pos = req, hit, dict(zip(hit, range(len(hit))))
                 self._hol_touch_free = list(map(ref.__getitem__, hit)).count(0)
             return None
         if req is self._hol_req:
-            self._hol_req, self._hol_hit, self._hol_set = None, [], set()
+            self._hol_req, self._hol_hit, self._hol_pos = None, [], {}
         self._touch(req, hit)
         if need_new > 0:
             self._allocate(req, need_new)
@@ -763,7 +763,7 @@ class Engine:
             return
         free = self._free
         ref = self._ref
-        hol_set = self._hol_set
+        hol_set = self._hol_pos
         for b in hit:
             if ref[b] == 0:
                 del free[b]
@@ -779,7 +779,7 @@ class Engine:
         block_hash = self._block_hash
         cached = self._cached
         append = req.blocks.append
-        hol_set = self._hol_set
+        hol_set = self._hol_pos
         kv_events = self.kv_events
         for _ in range(n):
             b = popitem(False)[0]
@@ -790,8 +790,15 @@ class Engine:
                 if kv_events is not None:
                     kv_events.append((0, h))
                 if b in hol_set:
-                    self._hol_req = None
-                    hol_set = self._hol_set = set()
+                    # The memo's hit now ends before this block: a fresh lookup would stop
+                    # there too (the blocks before it keep their hashes), and if the hash
+                    # comes back the memo's "chain grew" check in _admit finds it.
+                    hit = self._hol_hit
+                    gone = hit[hol_set[b]:]
+                    self._hol_touch_free -= list(map(ref.__getitem__, gone)).count(0)
+                    for g in gone:
+                        del hol_set[g]
+                    self._hol_hit = hit[:len(hit) - len(gone)]
             ref[b] = 1
             append(b)
 
@@ -820,7 +827,7 @@ class Engine:
     def _free_blocks(self, req: _Req) -> None:
         free = self._free
         ref = self._ref
-        hol_set = self._hol_set
+        hol_set = self._hol_pos
         for b in reversed(req.blocks):   # the request's last block is evicted first
             r = ref[b] - 1
             ref[b] = r
