@@ -565,3 +565,13 @@ def test_coalescing_saves_step_calls_and_a_late_arrival_cuts_it():
     assert e.running[0].output == r.emitted["a"] == 1 + r.num_steps
     nxt = e.step(r.end_time, coalesce=True)
     assert "b" in nxt.first_token                               # admitted at the first boundary after it
+
+
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+def test_decode_step_time_is_step_time_bit_for_bit(profile):
+    # coalesced decode steps must last exactly what step() would compute, or timelines drift
+    p = get_profile(profile)
+    for num in (1, 2, 7, 64, 300):
+        f = p.decode_step_time(num)
+        for ctx in (num, 1_000 * num + 17, 200_000 * num + 3):
+            assert f(ctx) == p.step_time(num, num, 0, ctx, 0)

@@ -541,7 +541,7 @@ class Engine:
         if horizon is None:
             horizon = float("inf")
         num = len(running)
-        step_time = self.profile.step_time
+        step_time = self.profile.decode_step_time(num)   # step_time(num, num, 0, ctx, 0), as step() calls it
         t = result.end_time
         busy = self.busy_time
         ctx = decode_ctx + num
@@ -549,7 +549,7 @@ class Engine:
         ends: list[float] = []
         busys: list[float] = []
         while len(starts) < n and t < horizon:
-            duration = step_time(num, num, 0, ctx, 0)   # the arguments step() would pass
+            duration = step_time(ctx)
             starts.append(t)
             t = t + duration
             busy += duration

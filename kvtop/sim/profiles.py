@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import tomllib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -89,6 +89,17 @@ class Profile:
         return (self.t_fixed + self.t_req * num_reqs + self.t_new_req * num_new_reqs
                 + (linear if linear > weights else weights)
                 + self.c * attn_sum + self.kappa * decode_ctx_sum)
+
+    def decode_step_time(self, num_reqs: int) -> Callable[[int], float]:
+        """``ctx -> step_time(num_reqs, num_reqs, 0, ctx, 0)``, bit for bit (the same operations
+        in the same order, the constant part done once): a step of ``num_reqs`` decoding
+        requests whose contexts sum to ``ctx``. The engine's coalesced decode steps call it."""
+        linear = self.b * num_reqs
+        weights = self.weight_read_s(num_reqs)
+        base = (self.t_fixed + self.t_req * num_reqs + self.t_new_req * 0
+                + (linear if linear > weights else weights) + self.c * 0)
+        kappa = self.kappa
+        return lambda ctx: base + kappa * ctx
 
     def frontend_s(self, num_prompt_tokens: int) -> float:
         """Arrival to entering the scheduler, for a prompt of ``num_prompt_tokens``."""
