@@ -867,8 +867,10 @@ def _same_line(table, y):
     from rich.segment import Segment
     from textual.widgets import DataTable
 
-    ours = list(Segment.simplify(list(table.render_line(y))))
-    theirs = list(Segment.simplify(list(DataTable.render_line(table, y))))
+    # zero-width segments draw nothing (DataTable leaves an empty fill where the table is wider
+    # than the screen); the rest must be the same text in the same styles, mouse meta included
+    ours = [seg for seg in Segment.simplify(list(table.render_line(y))) if seg.text]
+    theirs = [seg for seg in Segment.simplify(list(DataTable.render_line(table, y))) if seg.text]
     return ours == theirs, ours, theirs
 
 

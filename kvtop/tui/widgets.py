@@ -54,8 +54,9 @@ class LiveTable(DataTable):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._deferring = False  # inside set_cells: one refresh at the end
         super().__init__(*args, **kwargs)
-        # row key -> column key -> (value, the state it was drawn in, segments without meta)
-        self._cells_drawn: dict[Any, dict[Any, tuple[Any, tuple, list[Segment]]]] = {}
+        # row key -> column key -> (value, the state it was drawn in, segments without meta,
+        # the (row, column) they were last placed at, those segments with that mouse meta)
+        self._cells_drawn: dict[Any, dict[Any, tuple]] = {}
         self._meta: dict[tuple[int, int], Style] = {}
         self._styles: dict[tuple, Style] | None = None  # component styles, until the theme or CSS changes
         self._frame_style: Style | None = None
@@ -158,28 +159,40 @@ class LiveTable(DataTable):
         fixed_n = self.fixed_columns
         fixed: list[Segment] = []
         scrollable: list[Segment] = []
-        fixed_width = 0
-        table_width = 0
+        widths = [column.get_render_width(self) for column in columns]
+        fixed_width = sum(widths[:fixed_n])
+        table_width = sum(widths[fixed_n:])
+        start, end = scroll_x + fixed_width, scroll_x + width  # the part of the scrollable line shown
+        x = 0
         for column_index, column in enumerate(columns):
-            cell_width = column.get_render_width(self)
-            if column_index >= fixed_n:
-                table_width += cell_width
+            cell_width = widths[column_index]
             value = values[column_index] if column_index < len(values) else None
             is_fixed = column_index < fixed_n
             if is_fixed:
-                fixed_width += cell_width
                 fixed += self._cell(drawn, (column.key, 1), value, self._style("datatable--fixed") + _FIXED_META,
                                     cell_width, True, cursor, hover, index, column_index)
-            scrollable += self._cell(drawn, column.key, value, row_style, cell_width, is_fixed, cursor, hover,
-                                     index, column_index)
-        component = Style()
-        if hover:
-            component += self._style("datatable--hover")
-        if cursor:
-            component += self._style("datatable--cursor")
-        extend = row_style + component + Style.from_meta({"row": index, "column": 0, "out_of_bounds": True})
-        scrollable.append(Segment(" " * max(0, width - table_width), extend))
-        line = fixed + list(Strip(scrollable).crop(scroll_x + fixed_width, scroll_x + width))
+            if x >= end:
+                break  # this cell and everything after it (the fill too) lie right of the screen
+            if x + cell_width > start:  # on screen, at least in part
+                cell = self._cell(drawn, column.key, value, row_style, cell_width, is_fixed, cursor, hover,
+                                  index, column_index)
+                if x < start or x + cell_width > end:
+                    cell = list(Strip(cell, cell_width).crop(max(0, start - x), min(cell_width, end - x)))
+                scrollable += cell
+            x += cell_width
+        else:
+            component = Style()
+            if hover:
+                component += self._style("datatable--hover")
+            if cursor:
+                component += self._style("datatable--cursor")
+            extend = row_style + component + Style.from_meta({"row": index, "column": 0, "out_of_bounds": True})
+            fill = max(0, width - table_width)
+            # the fill after the last column, from x, as much of it as the screen shows
+            shown = min(x + fill, end) - max(x, start)
+            if shown > 0:
+                scrollable.append(Segment(" " * shown, extend))
+        line = fixed + scrollable
         return Strip(line).adjust_cell_length(width, base).simplify()
 
     def _cell(self, drawn: dict, key: Any, value: Any, row_style: Style, width: int, is_fixed: bool,
@@ -189,6 +202,8 @@ class LiveTable(DataTable):
                  self.cursor_foreground_priority, self.cursor_background_priority)
         hit = drawn.get(key)
         if hit is not None and hit[0] is value and hit[1] == state:
+            if hit[3] == (row_index, column_index):
+                return hit[4]  # the same cell at the same place: the very segments of the last frame
             segments = hit[2]
         else:
             component = Style()
@@ -208,8 +223,9 @@ class LiveTable(DataTable):
                 Styled(Padding(cell_renderable(value), (0, self.cell_padding)), pre_style=row_style + component,
                        post_style=post), options)
             segments = lines[0] if lines else [Segment(" " * width, row_style)]
-            drawn[key] = (value, state, segments)
         meta = self._meta.get((row_index, column_index))
         if meta is None:
             meta = self._meta[(row_index, column_index)] = Style.from_meta({"row": row_index, "column": column_index})
-        return [Segment(text, style + meta if style else meta, control) for text, style, control in segments]
+        placed = [Segment(text, style + meta if style else meta, control) for text, style, control in segments]
+        drawn[key] = (value, state, segments, (row_index, column_index), placed)
+        return placed
