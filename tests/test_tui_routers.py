@@ -288,3 +288,38 @@ async def test_enter_on_a_session_shows_its_turns_and_c_copies_its_whole_id():
         assert isinstance(app.screen, ReceiptScreen) and app.screen.ev["turn"] == 3
         await pilot.press("c")
         assert app.clipboard == app.screen.ev["request_id"]
+
+
+# -- condensed rows for big fleets (issue 20) ------------------------------------------------------
+
+async def test_a_big_fleet_condenses_to_the_busiest_rows_that_fit_and_z_shows_all():
+    from kvtop.tui.tabs import OverviewTab
+
+    app, feed = make_app(n=80, steps=3, decisions=0)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(pilot, app)
+        table = app.query_one("#instances")
+        fit = app.query_one(OverviewTab).compact_rows()
+        assert table.row_count == fit < 80
+        insts = app.collected.snapshot["instances"]
+        busiest = sorted(insts, key=lambda i: (i["pending_prefill_tokens"], i["num_requests"]), reverse=True)
+        assert {str(k.value) for k in table.rows} == {i["name"] for i in busiest[:fit]}
+        rest = busiest[fit:]
+        totals = str(app.query_one("#totals").render())
+        assert f"+{len(rest)} more instances" in totals
+        assert f"{sum(i['num_requests'] for i in rest)} requests" in totals
+        assert table.region.bottom <= 40  # the rows shown fit on the screen
+        await pilot.press("z")
+        await settle(pilot, app)
+        assert table.row_count == 80 and "more instances" not in str(app.query_one("#totals").render())
+        await pilot.press("z")
+        await settle(pilot, app)
+        assert table.row_count == fit
+
+
+async def test_a_small_fleet_keeps_every_row():
+    app, feed = make_app(n=20, steps=2, decisions=0)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(pilot, app)
+        assert app.query_one("#instances").row_count == 20
+        assert "more instances" not in str(app.query_one("#totals").render())

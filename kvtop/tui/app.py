@@ -24,9 +24,9 @@ from textual.theme import Theme
 from textual.widgets import Button, DataTable, Footer, Input, Static, TabbedContent
 
 from kvtop.tui.feed import ControlError
-from kvtop.tui.model import (COLUMN_HELP, DEFAULT_SORT, INSTANCE_COLUMNS, MEASURED_TPS_COLUMN, OPTIONAL_COLUMNS,
-                             SORT_KEYS, Collected, column_legend, doc_summary, fmt_duration, fmt_pct, health_state,
-                             is_number)
+from kvtop.tui.model import (COLUMN_HELP, COMPACT_MIN, DEFAULT_SORT, INSTANCE_COLUMNS, MEASURED_TPS_COLUMN,
+                             OPTIONAL_COLUMNS, SORT_KEYS, Collected, column_legend, doc_summary, fmt_duration,
+                             fmt_pct, health_state, is_number)
 from kvtop.tui.screens import ConfirmScreen, HelpScreen, KnobForm, PolicyPicker
 from kvtop.tui.tabs import ChartsTab, DecisionsTab, OverviewTab, PolicyTab, SessionsTab
 
@@ -111,6 +111,7 @@ class KvtopApp(App):
         Binding("S", "promote_shadow", "promote shadow", show=False, id="kvtop.promote_shadow"),
         # attach URL URL ...: which router the policy and knob actions act on
         Binding("R", "next_router", "next router", show=False, id="kvtop.next_router"),
+        Binding("z", "compact", "condense", show=False, id="kvtop.compact"),
         Binding("1", "tab('overview')", "overview", show=False, id="kvtop.tab.overview"),
         Binding("2", "tab('charts')", "charts", show=False, id="kvtop.tab.charts"),
         Binding("3", "tab('sessions')", "sessions", show=False, id="kvtop.tab.sessions"),
@@ -147,6 +148,8 @@ class KvtopApp(App):
         self.max_decisions = max_decisions
         self.collected = Collected(max_decisions=max(max_decisions, 100))
         self.paused = False
+        #: condensed overview from COMPACT_MIN instances (only the rows that fit); z toggles
+        self.compact: bool | None = None  # None: automatic
         self.sort_key = DEFAULT_SORT
         self.sort_reverse = True  # busiest first
         self.window_s = 120
@@ -191,7 +194,8 @@ class KvtopApp(App):
         for key, label, width in INSTANCE_COLUMNS:
             t.add_column(label, key=key, width=max(width, len(label) + 1))  # room for the sort arrow
         d = self.query_one("#decision-table", DataTable)
-        for key, label in [("time", "time")] + ([("router", "router")] if self.multi else []) + [("session", "session"), ("class", "class"), ("instance", "inst"),
+        router = [("router", "router")] if self.multi else []  # attach URL URL ...
+        for key, label in [("time", "time"), *router, ("session", "session"), ("class", "class"), ("instance", "inst"),
                            ("reason", "reason"), ("hit", "hit"), ("terms", "chosen terms")]:
             d.add_column(label, key=key)
         s = self.query_one("#session-table", DataTable)
@@ -586,6 +590,18 @@ class KvtopApp(App):
         self.notify(f"policy and knob changes now act{self.on_router()}", timeout=3)
         self.apply(force=True)
 
+    def compact_active(self, instances: int) -> bool:
+        """Whether the overview shows only the rows that fit (automatic from COMPACT_MIN)."""
+        return instances >= COMPACT_MIN if self.compact is None else self.compact
+
+    def action_compact(self) -> None:
+        n = len((self.collected.snapshot or {}).get("instances", []))
+        self.compact = not self.compact_active(n)
+        self.notify("condensed: the rows that fit, the rest summed" if self.compact else "every instance a row",
+                    timeout=2)
+        self._applied_snapshot = -1
+        self.apply(force=True)
+
     def action_pause(self) -> None:
         self.paused = not self.paused
         self.apply(force=True)
@@ -716,13 +732,16 @@ class KvtopApp(App):
             if isinstance(b, Binding) and b.id:
                 if b.action in ("switch_policy", "edit_knobs", "promote_shadow") and not self.control_enabled:
                     continue
+                if b.action == "next_router" and not self.multi:
+                    continue
                 keys = escape(self.key_names(b.id, b.key))
                 lines.append(f"  [b]{keys:<10}[/b] {escape(b.description):<10} [dim]{b.id}[/dim]")
         lines += ["  [b]{:<10}[/b] on a decision: its receipt (every candidate's terms)".format("enter"),
                   "  [b]{:<10}[/b] command palette: policies, knobs, themes (kvtop-light, kvtop-cb), screenshot"
                   .format("^p"),
                   "  click a column header to sort by it; again to reverse",
-                  "  filter: words, or reason:X instance:Y session:Z class:C", "",
+                  "  filter: words, or reason:X instance:Y session:Z class:C"
+                  + (" router:R" if self.multi else ""), "",
                   "[b]Overview columns[/b]", ""]
         for key, label, _ in INSTANCE_COLUMNS + OPTIONAL_COLUMNS:
             lines.append(f"  [b]{escape(label):<13}[/b] {escape(column_legend(key) or '')}"

@@ -107,6 +107,9 @@ LOW_HIT_RATE = 0.25
 
 #: From this many instances the overview adds the fleet strips: one character per instance.
 FLEET_MIN = 16
+#: From this many instances the overview condenses: only the rows that fit on screen (busiest
+#: first by the current sort), the rest summed on one line; ``z`` switches it off and on.
+COMPACT_MIN = 64
 
 
 def fleet_strips(insts: list[dict[str, Any]], width: int) -> list[tuple[str, list[tuple[str, int]]]]:

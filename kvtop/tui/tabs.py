@@ -72,6 +72,7 @@ class OverviewTab(TabPane):
         #: columns added when the data has them, at the end, in the order they appeared: the
         #: measured prefill rate, KV-event drift, several routers' in-flight shares
         self._optional: list[tuple[str, str, int]] = []
+        self._hidden: list[dict[str, Any]] = []  # condensed: the instances not on a row
         self._theme_seq = -1  # the app's theme change count the cells were drawn under
 
     def compose(self) -> ComposeResult:
@@ -214,11 +215,26 @@ class OverviewTab(TabPane):
                 self._optional.append(col)
                 self._cells.clear()  # every row gets the new cell
         columns = [k for k, _, _ in INSTANCE_COLUMNS] + [k for k, _, _ in self._optional]
+        computed = {}
         for inst in insts:
-            name = inst["name"]
-            cells = self._instance_cells(inst, prev_values.get(name))
+            cells = self._instance_cells(inst, prev_values.get(inst["name"]))
             for key, _, _ in self._optional:
                 cells.setdefault(key, (None, "–"))
+            computed[inst["name"]] = cells
+        self._hidden = []
+        if app.compact_active(len(snap.get("instances", []))):
+            # Condensed: the rows that fit, busiest first by the current sort; the rest are
+            # summed on one line under the table (and drawn in the fleet strips above it).
+            order = sorted(computed, key=self._sort_key(), reverse=app.sort_reverse)
+            shown = set(order[:self.compact_rows()])
+            self._hidden = [i for i in insts if i["name"] not in shown]
+            insts = [i for i in insts if i["name"] in shown]
+            for key in [k for k in table.rows if k.value not in shown]:
+                table.remove_row(key)
+                self._cells.pop(str(key.value), None)
+        for inst in insts:
+            name = inst["name"]
+            cells = computed[name]
             old = self._cells.get(name)
             if name not in table.rows:
                 table.add_row(*[cells[k][1] for k in columns], key=name)
@@ -235,7 +251,14 @@ class OverviewTab(TabPane):
         if sort_changed:
             self.sort_instances()
 
-    def sort_instances(self) -> None:
+    def compact_rows(self) -> int:
+        """How many instance rows fit (the table takes at most 60% of the tab), header and the
+        summary line aside."""
+        height = self.size.height
+        return max(4, int(height * 0.6) - 2) if height else 20
+
+    def _sort_key(self) -> Any:
+        """The overview's order as a key on instance names (or their name cells)."""
         app: Any = self.app
         key = app.sort_key
         values = self._sort_values
@@ -249,6 +272,12 @@ class OverviewTab(TabPane):
             v = values.get(name, {})
             return (sort_value(v.get(key)), sort_value(v.get("requests")), rank.get(name, 0))
 
+        return by
+
+    def sort_instances(self) -> None:
+        app: Any = self.app
+        key = app.sort_key
+        by = self._sort_key()
         table = self.query_one("#instances", DataTable)
         # The selection stays on its instance while rows move under it.
         selected = None
@@ -316,6 +345,15 @@ class OverviewTab(TabPane):
         if reasons:
             top = sorted(reasons.items(), key=lambda kv: -kv[1])[:5]
             line.append("\nreasons " + "  ".join(f"{k} {v}" for k, v in top), style="dim")
+        if self._hidden:
+            hidden = self._hidden
+            down = sum(1 for i in hidden if not i.get("healthy"))
+            busy = sum(1 for i in hidden if i.get("num_requests"))
+            line.append(f"\n+{len(hidden)} more instances (condensed; z shows every row): "
+                        f"{busy} busy, {sum(int(i.get('num_requests') or 0) for i in hidden)} requests, backlog "
+                        f"{fmt_int(sum(float(i.get('pending_prefill_tokens') or 0) for i in hidden))} tok"
+                        + (f", {down} down" if down else ""), style="bold" if not down else
+                        f"bold {app._color('error')}")
         sort = f"\nsort: {app.sort_label()} (s next column or click a header, r reverse)"
         if app.filters["overview"]:
             sort += f"  filter: {app.filters['overview']}"
