@@ -575,3 +575,25 @@ def test_decode_step_time_is_step_time_bit_for_bit(profile):
         f = p.decode_step_time(num)
         for ctx in (num, 1_000 * num + 17, 200_000 * num + 3):
             assert f(ctx) == p.step_time(num, num, 0, ctx, 0)
+
+
+def test_an_eviction_cuts_the_blocked_requests_memo_instead_of_looking_it_up_again():
+    e = Engine("h20", block_size=16, num_gpu_blocks=40)
+    e.add_request(req("a", 160, max_tokens=1, seed=1))         # leaves 10 cached, free blocks
+    t, _ = run_until_idle(e)
+    e.add_request(req("b", 400, max_tokens=120, seed=2, arrival=t))   # holds 25 blocks, then grows
+    r = e.step(t)
+    c = req("c", 320, max_tokens=1, seed=1, arrival=r.end_time)   # a's 10 blocks hit; 10 new do not fit
+    e.add_request(c)
+    full_lookups = []
+    lookup = e._lookup
+    e._lookup = lambda hashes, n: (full_lookups.append(hashes is c.block_hashes), lookup(hashes, n))[1]
+    t = r.end_time
+    while c.block_hashes[9] in e._cached:      # b's decode blocks evict the free queue's head, then a's last
+        t = e.step(t).end_time
+    t = e.step(t).end_time                       # and c is tried again
+    assert e._hol_req.id == "c" and len(e._hol_hit) == 9   # cut at the evicted block, kept
+    assert full_lookups.count(True) == 1                  # the one lookup when it first failed
+    e._lookup = lookup
+    check_invariants(e)                                   # the memo is what a fresh lookup gives
+    assert e._lookup(c.block_hashes, 320) == e._hol_hit
