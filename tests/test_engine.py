@@ -462,6 +462,32 @@ def test_prefill_decode_two_step():
     assert d_eng.lookup_cached_tokens(prompt(n, 4)[1], n) == 992   # but is cached afterwards
 
 
+def test_a_preempted_request_queues_behind_requests_holding_pulled_kv():
+    # 10 blocks of 16 tokens. d pulls 5 blocks of remote KV and then waits holding them; a,
+    # decoding, outgrows the rest and is preempted. vLLM schedules KV-holding waiting requests
+    # first: ahead of d, a (which needs 6 blocks) would wait for blocks d holds, d would wait
+    # behind a, and with nothing running neither would ever start.
+    e = Engine("h20", num_gpu_blocks=10)
+    e.add_request(req("a", 64, max_tokens=60, seed=1))
+    t = e.step(0.0).end_time
+    e.add_request(req("d", 81, max_tokens=2, seed=2, arrival=t, kv_transfer_params={
+        "do_remote_prefill": True, "remote_engine_id": "P", "remote_block_ids": list(range(5))}))
+    preempted = False
+    for _ in range(400):
+        r = e.step(t)
+        nxt = e.next_event_time()
+        t = r.end_time if not r.idle else (nxt if nxt is not None else t)
+        check_invariants(e)
+        if "a" in r.preempted:
+            preempted = True
+            assert [x.id for x in e.waiting] == ["d", "a"], [x.id for x in e.waiting]
+        if not e.has_work():
+            break
+    assert preempted, "the scenario did not preempt a"
+    assert not e.has_work(), f"stalled: running {[x.id for x in e.running]}, waiting {[x.id for x in e.waiting]}"
+    assert e.num_allocated_blocks() == 0
+
+
 # ---------------------------------------------------------------- property: invariants hold
 
 @settings(max_examples=25, deadline=None)

@@ -11,7 +11,8 @@ What it follows (vllm/v1/core/sched/scheduler.py, kv_cache_manager.py, block_poo
 * RUNNING requests first, in order; each gets ``min(remaining, long_prefill_token_threshold,
   budget)`` tokens (chunked prefill always on). When blocks run out, the newest running
   request is preempted (recompute: its blocks are freed, ``computed = 0``, it goes back to
-  the head of the waiting queue); if that is the request being scheduled, the loop stops.
+  the head of the waiting queue, behind requests that hold pulled remote KV, which vLLM
+  schedules first); if that is the request being scheduled, the loop stops.
 * WAITING requests only if nothing was preempted this step and ``len(running) <
   max_num_seqs``: prefix lookup, chunk to the remaining budget, allocation failure stops the
   loop (head-of-line blocking). Order is FIFO unless an ``admission`` hook reorders it.
@@ -844,7 +845,18 @@ class Engine:
         req.state = _WAITING
         req.preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        # Ahead of every plain waiting request, but behind the ones that hold KV blocks (pulled
+        # remote KV, at the front since _release_ready): vLLM drains its kv_holding_waiting
+        # queue first. Ahead of those, a preempted request that cannot fit would block them
+        # while they hold the blocks it needs, and with nothing running nothing ever frees one.
+        waiting = self.waiting
+        k = 0
+        while k < len(waiting) and waiting[k].computed and waiting[k].blocks:
+            k += 1
+        if k:
+            waiting.insert(k, req)
+        else:
+            waiting.appendleft(req)
 
     def _transfer_params(self, req: _Req) -> dict[str, Any]:
         n_full = min(len(req.hashes), (req.num_tokens - 1) // self.block_size, len(req.blocks))
