@@ -22,9 +22,11 @@ import time
 
 from kvtop.tui import synthetic as syn
 from kvtop.tui.app import KvtopApp
+from kvtop.tui.tabs import OverviewTab
 from kvtop.tui.feed import FakeFeed
 
 SESSIONS = 10_000
+FULL = False  # --full: every instance a row (z), not condensed from 64 instances
 
 
 def feed_for(n: int) -> FakeFeed:
@@ -36,9 +38,11 @@ async def first_frame(n: int) -> float:
     feed.push("state", syn.snapshot(n, 0.0, sessions=SESSIONS))
     t0 = time.perf_counter()
     app = KvtopApp(feed, url="bench", hz=4.0)
+    app.compact = False if FULL else None
     async with app.run_test(size=(120, 40)) as pilot:
         table = app.query_one("#instances")
-        while table.row_count < n:
+        # every instance row, or from 64 instances (condensed) every row that fits
+        while table.row_count < (app.query_one(OverviewTab).compact_rows() if app.compact_active(n) else n):
             await asyncio.sleep(0.005)
         await pilot.pause()  # the frame with the rows is composed
         return time.perf_counter() - t0
@@ -49,6 +53,7 @@ async def cpu(n: int, seconds: float, tab: str) -> float:
     decisions = [syn.decision(k, n) for k in range(int(seconds * 50) + 50)]
     feed = feed_for(n)
     app = KvtopApp(feed, url="bench", hz=4.0)
+    app.compact = False if FULL else None
     async with app.run_test(size=(120, 40)) as pilot:
         await pilot.press(tab)
         await asyncio.sleep(1.0)  # warm up: first layout, first plot
@@ -71,9 +76,12 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--instances", type=int, nargs="+", default=[8, 64, 256])
     ap.add_argument("--repeat", type=int, default=1, help="report the median of this many runs")
+    ap.add_argument("--full", action="store_true", help="every instance a row (as z), not condensed from 64")
     args = ap.parse_args()
+    global FULL
+    FULL = args.full
     print(f"kvtop attach on a synthetic feed: 4 Hz snapshots, ~50 decisions/s, {SESSIONS:,} sessions, 120x40"
-          + (f"; medians of {args.repeat} runs" if args.repeat > 1 else ""))
+          + (f"; medians of {args.repeat} runs" if args.repeat > 1 else "") + ("; every row (--full)" if FULL else ""))
     for n in args.instances:
         ff, ov, de = [], [], []
         for _ in range(args.repeat):
