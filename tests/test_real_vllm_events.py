@@ -19,7 +19,6 @@ one router with ``--tokenizer`` and ``@kv=``, whose estimate believes nothing is
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -30,7 +29,7 @@ import pytest
 from kvtop.procs import stop_process
 from test_messages import claude_code_body
 from test_real_vllm import BLOCK, VLLM_PYTHON, _WHY, _adjacent_free, _free_port, _get, _post, _wait
-from test_tokenize import _bench
+from test_tokenize_real_vllm import tools_model
 
 pytestmark = pytest.mark.skipif(_WHY is not None, reason=_WHY or "")
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,14 +41,7 @@ KV_BLOCKS = 256  # 32,768 tokens of KV: a handful of 4k prompts evicts the first
 def stack(tmp_path_factory):
     import real_vllm
 
-    base = real_vllm.make_model(tmp_path_factory.mktemp("tinymodel"))
-    model = tmp_path_factory.mktemp("tinymodel-tools")
-    for f in base.iterdir():
-        shutil.copy(f, model / f.name)
-    cfg = json.loads((model / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = _bench().CHAT_TEMPLATE
-    (model / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1))
-
+    model = tools_model(tmp_path_factory)
     state = tmp_path_factory.mktemp("vllm-events")
     port, kv_port, replay_port = _adjacent_free(1), _free_port(), _free_port()
     events = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv-events",

@@ -27,9 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """The tiny model with the tools template; one vLLM serving it."""
+def tools_model(tmp_path_factory) -> Path:
+    """The tiny model with a Qwen2.5-style chat template that renders tools and tool calls."""
     import real_vllm
 
     base = real_vllm.make_model(tmp_path_factory.mktemp("tinymodel"))
@@ -39,6 +38,15 @@ def served(tmp_path_factory):
     cfg = json.loads((model / "tokenizer_config.json").read_text())
     cfg["chat_template"] = _bench().CHAT_TEMPLATE
     (model / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1))
+    return model
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """The tiny model with the tools template; one vLLM serving it."""
+    import real_vllm
+
+    model = tools_model(tmp_path_factory)
     state = tmp_path_factory.mktemp("vllm-tools")
     port = _adjacent_free(1)
     url = f"http://127.0.0.1:{port}"
