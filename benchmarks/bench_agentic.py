@@ -269,13 +269,15 @@ async def stalls(http, router: str, texts, concurrent: int, seconds: float, seed
             out["tiny"].append(await post(http, router + PATHS["chat"], tiny))
             t0 = time.perf_counter()
             async with http.get(router + "/health") as r:
-                await r.read()
+                h = json.loads(await r.read())
                 out["health_status"].add(r.status)
+                # the router's own view: a backend it marked down during the phase shows here
+                out["down_seen"] += h["instances"] - h["healthy_instances"] > 0
             out["health"].append((time.perf_counter() - t0) * 1000)
             await asyncio.sleep(0.01)
 
     async def phase(big: list[bytes]) -> dict:
-        out = {"tiny": [], "health": [], "health_status": set()}
+        out = {"tiny": [], "health": [], "health_status": set(), "down_seen": 0}
         stop = asyncio.Event()
         task = asyncio.create_task(probe(stop, out))
         if big:
@@ -300,6 +302,7 @@ async def stalls(http, router: str, texts, concurrent: int, seconds: float, seed
             xs = ph[kind]
             res[f"{name}_{kind}"] = {"n": len(xs), "p50": pct(xs, 0.5), "p99": pct(xs, 0.99), "max": max(xs)}
         res[f"{name}_health_status"] = sorted(ph["health_status"])
+        res[f"{name}_probes_with_a_backend_down"] = ph["down_seen"]
     return res
 
 
@@ -344,6 +347,11 @@ async def run(args) -> dict:
                 if args.concurrent:
                     r["stalls"] = await stalls(http, url, texts, args.concurrent, args.quiet_seconds, seed=7)
                     print(name, "stalls", json.dumps(r["stalls"]), flush=True)
+                    st = r["stalls"]
+                    down = st["quiet_probes_with_a_backend_down"] + st["busy_probes_with_a_backend_down"]
+                    print(name, "no backend marked down by the router's own stall:",
+                          "HOLDS" if not down and st["busy_health_status"] == [200] else f"FAILS ({down} probes saw one down)",
+                          flush=True)
     finally:
         for p in procs:
             stop_process(p)

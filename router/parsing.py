@@ -5,8 +5,12 @@ Three costs, three places:
 - A body of a few hundred KB parses (orjson) and, without a tokenizer, hashes in about a
   millisecond: on the loop.
 - With ``--tokenizer``, rendering the chat template and tokenizing a 200k-token prompt takes
-  hundreds of milliseconds cold. It runs in a small thread pool (the Rust tokenizer releases
-  the GIL, so the loop keeps serving while it works); the session's previous turn is kept
+  hundreds of milliseconds cold. Bodies over ``TOKENIZE_PROCESS_BYTES`` (64 KB) are parsed,
+  rendered and tokenized in the worker process at nice 10: their Python work (JSON, template,
+  block hashing) holds the GIL, and in threads of the router's own process it delayed small
+  requests and /health by tens of milliseconds while cold prompts arrived (bench_agentic's
+  stall phase: tiny p99 82-94 ms -> 13-15 ms). Smaller bodies are tokenized in a thread of
+  their own. Either way the session's previous turn is kept
   (bounded, least recently used out) so that its block hashes are reused for the shared
   prefix, and the tokenizer keeps the pieces it has tokenized (router/request.Tokenizer), so a
   returning turn tokenizes only its new messages.
@@ -28,10 +32,15 @@ from typing import Any
 
 from router.http import parse_json
 from router.request import (BadRequest, Counted, Parsed, RouteRequest, Tokenizer, count_prompt,
-                            parse_request, read_body, route_request)
+                            read_body, route_request)
 
 #: Bodies larger than this are parsed in the worker process.
 OFFLOAD_BYTES = 4 * 1024 * 1024
+#: With a tokenizer, bodies larger than this are parsed, rendered and tokenized in the worker
+#: process (which keeps its sessions' previous turns): the GIL of the event loop's process is
+#: then never held by a big prompt's Python work (JSON, template, hashing), which on a busy host
+#: delayed small requests and /health by tens of milliseconds.
+TOKENIZE_PROCESS_BYTES = 64 * 1024
 #: Threads that render and tokenize (each holds one request's work; the GIL is released
 #: while the tokenizer runs, so a few help when several cold prompts arrive at once).
 TOKENIZE_THREADS = 4
@@ -42,6 +51,7 @@ SMALL_BYTES = 64 * 1024
 SESSION_TURNS = 256
 
 _worker_tokenizer: dict[str, Tokenizer] = {}
+_worker_turns: "OrderedDict[str, Counted]" = OrderedDict()
 
 
 def _parse_in_worker(raw: bytes, endpoint: str, headers: dict[str, str], session_header: str,
@@ -52,8 +62,15 @@ def _parse_in_worker(raw: bytes, endpoint: str, headers: dict[str, str], session
         tok = _worker_tokenizer.get(tokenizer_path)
         if tok is None:
             tok = _worker_tokenizer[tokenizer_path] = Tokenizer(tokenizer_path)
-    return parse_request(parse_json(raw), endpoint, headers=headers, session_header=session_header,
-                         block_size=block_size, tokenizer=tok, max_input_tokens=max_input_tokens)
+    parsed = read_body(parse_json(raw), endpoint, headers=headers, session_header=session_header)
+    key = _turn_key(parsed) if tok is not None and parsed.prompt.tokens is None else None
+    counted = count_prompt(parsed.prompt, block_size, tok, _worker_turns.get(key) if key else None)
+    if key:
+        _worker_turns[key] = counted
+        _worker_turns.move_to_end(key)
+        while len(_worker_turns) > SESSION_TURNS:
+            _worker_turns.popitem(last=False)
+    return route_request(parsed, counted, max_input_tokens=max_input_tokens)
 
 
 class BodyParser:
@@ -74,7 +91,7 @@ class BodyParser:
         """(the parsed body, or None when it was parsed in the worker; the RouteRequest).
         Raises BadRequest."""
         cfg = self.config
-        if len(raw) <= OFFLOAD_BYTES:
+        if len(raw) <= (OFFLOAD_BYTES if self.tokenizer is None else TOKENIZE_PROCESS_BYTES):
             body = parse_json(raw)
             parsed = read_body(body, endpoint, headers=headers, session_header=cfg.session_header)
             tok = self.tokenizer

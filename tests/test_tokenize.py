@@ -130,3 +130,25 @@ def test_tokenizer_path_forms(tok_dir, tmp_path):
     (bad / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% for %}"}))
     with pytest.raises(ValueError, match="chat template"):
         Tokenizer(str(bad))
+
+
+def test_big_bodies_tokenize_in_the_worker_process_keeping_the_session(tok, tok_dir, monkeypatch):
+    # a big prompt's Python work (JSON, template, hashing) holds the GIL: with a tokenizer it runs
+    # in the worker process, which keeps the session's previous turn for the next one
+    from router import parsing
+
+    monkeypatch.setattr(parsing, "_worker_turns", parsing.OrderedDict())
+    body = claude_code_body(3, stream=False)
+    body["metadata"] = {"user_id": "user_x_account_y_session_worker-1"}
+    raws = []
+    for turn in (1, 2):
+        raws.append(json.dumps(body).encode())
+        body["messages"] = body["messages"] + [{"role": "assistant", "content": f"step {turn}"},
+                                               {"role": "user", "content": "go on " * 50}]
+    got = [parsing._parse_in_worker(r, "messages", {}, "X-Session-ID", 16, str(tok_dir), None) for r in raws]
+    assert len(parsing._worker_turns) == 1  # the session's last turn is kept in the worker
+    for r, rr in zip(raws, got):
+        want = parse_request(json.loads(r), "messages", tokenizer=tok, block_size=16)
+        assert (rr.input_tokens, rr.blocks, rr.token_source) == (want.input_tokens, want.blocks, "tokenizer")
+    assert got[1].blocks[:len(got[0].blocks) - 1] == got[0].blocks[:-1]
+    assert parsing.TOKENIZE_PROCESS_BYTES < parsing.OFFLOAD_BYTES
