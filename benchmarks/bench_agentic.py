@@ -204,6 +204,8 @@ def serve_backend(port: int) -> None:
         app.router.add_post(path, answer)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", lambda _: web.Response(text=""))
+    for probe in ("/server_info", "/get_server_info", "/model_info", "/get_model_info"):  # peers ask
+        app.router.add_get(probe, lambda _: web.json_response({"model_path": "tiny"}))
     web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
 
 
@@ -331,6 +333,23 @@ async def run(args) -> dict:
                                       stdout=subprocess.DEVNULL))
         routers[name] = f"http://127.0.0.1:{port}"
         wait_ready(routers[name] + "/health", procs[-1])
+    peers_bin = Path(args.peers_venv).expanduser() / "bin"
+    for name in ("sglang", "vllm-router"):
+        if name not in args.routers.split(","):
+            continue
+        if not (peers_bin / "python").exists():
+            print(f"{name}: skipped, no peers venv at {args.peers_venv} (benchmarks/peers/run.py makes it)",
+                  flush=True)
+            continue
+        port, prom = free_port(), free_port()
+        # started as benchmarks/peers/run.py starts them; they get the same chat bodies
+        common = ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", backend,
+                  "--policy", "cache_aware", "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom)]
+        cmd = ([str(peers_bin / "python"), "-m", "sglang_router.launch_router", *common, "--log-level", "warn"]
+               if name == "sglang" else [str(peers_bin / "vllm-router"), *common, "--log-level", "warning"])
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL))
+        routers[name] = f"http://127.0.0.1:{port}"
+        wait_ready(routers[name] + "/health", procs[-1])
     results: dict = {"vocab": tokenizer._tok.get_vocab_size(), "routers": {}}
     timeout = aiohttp.ClientTimeout(total=300)
     try:
@@ -338,13 +357,15 @@ async def run(args) -> dict:
             for name, url in routers.items():
                 r = results["routers"][name] = {}
                 for k, api in enumerate(args.apis.split(",")):
+                    if name in ("sglang", "vllm-router") and api != "chat":
+                        continue  # the peers route chat; the same chat bodies as kvtop's
                     added = await returning(http, url, backend, api, texts, args.turns, args.chars, seed=k + 1)
                     c_added, tok_ms, n = await cold(http, url, backend, api, texts, args.chars, seed=100 + k,
                                                     tokenizer=tokenizer if name == "kvtop-tokenizer" else None)
                     r[api] = {"returning_p50_ms": pct(added, 0.5), "returning_p99_ms": pct(added, 0.99),
                               "cold_added_ms": c_added, "cold_tokenize_alone_ms": tok_ms, "cold_tokens": n}
                     print(name, api, json.dumps(r[api]), flush=True)
-                if args.concurrent:
+                if args.concurrent and name.startswith("kvtop"):
                     r["stalls"] = await stalls(http, url, texts, args.concurrent, args.quiet_seconds, seed=7)
                     print(name, "stalls", json.dumps(r["stalls"]), flush=True)
                     st = r["stalls"]
@@ -362,9 +383,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--serve-backend", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--apis", default="chat,messages,responses")
-    ap.add_argument("--routers", default="kvtop-tokenizer,kvtop-text")
+    ap.add_argument("--routers", default="kvtop-tokenizer,kvtop-text,sglang,vllm-router",
+                    help="any of kvtop-tokenizer, kvtop-text, sglang, vllm-router (chat only)")
     ap.add_argument("--turns", type=int, default=20, help="returning turns measured per API (default 20)")
     ap.add_argument("--chars", type=int, default=800_000, help="session size in characters (default 800,000)")
+    ap.add_argument("--peers-venv", default="~/.cache/kvtop-peers/venv",
+                    help="venv with sglang-router and vllm-router (benchmarks/peers/run.py makes it)")
     ap.add_argument("--concurrent", type=int, default=6, help="cold 200k-token turns at once in the stall test")
     ap.add_argument("--quiet-seconds", type=float, default=3.0)
     ap.add_argument("--vocab", type=int, default=32_000)
