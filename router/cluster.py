@@ -92,6 +92,9 @@ class ClusterView:
     hits: list[int]  # estimated hit per instance index, healthy or not
     #: Filled only for a policy that asks (``needs_lookahead``); see ``Cluster.lookahead``.
     lookahead: "Lookahead | None" = None
+    #: The router's own estimate (LRU model) per instance index, where ``hits`` came from KV
+    #: events instead; None when every hit is the estimate (for the decision log's drift).
+    estimate_hits: list[int] | None = None
 
     def candidate(self, index: int | None) -> Candidate | None:
         if index is None:
@@ -224,20 +227,23 @@ class Cluster:
 
     # -- what policies see ----------------------------------------------------------
     def hits(self, blocks: Sequence[int], input_tokens: int, *, exact: bool = True,
-             drift: bool = False) -> list[int]:
+             drift: bool = False, estimates: list[int] | None = None) -> list[int]:
         """Estimated cached prefix tokens per instance, capped like the engine's hit.
 
         vLLM always recomputes the last token, so a hit never exceeds input - 1 rounded
         down to a whole block. Instances whose KV events flow (``exact.live_mask``) answer
         from the exact index instead of the estimate, unless ``exact`` is False (a prompt
         hashed from text, whose block hashes no engine event can match); ``drift`` records
-        how far the estimate was from them.
+        how far the estimate was from them. ``estimates``, when given and some hit came from
+        the events, is filled with the estimate's hit per instance.
         """
         bs = self.block_size
         cap = max(0, (input_tokens - 1) // bs) * bs
         matched = self.index.match(blocks)
         ex = self.exact
         if exact and ex is not None and ex.live_mask:
+            if estimates is not None:
+                estimates[:] = [min(m * bs, cap) for m in matched]
             for i, m in ex.match(blocks, ex.live_mask, self.clock()).items():
                 if drift:
                     ex.record_drift(i, min(matched[i] * bs, cap), min(m * bs, cap), input_tokens)
@@ -251,7 +257,8 @@ class Cluster:
 
     def view(self, blocks: Sequence[int], input_tokens: int, session_id: str | None, *,
              exact: bool = True, lookahead: bool = False) -> ClusterView:
-        hits = self.hits(blocks, input_tokens, exact=exact, drift=True)
+        estimates: list[int] = []
+        hits = self.hits(blocks, input_tokens, exact=exact, drift=True, estimates=estimates)
         cal = self.calibration
         measured = cal.measured
         cands = [
@@ -262,7 +269,8 @@ class Cluster:
         ]
         sess = self.sessions.get(session_id) if session_id is not None else None
         view = ClusterView(cands, input_tokens, sess.instance if sess else None,
-                           (sess.turns + 1) if sess else 1, self.rr_counter, hits)
+                           (sess.turns + 1) if sess else 1, self.rr_counter, hits,
+                           estimate_hits=estimates or None)
         if lookahead:
             view.lookahead = self.lookahead(cands, len(blocks), session_id, sess)
         return view

@@ -53,6 +53,9 @@ class Decision:
     extra: dict[str, Any] = field(default_factory=dict)  # offload / admission fields
     recorded: bool = False  # the decision row has been written (Pipeline.sent or finish)
     index_source: str = "estimate"  # the chosen hit's source: exact (KV events) | estimate
+    #: With ``index_source`` exact: the hit the router's own estimate gave the chosen instance
+    #: (its drift from the events is est_hit_tokens - this); None when the hit is the estimate.
+    estimate_hit_tokens: int | None = None
     view: ClusterView | None = None  # what the policy saw; kept until shadows have seen it too
     shadow: list[dict[str, Any]] | None = None  # each shadow policy's pick (router/shadow.py)
 
@@ -70,7 +73,8 @@ class Decision:
             "best_hit_instance": self.best_hit_instance,
             "new_prefill_tokens": self.new_prefill_tokens, "offload": 0,
             "migrated_from": self.migrated_from, "decision_us": round(self.decision_us, 2),
-            "scores": self.terms, "index_source": self.index_source, "shadows": self.shadow,
+            "scores": self.terms, "index_source": self.index_source,
+            "estimate_hit_tokens": self.estimate_hit_tokens, "shadows": self.shadow,
         }
         row.update(self.extra)
         return row
@@ -86,7 +90,8 @@ class Decision:
             "policy": self.slot.label, "est_hit": self.est_hit_tokens, "best_hit": self.best_hit_tokens,
             "best_hit_instance": self.best_hit_instance, "new_prefill": self.new_prefill_tokens,
             "migrated_from": self.migrated_from, "decision_us": round(self.decision_us, 2),
-            "index_source": self.index_source, "terms": self.terms, "shadow": self.shadow, **{k: v for k, v in self.extra.items() if k != "route_class"},
+            "index_source": self.index_source, "estimate_hit": self.estimate_hit_tokens,
+            "terms": self.terms, "shadow": self.shadow, **{k: v for k, v in self.extra.items() if k != "route_class"},
         }
 
 
@@ -130,6 +135,8 @@ class RoutingCore:
         best = max(range(len(hits)), key=hits.__getitem__)
         names = self.cluster.instances
         est = hits[pick.index]
+        source = self.cluster.index_source(pick.index, exact=req.token_source != "text_approx")
+        estimate = view.estimate_hits[pick.index] if source == "exact" and view.estimate_hits else None
         return Decision(
             request=req, slot=slot, instance=pick.index, instance_name=names[pick.index].name,
             reason=reason_override or pick.reason, turn=view.session_turn, est_hit_tokens=est,
@@ -137,8 +144,7 @@ class RoutingCore:
             new_prefill_tokens=max(0, req.input_tokens - est), terms=pick.terms,
             decision_us=elapsed_us, ts=self.clock(), attempt=attempt,
             migrated_from=names[pick.migrated_from].name if pick.migrated_from is not None else None,
-            index_source=self.cluster.index_source(pick.index, exact=req.token_source != "text_approx"),
-            view=view,
+            index_source=source, estimate_hit_tokens=estimate, view=view,
         )
 
     def dispatch(self, d: Decision, *, new_turn: bool = True) -> Ticket:

@@ -361,6 +361,74 @@ INSTANCE_SERIES: tuple[tuple[str, str, str, Callable[[Any], float | None]], ...]
 )
 
 
+#: Per instance with KV events (router/kv_events.py): (type, name, help, value of the
+#: subscriber's ``SubscriberStats``).
+KV_EVENT_SERIES: tuple[tuple[str, str, str, Callable[[Any], float]], ...] = (
+    ("counter", "kvtop_instance_kv_event_batches_total", "KV-event batches applied (one per engine step "
+     "that changed the cache)", lambda st: st.batches),
+    ("counter", "kvtop_instance_kv_events_total", "KV events applied (BlockStored, BlockRemoved, "
+     "AllBlocksCleared)", lambda st: st.events),
+    ("counter", "kvtop_instance_kv_event_gaps_total", "sequence gaps in the instance's KV events",
+     lambda st: st.gaps),
+    ("counter", "kvtop_instance_kv_event_replays_total", "replay requests made to fill gaps",
+     lambda st: st.replays),
+    ("counter", "kvtop_instance_kv_resyncs_total", "gaps nothing could fill: the instance routed on the "
+     "estimate until its cache turned over", lambda st: st.resyncs),
+    ("counter", "kvtop_instance_kv_restarts_total", "engine restarts seen in the KV events (the index "
+     "was cleared)", lambda st: st.restarts),
+    ("counter", "kvtop_instance_kv_event_bad_messages_total", "KV-event messages that were not "
+     "[topic,] seq, KVEventBatch", lambda st: st.bad_messages),
+)
+#: The states ``kvtop_instance_kv_events_state`` enumerates (router/kv_events.py).
+KV_STATES = ("waiting", "exact", "replaying", "resync", "disconnected", "stopped")
+
+
+def _kv_families(st: Any) -> Iterator[Metric]:
+    """The KV-event families: the exact gauge for every instance, the rest for those whose
+    events the router follows (no sample for an instance without ``@kv=``)."""
+    cluster = st.cluster
+    subs = getattr(st, "kv_subscribers", None) or []
+    ex = getattr(cluster, "exact", None)  # a stand-in cluster (tests) may have no index
+    exact = GaugeMetricFamily("kvtop_instance_kv_index_exact", "1 while the instance's hits come from its "
+                              "KV events (exact), 0 while from the router's estimate", labels=["instance"])
+    for s in cluster.instances:
+        exact.add_metric([s.name], int(ex is not None and ex.is_live(s.index)))
+    yield exact
+    followed = [(s, sub) for s, sub in zip(cluster.instances, subs) if sub is not None]
+    state = GaugeMetricFamily("kvtop_instance_kv_events_state", "1 for the state the instance's KV-event "
+                              "subscriber is in (docs/kv-events.md)", labels=["instance", "state"])
+    for s, sub in followed:
+        for name in KV_STATES:
+            state.add_metric([s.name, name], int(sub.stats.state == name))
+    yield state
+    for kind, name, doc, value in KV_EVENT_SERIES:
+        family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, doc, labels=["instance"])
+        for s, sub in followed:
+            family.add_metric([s.name], value(sub.stats))
+        yield family
+    blocks = GaugeMetricFamily("kvtop_instance_kv_cached_blocks", "router blocks the instance's KV events "
+                               "say it holds", labels=["instance"])
+    drift = CounterMetricFamily("kvtop_instance_kv_drift_tokens_total", "|estimated - exact| hit tokens, "
+                                "summed over decisions while the instance was exact: how far the router's "
+                                "own estimate was from the engine's cache", labels=["instance"])
+    drift_in = CounterMetricFamily("kvtop_instance_kv_drift_input_tokens_total", "input tokens of those "
+                                   "decisions (drift_tokens / this is the drift's share)", labels=["instance"])
+    drift_n = CounterMetricFamily("kvtop_instance_kv_drift_decisions_total", "decisions that compared the "
+                                  "estimate with the instance's exact hit", labels=["instance"])
+    share = GaugeMetricFamily("kvtop_instance_kv_drift_share", "drift tokens / input tokens since the router "
+                              "started (no sample before a decision while exact)", labels=["instance"])
+    if ex is not None:
+        for s, _ in followed:
+            ib = ex.instances[s.index]
+            blocks.add_metric([s.name], len(ib.counts))
+            drift.add_metric([s.name], ib.drift_tokens)
+            drift_in.add_metric([s.name], ib.drift_input_tokens)
+            drift_n.add_metric([s.name], ib.drift_samples)
+            if ib.drift_input_tokens:
+                share.add_metric([s.name], ib.drift_tokens / ib.drift_input_tokens)
+    yield from (blocks, drift, drift_in, drift_n, share)
+
+
 class RouterCollector:
     """A prometheus_client collector: the per-instance series, read from the cluster state
     at scrape time, and ``RouterMetrics``' counts (its histograms are collected on their own)."""
@@ -383,6 +451,7 @@ class RouterCollector:
         for it in self.tel.instances:
             family.add_metric([it.name], it.scrape_errors_total)
         yield family
+        yield from _kv_families(st)
         family = GaugeMetricFamily("kvtop_policy_version", "version of the active policy (increments on every change)",
                                    labels=["policy"])
         family.add_metric([st.slot.policy.name], st.slot.version)

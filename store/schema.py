@@ -15,7 +15,8 @@ from __future__ import annotations
 import sqlite_utils
 
 #: 2: decisions gained shadows (router/shadow.py) and blocks/blocks_parent (store/chains.py).
-SCHEMA_VERSION = 2
+#: 3: decisions gained estimate_hit_tokens (the estimate's drift from the KV events).
+SCHEMA_VERSION = 3
 
 # table -> ordered {column: sqlite type}
 TABLES: dict[str, dict[str, type]] = {
@@ -64,6 +65,10 @@ TABLES: dict[str, dict[str, type]] = {
         "t_prefill_done": float,
         "scores": str,  # JSON list: each candidate's score terms
         "index_source": str,  # exact (the instance's KV events) | estimate (the router's model)
+        # with index_source exact: the hit the router's own estimate (its LRU model) gave the
+        # chosen instance, so |est_hit_tokens - estimate_hit_tokens| is the estimate's drift;
+        # NULL when the hit came from the estimate (and in files written before it existed)
+        "estimate_hit_tokens": int,
         "shadows": str,  # JSON list: each shadow policy's pick (router/shadow.py); NULL: none on
         # the prompt's block-hash chain, against its session's previous row (store/chains.py),
         # for what-if replay; first attempts only

@@ -1,0 +1,180 @@
+"""The estimate's drift from the KV events, where an operator reads it: the router's /metrics
+(per-instance KV-event families that agree with /kvtop/v1/state) and the decision log's
+``estimate_hit_tokens`` (what the router's own estimate gave the chosen instance while its hit
+came from the events)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sqlite3
+
+import sqlite_utils
+
+from kvfake import FakeEngineCache
+from router.app import STATE, Backend, RouterConfig, create_app
+from router.blocks import hash_token_blocks
+from router.cluster import Cluster
+from router.core import RoutingCore
+from router.exact_index import ExactIndex
+from router.kv_events import decode_batch, encode_batch
+from router.policies import build_policy
+from router.request import RouteRequest
+from router.telemetry import parse_prometheus
+from store.schema import TABLES, ensure_schema
+from store.writer import Writer
+
+BS = 16
+
+
+def _request(tokens, rid, source="tokens"):
+    return RouteRequest(request_id=str(rid), session_id=f"s{rid}", session_source="header",
+                        input_tokens=len(tokens), blocks=hash_token_blocks(tokens, BS),
+                        token_source=source, endpoint="completions", stream=False, max_tokens=1)
+
+
+def _feed(index, instance, events):
+    index.apply(instance, decode_batch(encode_batch(0.0, events))[1])  # through the wire format
+
+
+# -- the decision record -----------------------------------------------------------------------
+def test_decision_keeps_the_estimate_beside_the_exact_hit():
+    c = Cluster(["a", "b"], block_size=BS, capacity_blocks=1000)
+    c.exact = ExactIndex(2, BS, speculative_ttl_s=0)
+    toks = list(range(160))
+    c.index.insert(0, hash_token_blocks(toks, BS))  # the estimate believes a holds all 10 blocks
+    _feed(c.exact, 0, FakeEngineCache(BS).run(toks[:64]))  # a really holds 4
+    c.exact.set_live(0, True)
+    core = RoutingCore(c, build_policy("leastwork", {}))
+    d = core.decide(_request(toks, 1))
+    # b has nothing (estimate 0, new 160); a: exact 64 (new 96), where the estimate said 144
+    assert (d.instance, d.index_source, d.est_hit_tokens, d.estimate_hit_tokens) == (0, "exact", 64, 144)
+    row = d.row("r")
+    assert row["estimate_hit_tokens"] == 144 and row["est_hit_tokens"] == 64
+    assert d.event()["estimate_hit"] == 144
+    # a text-hashed prompt routes on the estimate: nothing to compare, NULL
+    d2 = core.decide(_request(toks, 2, source="text_approx"))
+    assert (d2.index_source, d2.estimate_hit_tokens) == ("estimate", None)
+    # an instance chosen while its events are not live: NULL as well
+    c.exact.set_live(0, False)
+    d3 = core.decide(_request(toks, 3))
+    assert (d3.index_source, d3.estimate_hit_tokens) == ("estimate", None)
+
+
+def test_old_decision_log_gains_the_column_and_stays_readable(tmp_path):
+    """A file written before estimate_hit_tokens existed: opening it adds the column (NULL in
+    the old rows) and new rows fill it."""
+    path = str(tmp_path / "old.db")
+    db = sqlite_utils.Database(path)
+    old_cols = {k: v for k, v in TABLES["decisions"].items() if k != "estimate_hit_tokens"}
+    db["decisions"].create(old_cols, pk="id")
+    db["decisions"].insert({"run_id": "r0", "request_id": "old", "est_hit_tokens": 5, "index_source": "exact"})
+    db.conn.close()
+    w = Writer(path).start()
+    try:
+        w.put("decisions", {"run_id": "r1", "request_id": "new", "est_hit_tokens": 64,
+                            "index_source": "exact", "estimate_hit_tokens": 144})
+        assert w.flush()
+    finally:
+        w.close()
+    rows = sqlite3.connect(path).execute(
+        "SELECT request_id, est_hit_tokens, estimate_hit_tokens FROM decisions ORDER BY id").fetchall()
+    assert rows == [("old", 5, None), ("new", 64, 144)]
+    ensure_schema(sqlite_utils.Database(path))  # idempotent on the migrated file
+
+
+# -- /metrics against /kvtop/v1/state, with kvtop sim publishing --------------------------------
+async def _sim_fleet(n, blocks):
+    from kvtop.sim.engine import Engine
+    from kvtop.sim.kv_publisher import KvEventPublisher
+    from kvtop.sim.server import SimInstance, serve
+
+    insts = []
+    for _ in range(n):
+        eng = Engine("h20", num_gpu_blocks=blocks)
+        inst = SimInstance(eng, model="sim-model", port=0, speed=1000.0)
+        inst.kv_publisher = KvEventPublisher(eng, port=0, replay_port=0)
+        insts.append(inst)
+
+    ready = asyncio.Event()
+    task = asyncio.get_running_loop().create_task(serve(insts, on_ready=lambda _: ready.set()))
+    await ready.wait()
+    return insts, task
+
+
+def _by_instance(metrics, name, **labels):
+    return {lab["instance"]: v for lab, v in metrics.get(name, [])
+            if all(lab.get(k) == want for k, want in labels.items())}
+
+
+async def test_metrics_show_each_instance_kv_events_and_drift(router_client, tmp_path):
+    """Two kvtop sim instances with events (and a third backend without): 60 requests of 8
+    growing sessions on caches that hold about two; then /metrics and /kvtop/v1/state say the
+    same per instance, and the decision log holds the estimate beside every exact hit."""
+    insts, task = await _sim_fleet(2, blocks=400)
+    try:
+        backends = [Backend(f"i{k}", f"http://127.0.0.1:{inst.port}", kv_events=inst.kv_publisher.endpoint,
+                            kv_replay=inst.kv_publisher.replay_endpoint) for k, inst in enumerate(insts)]
+        # a third backend without events: i1's engine again, reached on the estimate alone
+        backends.append(Backend("plain", f"http://127.0.0.1:{insts[1].port}"))
+        cfg = RouterConfig(backends=backends, policy="leastwork", block_size=BS, capacity_tokens=400 * BS,
+                           db=str(tmp_path / "k.db"), state_dir=str(tmp_path / "state"), kv_speculative_ttl_s=0)
+        client = await router_client(create_app(cfg))
+        state = client.server.app[STATE]
+        await asyncio.sleep(0.3)  # the SUB connections are up before the first batch leaves
+        rng = random.Random(3)
+        sessions: dict[str, list[int]] = {}
+        for rid in range(60):
+            sid = f"s{rng.randrange(8)}"
+            prompt = sessions.get(sid, []) + [rng.randrange(30_000) for _ in range(rng.randrange(100, 600))]
+            sessions[sid] = prompt
+            r = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2},
+                                  headers={"X-Session-ID": sid})
+            assert r.status == 200, await r.text()
+            await r.read()
+            await asyncio.sleep(0.02)
+        for _ in range(100):  # every batch the engines published has arrived
+            subs = state.kv_subscribers[:2]
+            if all(s.expected == inst.kv_publisher.seq for s, inst in zip(subs, insts)):
+                break
+            await asyncio.sleep(0.02)
+        text = await (await client.get("/metrics")).text()
+        snap = (await (await client.get("/kvtop/v1/state")).json())["instances"]
+    finally:
+        task.cancel()
+        try:
+            await task
+        except BaseException:
+            pass
+    m = parse_prometheus(text)
+    assert _by_instance(m, "kvtop_instance_kv_index_exact") == {"i0": 1, "i1": 1, "plain": 0}
+    assert _by_instance(m, "kvtop_instance_kv_events_state", state="exact") == {"i0": 1, "i1": 1}
+    assert sum(_by_instance(m, "kvtop_instance_kv_events_state", state="resync").values()) == 0
+    for name, key in (("kvtop_instance_kv_events_total", "events"),
+                      ("kvtop_instance_kv_event_batches_total", "batches"),
+                      ("kvtop_instance_kv_event_gaps_total", "gaps"),
+                      ("kvtop_instance_kv_resyncs_total", "resyncs"),
+                      ("kvtop_instance_kv_restarts_total", "restarts"),
+                      ("kvtop_instance_kv_cached_blocks", "router_blocks")):
+        got = _by_instance(m, name)
+        assert got == {i["name"]: i["kv_events"][key] for i in snap[:2]}, name  # "plain": no sample
+    drift = _by_instance(m, "kvtop_instance_kv_drift_tokens_total")
+    drift_in = _by_instance(m, "kvtop_instance_kv_drift_input_tokens_total")
+    share = _by_instance(m, "kvtop_instance_kv_drift_share")
+    for i in snap[:2]:
+        d = i["kv_events"]["drift"]
+        assert drift[i["name"]] == d["tokens"] and _by_instance(
+            m, "kvtop_instance_kv_drift_decisions_total")[i["name"]] == d["samples"]
+        assert abs(share[i["name"]] - d["share"]) < 1e-12 and drift_in[i["name"]] > 0
+    assert all(i["kv_events"]["events"] > 0 and i["kv_events"]["blocks_removed"] > 0 for i in snap[:2])
+    assert sum(drift.values()) > 0  # under capacity pressure the LRU model is off somewhere
+    state.writer.flush()
+    rows = list(sqlite_utils.Database(cfg.db)["decisions"].rows)
+    assert len(rows) == 60
+    for r in rows:  # exact where the chosen instance's events flow, and only there the estimate
+        want = ("estimate", False) if r["instance"] == "plain" else ("exact", True)
+        assert (r["index_source"], r["estimate_hit_tokens"] is not None) == want, r
+    chosen_drift = sum(abs(r["est_hit_tokens"] - r["estimate_hit_tokens"]) for r in rows
+                       if r["estimate_hit_tokens"] is not None)
+    # drift counts every exact instance on every decision, the log only the chosen one
+    assert 0 < chosen_drift <= sum(drift.values())
