@@ -11,6 +11,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from router.body import Chunks, as_bytes
 from router.request import BadRequest
 
 log = logging.getLogger("kvtop.route")
@@ -89,14 +90,14 @@ def refusal(exc: BadRequest) -> web.Response:
     return resp
 
 
-#: Bodies with a Content-Length from this size on are read as chunks joined once.
+#: Bodies with a Content-Length from this size on are kept as the chunks they arrived in.
 _BIG_READ = 1 << 20
 
 
-async def _read_big(request: web.Request, n: int) -> bytes:
-    """A large body with a known length: its chunks joined once at the end, instead of
-    aiohttp's bytearray grown chunk by chunk and then copied whole into bytes (two passes
-    over 60 MB on the event loop). A body that is not ``n`` bytes is a 400."""
+async def _read_big(request: web.Request, n: int) -> Chunks:
+    """A large body with a known length, kept as its chunks (aiohttp would grow a bytearray
+    chunk by chunk and then copy it whole into bytes: two passes over 60 MB on the event loop).
+    A body that is not ``n`` bytes is a 400."""
     chunks: list[bytes] = []
     got = 0
     content = request.content
@@ -110,12 +111,13 @@ async def _read_big(request: web.Request, n: int) -> bytes:
         chunks.append(chunk)
     if got != n:
         raise BadRequest(f"the request body ended after {got:,} of {n:,} bytes")
-    return b"".join(chunks)
+    return Chunks(chunks, got)
 
 
-async def read_body(request: web.Request, timeout_s: float | None) -> bytes:
+async def read_body(request: web.Request, timeout_s: float | None) -> bytes | Chunks:
     """The request body within ``timeout_s`` (a slow or stalled client gets a 408); a body over
-    the app's ``client_max_size`` is a 413, refused before reading when its length says so."""
+    the app's ``client_max_size`` is a 413, refused before reading when its length says so.
+    A body of ``_BIG_READ`` bytes or more with a Content-Length comes back as ``Chunks``."""
     limit = request.client_max_size
     if request.content_length is not None and request.content_length > limit:
         raise BadRequest(f"the request body ({request.content_length:,} bytes) is larger than the "
@@ -137,5 +139,5 @@ async def read_body(request: web.Request, timeout_s: float | None) -> bytes:
 
 async def read_json(request: web.Request, timeout_s: float | None) -> tuple[bytes, Any]:
     """The body, raw and parsed; BadRequest (400, 408 or 413) otherwise."""
-    raw = await read_body(request, timeout_s)
+    raw = as_bytes(await read_body(request, timeout_s))
     return raw, parse_json(raw)

@@ -30,6 +30,7 @@ from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
+from router.body import ArenaRef, Chunks, Handoff, fetch
 from router.http import parse_json
 from router.request import (BadRequest, Counted, Parsed, RouteRequest, Tokenizer, count_prompt,
                             read_body, route_request)
@@ -54,9 +55,10 @@ _worker_tokenizer: dict[str, Tokenizer] = {}
 _worker_turns: "OrderedDict[str, Counted]" = OrderedDict()
 
 
-def _parse_in_worker(raw: bytes, endpoint: str, headers: dict[str, str], session_header: str,
+def _parse_in_worker(raw: bytes | ArenaRef, endpoint: str, headers: dict[str, str], session_header: str,
                      block_size: int, tokenizer_path: str | None,
                      max_input_tokens: int | None) -> RouteRequest:
+    raw = fetch(raw)
     tok = None
     if tokenizer_path:
         tok = _worker_tokenizer.get(tokenizer_path)
@@ -84,6 +86,7 @@ class BodyParser:
         self._threads: ThreadPoolExecutor | None = None
         self._small: ThreadPoolExecutor | None = None
         self._turns: OrderedDict[str, Counted] = OrderedDict()
+        self._handoff = Handoff()
         self.offloaded = 0
         self.tokenized = 0
 
@@ -92,6 +95,8 @@ class BodyParser:
         Raises BadRequest."""
         cfg = self.config
         if len(raw) <= (OFFLOAD_BYTES if self.tokenizer is None else TOKENIZE_PROCESS_BYTES):
+            if isinstance(raw, Chunks):  # 1-4 MB without a tokenizer: parsed here, as one
+                raw = raw.join()
             body = parse_json(raw)
             parsed = read_body(body, endpoint, headers=headers, session_header=cfg.session_header)
             tok = self.tokenizer
@@ -108,9 +113,10 @@ class BodyParser:
         self.offloaded += 1
         hv = headers.get(cfg.session_header) if cfg.session_header else None
         try:
-            return None, await asyncio.get_running_loop().run_in_executor(
-                self._pool, _parse_in_worker, raw, endpoint, {cfg.session_header: hv} if hv else {},
-                cfg.session_header, cfg.block_size, cfg.tokenizer, cfg.max_input_tokens)
+            return None, await self._handoff.run(
+                asyncio.get_running_loop(), self._pool, _parse_in_worker, raw, endpoint,
+                {cfg.session_header: hv} if hv else {}, cfg.session_header, cfg.block_size,
+                cfg.tokenizer, cfg.max_input_tokens)
         except BrokenProcessPool:  # the worker died (killed, out of memory): start a new one next time
             self._pool = None
             raise BadRequest("the router's body parser failed on this request; retry", status=503) from None
@@ -139,11 +145,12 @@ class BodyParser:
         return counted
 
     @staticmethod
-    def body(raw: bytes, parsed: Any | None) -> Any:
+    def body(raw: bytes | Chunks, parsed: Any | None) -> Any:
         """The parsed body when a leg needs it (the offload legs rewrite it)."""
-        return parsed if parsed is not None else json.loads(raw)
+        return parsed if parsed is not None else json.loads(raw.join() if isinstance(raw, Chunks) else raw)
 
     def close(self) -> None:
+        self._handoff.close()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None

@@ -44,6 +44,8 @@ from urllib.parse import urlsplit
 import httptools
 from multidict import CIMultiDict
 
+from router.body import Chunks
+
 #: Bodies from this size on are written upstream as their own buffer (no copy).
 _BIG_BODY = 1 << 20
 #: Answer bytes buffered per connection before reading from the backend pauses.
@@ -448,7 +450,7 @@ class Pool:
         return None
 
     async def request(self, base: str, method: str, path: str, headers: Iterable[tuple[str, str]],
-                      body: bytes = b"", *, total_timeout: float | None = None,
+                      body: bytes | Chunks = b"", *, total_timeout: float | None = None,
                       on_sent: Callable[[], None] | None = None) -> Response:
         """Send one request; return once the answer's status line and headers are in.
 
@@ -462,9 +464,11 @@ class Pool:
             head.append(f"{k}: {v}\r\n")
         head.append("\r\n")
         head_bytes = "".join(head).encode("latin-1")
-        # One write for a small request (one send); a large body goes as its own buffer, so a
-        # 60 MB prompt is not copied on the event loop just to put 300 bytes in front of it.
-        data = head_bytes + body if len(body) < _BIG_BODY else None
+        # One write for a small request (one send); a large body goes as its own buffers (the
+        # chunks it arrived in), so a 60 MB prompt is not copied on the event loop just to put
+        # 300 bytes in front of it.
+        parts = body.parts if isinstance(body, Chunks) else (body,)
+        data = head_bytes + body if not isinstance(body, Chunks) and len(body) < _BIG_BODY else None
         deadline = self.loop.time() + total_timeout if total_timeout else None
         for attempt in (1, 2):
             conn = self._idle_conn(base)
@@ -478,7 +482,7 @@ class Pool:
             if data is not None:
                 conn.transport.write(data)
             else:
-                conn.transport.writelines((head_bytes, body))
+                conn.transport.writelines((head_bytes, *parts))
             if on_sent is not None:
                 on_sent()
                 on_sent = None
