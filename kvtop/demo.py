@@ -5,7 +5,9 @@ a replay of the bundled sample trace, and the dashboard attached to it.
   kvtop demo --instances 8 --policy lmetric --speed 20
   kvtop demo --headless --duration 10 # no TUI: run for 10 s, print the report seed table
 
-Everything listens on 127.0.0.1 on free ports. Quitting (q or ctrl+c) stops every process
+The instances publish vLLM's KV events and the router follows them, so its hits are what each
+engine holds and the dashboard's drift column shows how far its own estimate would have been
+(--no-kv-events: the estimate alone). Everything listens on 127.0.0.1 on free ports. Quitting (q or ctrl+c) stops every process
 the demo started, by pid, and nothing else. The decision log is kept (in the state dir,
 ~/.local/state/kvtop/demo/, unless --db names a file) and its path printed on the way out;
 the router's locator goes to the state dir too, so `kvtop attach` in a second terminal
@@ -50,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with the dashboard, replay the trace up to K times (default 3)")
     p.add_argument("--loop", action="store_true",
                    help="with the dashboard, replay the trace again and again until you quit")
+    p.add_argument("--no-kv-events", action="store_true",
+                   help="the simulated instances publish no KV events, so the router routes on its "
+                        "own estimate of their caches (default: it follows their events, exact)")
 
 
 class Stack:
@@ -124,10 +129,14 @@ def start_cluster(args: argparse.Namespace, stack: Stack, db: str) -> tuple[str,
     """Start sim and router; returns (router URL, token, instance URLs)."""
     from kvtop.cli import CliError
 
-    base = free_port_run(args.instances)
-    sim = stack.start("sim", ["sim", "--instances", str(args.instances), "--port-base", str(base),
-                              "--speed", f"{args.speed:g}"])
-    urls = [f"http://127.0.0.1:{base + i}" for i in range(args.instances)]
+    n = args.instances
+    events = not getattr(args, "no_kv_events", False)
+    # HTTP on base..base+n-1; with events, instance i publishes on kv + 2i and replays on kv + 2i + 1
+    base = free_port_run(3 * n if events else n)
+    kv = base + n
+    sim = stack.start("sim", ["sim", "--instances", str(n), "--port-base", str(base), "--speed", f"{args.speed:g}",
+                              *(["--kv-events-port-base", str(kv)] if events else ["--no-kv-events"])])
+    urls = [f"http://127.0.0.1:{base + i}" for i in range(n)]
     for u in urls:
         if not wait_http(u + "/health", sim, 30):
             raise CliError(f"kvtop sim did not come up: {stack.log_tail('sim') or 'no output'}")
@@ -136,8 +145,10 @@ def start_cluster(args: argparse.Namespace, stack: Stack, db: str) -> tuple[str,
 
     state_dir = default_state_dir()  # where `kvtop attach` looks: a second terminal finds the demo
     route_args = ["route", "--port", str(port), "--policy", args.policy, "--db", db, "--state-dir", str(state_dir)]
-    for u in urls:
-        route_args += ["--backend", u]
+    for i, u in enumerate(urls):
+        # the router's hits then come from what each engine reports it holds (docs/kv-events.md)
+        route_args += ["--backend", f"{u}@kv=tcp://127.0.0.1:{kv + 2 * i}@kv-replay=tcp://127.0.0.1:{kv + 2 * i + 1}"
+                       if events else u]
     if args.shadow:
         route_args += ["--shadow", args.shadow]
     router = stack.start("route", route_args)

