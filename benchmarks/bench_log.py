@@ -58,8 +58,19 @@ def build(path: str, n_decisions: int, *, seed: int = 7, run_id: str = "bench-ru
     db = sqlite_utils.Database(conn)
     ensure_schema(db)
     conn.execute("PRAGMA synchronous=OFF")
-    dcols = [c for c in TABLES["decisions"] if c != "id"]
-    ocols = [c for c in TABLES["outcomes"] if c != "id"]
+    # The columns filled below, by name (a column added to the schema later stays NULL);
+    # estimate_hit_tokens only where the schema has it.
+    dcols = ["run_id", "ts", "request_id", "attempt", "session_id", "session_source", "turn", "policy",
+             "policy_version", "instance", "instance_index", "reason", "route_class", "input_tokens",
+             "token_source", "est_hit_tokens", "best_hit_tokens", "best_hit_instance", "new_prefill_tokens",
+             "offload", "prefill_instance", "offload_reason", "migrated_from", "admission_wait_ms",
+             "decision_us", "t_proxy_recv", "t_prefill_sent", "t_prefill_done", "scores", "index_source"]
+    with_estimate = "estimate_hit_tokens" in TABLES["decisions"]
+    if with_estimate:
+        dcols.append("estimate_hit_tokens")
+    ocols = ["run_id", "ts", "request_id", "attempt", "instance", "stream", "status", "http_status", "error",
+             "ttft_ms", "e2e_ms", "tpot_ms", "output_tokens", "delivered_hit_tokens", "t_first_token", "t_done",
+             "session_id", "turn", "policy", "policy_version", "route_class", "input_tokens", "est_hit_tokens"]
     dsql = f"INSERT INTO decisions ({','.join(dcols)}) VALUES ({','.join('?' * len(dcols))})"
     osql = f"INSERT INTO outcomes ({','.join(ocols)}) VALUES ({','.join('?' * len(ocols))})"
     t0 = 1_700_000_000.0
@@ -116,9 +127,13 @@ def build(path: str, n_decisions: int, *, seed: int = 7, run_id: str = "bench-ru
                 ts += 0.5
             new = inp - est
             rc = _route_class(inp)
+            # Most hits exact (KV events), the estimate drifting a few blocks either way.
+            exact = rnd.random() < 0.7
+            drifted = max(0, est + 64 * rnd.randrange(-3, 4)) if exact else None
             dbatch.append((run_id, ts, rid, attempt, f"s{sid}", "header", s["turn"], pol, ver, inst,
                            INSTANCES.index(inst), reason, rc, inp, "tokens", est, best, s["home"], new,
-                           0, None, None, None, 0.0, rnd.uniform(20, 200), ts, None, None, None))
+                           0, None, None, None, 0.0, rnd.uniform(20, 200), ts, None, None, None,
+                           "exact" if exact else "estimate", *((drifted,) if with_estimate else ())))
             status = "ok" if attempt == 2 else rnd.choices(status_names, status_w)[0]
             ok = status == "ok"
             ttft = 50 + new / 5.0 * rnd.uniform(0.6, 1.8) if ok else None

@@ -1,5 +1,9 @@
 """Query the decision log after (or during) a run. The file is opened read-only.
 
+Several routers' logs read as one: repeat --db (``kvtop log --db r1.db --db r2.db summary``,
+or ``kvtop log summary --db r1.db r2.db``). Rows then carry a ``source`` column naming their
+file; run-scoped verbs (summary, shadow) merge every file's latest run (--run picks others).
+
   kvtop log runs                        runs with decision counts, policies and time span
   kvtop log decisions --reason retry    decisions joined with outcomes, newest first
   kvtop log summary [--run RUN]         per policy segment: reasons, classes, latency, hits
@@ -29,14 +33,18 @@ DECISION_TABLE_COLUMNS = ("ts", "request_id", "attempt", "session_id", "turn", "
                           "reason", "route_class", "input_tokens", "est_hit_tokens", "best_hit_tokens",
                           "delivered_hit_tokens", "status", "ttft_ms", "e2e_ms")
 _CELL_MAX = 48
+_RUN_HELP = ("run id or unique prefix (default: the latest run); on several logs, each log's latest run "
+             "merged as one, or the runs named here, comma-separated")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    db_help = f"decision log to read (default {DEFAULT_DB})"
+    db_help = (f"decision log to read (default {DEFAULT_DB}); repeat it, or give several paths after "
+               "the command, to read several routers' logs as one")
     # --db works before or after the command: `kvtop log --db X runs` and `kvtop log runs --db X`.
-    parser.add_argument("--db", dest="parent_db", metavar="PATH", help=db_help)
+    # Before it, one path per --db (more would swallow the command's name).
+    parser.add_argument("--db", dest="parent_db", metavar="PATH", action="append", help=db_help)
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--db", metavar="PATH", help=db_help)
+    common.add_argument("--db", metavar="PATH", nargs="+", action="extend", help=db_help)
     sub = parser.add_subparsers(dest="log_cmd", metavar="COMMAND")
     sub.required = True
 
@@ -44,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--format", choices=("table", "jsonl", "csv"), default="table")
 
     p = sub.add_parser("decisions", parents=[common], help="decisions joined with their outcomes")
-    p.add_argument("--run", help="run id or unique prefix (default: every run)")
+    p.add_argument("--run", help="run id or unique prefix, in whichever log holds it (default: every run)")
     p.add_argument("--session", help="session id")
     p.add_argument("--instance", help="chosen instance")
     p.add_argument("--reason", help="reason code, e.g. argmin, retry (docs/policies.md)")
@@ -56,24 +64,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--format", choices=("table", "jsonl", "csv"), default="table")
 
     p = sub.add_parser("summary", parents=[common], help="per policy segment: reasons, latency, hits")
-    p.add_argument("--run", help="run id or unique prefix (default: the latest run)")
+    p.add_argument("--run", help=_RUN_HELP)
     p.add_argument("--format", choices=("text", "json"), default="text")
 
     p = sub.add_parser("why", parents=[common], help="why one request went where it did (its receipt)",
                        description="The receipt of one request: each attempt's policy, reason and every "
                                    "candidate's terms, its timeline and its outcome.")
     p.add_argument("request_id", metavar="REQUEST_ID", help="request id or a unique prefix of one")
-    p.add_argument("--run", help="run id or unique prefix (default: the latest run with this request)")
+    p.add_argument("--run", help="run id or unique prefix (default: the latest run with this request, "
+                   "in whichever log holds it)")
     p.add_argument("--format", choices=("text", "json"), default="text")
 
     p = sub.add_parser("shadow", parents=[common], help="per shadow policy and segment: agreement, "
                        "disagreements by class, est. prefill tokens saved or lost",
                        description="What each shadow policy (kvtop route --shadow) would have picked, "
                                    "against the active policy, per policy segment of a run.")
-    p.add_argument("--run", help="run id or unique prefix (default: the latest run)")
+    p.add_argument("--run", help=_RUN_HELP)
     p.add_argument("--format", choices=("table", "jsonl", "csv"), default="table")
 
-    p = sub.add_parser("sql", parents=[common], help="run one read-only SQL statement")
+    p = sub.add_parser("sql", parents=[common], help="run one read-only SQL statement",
+                       description="One read-only statement. On several logs each table name is a view "
+                                   "over every file's rows, with a source column naming the file.")
     p.add_argument("query", metavar="SQL", help='e.g. "SELECT reason, count(*) FROM decisions GROUP BY 1"')
     p.add_argument("--param", action="append", default=[], metavar="VALUE",
                    help="bind a ? placeholder (repeat in order)")
@@ -88,19 +99,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import sqlite3
+
     from store import queries
 
+    db = None
     try:
-        db = queries.open_readonly(args.db or args.parent_db or DEFAULT_DB)
+        db = queries.open_logs((args.parent_db or []) + (args.db or []) or [DEFAULT_DB])
+        for again, kept in getattr(db, "duplicates", ()):
+            print(f"kvtop log: {again} is the same file as {kept}; read once", file=sys.stderr)
         return _COMMANDS[args.log_cmd](queries, db, args)
     except queries.QueryError as exc:
         raise CliError(str(exc)) from None
+    except sqlite3.DatabaseError as exc:  # e.g. a file damaged past its first page
+        raise CliError(_damaged(queries, db, exc)) from None
     except BrokenPipeError:  # `kvtop log ... | head`: the reader has what it wanted
         # Point stdout at /dev/null so the interpreter's last flush does not fail again (the
         # recipe in Python's signal docs); exit 0 without a word.
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 0
+
+
+def _damaged(queries, db, exc: Exception) -> str:
+    if db is not None and queries.is_merged(db):
+        bad = db.damaged()
+        where = (", ".join(bad) + (" is" if len(bad) == 1 else " are")) if bad else "one of the logs is"
+        return f"{where} damaged: {exc} (PRAGMA quick_check says more)"
+    return f"the log is damaged or unreadable: {exc} (PRAGMA quick_check says more)"
 
 
 # -- commands -----------------------------------------------------------------------
@@ -115,6 +141,7 @@ def _runs(queries, db, args) -> int:
         "span": _fmt_span(r["first_ts"], r["last_ts"]),
         "decisions": r["decisions"],
         "policies": " -> ".join(r["policies"]) or r.get("policy") or "",
+        **({"source": _tail(r["source"], 200)} if "source" in r else {}),
     } for r in rows]
     if not table:
         print("no runs yet")
@@ -141,6 +168,8 @@ def _decisions(queries, db, args) -> int:
     shown = []
     for r in rows:
         row = {c: r.get(c) for c in DECISION_TABLE_COLUMNS}
+        if "source" in r:  # several logs: the file's name, which its end tells best
+            row["source"] = _tail(r["source"])
         row["ts"] = _fmt_ts(r["ts"], millis=True)
         row["policy"] = f"{r['policy']}@{r['policy_version']}"
         shown.append(row)
@@ -169,6 +198,8 @@ def _why(queries, db, args) -> int:
         ev = receipt.from_row({k: v for k, v in a["decision"].items() if k not in ("blocks", "blocks_parent")},
                               a["outcome"])
         blocks.append(receipt.render_text(ev, a["outcome"]))
+    if found.get("source"):
+        blocks.insert(0, f"from {found['source']} (run {found['run_id']})")
     if found["other_runs"]:
         blocks.append(f"(this request id is also in run {', '.join(found['other_runs'])}: --run picks one)")
     print("\n\n".join(blocks))
@@ -229,6 +260,9 @@ _COMMANDS = {"runs": _runs, "decisions": _decisions, "summary": _summary, "why":
 def format_summary(result: dict) -> str:
     """The readable report of ``queries.summary``: one block per policy segment."""
     lines = [f"run {result['run_id']}: {len(result['segments'])} policy segment(s)"]
+    if result.get("sources"):
+        lines.append(f"  {len(result['sources'])} routers' logs merged: "
+                     + ", ".join(f"{s['source']} (run {s['run_id']})" for s in result["sources"]))
     if not result["segments"]:
         lines.append("  no decisions in this run")
     for s in result["segments"]:
@@ -261,7 +295,33 @@ def format_summary(result: dict) -> str:
                      f"(mean {_num(h['mean_routing_regret'])})  "
                      f"estimate error (est-delivered) {_num(h['estimate_error'])} "
                      f"(mean {_num(h['mean_estimate_error'])})")
+        if "kv" in s:
+            lines += _kv_lines(s["kv"])
     return "\n".join(lines)
+
+
+def _kv_lines(kv: dict) -> list[str]:
+    """Exact (KV-event) hits and the estimate's drift from them, per segment and instance."""
+    if kv["exact"] is None:
+        return ["  KV drift     n/a (this log predates index_source)"]
+    lines = [f"  index        exact {kv['exact']:,} of {kv['decisions']:,} decisions "
+             f"({_pct(kv['exact'], kv['decisions'])})"]
+    lines.append("  KV drift     " + _drift_text(kv))
+    if len(kv["instances"]) > 1 or kv["instances"] and kv["exact"]:
+        width = max(len(str(r["instance"])) for r in kv["instances"])
+        for r in kv["instances"]:
+            lines.append(f"    {str(r['instance']):<{width}}  exact {r['exact']:,}/{r['decisions']:,} "
+                         f"({_pct(r['exact'], r['decisions'])})  drift {_drift_text(r)}")
+    return lines
+
+
+def _drift_text(kv: dict) -> str:
+    if kv["drift_decisions"] is None:
+        return "n/a (this log has no estimate_hit_tokens column)"
+    if kv["drift"] is None:
+        return "n/a (no exact decision with the estimate recorded)"
+    return (f"{100 * kv['drift']:.2f}% of input tokens (over {100 * kv['over']:.2f}%, "
+            f"under {100 * kv['under']:.2f}%) over {kv['drift_decisions']:,} exact decisions")
 
 
 def _shares(counts: dict[str, int], total: int) -> str:
@@ -299,6 +359,10 @@ def _fmt_span(t0: float | None, t1: float | None) -> str:
     if s < 7200:
         return f"{s / 60:.1f}m"
     return f"{s / 3600:.1f}h"
+
+
+def _tail(text: str, width: int = _CELL_MAX) -> str:
+    return text if len(text) <= width else "…" + text[-(width - 1):]
 
 
 def _cell(v: Any, width: int = _CELL_MAX) -> str:

@@ -1,10 +1,13 @@
 """The seed table and per-class TTFT, one row per arm, from replay results or a decision log.
 
 Each results file (``kvtop replay --out``) is one arm, labelled by its header's ``arm`` or its
-file name; ``--db`` adds one arm per policy segment of a run in the decision log. The
-arithmetic lives in ``kvtop.seedtable``.
+file name; ``--db`` adds one arm per policy segment of a run in the decision log. Several
+``--db`` (one log per router in front of the same fleet) are read as one log: each log's
+latest run merged, so every figure is over the routers' requests together. The arithmetic
+lives in ``kvtop.seedtable``.
 
   kvtop report lmetric.jsonl unified.jsonl --format md --plot
+  kvtop report --db router1.db --db router2.db
 """
 
 from __future__ import annotations
@@ -26,8 +29,12 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("results", nargs="*", metavar="RESULTS",
                    help="results files written by kvtop replay (one arm each)")
-    p.add_argument("--db", metavar="FILE", help="also report the arms of a decision log (kvtop.db)")
-    p.add_argument("--run", metavar="RUN_ID", help="with --db: this run (default: the latest)")
+    p.add_argument("--db", metavar="FILE", action="append",
+                   help="also report the arms of a decision log (kvtop.db); repeat it for several routers' "
+                        "logs, read as one")
+    p.add_argument("--run", metavar="RUN_ID",
+                   help="with --db: this run (default: the latest; with several logs, each log's latest "
+                        "merged, or the runs named here, comma-separated)")
     p.add_argument("--format", choices=("text", "md", "csv"), default="text",
                    help="table format (default text)")
     p.add_argument("--plot", action="store_true",
@@ -91,20 +98,37 @@ def load_results(path: str) -> Arm:
     return Arm(str(label), seedtable.RecordColumns(records), header.get("engine_prefix_cache"))
 
 
-def load_db_arms(db_path: str, run_id: str | None) -> list[Arm]:
+def load_db_arms(db_paths: str | Sequence[str], run_id: str | None) -> list[Arm]:
+    """The arms of one decision log, or of several read as one (``store.queries.open_logs``)."""
+    import sqlite3
+
     from kvtop.cli import CliError
 
-    if not os.path.exists(db_path):
-        raise CliError(f"database not found: {db_path}")
+    paths = [db_paths] if isinstance(db_paths, str) else list(db_paths)
+    for path in paths:
+        if not os.path.exists(path):
+            raise CliError(f"database not found: {path}")
     try:
         from store.queries import arms_from_db
     except ImportError:
         raise CliError("--db needs store.queries.arms_from_db, which this build lacks; "
                        "report from results files instead") from None
+    db = None
     try:
-        arms = arms_from_db(db_path, run_id)
-    except LookupError as exc:  # e.g. an unknown run id
+        if len(paths) == 1:
+            arms = arms_from_db(paths[0], run_id)
+        else:
+            from store.queries import open_logs
+
+            db = open_logs(paths)
+            for again, kept in getattr(db, "duplicates", ()):
+                print(f"kvtop report: {again} is the same file as {kept}; read once", file=sys.stderr)
+            arms = arms_from_db(db, run_id)
+    except LookupError as exc:  # e.g. an unknown run id, a damaged or locked file
         raise CliError(str(exc).strip("'\"")) from None
+    except sqlite3.DatabaseError as exc:  # damaged past the pages opening it reads
+        bad = db.damaged() if hasattr(db, "damaged") else paths
+        raise CliError(f"{', '.join(bad) or ', '.join(paths)} damaged or unreadable: {exc}") from None
     # A log's arm answers the seed table from SQL (``columns``); its records, a dict per
     # request, are built only if --plot asks. Stand-ins without ``columns`` give records.
     return [Arm(a.label, getattr(a, "columns", None) or seedtable.RecordColumns(a.records), a.apc,
@@ -193,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
     empty = [a.label for a in arms if not a.requests]
     arms = [a for a in arms if a.requests]
     if not arms:
-        sources = ", ".join(args.results + ([args.db] if args.db else []))
+        sources = ", ".join(args.results + (args.db or []))
         raise CliError(f"no request records in {sources}: nothing to report")
     if empty:
         print(f"kvtop report: no request records for {', '.join(empty)}; left out",

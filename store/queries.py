@@ -33,6 +33,7 @@ from urllib.parse import quote
 
 import sqlite_utils
 
+from store import merge
 from store.schema import JSON_COLUMNS, TABLES
 from store.stats import ranked_percentile
 
@@ -46,6 +47,8 @@ _CANCELLED_SQL = "(" + ", ".join(f"'{c}'" for c in CANCELLED) + ")"
 _RECORD_STATUS = {1: "ok", 0: "error", 2: "cancelled", None: None}
 PERCENTILES = (50, 90, 99)
 _SEP = "\x1f"  # unit separator: cannot appear in a reason, class or status
+#: How long a read waits for a writer's exclusive lock before the file is reported locked.
+BUSY_TIMEOUT_S = 5.0
 
 
 class QueryError(LookupError):
@@ -68,11 +71,15 @@ def open_readonly(path: str | Path) -> sqlite_utils.Database:
         raise QueryError(f"{path} is not a file")
     uri = "file:" + quote(str(p.resolve())) + "?mode=ro"
     try:
-        conn = sqlite3.connect(uri, uri=True, check_same_thread=False)
+        conn = sqlite3.connect(uri, uri=True, check_same_thread=False, timeout=BUSY_TIMEOUT_S)
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     except sqlite3.DatabaseError as exc:
         if "unable to open" in str(exc):  # e.g. a live WAL file in a directory we cannot write
             raise QueryError(f"cannot open {path} read-only: {exc}") from None
+        if "malformed" in str(exc):
+            raise QueryError(f"{path} is damaged ({exc})") from None
+        if "locked" in str(exc):  # another process holds an exclusive lock past BUSY_TIMEOUT_S
+            raise QueryError(f"{path} is locked by another process ({exc}); try again when it lets go") from None
         raise QueryError(f"{path} is not a kvtop database ({exc})") from None
     missing = {"runs", "decisions", "outcomes"} - tables
     if missing:
@@ -83,6 +90,50 @@ def open_readonly(path: str | Path) -> sqlite_utils.Database:
     conn.execute("PRAGMA mmap_size = 4294967296")
     conn.execute("PRAGMA cache_size = -262144")
     return sqlite_utils.Database(conn)
+
+
+def open_logs(paths: str | Path | Sequence[str | Path]) -> sqlite_utils.Database:
+    """One log read-only (``open_readonly``), or several read as one (``store.merge``): the
+    tables become views over every file, with a ``source`` column naming each row's file.
+
+    The same file given twice is read once (``db.duplicates`` says so); a run id in two
+    different files, a missing, foreign, corrupt or locked file raise QueryError.
+    """
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    if not paths:
+        raise QueryError("no database given")
+    distinct: list[str | Path] = []
+    for p in paths:
+        if not any(_same_file(p, q) for q in distinct):
+            distinct.append(p)
+    if len(distinct) == 1:
+        db = open_readonly(distinct[0])
+        db.duplicates = [(str(p), str(distinct[0])) for p in paths[1:]]  # type: ignore[attr-defined]
+        return db
+    return merge.open_merged(paths, open_one=open_readonly, error=QueryError)
+
+
+def _same_file(a: str | Path, b: str | Path) -> bool:
+    try:
+        return Path(a).samefile(b)
+    except OSError:  # a missing file: open_readonly says so
+        return str(a) == str(b)
+
+
+def is_merged(db: sqlite_utils.Database) -> bool:
+    return isinstance(db, merge.MergedLog)
+
+
+def _scope(db: sqlite_utils.Database, run: str | None) -> tuple[sqlite_utils.Database, str]:
+    """The run a run-scoped question is about. On several logs, the chosen runs (``run``:
+    ids or prefixes joined by commas; None: every log's latest run) become one run."""
+    if not is_merged(db):
+        return db, resolve_run(db, run)
+    wanted = [r.strip() for r in run.split(",") if r.strip()] if run and run != "latest" else None
+    if db.runs and (run is None or run == "+".join(r for _, r in db.runs)):
+        return db, "+".join(r for _, r in db.runs)
+    return db, merge.merge_runs(db, wanted, resolve=resolve_run, error=QueryError)
 
 
 def _db(db: sqlite_utils.Database | str | Path) -> sqlite_utils.Database:
@@ -153,16 +204,22 @@ def resolve_run(db: sqlite_utils.Database, run: str | None) -> str:
 def _run_clause(db: sqlite_utils.Database, run_id: str, alias: str = "d") -> str:
     """``run_id = ?`` shaped for the planner: when the run is most of the table a scan in
     rowid order beats 1M look-ups through the (run_id, ts) index, so hide the index."""
+    prefix = f"{alias}." if alias else ""
+    if is_merged(db):  # the views' run_id is a constant: each file's own filter picks the plan
+        return f"{prefix}run_id = ?"
     conn = db.conn
     total = conn.execute("SELECT max(id) FROM decisions").fetchone()[0] or 0
     mine = conn.execute("SELECT count(*) FROM decisions WHERE run_id = ?", (run_id,)).fetchone()[0]
-    prefix = f"{alias}." if alias else ""
     return f"+{prefix}run_id = ?" if mine * 3 > total else f"{prefix}run_id = ?"
 
 
 def runs(db: sqlite_utils.Database | str | Path) -> list[dict]:
-    """Every run, newest first, with its decision count, time span and policies used."""
+    """Every run, newest first, with its decision count, time span and policies used; on
+    several logs, every file's runs, each with the ``source`` file it came from."""
     db = _db(db)
+    if is_merged(db):
+        merged = [{**r, "source": s.label} for s in db.sources for r in runs(s.db)]
+        return sorted(merged, key=lambda r: -(r["started_at"] or r["first_ts"] or 0))
     out = {r["run_id"]: {**r, "decisions": 0, "first_ts": None, "last_ts": None, "policies": []}
            for r in _rows(db, "SELECT run_id, started_at, ended_at, host, port, policy, argv, "
                               "kvtop_version FROM runs")}
@@ -269,8 +326,11 @@ def request_attempts(db: sqlite_utils.Database | str | Path, request_id: str, *,
         db, "SELECT * FROM outcomes WHERE request_id = ? AND +run_id = ? ORDER BY id", (rid, run_id))}
     attempts = [{"decision": decode_json_columns("decisions", d), "outcome": outcomes.get(d["attempt"])}
                 for d in rows]
-    return {"request_id": rid, "run_id": run_id, "attempts": attempts,
-            "other_runs": [r for r in runs_of if r != run_id]}
+    found = {"request_id": rid, "run_id": run_id, "attempts": attempts,
+             "other_runs": [r for r in runs_of if r != run_id]}
+    if rows and "source" in rows[0]:  # several logs: the file (router) that holds it
+        found["source"] = rows[0]["source"]
+    return found
 
 
 # -- segments and summaries -----------------------------------------------------------
@@ -278,7 +338,7 @@ def segments(db: sqlite_utils.Database | str | Path, run_id: str | None = None) 
     """The run's policy segments in time order: label ``policy@version``, first and last
     decision time, decisions and requests (first attempts) in each."""
     db = _db(db)
-    run_id = resolve_run(db, run_id)
+    db, run_id = _scope(db, run_id)
     rows = _rows(db, f"""SELECT policy, policy_version, count(*) AS decisions,
         sum(attempt = 1) AS requests, min(ts) AS start_ts, max(ts) AS end_ts
         FROM decisions d WHERE {_run_clause(db, run_id)} GROUP BY policy, policy_version""", (run_id,))
@@ -295,7 +355,7 @@ def shadow_summary(db: sqlite_utils.Database | str | Path, run_id: str | None = 
     picks would have saved (< 0: lost) and the mean gap between the real pick's score and the
     shadow's own under the shadow's model. Empty when the run had no shadows."""
     db = _db(db)
-    run_id = resolve_run(db, run_id)
+    db, run_id = _scope(db, run_id)
     if "shadows" not in db["decisions"].columns_dict:
         return []
     where = f"{_run_clause(db, run_id)} AND d.shadows IS NOT NULL"
@@ -397,7 +457,7 @@ def summary(db: sqlite_utils.Database | str | Path, run_id: str | None = None) -
     ``delivered_hit_tokens`` (NULL ones are left out of both sides).
     """
     db = _db(db)
-    run_id = resolve_run(db, run_id)
+    db, run_id = _scope(db, run_id)
     run_clause = _run_clause(db, run_id)
     # Two ordered passes over the run, both in policy-index order so GROUP BY needs no sort:
     # the decisions alone, and decisions joined with outcomes. They run at once on two
@@ -519,8 +579,77 @@ def summary(db: sqlite_utils.Database | str | Path, run_id: str | None = None) -
                 "mean_estimate_error": _mean(o["est_error"], o["n_est_error"]),
             },
         })
+    kv = kv_drift(db, run_id)
+    for seg in segs:
+        seg["kv"] = kv.get((seg["policy"], seg["policy_version"]), _kv_empty(kv.has_estimate))
     segs.sort(key=lambda s: (s["start_ts"], s["policy_version"] or 0))
-    return {"run_id": run_id, "segments": segs}
+    out = {"run_id": run_id, "segments": segs}
+    if is_merged(db):
+        out["sources"] = [{"source": source, "run_id": r} for source, r in db.runs]
+    return out
+
+
+class _KvBySegment(dict):
+    has_estimate: bool = False
+
+
+def _kv_figures(decisions: int, exact: int | None, n: int, inp: int | None, over: int | None,
+                under: int | None, has_estimate: bool) -> dict:
+    """One row of KV drift: how many decisions had an exact (KV-event) hit, and over those
+    with the estimate recorded, how far the estimate was from it."""
+    inp = inp or 0
+    drift = None if not has_estimate or not n or not inp else ((over or 0) + (under or 0)) / inp
+    return {"decisions": decisions, "exact": exact,
+            "exact_share": None if exact is None or not decisions else exact / decisions,
+            "drift_decisions": n if has_estimate else None, "drift_input_tokens": inp if has_estimate else None,
+            "over_tokens": over if has_estimate else None, "under_tokens": under if has_estimate else None,
+            "drift": drift,
+            "over": None if drift is None else (over or 0) / inp,
+            "under": None if drift is None else (under or 0) / inp}
+
+
+def _kv_empty(has_estimate: bool) -> dict:
+    return {**_kv_figures(0, None, 0, 0, 0, 0, has_estimate), "instances": []}
+
+
+def kv_drift(db: sqlite_utils.Database | str | Path, run_id: str | None = None) -> _KvBySegment:
+    """Per policy segment and chosen instance: decisions whose hit came from the instance's
+    KV events (``index_source = 'exact'``), their share, and the estimate's drift over them:
+    sum(|estimate_hit_tokens - est_hit_tokens|) / sum(input_tokens), split into over
+    (the estimate believed more was cached) and under. Keys (policy, version); each value
+    has the segment's figures and ``instances``, a list of the same per instance.
+
+    A log without ``index_source`` has no exact figures (None); one without
+    ``estimate_hit_tokens`` (written before it existed) has exact counts but drift None.
+    On several logs a file without the column adds nothing to the drift.
+    """
+    db = _db(db)
+    db, run_id = _scope(db, run_id)
+    out = _KvBySegment()
+    cols = db["decisions"].columns_dict
+    if "index_source" not in cols:
+        return out
+    out.has_estimate = has_estimate = "estimate_hit_tokens" in cols
+    exact = "index_source = 'exact'"
+    measured = f"{exact} AND estimate_hit_tokens IS NOT NULL AND est_hit_tokens IS NOT NULL"
+    drift_cols = (f"""sum({measured}), sum(CASE WHEN {measured} THEN input_tokens END),
+        sum(CASE WHEN {measured} THEN max(estimate_hit_tokens - est_hit_tokens, 0) END),
+        sum(CASE WHEN {measured} THEN max(est_hit_tokens - estimate_hit_tokens, 0) END)"""
+                  if has_estimate else "0, 0, 0, 0")
+    rows = db.conn.execute(f"""SELECT policy, policy_version, instance, count(*), sum({exact}), {drift_cols}
+        FROM decisions d WHERE {_run_clause(db, run_id)} GROUP BY policy, policy_version, instance""", (run_id,))
+    totals: dict[tuple, list] = {}
+    for pol, ver, inst, n, n_exact, n_drift, inp, over, under in rows:
+        seg = out.setdefault((pol, ver), {"instances": []})
+        seg["instances"].append({"instance": inst, **_kv_figures(n, n_exact or 0, n_drift or 0, inp, over, under,
+                                                                 has_estimate)})
+        t = totals.setdefault((pol, ver), [0, 0, 0, 0, 0, 0])
+        for i, v in enumerate((n, n_exact, n_drift, inp, over, under)):
+            t[i] += v or 0
+    for key, seg in out.items():
+        seg.update(_kv_figures(*totals[key], has_estimate))
+        seg["instances"].sort(key=lambda r: str(r["instance"]))
+    return out
 
 
 # -- arbitrary read-only SQL and export -------------------------------------------------
@@ -701,7 +830,7 @@ def arms_from_db(db_path: str | Path | sqlite_utils.Database, run_id: str | None
     older files (and outcomes without a route class) build the records at once.
     """
     db = _db(db_path)
-    run_id = resolve_run(db, run_id)
+    db, run_id = _scope(db, run_id)
     conn = db.conn
     run_clause = _run_clause(db, run_id)
     # Few requests are retried: find them once (a plain scan; grouping would walk the
@@ -1033,5 +1162,6 @@ def table_names(db: sqlite_utils.Database) -> list[str]:
 
 
 __all__ = ["Arm", "QueryError", "SegmentColumns", "arms_from_db", "decisions", "decode_json_columns", "export",
-           "open_readonly", "parse_time", "request_attempts", "resolve_run", "run_sql", "runs", "segments",
+           "is_merged", "kv_drift", "open_logs", "open_readonly", "parse_time", "request_attempts", "resolve_run",
+           "run_sql", "runs", "segments",
            "summary", "table_names"]

@@ -1,0 +1,242 @@
+"""Several routers' decision logs read as one (``kvtop log --db A --db B``, ``kvtop report``).
+
+Each file is ATTACHed read-only to one in-memory connection, and TEMP views named like the
+tables (``decisions``, ``outcomes``, ``runs``, ``config_events``, ``samples``) are the UNION
+ALL of every file's rows plus a ``source`` column naming the file. So every query in
+``store.queries`` runs unchanged on the union, and SQLite still answers through each file's
+own indexes: a WHERE on a view is pushed into every file's arm, and an ORDER BY over the
+union is a merge of the files' index orders, so a percentile of the merged rows is a walk of
+the merged order, never an average of per-file figures.
+
+Why views and not per-file queries merged in Python: the rows, not the answers, are what
+merge correctly (a p90 of two files is not a function of their p90s). Why not a copy: a copy
+of two million-row logs costs seconds and memory before the first answer.
+
+Run ids are unique across routers (start time plus a random suffix), so ``run_id`` keeps
+joins between decisions and outcomes inside one router's rows; ``id`` columns collide across
+files and are only used for order. A run id found in two files means one file is a copy of
+the other and is refused; the same file given twice is read once. Files of different schema
+versions merge: a column one file lacks reads NULL there.
+
+``merge_runs`` narrows the views to chosen runs (by default each file's latest) and renames
+their ``run_id`` to one label, so the run-scoped questions (``summary``, ``shadow``, the
+report's arms) see the routers' runs as one run of the fleet.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+from urllib.parse import quote
+
+import sqlite_utils
+
+from store.schema import TABLES
+
+#: Tables every kvtop log has (``open_readonly`` checks them); the rest may be missing.
+MERGED_TABLES = tuple(TABLES)
+
+
+@dataclass
+class Source:
+    """One router's log: the path as the user gave it (its label in ``source``), its schema
+    alias on the merged connection, and a read-only connection of its own."""
+
+    label: str
+    alias: str
+    path: str
+    db: sqlite_utils.Database = field(repr=False)
+
+
+class MergedLog(sqlite_utils.Database):
+    """An in-memory connection whose TEMP views read several logs as one.
+
+    sqlite-utils only lists the main schema's tables; the views here are TEMP (a view in one
+    schema may not read another), so ``table_names`` lists them too and ``db["decisions"]``
+    (``exists``, ``columns_dict``) works as on a file.
+    """
+
+    sources: list[Source]
+    #: after ``merge_runs``: [(source label, run id)] in the merged run, in start order
+    runs: list[tuple[str, str]]
+    #: files given more than once, read once: [(path given again, path kept)]
+    duplicates: list[tuple[str, str]]
+
+    def table_names(self, fts4: bool = False, fts5: bool = False) -> list[str]:
+        if fts4 or fts5:
+            return super().table_names(fts4, fts5)
+        temp = [r[0] for r in self.execute("SELECT name FROM sqlite_temp_master WHERE type = 'view'")]
+        return super().table_names() + temp
+
+    def view_names(self) -> list[str]:  # our views are "tables" to sqlite-utils (see table_names)
+        return []
+
+    def damaged(self) -> list[str]:
+        """The sources whose file fails SQLite's quick check (asked only after an error)."""
+        bad = []
+        for s in self.sources:
+            try:
+                ok = s.db.conn.execute("PRAGMA quick_check(1)").fetchone()[0] == "ok"
+            except sqlite3.DatabaseError:
+                ok = False
+            if not ok:
+                bad.append(s.label)
+        return bad
+
+
+def _lit(text: str) -> str:
+    return "'" + str(text).replace("'", "''") + "'"
+
+
+def _columns(conn: sqlite3.Connection, alias: str, table: str) -> list[str] | None:
+    rows = conn.execute(f"PRAGMA [{alias}].table_info([{table}])").fetchall()
+    return [r[1] for r in rows] or None
+
+
+def open_merged(paths: Sequence[str | Path], *, open_one, error: type[Exception]) -> MergedLog:
+    """Attach every log in ``paths`` read-only and build the views over all their runs.
+
+    ``open_one`` opens and checks one file (``queries.open_readonly``: missing, corrupt,
+    locked and foreign files raise ``error`` naming the file). The same file twice (by
+    device and inode) is read once and listed in ``duplicates``; a run id in two different
+    files raises ``error``.
+    """
+    sources: list[Source] = []
+    seen: dict[tuple[int, int], str] = {}
+    duplicates: list[tuple[str, str]] = []
+    conn = None
+    try:
+        for path in paths:
+            one = open_one(path)  # raises for a missing, foreign, corrupt or locked file
+            st = os.stat(path)
+            key = (st.st_dev, st.st_ino)
+            if key in seen:
+                duplicates.append((str(path), seen[key]))
+                one.conn.close()
+                continue
+            seen[key] = str(path)
+            sources.append(Source(str(path), f"log{len(sources)}", str(Path(path).resolve()), one))
+        conn = sqlite3.connect("file::memory:", uri=True, check_same_thread=False)
+        limit = conn.getlimit(sqlite3.SQLITE_LIMIT_ATTACHED) if hasattr(conn, "getlimit") else 10
+        if len(sources) > limit:
+            raise error(f"at most {limit} logs can be read at once (SQLite's attach limit); got {len(sources)}")
+        for s in sources:
+            conn.execute("ATTACH DATABASE ? AS " + s.alias, ("file:" + quote(s.path) + "?mode=ro",))
+        _check_run_ids(sources, error)
+        db = MergedLog(conn)
+        db.sources, db.duplicates, db.runs = sources, duplicates, []
+        _create_views(db, None)
+        conn.execute("PRAGMA query_only = ON")
+        return db
+    except BaseException:
+        for s in sources:
+            s.db.conn.close()
+        if conn is not None:
+            conn.close()
+        raise
+
+
+def _check_run_ids(sources: list[Source], error: type[Exception]) -> None:
+    owner: dict[str, str] = {}
+    for s in sources:
+        ids = {r[0] for r in s.db.conn.execute("SELECT run_id FROM runs")}
+        ids |= {r[0] for r in s.db.conn.execute("SELECT DISTINCT run_id FROM decisions")}
+        for run_id in ids:
+            if run_id in owner:
+                raise error(f"run {run_id} is in both {owner[run_id]} and {s.label}: is one a copy of the "
+                            "other? give each router's log once")
+            owner[run_id] = s.label
+
+
+def _create_views(db: MergedLog, chosen: dict[str, list[str]] | None, label: str | None = None) -> None:
+    """TEMP views over every source; with ``chosen`` ({source label: run ids}) only those
+    runs' rows, their run_id read as ``label``."""
+    conn = db.conn
+    for table in MERGED_TABLES:
+        per_source = [(s, _columns(conn, s.alias, table)) for s in db.sources]
+        per_source = [(s, cols) for s, cols in per_source if cols]
+        if chosen is not None:
+            per_source = [(s, cols) for s, cols in per_source if chosen.get(s.label)]
+        if not per_source:
+            continue
+        # The schema's columns first, in its order; then any a newer file has that we do not know.
+        union = [c for c in TABLES[table] if any(c in cols for _, cols in per_source)]
+        for _, cols in per_source:
+            union += [c for c in cols if c not in union and c != "source"]
+        arms = []
+        for s, cols in per_source:
+            have = set(cols)
+            picked = []
+            for c in union:
+                if c == "run_id" and chosen is not None:
+                    picked.append(f"{_lit(label)} AS run_id")
+                elif c in have:
+                    picked.append(f"[{c}]")
+                else:
+                    picked.append(f"NULL AS [{c}]")
+            arm = f"SELECT {', '.join(picked)}, {_lit(s.label)} AS source FROM {s.alias}.[{table}]"
+            if chosen is not None:
+                arm += f" WHERE run_id IN ({', '.join(_lit(r) for r in chosen[s.label])})"
+            arms.append(arm)
+        conn.execute(f"DROP VIEW IF EXISTS temp.[{table}]")
+        conn.execute(f"CREATE TEMP VIEW [{table}] AS " + "\nUNION ALL\n".join(arms))
+
+
+def merge_runs(db: MergedLog, runs: Sequence[str] | None, *, resolve, error: type[Exception]) -> str:
+    """Narrow ``db``'s views to ``runs`` (ids or unique prefixes, each in whichever file holds
+    it; None: every file's latest run) read as one run; returns its id, the chosen ids joined
+    with ``+`` in start order. ``resolve(db, run)`` is ``queries.resolve_run``."""
+    conn = db.conn
+    if db.runs:  # narrowed before: look again over every run
+        _with_writes(db, lambda: _create_views(db, None))
+        db.runs = []
+    chosen: dict[str, list[str]] = {}
+    picked: list[tuple[float, str, str]] = []
+
+    def add(source: str, run_id: str) -> None:
+        if run_id in chosen.get(source, []):
+            return
+        chosen.setdefault(source, []).append(run_id)
+        own = next(s.db.conn for s in db.sources if s.label == source)
+        row = own.execute("SELECT min(t) FROM (SELECT started_at AS t FROM runs WHERE run_id = ? "
+                          "UNION ALL SELECT min(ts) FROM decisions WHERE run_id = ?)", (run_id, run_id)).fetchone()
+        picked.append((row[0] or 0.0, source, run_id))
+
+    if runs:
+        for run in runs:
+            run_id = resolve(db, run)  # over every file's runs: prefixes and ambiguity as one log
+            row = conn.execute("SELECT source FROM runs WHERE run_id = ? UNION ALL "
+                               "SELECT source FROM (SELECT source FROM decisions WHERE run_id = ? LIMIT 1)",
+                               (run_id, run_id)).fetchone()
+            add(row[0], run_id)
+    else:
+        for s in db.sources:
+            try:
+                add(s.label, resolve(s.db, None))
+            except error:  # a log with no runs yet adds nothing
+                continue
+        if not chosen:
+            raise error("none of these logs has a run yet")
+    picked.sort()
+    label = "+".join(run_id for _, _, run_id in picked)
+    _with_writes(db, lambda: _create_views(db, chosen, label))
+    db.runs = [(source, run_id) for _, source, run_id in picked]
+    return label
+
+
+def _with_writes(db: MergedLog, build) -> None:
+    """Run ``build`` (TEMP views only, in memory: the files stay ``mode=ro``) with writes on."""
+    db.conn.execute("PRAGMA query_only = OFF")
+    try:
+        build()
+    finally:
+        db.conn.execute("PRAGMA query_only = ON")
+
+
+def close(db: sqlite_utils.Database) -> None:
+    for s in getattr(db, "sources", ()):
+        s.db.conn.close()
+    db.conn.close()
