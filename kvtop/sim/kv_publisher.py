@@ -44,7 +44,8 @@ class KvEventPublisher:
         self.topic = topic
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self.seq = 0
-        self._tokens: dict[str, list[int]] = {}  # request id -> prompt tokens, while it can store blocks
+        #: request id -> (prompt tokens, their block hashes or None), while it can store blocks
+        self._tokens: dict[str, tuple[list[int], list[int] | None]] = {}
         self._ctx = None
         self._pub = None
         self._router = None
@@ -96,9 +97,10 @@ class KvEventPublisher:
         self._pub = self._router = self._ctx = None
 
     # -- the engine's side -------------------------------------------------------------------
-    def remember(self, request_id: str, tokens: list[int]) -> None:
-        """A request entered the engine: its blocks' token ids may be needed until it ends."""
-        self._tokens[request_id] = tokens
+    def remember(self, request_id: str, tokens: list[int], hashes: list[int] | None = None) -> None:
+        """A request entered the engine: its blocks' token ids (and ``hashes``, the engine's
+        block hashes of them, when the caller has them) may be needed until it ends."""
+        self._tokens[request_id] = (tokens, hashes)
 
     def forget(self, request_id: str) -> None:
         self._tokens.pop(request_id, None)
@@ -119,9 +121,12 @@ class KvEventPublisher:
             if run is None:
                 return
             rid, a, b = run
-            toks = self._tokens.get(rid)
-            if toks is not None:
-                hashes = self._hashes(rid, toks, b + 1)
+            known = self._tokens.get(rid)
+            if known is not None:
+                toks = known[0]
+                # the request's own list, sliced (a request that ended in this step is gone from
+                # the engine: hashing its whole prompt again cost more than all the rest here)
+                hashes = known[1] if known[1] is not None and len(known[1]) > b else self._hashes(rid, toks, b + 1)
                 events.append((STORED, hashes[a:b + 1], hashes[a - 1] if a else None,
                                toks[a * bs:(b + 1) * bs], bs))
             run = None
@@ -138,7 +143,8 @@ class KvEventPublisher:
                     close_run()
                     run = [rid, k, k]
             else:
-                close_run()
+                if run is not None:
+                    close_run()
                 removed.append(ev[1])
         close_run()
         if removed:
@@ -158,7 +164,7 @@ class KvEventPublisher:
     def _hashes(self, rid: str, toks: list[int], upto: int) -> list[int]:
         req = self.engine._requests.get(rid)
         if req is not None and len(req.hashes) >= upto:
-            return list(req.hashes)
+            return req.hashes
         from router.blocks import hash_token_blocks
 
         return hash_token_blocks(toks, self.engine.block_size)

@@ -186,7 +186,7 @@ class SimInstance:
         arrival = self.engine_clock()
         hashes = hash_token_blocks(tokens, self.engine.block_size)
         if self.kv_publisher is not None:
-            self.kv_publisher.remember(request_id, tokens)
+            self.kv_publisher.remember(request_id, tokens, hashes)
         self.engine.add_request(EngineRequest(request_id, len(tokens), hashes, max_tokens, arrival,
                                               kv_transfer_params=kv_transfer_params))
         s = _Stream(request_id, index, len(tokens), max_tokens, arrival, event)
