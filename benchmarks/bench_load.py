@@ -120,7 +120,8 @@ async def main(args) -> int:
             break
     py = sys.executable
     sim = subprocess.Popen([py, "-m", "kvtop", "sim", "--instances", str(args.instances), "--port-base",
-                            str(sim_base), "--speed", str(args.speed)], stdout=subprocess.DEVNULL)
+                            str(sim_base), "--speed", str(args.speed), "--no-kv-events"],  # the router does not follow them
+                           stdout=subprocess.DEVNULL)
     db = os.path.join(tmp, "load.db")
     route_cmd = [py, "-m", "kvtop", "route", "--port", str(route_port), "--db", db, "--state-dir", tmp,
                  "--policy", args.policy, *[a for i in range(args.instances)

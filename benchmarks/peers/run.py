@@ -193,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     sim_log = open(out / "logs" / "sim.log", "w")
     sim = subprocess.Popen(
         [sys.executable, "-m", "kvtop", "sim", "--instances", str(n * len(arms)),
-         "--port-base", str(args.port_base), "--profile", args.profile, "--speed", str(args.speed)],
+         "--port-base", str(args.port_base), "--profile", args.profile, "--speed", str(args.speed),
+         "--no-kv-events"],  # no router here follows them: they would only cost the sim CPU
         stdout=sim_log, stderr=subprocess.STDOUT)
     meta = {"profile": args.profile, "speed": args.speed, "instances_per_arm": n,
             "cold_caches": "one kvtop sim process, a fresh never-used set of engines per arm",
