@@ -63,8 +63,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int, default=100, help="most recent N (default 100; 0: all)")
     p.add_argument("--format", choices=("table", "jsonl", "csv"), default="table")
 
-    p = sub.add_parser("summary", parents=[common], help="per policy segment: reasons, latency, hits")
+    p = sub.add_parser("summary", parents=[common], help="per policy segment: reasons, latency, hits, KV drift")
     p.add_argument("--run", help=_RUN_HELP)
+    p.add_argument("--instances", action="store_true",
+                   help="also each chosen instance's exact share and KV drift (one more pass over the decisions)")
     p.add_argument("--format", choices=("text", "json"), default="text")
 
     p = sub.add_parser("why", parents=[common], help="why one request went where it did (its receipt)",
@@ -178,7 +180,7 @@ def _decisions(queries, db, args) -> int:
 
 
 def _summary(queries, db, args) -> int:
-    result = queries.summary(db, args.run)
+    result = queries.summary(db, args.run, instances=args.instances)
     if args.format == "json":
         print(json.dumps(result, indent=2))
         return 0
@@ -307,7 +309,7 @@ def _kv_lines(kv: dict) -> list[str]:
     lines = [f"  index        exact {kv['exact']:,} of {kv['decisions']:,} decisions "
              f"({_pct(kv['exact'], kv['decisions'])})"]
     lines.append("  KV drift     " + _drift_text(kv))
-    if len(kv["instances"]) > 1 or kv["instances"] and kv["exact"]:
+    if kv.get("instances"):  # --instances
         width = max(len(str(r["instance"])) for r in kv["instances"])
         for r in kv["instances"]:
             lines.append(f"    {str(r['instance']):<{width}}  exact {r['exact']:,}/{r['decisions']:,} "

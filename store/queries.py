@@ -448,7 +448,8 @@ def _ranked_dist(conn: sqlite3.Connection, col: str, run_id: str, policy: str, v
     return out
 
 
-def summary(db: sqlite_utils.Database | str | Path, run_id: str | None = None) -> dict:
+def summary(db: sqlite_utils.Database | str | Path, run_id: str | None = None, *,
+            instances: bool = False) -> dict:
     """Per policy segment of a run (latest when None): counts by reason, route class and
     outcome status; TTFT and E2E p50/p90/p99 of ``ok`` attempts; three-way hit accounting.
 
@@ -470,6 +471,7 @@ def summary(db: sqlite_utils.Database | str | Path, run_id: str | None = None) -
         count(d.est_hit_tokens) AS n_est, count(d.best_hit_tokens) AS n_best,
         sum(d.best_hit_tokens - d.est_hit_tokens) AS regret,
         count(d.best_hit_tokens - d.est_hit_tokens) AS n_regret
+        , {_kv_sql(db, "d.")}
         FROM decisions d WHERE {run_clause} GROUP BY d.policy, d.policy_version"""
     flat = _flat(db, run_id)
     o_clause = run_clause.replace("d.", "o.")
@@ -578,10 +580,12 @@ def summary(db: sqlite_utils.Database | str | Path, run_id: str | None = None) -
                 "estimate_error": o["est_error"],
                 "mean_estimate_error": _mean(o["est_error"], o["n_est_error"]),
             },
+            "kv": _kv_figures(n, *(r[c] for c in _KV_COLUMNS), **_kv_has(db)),
         })
-    kv = kv_drift(db, run_id)
-    for seg in segs:
-        seg["kv"] = kv.get((seg["policy"], seg["policy_version"]), _kv_empty(kv.has_estimate))
+    if instances:  # a second pass, grouped by instance too: about 1 s per million decisions
+        kv = kv_drift(db, run_id)
+        for seg in segs:
+            seg["kv"]["instances"] = kv.get((seg["policy"], seg["policy_version"]), {}).get("instances", [])
     segs.sort(key=lambda s: (s["start_ts"], s["policy_version"] or 0))
     out = {"run_id": run_id, "segments": segs}
     if is_merged(db):
@@ -589,66 +593,77 @@ def summary(db: sqlite_utils.Database | str | Path, run_id: str | None = None) -
     return out
 
 
-class _KvBySegment(dict):
-    has_estimate: bool = False
+_KV_COLUMNS = ("kv_exact", "kv_n", "kv_input", "kv_over", "kv_under")
 
 
-def _kv_figures(decisions: int, exact: int | None, n: int, inp: int | None, over: int | None,
-                under: int | None, has_estimate: bool) -> dict:
-    """One row of KV drift: how many decisions had an exact (KV-event) hit, and over those
-    with the estimate recorded, how far the estimate was from it."""
+def _kv_has(db: sqlite_utils.Database) -> dict[str, bool]:
+    cols = db["decisions"].columns_dict
+    return {"has_source": "index_source" in cols, "has_estimate": "estimate_hit_tokens" in cols}
+
+
+def _kv_sql(db: sqlite_utils.Database, prefix: str = "") -> str:
+    """The KV-drift aggregates of a group of decisions, as ``_KV_COLUMNS``: exact decisions,
+    and over those with ``estimate_hit_tokens`` (NULL unless the hit was exact, by the
+    column's contract) their count, input tokens and the estimate's excess and shortfall.
+    Plain arithmetic, no CASE: NULL drops a row out of every sum at once. Zeros where the
+    file lacks the columns."""
+    has = _kv_has(db)
+    exact = f"sum({prefix}index_source = 'exact')" if has["has_source"] else "0"
+    if not has["has_estimate"]:
+        return f"{exact} AS kv_exact, 0 AS kv_n, 0 AS kv_input, 0 AS kv_over, 0 AS kv_under"
+    diff = f"({prefix}estimate_hit_tokens - {prefix}est_hit_tokens)"
+    return (f"{exact} AS kv_exact, count({diff}) AS kv_n, sum({prefix}input_tokens * ({diff} IS NOT NULL)) AS kv_input, "
+            f"sum(max({diff}, 0)) AS kv_over, sum(max(-{diff}, 0)) AS kv_under")
+
+
+def _kv_figures(decisions: int, exact: int | None, n: int | None, inp: int | None, over: int | None,
+                under: int | None, *, has_source: bool, has_estimate: bool) -> dict:
+    """One row of KV drift: decisions whose chosen hit came from the instance's KV events
+    (None: the log predates ``index_source``), their share, and over those with the estimate
+    recorded, how far it was: drift = (over + under) / their input tokens."""
     inp = inp or 0
     drift = None if not has_estimate or not n or not inp else ((over or 0) + (under or 0)) / inp
-    return {"decisions": decisions, "exact": exact,
-            "exact_share": None if exact is None or not decisions else exact / decisions,
-            "drift_decisions": n if has_estimate else None, "drift_input_tokens": inp if has_estimate else None,
-            "over_tokens": over if has_estimate else None, "under_tokens": under if has_estimate else None,
+    return {"decisions": decisions, "exact": (exact or 0) if has_source else None,
+            "exact_share": (exact or 0) / decisions if has_source and decisions else None,
+            "drift_decisions": (n or 0) if has_estimate else None,
+            "drift_input_tokens": inp if has_estimate else None,
+            "over_tokens": (over or 0) if has_estimate else None,
+            "under_tokens": (under or 0) if has_estimate else None,
             "drift": drift,
             "over": None if drift is None else (over or 0) / inp,
             "under": None if drift is None else (under or 0) / inp}
 
 
-def _kv_empty(has_estimate: bool) -> dict:
-    return {**_kv_figures(0, None, 0, 0, 0, 0, has_estimate), "instances": []}
-
-
-def kv_drift(db: sqlite_utils.Database | str | Path, run_id: str | None = None) -> _KvBySegment:
+def kv_drift(db: sqlite_utils.Database | str | Path, run_id: str | None = None) -> dict[tuple, dict]:
     """Per policy segment and chosen instance: decisions whose hit came from the instance's
     KV events (``index_source = 'exact'``), their share, and the estimate's drift over them:
-    sum(|estimate_hit_tokens - est_hit_tokens|) / sum(input_tokens), split into over
-    (the estimate believed more was cached) and under. Keys (policy, version); each value
-    has the segment's figures and ``instances``, a list of the same per instance.
+    sum(|estimate_hit_tokens - est_hit_tokens|) / sum(input_tokens), split into over (the
+    estimate believed more was cached) and under. Keys (policy, version); each value has the
+    segment's figures (``summary`` has the same from its own pass) and ``instances``, a list
+    of the same per instance.
 
-    A log without ``index_source`` has no exact figures (None); one without
-    ``estimate_hit_tokens`` (written before it existed) has exact counts but drift None.
-    On several logs a file without the column adds nothing to the drift.
+    A log without ``index_source`` has exact None; one without ``estimate_hit_tokens``
+    (written before it existed) has exact counts but drift None. On several logs, a file
+    without the column adds nothing to the drift.
     """
     db = _db(db)
     db, run_id = _scope(db, run_id)
-    out = _KvBySegment()
-    cols = db["decisions"].columns_dict
-    if "index_source" not in cols:
-        return out
-    out.has_estimate = has_estimate = "estimate_hit_tokens" in cols
-    exact = "index_source = 'exact'"
-    measured = f"{exact} AND estimate_hit_tokens IS NOT NULL AND est_hit_tokens IS NOT NULL"
-    drift_cols = (f"""sum({measured}), sum(CASE WHEN {measured} THEN input_tokens END),
-        sum(CASE WHEN {measured} THEN max(estimate_hit_tokens - est_hit_tokens, 0) END),
-        sum(CASE WHEN {measured} THEN max(est_hit_tokens - estimate_hit_tokens, 0) END)"""
-                  if has_estimate else "0, 0, 0, 0")
-    rows = db.conn.execute(f"""SELECT policy, policy_version, instance, count(*), sum({exact}), {drift_cols}
+    has = _kv_has(db)
+    rows = _rows(db, f"""SELECT policy, policy_version, instance, count(*) AS n, {_kv_sql(db)}
         FROM decisions d WHERE {_run_clause(db, run_id)} GROUP BY policy, policy_version, instance""", (run_id,))
-    totals: dict[tuple, list] = {}
-    for pol, ver, inst, n, n_exact, n_drift, inp, over, under in rows:
-        seg = out.setdefault((pol, ver), {"instances": []})
-        seg["instances"].append({"instance": inst, **_kv_figures(n, n_exact or 0, n_drift or 0, inp, over, under,
-                                                                 has_estimate)})
-        t = totals.setdefault((pol, ver), [0, 0, 0, 0, 0, 0])
-        for i, v in enumerate((n, n_exact, n_drift, inp, over, under)):
+    out: dict[tuple, dict] = {}
+    totals: dict[tuple, list[int]] = {}
+    for r in rows:
+        key = (r["policy"], r["policy_version"])
+        figures = [r[c] for c in _KV_COLUMNS]
+        seg = out.setdefault(key, {"instances": []})
+        seg["instances"].append({"instance": r["instance"], **_kv_figures(r["n"], *figures, **has)})
+        t = totals.setdefault(key, [0] * 6)
+        for i, v in enumerate((r["n"], *figures)):
             t[i] += v or 0
     for key, seg in out.items():
-        seg.update(_kv_figures(*totals[key], has_estimate))
-        seg["instances"].sort(key=lambda r: str(r["instance"]))
+        seg.update(_kv_figures(*totals[key], **has))
+        seg["instances"].sort(key=lambda x: str(x["instance"]))
     return out
 
 

@@ -241,7 +241,7 @@ def test_reading_never_writes(logs, capsys):
 # -- KV drift ------------------------------------------------------------------------------
 def test_kv_drift_per_segment_and_instance(logs, capsys):
     a, b, _ = logs
-    kv = q.summary(q.open_logs([a, b]))["segments"][0]["kv"]
+    kv = q.summary(q.open_logs([a, b]), instances=True)["segments"][0]["kv"]
     # exact: a-1 a-2 a-3 (router 1), b-1 b-3 b-4 b-5 (router 2) = 7 of 9
     assert (kv["decisions"], kv["exact"]) == (9, 7)
     # |estimate - est| over exact: a-2 +500 (over), a-3 -1000 (under); input of the exact ones:
@@ -252,7 +252,10 @@ def test_kv_drift_per_segment_and_instance(logs, capsys):
     # i0: a-1 a-2 b-1 b-4 b-5, all exact, input 9,000, over 500; i1: a-3 b-3 exact of a-3 a-4 b-2 b-3
     assert (by["i0"]["exact"], by["i0"]["decisions"], by["i0"]["drift"]) == (5, 5, pytest.approx(500 / 9000))
     assert (by["i1"]["exact"], by["i1"]["decisions"], by["i1"]["under"]) == (2, 4, pytest.approx(1000 / 9000))
-    rc, out, _ = _kvtop(capsys, "log", "--db", a, "--db", b, "summary")
+    # The per-instance pass adds up to the segment's own figures, computed in summary's pass.
+    segment_only = q.summary(q.open_logs([a, b]))["segments"][0]["kv"]
+    assert segment_only == {k: v for k, v in kv.items() if k != "instances"}
+    rc, out, _ = _kvtop(capsys, "log", "--db", a, "--db", b, "summary", "--instances")
     assert rc == 0 and "exact 7 of 9 decisions (77.8%)" in out
     assert "KV drift     8.33% of input tokens (over 2.78%, under 5.56%) over 7 exact decisions" in out
     assert "i1  exact 2/4 (50.0%)  drift 11.11% of input tokens (over 0.00%, under 11.11%)" in out
