@@ -347,3 +347,94 @@ def test_a_locked_file_is_a_clear_error(logs, tmp_path, capsys, monkeypatch):
         holder.execute("ROLLBACK")
         holder.close()
     assert rc == 2 and f"{b} is locked by another process" in err and err.count("\n") == 1
+
+
+# -- two real routers in front of one simulated fleet ------------------------------------------
+def _closed(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_two_real_routers_logs_merge(tmp_path, capsys):
+    """`kvtop sim` (KV events on) and two `kvtop route` processes in front of it, each with its
+    own log; each router gets its own sessions. Merged, the logs hold every request, `why`
+    finds router 2's request and names its file, and the summary's drift is measured."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from conftest import free_port
+
+    base = free_port()
+    while not all(_closed(base + k) for k in range(1, 6)):
+        base = free_port()
+    sim = subprocess.Popen([sys.executable, "-m", "kvtop", "sim", "--instances", "2", "--port-base", str(base),
+                            "--speed", "50", "--duration", "120"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+    routers, dbs, ports = [], [tmp_path / "r1.db", tmp_path / "r2.db"], [free_port(), free_port()]
+    try:
+        backends = None
+        for _ in range(3):
+            line = sim.stdout.readline()
+            assert line, sim.stderr.read()
+            if line.startswith("route with:"):
+                backends = line.split("kvtop route ", 1)[1].split()
+        assert backends and backends[0] == "--backend"
+        for port, db in zip(ports, dbs):
+            routers.append(subprocess.Popen(
+                [sys.executable, "-m", "kvtop", "route", "--port", str(port), "--db", str(db), "--state-dir",
+                 str(tmp_path / f"st{port}"), "--policy", "leastwork", "--block-size", "16", *backends],
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+        deadline = time.monotonic() + 30
+        for port in ports:
+            while True:
+                try:
+                    urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).read()
+                    break
+                except OSError:
+                    assert time.monotonic() < deadline, "router did not start"
+                    time.sleep(0.1)
+        ids = {0: [], 1: []}
+        for turn in range(1, 4):
+            for r, port in enumerate(ports):
+                for s in range(3):
+                    # Token ids (a text prompt cannot match the engine's token-id events); each
+                    # turn extends the last.
+                    prompt = [1000 + (r * 3 + s) * 5000 + k for k in range(400 * turn)]
+                    body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": 4}).encode()
+                    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body, {
+                        "Content-Type": "application/json", "X-Session-ID": f"r{r}-s{s}"})
+                    with urllib.request.urlopen(req, timeout=30) as resp:
+                        resp.read()
+                        ids[r].append(resp.headers["X-Kvtop-Request-Id"])
+                time.sleep(0.2)  # let the engine's events reach both routers
+    finally:
+        for p in routers:
+            p.send_signal(signal.SIGTERM)
+        for p in routers:
+            try:
+                p.wait(20)
+            finally:
+                if p.poll() is None:
+                    p.kill()
+        sim.kill()
+        sim.wait(5)
+    assert all(p.returncode == 0 for p in routers), [p.stderr.read().decode()[-1000:] for p in routers]
+    a, b = map(str, dbs)
+    rc, out, _ = _kvtop(capsys, "log", "--db", a, "--db", b, "summary", "--format", "json", "--instances")
+    assert rc == 0
+    got = json.loads(out)
+    assert sorted(s["source"] for s in got["sources"]) == [a, b]  # in the runs' start order
+    seg = got["segments"][0]
+    assert seg["decisions"] == 18 and seg["statuses"] == {"ok": 18}
+    kv = seg["kv"]
+    assert kv["exact"] > 0 and kv["drift"] is not None, kv  # events flowed; the estimate was compared
+    assert sorted(i["instance"] for i in kv["instances"]) == sorted({i["instance"] for i in kv["instances"]})
+    rc, out, _ = _kvtop(capsys, "log", "--db", a, "--db", b, "why", ids[1][-1])
+    assert rc == 0 and out.startswith(f"from {b} (run ")
+    rc, out, _ = _kvtop(capsys, "log", "--db", a, "--db", b, "runs", "--format", "jsonl")
+    assert sorted(json.loads(line)["source"] for line in out.splitlines()) == [a, b]
