@@ -246,3 +246,23 @@ async def test_kvtop_sim_publishes_by_default_where_its_route_line_says(router_c
                           "--duration", "0.2"], capture_output=True, text=True, timeout=30)
     assert off.returncode == 0, off.stderr
     assert "KV events" not in off.stdout and f"--backend http://127.0.0.1:{base}\n" in off.stdout
+
+
+def test_kvtop_sim_says_which_kv_port_is_taken_and_how_to_move():
+    import socket
+    import subprocess
+    import sys
+
+    base = _free_run(4)
+    with socket.socket() as blocker:
+        blocker.bind(("127.0.0.1", base + 2))  # one instance: HTTP on base, events base + 1, replay base + 2
+        blocker.listen()
+        r = subprocess.run([sys.executable, "-m", "kvtop", "sim", "--port-base", str(base), "--duration", "5"],
+                           capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"cannot publish KV events on 127.0.0.1 ports {base + 1}..{base + 2}" in r.stderr
+    assert "--kv-events-port-base PORT, or --no-kv-events" in r.stderr
+    both = subprocess.run([sys.executable, "-m", "kvtop", "sim", "--port-base", str(base), "--no-kv-events",
+                           "--kv-events-port-base", str(base + 10), "--duration", "1"],
+                          capture_output=True, text=True, timeout=60)
+    assert both.returncode == 2 and "contradict" in both.stderr, both.stderr

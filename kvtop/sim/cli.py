@@ -141,6 +141,8 @@ def build_instances(args: argparse.Namespace):
             raise CliError(f"--{flag.replace('_', '-')} must be positive")
     if getattr(args, "admission_lookahead", 8) < 1:
         raise CliError("--admission-lookahead must be at least 1")
+    if getattr(args, "no_kv_events", False) and getattr(args, "kv_events_port_base", None) is not None:
+        raise CliError("--no-kv-events and --kv-events-port-base contradict each other: pick one")
     try:
         profile = get_profile(args.profile)
     except KeyError as exc:
