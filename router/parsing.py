@@ -6,27 +6,32 @@ Three costs, three places:
   millisecond: on the loop.
 - With ``--tokenizer``, rendering the chat template and tokenizing a 200k-token prompt takes
   hundreds of milliseconds cold. Bodies over ``TOKENIZE_PROCESS_BYTES`` (64 KB) are parsed,
-  rendered and tokenized in the worker process at nice 10: their Python work (JSON, template,
-  block hashing) holds the GIL, and in threads of the router's own process it delayed small
+  rendered and tokenized in the worker process: their Python work (JSON, template, block
+  hashing) holds the GIL, and in threads of the router's own process it delayed small
   requests and /health by tens of milliseconds while cold prompts arrived (bench_agentic's
-  stall phase: tiny p99 82-94 ms -> 13-15 ms). Smaller bodies are tokenized in a thread of
-  their own. Either way the session's previous turn is kept
+  stall phase: tiny p99 82-94 ms -> 13-15 ms). The worker is called straight from the event
+  loop over a socket pair (router/worker.py), not through a process pool's threads, which
+  cost a returning 200k-token turn milliseconds of wake-ups. Its main thread, at normal
+  priority, does a returning turn whole (~8 ms of CPU: JSON, template, the new pieces'
+  tokens, the new blocks); a cold prompt (its session has no previous turn there) is
+  rendered, tokenized and hashed on one thread at nice ``WORKER_NICE``, so it takes one core,
+  and only what the event loop leaves. Smaller bodies
+  are tokenized in a thread of the router's own. Either way the session's previous turn is kept
   (bounded, least recently used out) so that its block hashes are reused for the shared
   prefix, and the tokenizer keeps the pieces it has tokenized (router/request.Tokenizer), so a
   returning turn tokenizes only its new messages.
-- Bodies over ``OFFLOAD_BYTES`` are parsed in a worker process (started on first use, one per
-  router): ``json.loads`` and the hashing hold the GIL, so a thread would not help.
+- Bodies over ``OFFLOAD_BYTES`` are parsed in that worker process (started on first use, one
+  per router): ``json.loads`` and the hashing hold the GIL, so a thread would not help.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import multiprocessing
 import os
 import threading
 from collections import OrderedDict
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
@@ -34,6 +39,7 @@ from router.body import ArenaRef, Chunks, Handoff, fetch
 from router.http import parse_json
 from router.request import (BadRequest, Counted, Parsed, RouteRequest, Tokenizer, count_prompt,
                             read_body, route_request)
+from router.worker import WorkerProcess
 
 #: Bodies larger than this are parsed in the worker process.
 OFFLOAD_BYTES = 4 * 1024 * 1024
@@ -42,31 +48,55 @@ OFFLOAD_BYTES = 4 * 1024 * 1024
 #: then never held by a big prompt's Python work (JSON, template, hashing), which on a busy host
 #: delayed small requests and /health by tens of milliseconds.
 TOKENIZE_PROCESS_BYTES = 64 * 1024
-#: Threads that render and tokenize (each holds one request's work; the GIL is released
-#: while the tokenizer runs, so a few help when several cold prompts arrive at once).
-TOKENIZE_THREADS = 4
-#: Bodies up to this size are tokenized in a thread of their own, so that a short request never
-#: waits behind cold 200k-token prompts in the pool (it takes a millisecond or two).
-SMALL_BYTES = 64 * 1024
+#: The worker's main thread runs at the router's own priority: a returning turn (a few ms of
+#: work) must not wait behind other work on the host. A cold prompt's tokenizing (hundreds of
+#: ms) and a body over OFFLOAD_BYTES run on one thread of nice WORKER_NICE, one core at a
+#: time (the tokenizer's thread pool would take every core from the event loop).
+WORKER_NICE = 10
 #: Sessions whose previous turn (token ids, block hashes) is kept for the next one.
 SESSION_TURNS = 256
 
 _worker_tokenizer: dict[str, Tokenizer] = {}
 _worker_turns: "OrderedDict[str, Counted]" = OrderedDict()
+_worker_background: ThreadPoolExecutor | None = None
+
+
+def _background() -> ThreadPoolExecutor:
+    global _worker_background
+    if _worker_background is None:
+        _worker_background = ThreadPoolExecutor(1, thread_name_prefix="kvtop-parse-cold",
+                                                initializer=_lower_priority)
+    return _worker_background
 
 
 def _parse_in_worker(raw: bytes | ArenaRef, endpoint: str, headers: dict[str, str], session_header: str,
                      block_size: int, tokenizer_path: str | None,
                      max_input_tokens: int | None) -> RouteRequest:
+    """In the worker's main thread: a returning turn here; a cold prompt's counting, and a body
+    over OFFLOAD_BYTES whole, on the low-priority thread."""
+    if (raw.size if isinstance(raw, ArenaRef) else len(raw)) > OFFLOAD_BYTES:
+        return _background().submit(_parse, raw, endpoint, headers, session_header, block_size,
+                                    tokenizer_path, max_input_tokens).result()
+    return _parse(raw, endpoint, headers, session_header, block_size, tokenizer_path, max_input_tokens)
+
+
+def _parse(raw: bytes | ArenaRef, endpoint: str, headers: dict[str, str], session_header: str,
+           block_size: int, tokenizer_path: str | None, max_input_tokens: int | None) -> RouteRequest:
     raw = fetch(raw)
     tok = None
     if tokenizer_path:
         tok = _worker_tokenizer.get(tokenizer_path)
         if tok is None:
-            tok = _worker_tokenizer[tokenizer_path] = Tokenizer(tokenizer_path)
+            tok = _worker_tokenizer[tokenizer_path] = Tokenizer(tokenizer_path, parallel=False)
     parsed = read_body(parse_json(raw), endpoint, headers=headers, session_header=session_header)
     key = _turn_key(parsed) if tok is not None and parsed.prompt.tokens is None else None
-    counted = count_prompt(parsed.prompt, block_size, tok, _worker_turns.get(key) if key else None)
+    prev = _worker_turns.get(key) if key else None
+    if tok is not None and prev is None and threading.current_thread() is threading.main_thread():
+        # a cold prompt (no previous turn here): its rendering, tokenizing and hashing take
+        # hundreds of ms, on the low-priority thread
+        counted = _background().submit(count_prompt, parsed.prompt, block_size, tok).result()
+    else:
+        counted = count_prompt(parsed.prompt, block_size, tok, prev)
     if key:
         _worker_turns[key] = counted
         _worker_turns.move_to_end(key)
@@ -82,8 +112,8 @@ class BodyParser:
     def __init__(self, config, tokenizer: Tokenizer | None):
         self.config = config
         self.tokenizer = tokenizer
-        self._pool: ProcessPoolExecutor | None = None
-        self._threads: ThreadPoolExecutor | None = None
+        self._pool: WorkerProcess | None = None
+        self._starting = asyncio.Lock()
         self._small: ThreadPoolExecutor | None = None
         self._turns: OrderedDict[str, Counted] = OrderedDict()
         self._handoff = Handoff()
@@ -103,35 +133,33 @@ class BodyParser:
             if tok is None or parsed.prompt.tokens is not None:
                 counted = count_prompt(parsed.prompt, cfg.block_size)
             else:
-                counted = await self._count(parsed, small=len(raw) <= SMALL_BYTES)
+                counted = await self._count(parsed)
             return body, route_request(parsed, counted, max_input_tokens=cfg.max_input_tokens)
-        if self._pool is None:
-            # spawn, not fork: the router has threads (the writer) that a fork would copy mid-flight
-            # at nice 10, as the tokenizing threads: on a busy host the event loop goes first
-            self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
-                                             initializer=_lower_priority)
+        pool = await self._worker()
         self.offloaded += 1
         hv = headers.get(cfg.session_header) if cfg.session_header else None
         try:
             return None, await self._handoff.run(
-                asyncio.get_running_loop(), self._pool, _parse_in_worker, raw, endpoint,
+                asyncio.get_running_loop(), pool, _parse_in_worker, raw, endpoint,
                 {cfg.session_header: hv} if hv else {}, cfg.session_header, cfg.block_size,
                 cfg.tokenizer, cfg.max_input_tokens)
         except BrokenProcessPool:  # the worker died (killed, out of memory): start a new one next time
-            self._pool = None
+            if self._pool is pool:
+                self._pool = None
             raise BadRequest("the router's body parser failed on this request; retry", status=503) from None
 
-    async def _count(self, parsed: Parsed, *, small: bool) -> Counted:
+    async def _worker(self) -> WorkerProcess:
+        """The worker process, started on first use (and again after it died)."""
+        async with self._starting:
+            if self._pool is None or self._pool.broken:
+                self._pool = await WorkerProcess.start()
+            return self._pool
+
+    async def _count(self, parsed: Parsed) -> Counted:
         """Render and tokenize in a thread, reusing the session's previous turn."""
-        if small:
-            if self._small is None:
-                self._small = ThreadPoolExecutor(1, thread_name_prefix="kvtop-tokenize-small")
-            pool = self._small
-        else:
-            if self._threads is None:
-                self._threads = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="kvtop-tokenize",
-                                                   initializer=_lower_priority)
-            pool = self._threads
+        if self._small is None:
+            self._small = ThreadPoolExecutor(1, thread_name_prefix="kvtop-tokenize-small")
+        pool = self._small
         key = _turn_key(parsed)
         prev = self._turns.get(key) if key else None
         counted = await asyncio.get_running_loop().run_in_executor(
@@ -154,19 +182,17 @@ class BodyParser:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
-        for pool in (self._threads, self._small):
-            if pool is not None:
-                pool.shutdown(wait=False, cancel_futures=True)
-        self._threads = self._small = None
+        if self._small is not None:
+            self._small.shutdown(wait=False, cancel_futures=True)
+            self._small = None
 
 
 def _lower_priority() -> None:
-    """Big prompts' threads run at a lower CPU priority (Linux: per thread; the tokenizer's own
-    worker threads, started from them, inherit it), so that on a busy host the event loop
-    (/health, small requests, streams) is scheduled first. The GIL is held by these threads
-    only in short stretches, so the loop does not wait on a descheduled holder for long."""
+    """The worker's thread for cold prompts and huge bodies runs at a lower CPU priority (Linux:
+    per thread), so that on a busy host the event loop (/health, small requests, streams) and
+    returning turns are scheduled first."""
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WORKER_NICE)
     except (AttributeError, OSError):  # not Linux, or not permitted: the default priority
         pass
 

@@ -70,6 +70,24 @@ def test_pieces_equal_whole_text_tokenization(tok):
         assert list(tok.ids(text, add_special_tokens=True)) == tok.encode(text, add_special_tokens=True)
 
 
+def test_parallel_and_one_thread_tokenizing_agree(tok_dir):
+    # a cold prompt's pieces over PARALLEL_CHARS go to the tokenizer's threads (encode_batch);
+    # a returning turn's few, and every piece with parallel off, are tokenized one by one
+    from router import request
+
+    rng = random.Random(5)
+    src = "".join(_bench().corpus(400_000))
+    parts = [src[k:k + rng.randrange(5_000, 30_000)] for k in range(0, len(src) - 30_000, 9_000)][:12]
+    text = "".join(f"<|im_start|>user\n{p}<|im_end|>\n" for p in parts)
+    assert len(text) > request.PARALLEL_CHARS
+    many, one = Tokenizer(str(tok_dir)), Tokenizer(str(tok_dir), parallel=False)
+    want = many.encode(text)
+    assert list(many.ids(text)) == want == list(one.ids(text))
+    grown = text + "<|im_start|>assistant\nok<|im_end|>\n"  # then a returning turn: one new piece
+    misses = many.misses
+    assert list(many.ids(grown)) == many.encode(grown) and many.misses - misses == 1
+
+
 def test_returning_turn_reuses_pieces_and_blocks(tok):
     prev = None
     for turn in range(1, 6):
@@ -152,3 +170,32 @@ def test_big_bodies_tokenize_in_the_worker_process_keeping_the_session(tok, tok_
         assert (rr.input_tokens, rr.blocks, rr.token_source) == (want.input_tokens, want.blocks, "tokenizer")
     assert got[1].blocks[:len(got[0].blocks) - 1] == got[0].blocks[:-1]
     assert parsing.TOKENIZE_PROCESS_BYTES < parsing.OFFLOAD_BYTES
+
+
+def test_worker_tokenizes_cold_prompts_on_its_low_priority_thread(tok, tok_dir, monkeypatch):
+    # the worker's main thread (normal priority) does a returning turn whole; a cold prompt's
+    # tokenizing (over PARALLEL_CHARS of new text) runs on its one low-priority thread
+    from router import parsing
+
+    monkeypatch.setattr(parsing, "_worker_turns", parsing.OrderedDict())
+    monkeypatch.setattr(parsing, "_worker_tokenizer", {})
+    where: list[tuple[str, int]] = []
+    real = Tokenizer._encode
+
+    def spy(self, pieces, *, parallel):
+        where.append((threading.current_thread().name, sum(map(len, pieces))))
+        return real(self, pieces, parallel=parallel)
+
+    monkeypatch.setattr(Tokenizer, "_encode", spy)
+    bench = _bench()
+    session = bench.Session(3, bench.corpus(400_000), system_chars=90_000)
+    raws = []
+    for _ in range(2):
+        session.grow()
+        raws.append(json.dumps(session.body("chat", "cold-then-warm")).encode())
+    got = [parsing._parse_in_worker(r, "chat", {}, "X-Session-ID", 16, str(tok_dir), None) for r in raws]
+    assert where[0][0].startswith("kvtop-parse-cold") and where[0][1] > 90_000
+    assert [w[0] for w in where[1:]] == ["MainThread"] and where[1][1] < 10_000
+    for r, rr in zip(raws, got):
+        want = parse_request(json.loads(r), "chat", tokenizer=tok, block_size=16)
+        assert (rr.input_tokens, rr.blocks) == (want.input_tokens, want.blocks)

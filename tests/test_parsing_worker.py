@@ -1,0 +1,80 @@
+"""The parser's worker process, called from the event loop over a socket pair: answers come
+back to their own calls (in flight together, out of the order they were asked in nothing),
+a worker's exception reaches the caller with its fields, a dead worker fails its calls as a
+process pool would, and the BodyParser starts a new one."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from concurrent.futures.process import BrokenProcessPool
+from types import SimpleNamespace
+
+import pytest
+
+from router.request import BadRequest
+from router.worker import WorkerProcess
+
+
+def _echo(x, delay=0.0):
+    time.sleep(delay)
+    return x, os.getpid()
+
+
+def _refuse(message):
+    raise BadRequest(message, "messages", status=413)
+
+
+async def test_calls_answer_in_order_and_carry_exceptions():
+    loop = asyncio.get_running_loop()
+    w = await WorkerProcess.start()
+    try:
+        big = os.urandom(3 * 1024 * 1024)  # over one socket buffer's worth, both ways
+        got = await asyncio.gather(*[loop.run_in_executor(w, _echo, k, 0.01) for k in range(5)],
+                                   loop.run_in_executor(w, _echo, big))
+        assert [g[0] for g in got[:5]] == list(range(5)) and got[5][0] == big
+        assert {g[1] for g in got} == {w.pid} and w.pid != os.getpid()
+        with pytest.raises(BadRequest) as exc:
+            await loop.run_in_executor(w, _refuse, "too big")
+        assert (exc.value.message, exc.value.param, exc.value.status) == ("too big", "messages", 413)
+        # a cancelled call's answer is dropped; the next call gets its own
+        slow = loop.run_in_executor(w, _echo, "late", 0.2)
+        slow.cancel()
+        assert (await loop.run_in_executor(w, _echo, "next"))[0] == "next"
+    finally:
+        w.shutdown()
+    assert not w._proc.is_alive()
+    with pytest.raises(BrokenProcessPool):
+        w.submit(_echo, 1)
+
+
+async def test_a_dead_worker_fails_its_calls_and_the_parser_starts_another(tmp_path):
+    loop = asyncio.get_running_loop()
+    w = await WorkerProcess.start()
+    call = loop.run_in_executor(w, _echo, 1, 5.0)
+    await asyncio.sleep(0.3)
+    os.kill(w.pid, signal.SIGKILL)
+    with pytest.raises(BrokenProcessPool):
+        await asyncio.wait_for(call, 10)
+    assert w.broken
+    w.shutdown()
+
+    from router.parsing import BodyParser
+
+    cfg = SimpleNamespace(session_header="X-Session-ID", block_size=16, tokenizer=None,
+                          max_input_tokens=None)
+    parser = BodyParser(cfg, None)
+    # token ids (their block hashes are the same in every process), over OFFLOAD_BYTES: the worker parses it
+    raw = ("{\"prompt\": [" + ", ".join(str(1000000 + k) for k in range(600_000)) + "]}").encode()
+    try:
+        _, req = await parser.parse(raw, "completions", {})
+        first = parser._pool.pid
+        os.kill(first, signal.SIGKILL)
+        await asyncio.sleep(0.3)  # the loop sees the socket close
+        _, again = await parser.parse(raw, "completions", {})
+        assert parser._pool.pid != first and parser.offloaded == 2
+        assert (again.input_tokens, again.blocks) == (req.input_tokens, req.blocks) and req.input_tokens == 600_000
+    finally:
+        parser.close()
