@@ -10,7 +10,9 @@ tool-call / tool-result turns of ~2k tokens each, to ~200k tokens, ~800 KB) go t
 
 Reported, per API and router:
   - returning turns: added latency p50 / p99 (router minus direct, same body) for the last
-    ``--turns`` turns of a session that already sent its previous turn;
+    ``--turns`` turns of a session that already sent its previous turn, and the router's CPU
+    time per turn (every thread of its process and of its child processes: kvtop's parser worker),
+    which unlike the latency does not grow when other work on a shared host takes the cores;
   - cold turns: added latency of a fresh ~200k-token session's first turn, next to what
     tokenizing its text alone takes in this process;
   - stalls: p50 / p99 / max of tiny requests and of /health sent every 10 ms while
@@ -224,22 +226,48 @@ async def post(http, url: str, payload: bytes) -> float:
     return (time.perf_counter() - t0) * 1000
 
 
+def tree_cpu_ms(pid: int | None) -> float:
+    """CPU time (ms) of a process, its threads and its child processes (the router's worker),
+    from the scheduler's own nanosecond counters: unlike wall-clock latency, it does not grow
+    when other work on a shared host takes the cores."""
+    if pid is None:
+        return 0.0
+    total, todo, seen = 0, [pid], set()
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        try:
+            for tid in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{tid}/schedstat") as f:
+                    total += int(f.read().split()[0])
+                with open(f"/proc/{p}/task/{tid}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except (FileNotFoundError, ProcessLookupError):  # gone meanwhile, or not Linux
+            continue
+    return total / 1e6
+
+
 async def returning(http, router: str, direct: str, api: str, texts, turns: int, target_chars: int,
-                    seed: int) -> list[float]:
-    """Added ms of the last ``turns`` turns of a session grown to about ``target_chars``."""
+                    seed: int, pid: int | None = None) -> tuple[list[float], float]:
+    """(added ms, router CPU ms per turn) of the last ``turns`` turns of a session grown to
+    about ``target_chars``."""
     s = Session(seed, texts)
     sid = f"bench-{seed}"
     while s.chars() < target_chars - turns * s.turn_chars:
         s.grow()
     await post(http, router + PATHS[api], json.dumps(s.body(api, sid)).encode())  # the session's past
-    added = []
+    added, cpu = [], 0.0
     for _ in range(turns):
         s.grow()
         payload = json.dumps(s.body(api, sid)).encode()
         d = min([await post(http, direct + PATHS[api], payload) for _ in range(2)])
+        c0 = tree_cpu_ms(pid)
         r = await post(http, router + PATHS[api], payload)
+        cpu += tree_cpu_ms(pid) - c0
         added.append(r - d)
-    return added
+    return added, cpu / turns
 
 
 async def cold(http, router: str, direct: str, api: str, texts, target_chars: int, seed: int,
@@ -322,7 +350,7 @@ async def run(args) -> dict:
     procs.append(subprocess.Popen([sys.executable, __file__, "--serve-backend", str(bport)]))
     backend = f"http://127.0.0.1:{bport}"
     wait_ready(backend + "/v1/models", procs[-1])
-    routers = {}
+    routers, pids = {}, {}
     for name, extra in (("kvtop-tokenizer", ["--tokenizer", str(tok_dir)]), ("kvtop-text", [])):
         if name not in args.routers:
             continue
@@ -332,6 +360,7 @@ async def run(args) -> dict:
                                        "--db", "none", "--state-dir", tmp, "--block-size", "16", *extra],
                                       stdout=subprocess.DEVNULL))
         routers[name] = f"http://127.0.0.1:{port}"
+        pids[name] = procs[-1].pid
         wait_ready(routers[name] + "/health", procs[-1])
     peers_bin = Path(args.peers_venv).expanduser() / "bin"
     for name in ("sglang", "vllm-router"):
@@ -349,6 +378,7 @@ async def run(args) -> dict:
                if name == "sglang" else [str(peers_bin / "vllm-router"), *common, "--log-level", "warning"])
         procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL))
         routers[name] = f"http://127.0.0.1:{port}"
+        pids[name] = procs[-1].pid
         wait_ready(routers[name] + "/health", procs[-1])
     results: dict = {"vocab": tokenizer._tok.get_vocab_size(), "routers": {}}
     timeout = aiohttp.ClientTimeout(total=300)
@@ -359,10 +389,12 @@ async def run(args) -> dict:
                 for k, api in enumerate(args.apis.split(",")):
                     if name in ("sglang", "vllm-router") and api != "chat":
                         continue  # the peers route chat; the same chat bodies as kvtop's
-                    added = await returning(http, url, backend, api, texts, args.turns, args.chars, seed=k + 1)
+                    added, cpu = await returning(http, url, backend, api, texts, args.turns, args.chars,
+                                                 seed=k + 1, pid=pids.get(name))
                     c_added, tok_ms, n = await cold(http, url, backend, api, texts, args.chars, seed=100 + k,
                                                     tokenizer=tokenizer if name == "kvtop-tokenizer" else None)
                     r[api] = {"returning_p50_ms": pct(added, 0.5), "returning_p99_ms": pct(added, 0.99),
+                              "returning_cpu_ms": cpu,
                               "cold_added_ms": c_added, "cold_tokenize_alone_ms": tok_ms, "cold_tokens": n}
                     print(name, api, json.dumps(r[api]), flush=True)
                 if args.concurrent and name.startswith("kvtop"):
