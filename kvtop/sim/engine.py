@@ -650,13 +650,25 @@ class Engine:
             limit = len(hashes)
         if limit <= 0:
             return []
-        # One C-level pass (map + index) instead of a Python loop: ~10x faster on long prompts.
-        found = list(map(self._cached.get, hashes[:limit] if limit < len(hashes) else hashes,
-                         repeat(-1, limit)))
-        try:
-            return found[:found.index(-1)]
-        except ValueError:
-            return found
+        # C-level passes (map + index) instead of a Python loop, ~10x faster on long prompts,
+        # over chunks that double from 64 blocks: the scan ends in the chunk of the first miss,
+        # not at the prompt's end. A prompt on an instance that has not seen its session lately
+        # (round_robin, load_only) misses at its first block: one chunk, not its 3,000 hashes.
+        get = self._cached.get
+        found: list[int] = []
+        start, size = 0, 64
+        while start < limit:
+            end = start + size if start + size < limit else limit
+            chunk = list(map(get, hashes[start:end], repeat(-1, end - start)))
+            try:
+                miss = chunk.index(-1)
+            except ValueError:
+                found += chunk
+                start, size = end, size * 2
+                continue
+            found += chunk[:miss]
+            break
+        return found
 
     def _count_prefix(self, req: _Req, hit_tokens: int) -> None:
         if self.prefix_metrics == "at_lookup":
