@@ -3,6 +3,7 @@
     python benchmarks/bench_sim_server.py engine [--requests 10000] [--engines 8]
     python benchmarks/bench_sim_server.py trace FILE [--requests 10000] [--session-gap 20]
     python benchmarks/bench_sim_server.py server [--speed 10] [--streams 16] [--tokens 400]
+    python benchmarks/bench_sim_server.py fingerprint FILE [--limit N] [--policies P,...]
 
 ``engine``: an agentic-shaped synthetic trace (sessions whose every turn repeats the previous
 context and adds 1-8k tokens; prompts 5k-200k tokens; block size 64; outputs 50-400 tokens)
@@ -12,6 +13,11 @@ over 8 engines in <= 20 s.
 
 ``trace FILE``: the same synthetic trace written as a normalized trace (kvtop/traces/loader.py),
 so ``kvtop simulate FILE`` runs the benchmark's load through the router's policies.
+
+``fingerprint FILE``: ``kvtop simulate``'s records of each policy on a trace, as a SHA-256 of
+their JSON, with the CPU seconds each simulation took. A change meant to make the simulator
+faster without changing what it simulates must print the same fingerprints before and after
+(run it on both commits, e.g. the old one from ``git worktree add``).
 
 ``server``: one instance (``--speed``) on a free 127.0.0.1 port in a subprocess, driven by
 concurrent streaming clients in this process; prints the server's CPU seconds (user + sys,
@@ -196,6 +202,32 @@ def bench_server(speed: float, streams: int, tokens: int, rounds: int, interval_
           f"tokens ({total / wall:,.0f} tokens/s wall)")
 
 
+#: The policies issue 18's must-hold compares (kvtop simulate --policies ... --repeats 16).
+ALL_POLICIES = "round_robin,load_only,lmetric,sticky,unified,unified_ab,leastwork,leastwork_kappa"
+
+
+def fingerprint(path: str, limit: int | None, policies: str, instances: int) -> None:
+    import hashlib
+    import json
+
+    from kvtop.simulate import SimConfig, simulate
+    from kvtop.traces.loader import load_trace
+
+    requests = load_trace(path)
+    if limit is not None:
+        requests = requests[:limit]
+    total = 0.0
+    for policy in policies.split(","):
+        c0 = time.process_time()
+        records = simulate(requests, policy, SimConfig(instances=instances))
+        cpu = time.process_time() - c0
+        total += cpu
+        digest = hashlib.sha256(json.dumps(records, sort_keys=True).encode()).hexdigest()[:16]
+        print(f"{policy:16} {len(records):6} records  sha256 {digest}  {cpu:6.2f} CPU s "
+              f"({len(records) / cpu:,.0f} simulated requests per CPU s)", flush=True)
+    print(f"total {total:.2f} CPU s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="what", required=True)
@@ -210,6 +242,11 @@ def main() -> None:
     w.add_argument("file", help="output path (.jsonl or .jsonl.gz)")
     w.add_argument("--requests", type=int, default=10_000)
     w.add_argument("--session-gap", type=float, default=20.0)
+    f = sub.add_parser("fingerprint")
+    f.add_argument("file", help="a normalized trace, e.g. the one `trace` writes")
+    f.add_argument("--limit", type=int, default=None, help="first N requests")
+    f.add_argument("--policies", default=ALL_POLICIES)
+    f.add_argument("--instances", type=int, default=8)
     s = sub.add_parser("server")
     s.add_argument("--speed", type=float, default=10.0)
     s.add_argument("--streams", type=int, default=16)
@@ -219,6 +256,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.what == "engine":
         bench_engine(args.requests, args.engines, args.session_gap, not args.no_coalesce)
+    elif args.what == "fingerprint":
+        try:
+            fingerprint(args.file, args.limit, args.policies, args.instances)
+        except (OSError, ValueError, KeyError) as exc:
+            raise SystemExit(f"fingerprint: {exc}") from None
     elif args.what == "trace":
         n = write_agentic_trace(args.file, args.requests, args.session_gap)
         print(f"wrote {n} requests to {args.file}")
