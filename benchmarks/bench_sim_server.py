@@ -257,9 +257,11 @@ def main() -> None:
     if args.what == "engine":
         bench_engine(args.requests, args.engines, args.session_gap, not args.no_coalesce)
     elif args.what == "fingerprint":
+        from kvtop.cli import CliError
+
         try:
             fingerprint(args.file, args.limit, args.policies, args.instances)
-        except (OSError, ValueError, KeyError) as exc:
+        except (CliError, OSError, ValueError, KeyError) as exc:
             raise SystemExit(f"fingerprint: {exc}") from None
     elif args.what == "trace":
         n = write_agentic_trace(args.file, args.requests, args.session_gap)
