@@ -827,14 +827,15 @@ class Engine:
         cached = self._cached
         block_hash = self._block_hash
         blocks = req.blocks
+        kv_events = self.kv_events
         for idx in range(k, upto):
             h = hashes[idx]
             if h not in cached:   # another block may already hold this content
                 b = blocks[idx]
                 cached[h] = b
                 block_hash[b] = h
-                if self.kv_events is not None:
-                    self.kv_events.append((1, req.id, idx))
+                if kv_events is not None:
+                    kv_events.append((1, req.id, idx))
         req.registered = upto
 
     def _free_blocks(self, req: _Req) -> None:
