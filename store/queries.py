@@ -249,8 +249,25 @@ def decisions(db: sqlite_utils.Database | str | Path, *, run: str | None = None,
 
     ``policy`` is a name or ``name@version``; ``since``/``until`` anything ``parse_time``
     reads; ``run`` an id or unique prefix (None: every run); ``limit`` None for all.
+    On several logs, each file answers on its own (its indexes serve the join, which a view
+    over every file could not) and the newest ``limit`` of their rows are kept, each with
+    its ``source``.
     """
     db = _db(db)
+    if is_merged(db):
+        run_id = resolve_run(db, run) if run is not None else None
+        owner = None if run_id is None else db.conn.execute(
+            "SELECT source FROM runs WHERE run_id = ? UNION ALL SELECT source FROM "
+            "(SELECT source FROM decisions WHERE run_id = ? LIMIT 1)", (run_id, run_id)).fetchone()[0]
+        found = []
+        for src in db.sources:
+            if owner is not None and src.label != owner:
+                continue
+            found += [{**r, "source": src.label} for r in decisions(
+                src.db, run=run_id, session=session, instance=instance, reason=reason, policy=policy,
+                route_class=route_class, since=since, until=until, limit=limit)]
+        found.sort(key=lambda r: (r["ts"] if r["ts"] is not None else -math.inf, r["id"]), reverse=True)
+        return found if limit is None else found[:int(limit)]
     where, params = [], []
     if run is not None:
         where.append("d.run_id = ?")
@@ -448,6 +465,52 @@ def _ranked_dist(conn: sqlite3.Connection, col: str, run_id: str, policy: str, v
     return out
 
 
+def _each_run(db: sqlite_utils.Database, run_id: str) -> list[tuple[sqlite_utils.Database, str]]:
+    """Where the run's rows are: (db, run_id) itself, or on several logs (``merge_runs``)
+    each file's own connection with each of its runs that make up the merged one."""
+    if not is_merged(db):
+        return [(db, run_id)]
+    own = {s.label: s.db for s in db.sources}
+    return [(own[source], rid) for source, rid in db.runs]
+
+
+_MIN_COLUMNS, _MAX_COLUMNS, _TEXT_COLUMNS = ("start_ts",), ("end_ts",), ("reasons", "classes")
+
+
+def _gathered(db: sqlite_utils.Database, run_id: str, sql: Callable[[sqlite_utils.Database, str], str],
+              group: tuple[str, ...]) -> list[dict]:
+    """The rows of a grouped query over the run, ``sql(db, run_id)`` binding the run id as
+    its one parameter. On several logs each file answers for its own run(s) through its own
+    indexes (a GROUP BY over the union's views would sort every row), and rows of the same
+    ``group`` combine: ``start_ts`` min, ``end_ts`` max, separator-joined text joins, every
+    other column (counts and sums) adds, None where every part is None."""
+    parts = [r for d, rid in _each_run(db, run_id) for r in _rows(d, sql(d, rid), (rid,))]
+    if not is_merged(db):
+        return parts
+    out: dict[tuple, dict] = {}
+    for r in parts:
+        key = tuple(r[c] for c in group)
+        have = out.get(key)
+        if have is None:
+            out[key] = dict(r)
+            continue
+        for c, v in r.items():
+            if c in group or v is None:
+                continue
+            old = have[c]
+            if old is None:
+                have[c] = v
+            elif c in _MIN_COLUMNS:
+                have[c] = min(old, v)
+            elif c in _MAX_COLUMNS:
+                have[c] = max(old, v)
+            elif c in _TEXT_COLUMNS:
+                have[c] = old + _SEP + v
+            else:
+                have[c] = old + v
+    return list(out.values())
+
+
 def summary(db: sqlite_utils.Database | str | Path, run_id: str | None = None, *,
             instances: bool = False) -> dict:
     """Per policy segment of a run (latest when None): counts by reason, route class and
@@ -459,50 +522,65 @@ def summary(db: sqlite_utils.Database | str | Path, run_id: str | None = None, *
     """
     db = _db(db)
     db, run_id = _scope(db, run_id)
-    run_clause = _run_clause(db, run_id)
     # Two ordered passes over the run, both in policy-index order so GROUP BY needs no sort:
     # the decisions alone, and decisions joined with outcomes. They run at once on two
     # connections (SQLite lets go of the GIL). Categorical counts come back as
     # separator-joined text and latencies as JSON arrays, so Python counts and sorts in C.
-    decision_sql = f"""SELECT d.policy, d.policy_version, count(*) AS decisions,
+    # Each statement is built for one file and its run (``_gathered``: on several logs, each
+    # file answers for its own run through its own indexes, and the groups add up).
+    clauses: dict[tuple[int, str], str] = {}
+
+    def clause(d: sqlite_utils.Database, rid: str, alias: str = "d") -> str:  # once per file and run
+        if (id(d), rid) not in clauses:
+            clauses[(id(d), rid)] = _run_clause(d, rid)
+        return clauses[(id(d), rid)].replace("d.", f"{alias}.")
+    def decision_sql(d: sqlite_utils.Database, rid: str) -> str:
+        return f"""SELECT d.policy, d.policy_version, count(*) AS decisions,
         sum(d.attempt = 1) AS requests, min(d.ts) AS start_ts, max(d.ts) AS end_ts,
         group_concat(d.reason, char(31)) AS reasons, group_concat(d.route_class, char(31)) AS classes,
         sum(d.input_tokens) AS input_tokens, sum(d.est_hit_tokens) AS est, sum(d.best_hit_tokens) AS best,
         count(d.est_hit_tokens) AS n_est, count(d.best_hit_tokens) AS n_best,
         sum(d.best_hit_tokens - d.est_hit_tokens) AS regret,
         count(d.best_hit_tokens - d.est_hit_tokens) AS n_regret
-        , {_kv_sql(db, "d.")}
-        FROM decisions d WHERE {run_clause} GROUP BY d.policy, d.policy_version"""
+        , {_kv_sql(d, "d.")}
+        FROM decisions d WHERE {clause(d, rid)} GROUP BY d.policy, d.policy_version"""
     flat = _flat(db, run_id)
-    o_clause = run_clause.replace("d.", "o.")
     if flat:  # every outcome knows its segment and its decision's estimate: no join
-        outcome_sql = """SELECT policy, policy_version, count(*) AS n_outcomes, sum(status = 'ok') AS n_ok,
+        def outcome_sql(d: sqlite_utils.Database, rid: str) -> str:
+            return """SELECT policy, policy_version, count(*) AS n_outcomes, sum(status = 'ok') AS n_ok,
             sum(delivered_hit_tokens) AS delivered, count(delivered_hit_tokens) AS n_delivered,
             sum(est_hit_tokens - delivered_hit_tokens) AS est_error,
             count(est_hit_tokens - delivered_hit_tokens) AS n_est_error,
             sum(status = 'ok' AND ttft_ms IS NOT NULL) AS ttft, NULL AS e2e
             FROM outcomes o WHERE run_id = ? GROUP BY policy, policy_version"""  # one covering-index pass
-        failure_sql = f"""SELECT policy, policy_version, status, count(*) AS n FROM outcomes o
-            WHERE {o_clause} AND status IS NOT 'ok' GROUP BY policy, policy_version, status"""
+
+        def failure_sql(d: sqlite_utils.Database, rid: str) -> str:
+            return f"""SELECT policy, policy_version, status, count(*) AS n FROM outcomes o
+            WHERE {clause(d, rid, "o")} AND status IS NOT 'ok' GROUP BY policy, policy_version, status"""
     else:
-        outcome_sql = f"""SELECT d.policy, d.policy_version, count(*) AS n_outcomes, sum(o.status = 'ok') AS n_ok,
+        def outcome_sql(d: sqlite_utils.Database, rid: str) -> str:
+            return f"""SELECT d.policy, d.policy_version, count(*) AS n_outcomes, sum(o.status = 'ok') AS n_ok,
             sum(o.delivered_hit_tokens) AS delivered, count(o.delivered_hit_tokens) AS n_delivered,
             sum(d.est_hit_tokens - o.delivered_hit_tokens) AS est_error,
             count(d.est_hit_tokens - o.delivered_hit_tokens) AS n_est_error
             FROM decisions d JOIN outcomes o
               ON o.request_id = d.request_id AND o.attempt = d.attempt AND +o.run_id = d.run_id
-            WHERE {run_clause} GROUP BY d.policy, d.policy_version"""
+            WHERE {clause(d, rid)} GROUP BY d.policy, d.policy_version"""
+
         # Latencies fetched as numbers (JSON text would round them to 15 digits), sorted in Python.
-        latency_sql = f"""SELECT d.policy, d.policy_version, o.ttft_ms, o.e2e_ms
+        def latency_sql(d: sqlite_utils.Database, rid: str) -> str:
+            return f"""SELECT d.policy, d.policy_version, o.ttft_ms, o.e2e_ms
             FROM decisions d JOIN outcomes o
               ON o.request_id = d.request_id AND o.attempt = d.attempt AND +o.run_id = d.run_id
-            WHERE {run_clause} AND o.status = 'ok'"""
+            WHERE {clause(d, rid)} AND o.status = 'ok'"""
+
         # Failures are few: count them from the outcomes side, joining only those rows
         # (CROSS JOIN keeps SQLite from putting decisions on the outside).
-        failure_sql = f"""SELECT d.policy, d.policy_version, o.status, count(*) AS n
+        def failure_sql(d: sqlite_utils.Database, rid: str) -> str:
+            return f"""SELECT d.policy, d.policy_version, o.status, count(*) AS n
             FROM outcomes o CROSS JOIN decisions d
               ON d.request_id = o.request_id AND d.attempt = o.attempt AND +d.run_id = o.run_id
-            WHERE {o_clause} AND o.status IS NOT 'ok'
+            WHERE {clause(d, rid, "o")} AND o.status IS NOT 'ok'
             GROUP BY d.policy, d.policy_version, o.status"""
 
     def decision_side() -> dict:
@@ -510,7 +588,7 @@ def summary(db: sqlite_utils.Database | str | Path, run_id: str | None = None, *
         own = open_readonly(path) if path else db
         try:
             out = {}
-            for r in _rows(own, decision_sql, (run_id,)):
+            for r in _gathered(own, run_id, decision_sql, ("policy", "policy_version")):
                 r["reasons"] = _counts(r["reasons"], r["decisions"])
                 r["classes"] = _counts(r["classes"], r["decisions"])
                 out[(r["policy"], r["policy_version"])] = r
@@ -525,15 +603,22 @@ def summary(db: sqlite_utils.Database | str | Path, run_id: str | None = None, *
         by_segment = {}
         latencies: dict[tuple, tuple[list, list]] = {}
         if not flat:
-            for pol, ver, ttft, e2e in db.conn.execute(latency_sql, (run_id,)):
-                ttfts, e2es = latencies.setdefault((pol, ver), ([], []))
-                if ttft is not None:
-                    ttfts.append(ttft)
-                if e2e is not None:
-                    e2es.append(e2e)
-        for r in _rows(db, outcome_sql, (run_id,)):
+            for d, rid in _each_run(db, run_id):
+                for pol, ver, ttft, e2e in d.conn.execute(latency_sql(d, rid), (rid,)):
+                    ttfts, e2es = latencies.setdefault((pol, ver), ([], []))
+                    if ttft is not None:
+                        ttfts.append(ttft)
+                    if e2e is not None:
+                        e2es.append(e2e)
+        for r in _gathered(db, run_id, outcome_sql, ("policy", "policy_version")):
             key = (r["policy"], r["policy_version"])
             if flat:  # r[col] is the count; the index gives the ranks
+                if is_merged(db):  # count on each file's index, not by walking the union
+                    r["e2e"] = sum(d.conn.execute(
+                        "SELECT count(*) FROM outcomes WHERE run_id = ? AND policy IS ? AND policy_version IS ? "
+                        "AND status = 'ok' AND e2e_ms IS NOT NULL", (rid, *key)).fetchone()[0]
+                        for d, rid in _each_run(db, run_id))
+                # Ranks through the views of several logs: SQLite merges the files' index orders.
                 for col in ("ttft", "e2e"):
                     r[col] = _ranked_dist(db.conn, f"{col}_ms", run_id, *key, r[col])
             else:
@@ -541,7 +626,7 @@ def summary(db: sqlite_utils.Database | str | Path, run_id: str | None = None, *
                 r["ttft"], r["e2e"] = _dist(ttfts), _dist(e2es)
             r["statuses"] = {}
             by_segment[key] = r
-        for r in _rows(db, failure_sql, (run_id,)):
+        for r in _gathered(db, run_id, failure_sql, ("policy", "policy_version", "status")):
             seg = by_segment.get((r["policy"], r["policy_version"]))
             if seg is not None:
                 seg["statuses"][r["status"] or "(none)"] = r["n"]
