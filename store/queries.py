@@ -356,9 +356,9 @@ def segments(db: sqlite_utils.Database | str | Path, run_id: str | None = None) 
     decision time, decisions and requests (first attempts) in each."""
     db = _db(db)
     db, run_id = _scope(db, run_id)
-    rows = _rows(db, f"""SELECT policy, policy_version, count(*) AS decisions,
+    rows = _gathered(db, run_id, lambda d, rid: f"""SELECT policy, policy_version, count(*) AS decisions,
         sum(attempt = 1) AS requests, min(ts) AS start_ts, max(ts) AS end_ts
-        FROM decisions d WHERE {_run_clause(db, run_id)} GROUP BY policy, policy_version""", (run_id,))
+        FROM decisions d WHERE {_run_clause(d, rid)} GROUP BY policy, policy_version""", ("policy", "policy_version"))
     rows.sort(key=lambda r: (r["start_ts"], r["policy_version"] or 0))
     for r in rows:
         r["label"] = f"{r['policy']}@{r['policy_version']}"
@@ -942,7 +942,8 @@ def arms_from_db(db_path: str | Path | sqlite_utils.Database, run_id: str | None
             last_attempt[rid] = attempt
     has_samples = db["samples"].exists()
     segs = segments(db, run_id)
-    columns = _segment_columns(conn, run_id, last_attempt) if _flat(db, run_id) else None
+    parts = [(d.conn, rid) for d, rid in _each_run(db, run_id)]
+    columns = _segment_columns(conn, run_id, last_attempt, parts) if _flat(db, run_id) else None
     arms = []
     for seg in segs:
         key = (seg["policy"], seg["policy_version"])
@@ -1141,11 +1142,14 @@ class _Columns(dict):
     cancelled: Counter
 
 
-def _segment_columns(conn: sqlite3.Connection, run_id: str, last_attempt: dict[str, int]
-                     ) -> _Columns | None:
+def _segment_columns(conn: sqlite3.Connection, run_id: str, last_attempt: dict[str, int],
+                     parts: list[tuple[sqlite3.Connection, str]] | None = None) -> _Columns | None:
     """Every segment's SegmentColumns from two grouped passes over covering indexes, or
     None when the outcomes cannot answer alone (a row without its route class, which the
-    records would then derive from the input length)."""
+    records would then derive from the input length). ``parts``: where the passes run, each
+    (connection, its run id); on several logs each file for its own run, the sums adding up,
+    while the SegmentColumns read ranks on ``conn`` (the union) under ``run_id``."""
+    parts = parts or [(conn, run_id)]
     out = _Columns()
     out.superseded_decisions = Counter()
     out.cancelled = Counter()
@@ -1163,10 +1167,10 @@ def _segment_columns(conn: sqlite3.Connection, run_id: str, last_attempt: dict[s
 
     try:
         # Status and class counts, TTFT sums per class (and so per segment).
-        for pol, ver, status, cls, n, n_ttft, *pieces in conn.execute(
+        for pol, ver, status, cls, n, n_ttft, *pieces in _each_part(parts, 
                 f"""SELECT policy, policy_version, status, route_class, count(*), count(ttft_ms),
                 {_exact_sum_sql('ttft_ms')} FROM outcomes WHERE run_id = ? AND {not_cancelled}
-                GROUP BY policy, policy_version, status, route_class""", (run_id,)):
+                GROUP BY policy, policy_version, status, route_class"""):
             if not cls:
                 return None
             s = seg(pol, ver)
@@ -1182,13 +1186,13 @@ def _segment_columns(conn: sqlite3.Connection, run_id: str, last_attempt: dict[s
             else:
                 counts[1] += n
         delivered: dict[tuple, list[int]] = {}
-        for pol, ver, instance, ok, n, hit, inp, n_tpot, n_e2e, *pieces in conn.execute(
+        for pol, ver, instance, ok, n, hit, inp, n_tpot, n_e2e, *pieces in _each_part(parts, 
                 f"""SELECT policy, policy_version, instance, status = 'ok', count(*),
                 sum(CASE WHEN delivered_hit_tokens IS NOT NULL AND input_tokens THEN delivered_hit_tokens END),
                 sum(CASE WHEN delivered_hit_tokens IS NOT NULL AND input_tokens THEN input_tokens END),
                 count(tpot_ms), count(e2e_ms), {_exact_sum_sql('e2e_ms')}
                 FROM outcomes WHERE run_id = ? AND {not_cancelled}
-                GROUP BY policy, policy_version, instance, status""", (run_id,)):
+                GROUP BY policy, policy_version, instance, status"""):
             s = seg(pol, ver)
             if instance:
                 s.instances[str(instance)] += n
@@ -1200,9 +1204,9 @@ def _segment_columns(conn: sqlite3.Connection, run_id: str, last_attempt: dict[s
                 s.usage[1] += inp or 0
                 add_values(s, ("e2e_ms", None), n_e2e, _exact_total(*pieces))
                 add_values(s, ("tpot_ms", None), n_tpot, None)  # no TPOT mean: ranks only
-        for pol, ver, n in conn.execute(
+        for pol, ver, n in _each_part(parts,
                 f"""SELECT policy, policy_version, count(*) FROM outcomes
-                WHERE run_id = ? AND status IN {_CANCELLED_SQL} GROUP BY policy, policy_version""", (run_id,)):
+                WHERE run_id = ? AND status IN {_CANCELLED_SQL} GROUP BY policy, policy_version"""):
             out.cancelled[(pol, ver)] += n
     except sqlite3.OperationalError as exc:  # e.g. integer overflow on absurd latencies
         if "overflow" not in str(exc):
@@ -1211,17 +1215,17 @@ def _segment_columns(conn: sqlite3.Connection, run_id: str, last_attempt: dict[s
     if last_attempt:
         retried = json.dumps(list(last_attempt))
         # Through the request_id index (+run_id: the planner would walk the whole run instead).
-        for rid, attempt, pol, ver in conn.execute(
-                "SELECT request_id, attempt, policy, policy_version FROM decisions "
-                "WHERE request_id IN (SELECT value FROM json_each(?)) AND +run_id = ?", (retried, run_id)):
+        for rid, attempt, pol, ver in _each_part(
+                parts, "SELECT request_id, attempt, policy, policy_version FROM decisions "
+                "WHERE request_id IN (SELECT value FROM json_each(?)) AND +run_id = ?", retried):
             if attempt != last_attempt[rid]:
                 out.superseded_decisions[(pol, ver)] += 1
         for (rid, attempt, pol, ver, status, cls, instance, ttft, e2e, tpot, hit,
-             inp) in conn.execute(
-                "SELECT request_id, attempt, policy, policy_version, status, route_class, instance, "
+             inp) in _each_part(
+                parts, "SELECT request_id, attempt, policy, policy_version, status, route_class, instance, "
                 "ttft_ms, e2e_ms, tpot_ms, delivered_hit_tokens, input_tokens FROM outcomes "
                 "WHERE request_id IN (SELECT value FROM json_each(?)) AND +run_id = ? AND status IS NOT NULL",
-                (retried, run_id)):
+                retried):
             if attempt == last_attempt[rid]:
                 continue
             if status in CANCELLED:  # counted among the cancelled, not the requests
@@ -1253,6 +1257,13 @@ def _segment_columns(conn: sqlite3.Connection, run_id: str, last_attempt: dict[s
     for key, s in out.items():
         s.delivered_tokens = tuple(delivered.get(key, (0, 0)))
     return out
+
+
+
+def _each_part(parts: list[tuple[sqlite3.Connection, str]], sql: str, *before: Any):
+    """The rows of ``sql`` on each part in turn, binding ``before`` then the part's run id."""
+    for conn, run_id in parts:
+        yield from conn.execute(sql, (*before, run_id))
 
 
 def table_names(db: sqlite_utils.Database) -> list[str]:

@@ -159,6 +159,10 @@ def test_merged_report_equals_one_log_of_both_routers(tmp_path, capsys, seed):
             cls = "WARM" if inp < 5000 else "MEDIUM" if inp < 20000 else "HEAVY" if inp < 50000 else "HEAVY+"
             rows.append((ts, f"r{r}-{i}", 1, f"s{r}-{i % 7}", pol, ver, f"i{rng.randrange(4)}", "argmin", cls,
                          inp, est, est, "exact", est + rng.randrange(-200, 200), out))
+            if rng.random() < 0.05:  # a retry: the report keeps the final attempt only
+                ttft2 = rng.lognormvariate(5, 1.5)
+                rows.append((ts + 0.05, f"r{r}-{i}", 2, f"s{r}-{i % 7}", pol, ver, f"i{rng.randrange(4)}", "retry",
+                             cls, inp, 0, est, "estimate", None, ("ok", ttft2, ttft2 * 3, 0)))
         per_router.append(_write(tmp_path / f"router{r}.db", {f"run-{r}": (99.0 + r / 10, rows)}))
         everything += rows
     both = _write(tmp_path / "all.db", {"all": (99.0, sorted(everything))})
