@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import orjson
 from aiohttp import web
@@ -82,10 +82,11 @@ def parse_json(raw: bytes) -> Any:
 
 
 def refusal(exc: BadRequest) -> web.Response:
-    """The JSON answer to a request we will not route. After a 408 or 413 the rest of the body
-    is unread, so the connection closes behind the answer."""
-    resp = error_response(exc.status, exc.message, param=exc.param)
-    if exc.status in (408, 413):
+    """The JSON answer to a request we will not route. After a 408, 413 or 503 the rest of the
+    body may be unread, so the connection closes behind the answer; a 503 says when to retry."""
+    resp = error_response(exc.status, exc.message, param=exc.param,
+                          headers={"Retry-After": "1"} if exc.status == 503 else None)
+    if exc.status in (408, 413, 503):
         resp.force_close()
     return resp
 
@@ -114,19 +115,40 @@ async def _read_big(request: web.Request, n: int) -> Chunks:
     return Chunks(chunks, got)
 
 
-async def read_body(request: web.Request, timeout_s: float | None) -> bytes | Chunks:
+async def _read_unsized(request: web.Request, limit: int, reserve: Callable[[int], None]) -> bytes | Chunks:
+    """A body without a Content-Length (chunked): each chunk is passed to ``reserve`` as it
+    arrives (which raises BadRequest to refuse it), so that the router's bound on the bodies it
+    holds at once counts it while it arrives, not only after; past ``limit`` bytes it is a 413."""
+    chunks: list[bytes] = []
+    got = 0
+    content = request.content
+    while chunk := await content.readany():
+        got += len(chunk)
+        if got > limit:
+            raise BadRequest(f"the request body is larger than the router's limit of {limit:,} bytes "
+                             "(--max-body-mb)", status=413)
+        reserve(len(chunk))
+        chunks.append(chunk)
+    return Chunks(chunks, got) if got >= _BIG_READ else b"".join(chunks)
+
+
+async def read_body(request: web.Request, timeout_s: float | None,
+                    reserve: Callable[[int], None] | None = None) -> bytes | Chunks:
     """The request body within ``timeout_s`` (a slow or stalled client gets a 408); a body over
     the app's ``client_max_size`` is a 413, refused before reading when its length says so.
-    A body of ``_BIG_READ`` bytes or more with a Content-Length comes back as ``Chunks``."""
+    A body of ``_BIG_READ`` bytes or more comes back as ``Chunks``. ``reserve``, when given, is
+    called with the size of each piece of a body without a Content-Length as it arrives."""
     limit = request.client_max_size
     if request.content_length is not None and request.content_length > limit:
         raise BadRequest(f"the request body ({request.content_length:,} bytes) is larger than the "
                          f"router's limit of {limit:,} bytes (--max-body-mb)", status=413)
     try:
-        if not timeout_s or request.content.is_eof():
-            return await request.read()  # no limit, or the whole body is already here
-        async with asyncio.timeout(timeout_s):  # unlike wait_for, no extra task per request
+        if request.content.is_eof():
+            return await request.read()  # the whole body is already here
+        async with asyncio.timeout(timeout_s or None):  # unlike wait_for, no extra task per request
             n = request.content_length
+            if n is None and reserve is not None:
+                return await _read_unsized(request, limit, reserve)
             if n is not None and n >= _BIG_READ:
                 return await _read_big(request, n)
             return await request.read()

@@ -55,13 +55,22 @@ def admit(state: Any) -> web.Response | None:
 def body_room(state: Any, declared: int) -> web.Response | None:
     """A 503 when the bodies the router holds (request bodies from arrival to the answer's end)
     would pass ``max_buffered_bytes`` with this one; None when it fits."""
-    limit = state.config.max_buffered_bytes
-    if limit and state.body_bytes + declared > limit and state.body_bytes > 0:
+    if over_body_room(state, declared):
         state.counts["rejected"] = state.counts.get("rejected", 0) + 1
-        return error_response(503, f"the router already holds {state.body_bytes:,} bytes of request bodies "
-                                   f"(--max-buffered-mb {limit // (1024 * 1024)}); retry later",
-                              headers={"Retry-After": RETRY_AFTER_S})
+        return error_response(503, body_room_message(state), headers={"Retry-After": RETRY_AFTER_S})
     return None
+
+
+def over_body_room(state: Any, more: int, *, own: int = 0) -> bool:
+    """Would ``more`` bytes pass ``max_buffered_bytes``? ``own``: bytes of the same body already
+    counted. One body alone always fits (``--max-body-mb`` bounds it)."""
+    limit = state.config.max_buffered_bytes
+    return bool(limit) and state.body_bytes + more > limit and state.body_bytes - own > 0
+
+
+def body_room_message(state: Any) -> str:
+    return (f"the router already holds {state.body_bytes:,} bytes of request bodies "
+            f"(--max-buffered-mb {state.config.max_buffered_bytes // (1024 * 1024)}); retry later")
 
 
 def full_instances(state: Any) -> tuple[int, ...]:

@@ -70,8 +70,19 @@ async def handle(request: web.Request, state, api: Api, store: ResponseStore | N
         return busy
     held = request.content_length or 0
     state.body_bytes += held  # the body's bytes are the router's from here to the answer's end
+
+    def reserve(n: int) -> None:
+        """A body without a Content-Length is counted as it arrives, and refused like one
+        whose length said too much (else chunked bodies would pass the bound)."""
+        nonlocal held
+        if limits.over_body_room(state, n, own=held):
+            state.counts["rejected"] = state.counts.get("rejected", 0) + 1
+            raise BadRequest(limits.body_room_message(state), status=503)
+        held += n
+        state.body_bytes += n
+
     try:
-        raw = await read_body(request, cfg.client_timeout_s)
+        raw = await read_body(request, cfg.client_timeout_s, reserve)
         state.body_bytes += len(raw) - held
         held = len(raw)
         return await _route(request, state, api, t_recv, raw, store)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import aiohttp
+
 from router.app import STATE, Backend, RouterConfig, create_app
 from router.control import CONTROL, READ_BURST
 
@@ -89,6 +91,39 @@ async def test_request_bodies_held_at_once_are_bounded(router_client, fake_backe
         assert r.status == 200  # small bodies still fit beside the big one
     resp = await first
     assert resp.status == 200
+    resp.close()
+    assert state.body_bytes == 0
+
+
+async def test_chunked_bodies_count_against_the_bound_as_they_arrive(router_client, fake_backends, tmp_path):
+    """A body without a Content-Length is counted while it arrives: a second one that would pass
+    --max-buffered-mb is refused mid-body with a 503 (and its connection closed), as one whose
+    length said so would be; the first is answered and the books return to zero."""
+    import json
+
+    client, state = await start(router_client, fake_backends, tmp_path, max_buffered_bytes=1_000_000,
+                                fake_kw={"first_delay": 0.5})
+    raw = json.dumps({"prompt": "word " * 140_000, "max_tokens": 1}).encode()  # about 700 KB
+
+    async def chunked():
+        for k in range(0, len(raw), 65536):
+            yield raw[k:k + 65536]
+
+    first = asyncio.create_task(client.post("/v1/completions", data=chunked(),
+                                            headers={"Content-Type": "application/json"}))
+    while state.body_bytes < len(raw):
+        await asyncio.sleep(0.01)
+    assert state.body_bytes == len(raw)  # counted piece by piece, though no length was declared
+    try:
+        async with client.post("/v1/completions", data=chunked(),
+                               headers={"Content-Type": "application/json"}) as r:
+            assert r.status == 503 and r.headers["Retry-After"]
+            assert "--max-buffered-mb" in (await r.json())["error"]["message"]
+    except aiohttp.ClientError:  # the router may close before the client has sent it all
+        pass
+    assert state.counts["rejected"] == 1
+    resp = await first
+    assert resp.status == 200, await resp.text()
     resp.close()
     assert state.body_bytes == 0
 
