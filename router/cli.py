@@ -23,6 +23,7 @@ import signal
 import socket
 import sqlite3
 import sys
+from urllib.parse import urlsplit
 
 from router import limits
 from router.app import STATE, create_app, start_server, tls_context
@@ -62,8 +63,14 @@ def parse_backend(spec: str, index: int) -> Backend:
     head, sep, rest = url.partition("=")
     if sep and "://" not in head:
         name, url = head, rest
-    if not url.startswith(("http://", "https://")) or len(url.split("://", 1)[1]) == 0:
-        raise CliError(f"--backend {spec!r}: expected http://HOST:PORT or https://HOST:PORT")
+    try:
+        u = urlsplit(url)
+        ok = u.scheme in ("http", "https") and bool(u.hostname) and (u.port is None or u.port > 0)
+    except ValueError:  # a port that is not a number, an IPv6 address without brackets
+        ok = False
+    if not ok:
+        raise CliError(f"--backend {spec!r}: expected http://HOST:PORT or https://HOST:PORT "
+                       "(an IPv6 address in brackets: http://[::1]:8000)")
     return Backend(name=name, url=url.rstrip("/"), gpu=gpu, kv_events=opts.get("kv"),
                    kv_replay=opts.get("kv-replay"))
 

@@ -227,6 +227,7 @@ class Subscriber:
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
         sock.setsockopt(zmq.SUBSCRIBE, self.topic)
+        sock.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:5557 as well as IPv4 endpoints
         monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sock.connect(self.endpoint)
         self._sock = sock
@@ -435,6 +436,7 @@ class Subscriber:
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.RCVHWM, self.rcv_hwm)
         dealer.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        dealer.setsockopt(zmq.IPV6, 1)
         before = self.expected
         empty = False
         self.expected = start

@@ -58,3 +58,25 @@ def test_help_still_lists_broken_verbs_and_other_verbs_still_work(broken_verbs, 
         cli.main(["report", "--help"])  # a healthy verb is untouched by a broken neighbour
     assert exit_info.value.code == 0
     assert "usage: kvtop report" in capsys.readouterr().out
+
+
+def test_backend_urls_are_checked_and_ipv6_takes_brackets():
+    """A backend URL the proxy could not reach is refused at start with one line, and an IPv6
+    host is written in brackets, in --backend and in what `kvtop sim` prints."""
+    import argparse
+
+    from kvtop.cli import CliError
+    from kvtop.sim.cli import route_line, url_host
+    from router.cli import parse_backend
+
+    b = parse_backend("http://[::1]:8000@kv=tcp://[::1]:8001", 0)
+    assert (b.url, b.kv_events) == ("http://[::1]:8000", "tcp://[::1]:8001")
+    for bad in ("http://::1:8000", "http://h:99999", "ftp://h:1", "http://", "h:8000"):
+        with pytest.raises(CliError, match="IPv6 address in brackets"):
+            parse_backend(bad, 0)
+    assert url_host("::1") == "[::1]" and url_host("127.0.0.1") == "127.0.0.1" and url_host("[::1]") == "[::1]"
+    args = argparse.Namespace(host="::1", port_base=9000, instances=1, kv_events_port_base=None,
+                              no_kv_events=False)
+    line = route_line(args)
+    assert line.startswith("route with: kvtop route --backend http://[::1]:9000@kv=tcp://[::1]:")
+    parse_backend(line.split("--backend ")[1], 0)  # what the sim prints, the router takes

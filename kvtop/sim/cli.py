@@ -183,14 +183,20 @@ def kv_events_port_base(args: argparse.Namespace) -> int | None:
     return args.port_base + args.instances if base is None else base
 
 
+def url_host(host: str) -> str:
+    """``host`` as it goes in a URL or a ZMQ endpoint: an IPv6 address in brackets."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
 def route_line(args: argparse.Namespace) -> str:
     """``kvtop route`` with a ``--backend`` per instance, following its KV events when on."""
     kv = kv_events_port_base(args)
+    host = url_host(args.host)
     specs = []
     for i in range(args.instances):
-        spec = f"http://{args.host}:{args.port_base + i}"
+        spec = f"http://{host}:{args.port_base + i}"
         if kv is not None:
-            spec += f"@kv=tcp://{args.host}:{kv + 2 * i}@kv-replay=tcp://{args.host}:{kv + 2 * i + 1}"
+            spec += f"@kv=tcp://{host}:{kv + 2 * i}@kv-replay=tcp://{host}:{kv + 2 * i + 1}"
         specs.append(f"--backend {spec}")
     return "route with: kvtop route " + " ".join(specs)
 
@@ -225,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
             est = " ESTIMATED" if p.estimated else ""
             kv = inst.kv_publisher
             events = f", KV events {kv.endpoint} replay {kv.replay_endpoint}" if kv is not None else ""
-            print(f"instance {i}: http://{inst.host}:{inst.port}  profile {p.name}{est}, "
+            print(f"instance {i}: http://{url_host(inst.host)}:{inst.port}  profile {p.name}{est}, "
                   f"{e.num_gpu_blocks} blocks x {e.block_size} tokens, max_model_len "
                   f"{e.max_model_len}, speed {inst.speed:g}{events}", flush=True)
         if not getattr(args, "no_route_line", False):  # (--process-per-instance: the parent's)

@@ -39,6 +39,9 @@ class KvEventPublisher:
                  buffer_steps: int = 10_000, topic: bytes = b""):
         self.engine = engine
         self.host = host
+        #: as it goes in an endpoint: an IPv6 address in brackets (its sockets then take IPv6)
+        self._ipv6 = ":" in host
+        self._zhost = f"[{host.strip('[]')}]" if self._ipv6 else host
         self.port = port
         self.replay_port = replay_port
         self.topic = topic
@@ -53,11 +56,11 @@ class KvEventPublisher:
 
     @property
     def endpoint(self) -> str:
-        return f"tcp://{self.host}:{self.port}"
+        return f"tcp://{self._zhost}:{self.port}"
 
     @property
     def replay_endpoint(self) -> str | None:
-        return f"tcp://{self.host}:{self.replay_port}" if self.replay_port else None
+        return f"tcp://{self._zhost}:{self.replay_port}" if self.replay_port else None
 
     async def start(self) -> None:
         import zmq
@@ -67,15 +70,17 @@ class KvEventPublisher:
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.setsockopt(zmq.SNDHWM, 100_000)
+        self._pub.setsockopt(zmq.IPV6, int(self._ipv6))
         if self.port == 0:
-            self.port = self._pub.bind_to_random_port(f"tcp://{self.host}")
+            self.port = self._pub.bind_to_random_port(f"tcp://{self._zhost}")
         else:
             self._pub.bind(self.endpoint)
         if self.replay_port is not None:
             self._router = self._ctx.socket(zmq.ROUTER)
             self._router.setsockopt(zmq.LINGER, 0)
+            self._router.setsockopt(zmq.IPV6, int(self._ipv6))
             if self.replay_port == 0:
-                self.replay_port = self._router.bind_to_random_port(f"tcp://{self.host}")
+                self.replay_port = self._router.bind_to_random_port(f"tcp://{self._zhost}")
             else:
                 self._router.bind(self.replay_endpoint)
             self._task = asyncio.get_running_loop().create_task(self._serve_replay())
