@@ -84,8 +84,13 @@ class Stack:
         with self.lock:
             procs = list(reversed(self.procs))
             self.procs.clear()
-        # each verb shuts down cleanly on SIGINT
-        stop_processes([proc for _, proc in procs], grace_s=grace_s, sig=signal.SIGINT)
+        # Each verb shuts down cleanly on SIGINT. One at a time, newest first: the replay, then
+        # the router (its requests in flight are answered by instances still up, and it writes
+        # the last of its decision log: on a busy machine a shared 5 s cut it off mid-write),
+        # then the instances.
+        for name, proc in procs:
+            stop_processes([proc], grace_s=max(grace_s, 15.0) if name == "route" else grace_s,
+                           sig=signal.SIGINT)
 
 
 def _port_free(port: int) -> bool:
