@@ -123,6 +123,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path("kv-study"))
     ap.add_argument("--policies", default="leastwork,unified,expected_cost")
+    ap.add_argument("--modes", default="estimate,events", help="which arms per policy (default both)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[7])
     ap.add_argument("--instances", type=int, default=8)
     ap.add_argument("--sessions", type=int, default=24)
@@ -147,7 +148,7 @@ def main() -> int:
                                    stagger=args.stagger, max_gap=20.0, seed=seed, max_turns=args.max_turns)
         trace = peers.build_trace(targs, tdir)
         for policy in args.policies.split(","):
-            for events in (False, True):
+            for events in [m == "events" for m in args.modes.split(",")]:
                 t0 = time.monotonic()
                 r = run_arm(trace, policy, events, args, tdir)
                 r["seed"] = seed

@@ -195,6 +195,34 @@ def test_cluster_uses_exact_hits_only_where_events_are_live():
     assert st.drift_tokens == 80 and st.drift_input_tokens == 160
 
 
+
+def test_with_prefills_queued_ahead_the_hit_is_what_both_views_still_hold():
+    """The events say what the engine holds now; the prefills already routed to it and not yet
+    run will evict its oldest blocks before this request is scheduled, and the estimate has
+    already evicted for them. With more work queued than the engine has room for, the exact hit
+    is capped by the estimate's; with no queue, a queue that fits, or where the estimate
+    believes more, the events alone decide."""
+    c = Cluster(["a", "b"], block_size=16, capacity_blocks=12)
+    c.exact = ExactIndex(2, 16, speculative_ttl_s=0)
+    toks = list(range(160))
+    blocks = hash_token_blocks(toks, 16)
+    engines = [FakeEngineCache(16), FakeEngineCache(16)]
+    for i in (0, 1):
+        _feed(c.exact, i, engines[i].run(toks))  # both engines hold all 10 blocks now
+        c.exact.set_live(i, True)
+        c.index.insert(i, blocks[:3])  # the estimate kept only 3 (it evicted for queued work)
+    assert c.hits(blocks, 160) == [144, 144]  # nothing queued: the engines' word
+    t = c.dispatch(0, 32, 0, [], cache_blocks=False)  # 2 new blocks queued on a: they fit in its room
+    assert c.hits(blocks, 160) == [144, 144]
+    c.first_token(t)
+    c.dispatch(0, 1000, 0, [], cache_blocks=False)  # a 1,000-token prefill (63 blocks) waits on a
+    assert c.instances[0].pending_prefill_tokens == 1000
+    assert c.hits(blocks, 160) == [48, 144]
+    # the estimate believing more than the engine holds never raises the hit
+    c.index.insert(0, blocks)
+    _feed(c.exact, 0, [(REMOVED, list(reversed(engines[0].chain(toks)[4:])))])  # a keeps 4
+    assert c.hits(blocks, 160) == [64, 144]
+
 # -- the subscriber, message by message (no sockets) -----------------------------------------
 def _sub(resync_tokens=64, **kw):
     idx = ExactIndex(1, 16)
