@@ -6,7 +6,7 @@ file; run-scoped verbs (summary, shadow) merge every file's latest run (--run pi
 
   kvtop log runs                        runs with decision counts, policies and time span
   kvtop log decisions --reason retry    decisions joined with outcomes, newest first
-  kvtop log summary [--run RUN]         per policy segment: reasons, classes, latency, hits
+  kvtop log summary [--run RUN]         per policy segment: reasons, classes, latency, hits, KV drift
   kvtop log why REQUEST_ID              one request's receipt: every candidate's terms, outcome
   kvtop log sql "SELECT ..."            any read-only SQL
   kvtop log export --table decisions    a table or query as CSV / JSON lines
