@@ -229,6 +229,8 @@ def _shadow(queries, db, args) -> int:
     print("\nest. prefill saved: the shadow's picks' estimated cached tokens minus the real picks', "
           "summed over disagreements (< 0: it would have prefilled more). mean score gap: the real "
           "pick's score minus the shadow's own, in the shadow's units, over disagreements.")
+    for note in queries.knob_notes(db):
+        print(f"note: {note}")
     return 0
 
 
@@ -265,6 +267,8 @@ def format_summary(result: dict) -> str:
     if result.get("sources"):
         lines.append(f"  {len(result['sources'])} routers' logs merged: "
                      + ", ".join(f"{s['source']} (run {s['run_id']})" for s in result["sources"]))
+    for note in result.get("notes", ()):
+        lines.append(f"  note: {note}")
     if not result["segments"]:
         lines.append("  no decisions in this run")
     for s in result["segments"]:

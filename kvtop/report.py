@@ -124,6 +124,10 @@ def load_db_arms(db_paths: str | Sequence[str], run_id: str | None) -> list[Arm]
             for again, kept in getattr(db, "duplicates", ()):
                 print(f"kvtop report: {again} is the same file as {kept}; read once", file=sys.stderr)
             arms = arms_from_db(db, run_id)
+            from store.queries import knob_notes
+
+            for note in knob_notes(db):
+                print(f"kvtop report: {note}", file=sys.stderr)
     except LookupError as exc:  # e.g. an unknown run id, a damaged or locked file
         raise CliError(str(exc).strip("'\"")) from None
     except sqlite3.DatabaseError as exc:  # damaged past the pages opening it reads

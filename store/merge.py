@@ -25,6 +25,7 @@ report's arms) see the routers' runs as one run of the fleet.
 
 from __future__ import annotations
 
+import json
 import os
 import sqlite3
 from dataclasses import dataclass, field
@@ -64,6 +65,9 @@ class MergedLog(sqlite_utils.Database):
     runs: list[tuple[str, str]]
     #: files given more than once, read once: [(path given again, path kept)]
     duplicates: list[tuple[str, str]]
+    #: after ``merge_runs``: {(policy, version): text} for the segments whose routers ran
+    #: them with different knobs or features (each router numbers its versions on its own)
+    knob_conflicts: dict[tuple[str, int], str]
 
     def table_names(self, fts4: bool = False, fts5: bool = False) -> list[str]:
         if fts4 or fts5:
@@ -127,7 +131,7 @@ def open_merged(paths: Sequence[str | Path], *, open_one, error: type[Exception]
             conn.execute("ATTACH DATABASE ? AS " + s.alias, ("file:" + quote(s.path) + "?mode=ro",))
         _check_run_ids(sources, error)
         db = MergedLog(conn)
-        db.sources, db.duplicates, db.runs = sources, duplicates, []
+        db.sources, db.duplicates, db.runs, db.knob_conflicts = sources, duplicates, [], {}
         _create_views(db, None)
         conn.execute("PRAGMA query_only = ON")
         return db
@@ -224,7 +228,51 @@ def merge_runs(db: MergedLog, runs: Sequence[str] | None, *, resolve, error: typ
     label = "+".join(run_id for _, _, run_id in picked)
     _with_writes(db, lambda: _create_views(db, chosen, label))
     db.runs = [(source, run_id) for _, source, run_id in picked]
+    db.knob_conflicts = knob_conflicts(db)
     return label
+
+
+def _settings(db: MergedLog) -> dict[tuple[str, int], dict[str, dict]]:
+    """{(policy, version): {source label: settings}} of the merged run, from each file's
+    ``config_events`` (the run's start and every policy or knob change record the new
+    policy, version, knobs and features in ``after``)."""
+    out: dict[tuple[str, int], dict[str, dict]] = {}
+    own = {s.label: s.db for s in db.sources}
+    for source, run_id in db.runs:
+        conn = own[source].conn
+        if not conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'config_events'").fetchone():
+            continue
+        for (after,) in conn.execute("SELECT after FROM config_events WHERE run_id = ? AND kind IN "
+                                     "('run', 'policy', 'knobs') ORDER BY ts, id", (run_id,)):
+            try:
+                a = json.loads(after)
+                key = (a["policy"], int(a["version"]))
+            except (TypeError, ValueError, KeyError):
+                continue
+            out.setdefault(key, {})[source] = {"knobs": a.get("knobs") or {}, "features": a.get("features") or {}}
+    return out
+
+
+def knob_conflicts(db: MergedLog) -> dict[tuple[str, int], str]:
+    """The segments of the merged run that routers ran with different settings: a version
+    is a counter each router keeps, so ``unified@3`` on one router and ``unified@3`` on
+    another may differ. Value: the differing knobs, e.g. ``overload_factor 1.5 (r1.db), 3.0
+    (r2.db)``; a router whose setting is unset shows ``-``."""
+    out = {}
+    for key, by_source in _settings(db).items():
+        if len(by_source) < 2:
+            continue
+        diffs = []
+        for part in ("knobs", "features"):
+            names = sorted({k for v in by_source.values() for k in v[part]})
+            for name in names:
+                values = {src: v[part].get(name) for src, v in by_source.items()}
+                if len({json.dumps(x, sort_keys=True) for x in values.values()}) > 1:
+                    diffs.append(f"{name} " + ", ".join(f"{'-' if x is None else x} ({src})"
+                                                         for src, x in values.items()))
+        if diffs:
+            out[key] = "; ".join(diffs)
+    return out
 
 
 def _with_writes(db: MergedLog, build) -> None:

@@ -148,6 +148,22 @@ def _db_file(db: sqlite_utils.Database) -> str | None:
     return None
 
 
+def segment_label(db: sqlite_utils.Database, policy: str | None, version: int | None) -> str:
+    """``policy@version``; on several logs, marked when the routers ran that segment with
+    different knobs (``merge.knob_conflicts``: versions are numbered by each router)."""
+    label = f"{policy}@{version}"
+    if (policy, version) in getattr(db, "knob_conflicts", {}):
+        label += " (knobs differ)"
+    return label
+
+
+def knob_notes(db: sqlite_utils.Database) -> list[str]:
+    """One line per segment whose routers' knobs differ (several logs), saying how."""
+    return [f"{policy}@{version} mixes different settings across routers: {text}; its figures pool them "
+            "(read each router's log with --db alone to tell them apart)"
+            for (policy, version), text in getattr(db, "knob_conflicts", {}).items()]
+
+
 def _rows(db: sqlite_utils.Database, sql: str, params: Sequence | dict = ()) -> list[dict]:
     cur = db.conn.execute(sql, params)
     cols = [c[0] for c in cur.description]
@@ -361,7 +377,7 @@ def segments(db: sqlite_utils.Database | str | Path, run_id: str | None = None) 
         FROM decisions d WHERE {_run_clause(d, rid)} GROUP BY policy, policy_version""", ("policy", "policy_version"))
     rows.sort(key=lambda r: (r["start_ts"], r["policy_version"] or 0))
     for r in rows:
-        r["label"] = f"{r['policy']}@{r['policy_version']}"
+        r["label"] = segment_label(db, r["policy"], r["policy_version"])
         r["run_id"] = run_id
     return rows
 
@@ -396,7 +412,7 @@ def shadow_summary(db: sqlite_utils.Database | str | Path, run_id: str | None = 
     for r in by_class:
         classes.setdefault((r["policy"], r["policy_version"], r["shadow"]), {})[r["route_class"] or "-"] = r["n"]
     for r in rows:
-        r["segment"] = f"{r['policy']}@{r['policy_version']}"
+        r["segment"] = segment_label(db, r["policy"], r["policy_version"])
         r["agreement"] = r["agree"] / r["picks"] if r["picks"] else None
         r["disagree_by_class"] = classes.get((r["policy"], r["policy_version"], r["shadow"]), {})
         r["run_id"] = run_id
@@ -640,7 +656,7 @@ def summary(db: sqlite_utils.Database | str | Path, run_id: str | None = None, *
         counts = Counter({"ok": o["n_ok"] or 0, **o["statuses"], "no_outcome": n - o["n_outcomes"]})
         statuses = {k: v for k, v in counts.most_common() if v}
         segs.append({
-            "label": f"{r['policy']}@{r['policy_version']}",
+            "label": segment_label(db, r["policy"], r["policy_version"]),
             "policy": r["policy"], "policy_version": r["policy_version"],
             "start_ts": r["start_ts"], "end_ts": r["end_ts"],
             "decisions": n, "requests": r["requests"],
@@ -675,6 +691,7 @@ def summary(db: sqlite_utils.Database | str | Path, run_id: str | None = None, *
     out = {"run_id": run_id, "segments": segs}
     if is_merged(db):
         out["sources"] = [{"source": source, "run_id": r} for source, r in db.runs]
+        out["notes"] = knob_notes(db)
     return out
 
 

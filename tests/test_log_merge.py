@@ -46,12 +46,19 @@ ROUTER2 = [
 ]
 
 
-def _write(path, runs: dict[str, tuple[float, list]], *, flat: bool = True) -> str:
+def _write(path, runs: dict[str, tuple[float, list]], *, flat: bool = True, knobs: dict | None = None,
+           backends: list[dict] | None = None) -> str:
     """One router's log, as the router writes it (``flat``: outcomes carry their decision's
-    columns; False: as an older router wrote them)."""
+    columns; False: as an older router wrote them). ``knobs``: the run's start records its
+    policy at version 1 with these knobs (config_events); ``backends``: runs.backends."""
     w = Writer(str(path), flush_interval=0.01).start()
     for run_id, (started, rows) in runs.items():
-        w.put("runs", {"run_id": run_id, "started_at": started, "policy": rows[0][4], "backends": [{"name": "i0"}]})
+        w.put("runs", {"run_id": run_id, "started_at": started, "policy": rows[0][4],
+                       "backends": backends or [{"name": "i0"}]})
+        if knobs is not None:
+            w.put("config_events", {"run_id": run_id, "ts": started, "kind": "run", "who": "router",
+                                    "policy_version": 1, "before": None,
+                                    "after": {"policy": rows[0][4], "version": 1, "knobs": knobs, "features": {}}})
         for ts, rid, att, ses, pol, ver, inst, reason, rc, inp, est, best, source, estimate, out in rows:
             w.put("decisions", {"run_id": run_id, "ts": ts, "request_id": rid, "attempt": att, "session_id": ses,
                                 "turn": 1, "policy": pol, "policy_version": ver, "instance": inst, "reason": reason,
@@ -283,6 +290,24 @@ def test_logs_of_older_schemas_still_merge(logs, capsys):
     assert rc == 0 and "exact 4 of 5 decisions" in out and "n/a (this log has no estimate_hit_tokens column)" in out
     rc, out, _ = _kvtop(capsys, "report", "--db", a, "--db", b)
     assert rc == 0 and "unified@1" in out
+
+
+def test_a_segment_whose_routers_ran_different_knobs_says_so(tmp_path, capsys):
+    """Each router numbers its versions: unified@1 on router 1 is not unified@1 on router 2
+    when their knobs differ. The merged segment is marked and a note names the knob."""
+    a = _write(tmp_path / "r1.db", {"20261126-100000-aaaaaa": (99.0, ROUTER1)}, knobs={"overload_factor": 1.5})
+    b = _write(tmp_path / "r2.db", {"20261126-100000-bbbbbb": (99.5, ROUTER2)},
+               knobs={"overload_factor": 3.0, "cache_ratio_gate": 0.9})
+    rc, out, _ = _kvtop(capsys, "log", "--db", a, "--db", b, "summary")
+    assert rc == 0 and "== unified@1 (knobs differ)" in out
+    assert (f"note: unified@1 mixes different settings across routers: cache_ratio_gate - ({a}), 0.9 ({b}); "
+            f"overload_factor 1.5 ({a}), 3.0 ({b})") in out
+    rc, out, err = _kvtop(capsys, "report", "--db", a, "--db", b)
+    assert rc == 0 and "unified@1 (knobs differ)" in out and "overload_factor 1.5" in err
+    # The same knobs on both routers: one segment, no note.
+    c = _write(tmp_path / "r3.db", {"20261126-100000-cccccc": (99.5, ROUTER2)}, knobs={"overload_factor": 1.5})
+    rc, out, _ = _kvtop(capsys, "log", "--db", a, "--db", c, "summary")
+    assert rc == 0 and "== unified@1  " in out and "knobs differ" not in out and "note:" not in out
 
 
 # -- bad inputs ------------------------------------------------------------------------------
