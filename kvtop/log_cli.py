@@ -314,9 +314,11 @@ def _kv_lines(kv: dict) -> list[str]:
              f"({_pct(kv['exact'], kv['decisions'])})"]
     lines.append("  KV drift     " + _drift_text(kv))
     if kv.get("instances"):  # --instances
-        width = max(len(str(r["instance"])) for r in kv["instances"])
-        for r in kv["instances"]:
-            lines.append(f"    {str(r['instance']):<{width}}  exact {r['exact']:,}/{r['decisions']:,} "
+        shown = [str(r["instance"]) + (f" ({', '.join(r['names'])})" if r.get("names") else "")
+                 for r in kv["instances"]]
+        width = max(len(n) for n in shown)
+        for name, r in zip(shown, kv["instances"]):
+            lines.append(f"    {name:<{width}}  exact {r['exact']:,}/{r['decisions']:,} "
                          f"({_pct(r['exact'], r['decisions'])})  drift {_drift_text(r)}")
     return lines
 

@@ -742,7 +742,9 @@ def kv_drift(db: sqlite_utils.Database | str | Path, run_id: str | None = None) 
     sum(|estimate_hit_tokens - est_hit_tokens|) / sum(input_tokens), split into over (the
     estimate believed more was cached) and under. Keys (policy, version); each value has the
     segment's figures (``summary`` has the same from its own pass) and ``instances``, a list
-    of the same per instance.
+    of the same per instance. On several logs an instance is its backend URL (each file's
+    ``runs.backends``; the name where the file has none), with ``names``, the names the
+    routers gave it: the automatic names follow each router's order of --backend.
 
     A log without ``index_source`` has exact None; one without ``estimate_hit_tokens``
     (written before it existed) has exact counts but drift None. On several logs, a file
@@ -751,22 +753,58 @@ def kv_drift(db: sqlite_utils.Database | str | Path, run_id: str | None = None) 
     db = _db(db)
     db, run_id = _scope(db, run_id)
     has = _kv_has(db)
-    rows = _rows(db, f"""SELECT policy, policy_version, instance, count(*) AS n, {_kv_sql(db)}
-        FROM decisions d WHERE {_run_clause(db, run_id)} GROUP BY policy, policy_version, instance""", (run_id,))
+    merged = is_merged(db)
+    by = "source, " if merged else ""
+    rows = _rows(db, f"""SELECT {by}policy, policy_version, instance, count(*) AS n, {_kv_sql(db)}
+        FROM decisions d WHERE {_run_clause(db, run_id)} GROUP BY {by}policy, policy_version, instance""",
+                 (run_id,))
+    urls = _backend_urls(db) if merged else {}
     out: dict[tuple, dict] = {}
     totals: dict[tuple, list[int]] = {}
+    per_instance: dict[tuple, list[int]] = {}
+    names: dict[tuple, set[str]] = {}  # a URL's instance names in the routers' logs
     for r in rows:
         key = (r["policy"], r["policy_version"])
         figures = [r[c] for c in _KV_COLUMNS]
-        seg = out.setdefault(key, {"instances": []})
-        seg["instances"].append({"instance": r["instance"], **_kv_figures(r["n"], *figures, **has)})
-        t = totals.setdefault(key, [0] * 6)
-        for i, v in enumerate((r["n"], *figures)):
-            t[i] += v or 0
+        # Several routers name the same backend differently (i0, i1 follow the order of
+        # --backend): their rows meet on the backend's URL, as kvtop attach merges them.
+        name = urls.get((r["source"], r["instance"]), r["instance"]) if merged else r["instance"]
+        if name != r["instance"]:
+            names.setdefault((*key, name), set()).add(r["instance"])
+        for acc in (per_instance.setdefault((*key, name), [0] * 6), totals.setdefault(key, [0] * 6)):
+            for i, v in enumerate((r["n"], *figures)):
+                acc[i] += v or 0
+    for (policy, version, name), figures in per_instance.items():
+        seg = out.setdefault((policy, version), {"instances": []})
+        seg["instances"].append({"instance": name, **_kv_figures(*figures, **has)})
+        if (policy, version, name) in names:
+            seg["instances"][-1]["names"] = sorted(names[(policy, version, name)])
     for key, seg in out.items():
         seg.update(_kv_figures(*totals[key], **has))
         seg["instances"].sort(key=lambda x: str(x["instance"]))
     return out
+
+
+def _backend_urls(db: merge.MergedLog) -> dict[tuple[str, str], str]:
+    """{(source, instance name): backend URL} of the merged run, from each file's
+    ``runs.backends``; a name mapped to two URLs in one file's runs is left out."""
+    out: dict[tuple[str, str], str] = {}
+    bad = set()
+    own = {s.label: s.db for s in db.sources}
+    for source, run_id in db.runs:
+        row = own[source].conn.execute("SELECT backends FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+        try:
+            backends = json.loads(row[0]) if row and row[0] else []
+        except ValueError:
+            continue
+        for b in backends if isinstance(backends, list) else []:
+            if not isinstance(b, dict) or not b.get("name") or not b.get("url"):
+                continue
+            key = (source, b["name"])
+            if out.get(key, b["url"]) != b["url"]:
+                bad.add(key)
+            out[key] = b["url"]
+    return {k: v for k, v in out.items() if k not in bad}
 
 
 # -- arbitrary read-only SQL and export -------------------------------------------------

@@ -310,6 +310,24 @@ def test_a_segment_whose_routers_ran_different_knobs_says_so(tmp_path, capsys):
     assert rc == 0 and "== unified@1  " in out and "knobs differ" not in out and "note:" not in out
 
 
+def test_instances_merge_by_backend_url_not_by_name(tmp_path, capsys):
+    """Router 2 lists the backends in the other order, so its i0 is router 1's i1: the
+    per-instance figures must meet on the URL (as kvtop attach merges), not on the name."""
+    u0, u1 = "http://127.0.0.1:25100", "http://127.0.0.1:25101"
+    a = _write(tmp_path / "r1.db", {"20261126-100000-aaaaaa": (99.0, ROUTER1)},
+               backends=[{"name": "i0", "url": u0}, {"name": "i1", "url": u1}])
+    b = _write(tmp_path / "r2.db", {"20261126-100000-bbbbbb": (99.5, ROUTER2)},
+               backends=[{"name": "i0", "url": u1}, {"name": "i1", "url": u0}])
+    kv = q.summary(q.open_logs([a, b]), instances=True)["segments"][0]["kv"]
+    by = {r["instance"]: r for r in kv["instances"]}
+    # u0: router 1's i0 (a-1 a-2) + router 2's i1 (b-2 b-3); u1: a-3 a-4 + b-1 b-4 b-5
+    assert (by[u0]["decisions"], by[u0]["exact"]) == (4, 3)
+    assert (by[u1]["decisions"], by[u1]["exact"]) == (5, 4)
+    assert by[u0]["names"] == ["i0", "i1"]
+    rc, out, _ = _kvtop(capsys, "log", "--db", a, "--db", b, "summary", "--instances")
+    assert rc == 0 and f"{u0} (i0, i1)  exact 3/4 (75.0%)" in out
+
+
 # -- bad inputs ------------------------------------------------------------------------------
 def test_the_same_file_twice_is_read_once(logs, capsys):
     a, b, _ = logs
