@@ -302,24 +302,33 @@ def format_summary(result: dict) -> str:
                      f"estimate error (est-delivered) {_num(h['estimate_error'])} "
                      f"(mean {_num(h['mean_estimate_error'])})")
         if "kv" in s:
-            lines += _kv_lines(s["kv"])
+            lines += _kv_lines(s["kv"], result.get("predate_index_source") or [])
     return "\n".join(lines)
 
 
-def _kv_lines(kv: dict) -> list[str]:
-    """Exact (KV-event) hits and the estimate's drift from them, per segment and instance."""
+def _kv_lines(kv: dict, older: Sequence[str] = ()) -> list[str]:
+    """Exact (KV-event) hits and the estimate's drift from them, per segment and instance.
+    ``older``: on several logs, the files that predate index_source (their decisions have no
+    recorded source and are left out of the exact share)."""
     if kv["exact"] is None:
         return ["  KV drift     n/a (this log predates index_source)"]
-    lines = [f"  index        exact {kv['exact']:,} of {kv['decisions']:,} decisions "
-             f"({_pct(kv['exact'], kv['decisions'])})"]
+    if kv["recorded"] == kv["decisions"]:
+        lines = [f"  index        exact {kv['exact']:,} of {kv['decisions']:,} decisions "
+                 f"({_pct(kv['exact'], kv['decisions'])})"]
+    else:
+        unknown = kv["decisions"] - kv["recorded"]
+        why = f"from {', '.join(older)}, which predate{'s' if len(older) == 1 else ''} index_source" if older \
+            else "with no index_source"
+        lines = [f"  index        exact {kv['exact']:,} of {kv['recorded']:,} decisions with a recorded source "
+                 f"({_pct(kv['exact'], kv['recorded'])}; {unknown:,} {why})"]
     lines.append("  KV drift     " + _drift_text(kv))
     if kv.get("instances"):  # --instances
         shown = [str(r["instance"]) + (f" ({', '.join(r['names'])})" if r.get("names") else "")
                  for r in kv["instances"]]
         width = max(len(n) for n in shown)
         for name, r in zip(shown, kv["instances"]):
-            lines.append(f"    {name:<{width}}  exact {r['exact']:,}/{r['decisions']:,} "
-                         f"({_pct(r['exact'], r['decisions'])})  drift {_drift_text(r)}")
+            lines.append(f"    {name:<{width}}  exact {r['exact']:,}/{r['recorded']:,} "
+                         f"({_pct(r['exact'], r['recorded'])})  drift {_drift_text(r)}")
     return lines
 
 

@@ -78,6 +78,12 @@ class MergedLog(sqlite_utils.Database):
     def view_names(self) -> list[str]:  # our views are "tables" to sqlite-utils (see table_names)
         return []
 
+    def lacking(self, table: str, column: str) -> list[str]:
+        """The sources (of the merged run, after ``merge_runs``) whose ``table`` has no ``column``."""
+        chosen = {source for source, _ in self.runs} if self.runs else {s.label for s in self.sources}
+        return [s.label for s in self.sources if s.label in chosen
+                and column not in (_columns(self.conn, s.alias, table) or [])]
+
     def damaged(self) -> list[str]:
         """The sources whose file fails SQLite's quick check (asked only after an error)."""
         bad = []

@@ -692,10 +692,11 @@ def summary(db: sqlite_utils.Database | str | Path, run_id: str | None = None, *
     if is_merged(db):
         out["sources"] = [{"source": source, "run_id": r} for source, r in db.runs]
         out["notes"] = knob_notes(db)
+        out["predate_index_source"] = db.lacking("decisions", "index_source")
     return out
 
 
-_KV_COLUMNS = ("kv_exact", "kv_n", "kv_input", "kv_over", "kv_under")
+_KV_COLUMNS = ("kv_exact", "kv_n", "kv_input", "kv_over", "kv_under", "kv_recorded")
 
 
 def _kv_has(db: sqlite_utils.Database) -> dict[str, bool]:
@@ -711,22 +712,27 @@ def _kv_sql(db: sqlite_utils.Database, prefix: str = "") -> str:
     file lacks the columns."""
     has = _kv_has(db)
     exact = f"sum({prefix}index_source = 'exact')" if has["has_source"] else "0"
+    recorded = f"count({prefix}index_source) AS kv_recorded" if has["has_source"] else "0 AS kv_recorded"
     if not has["has_estimate"]:
-        return f"{exact} AS kv_exact, 0 AS kv_n, 0 AS kv_input, 0 AS kv_over, 0 AS kv_under"
+        return f"{exact} AS kv_exact, 0 AS kv_n, 0 AS kv_input, 0 AS kv_over, 0 AS kv_under, {recorded}"
     diff = f"({prefix}estimate_hit_tokens - {prefix}est_hit_tokens)"
     return (f"{exact} AS kv_exact, count({diff}) AS kv_n, sum({prefix}input_tokens * ({diff} IS NOT NULL)) AS kv_input, "
-            f"sum(max({diff}, 0)) AS kv_over, sum(max(-{diff}, 0)) AS kv_under")
+            f"sum(max({diff}, 0)) AS kv_over, sum(max(-{diff}, 0)) AS kv_under, {recorded}")
 
 
 def _kv_figures(decisions: int, exact: int | None, n: int | None, inp: int | None, over: int | None,
-                under: int | None, *, has_source: bool, has_estimate: bool) -> dict:
+                under: int | None, recorded: int | None = None, *, has_source: bool, has_estimate: bool) -> dict:
     """One row of KV drift: decisions whose chosen hit came from the instance's KV events
-    (None: the log predates ``index_source``), their share, and over those with the estimate
-    recorded, how far it was: drift = (over + under) / their input tokens."""
+    (None: the log predates ``index_source``), their share of the decisions with a recorded
+    ``index_source`` (``recorded``; on several logs an older file's rows have none and are
+    left out, not counted as estimates), and over those with the estimate recorded, how far
+    it was: drift = (over + under) / their input tokens."""
     inp = inp or 0
+    recorded = recorded or 0
     drift = None if not has_estimate or not n or not inp else ((over or 0) + (under or 0)) / inp
     return {"decisions": decisions, "exact": (exact or 0) if has_source else None,
-            "exact_share": (exact or 0) / decisions if has_source and decisions else None,
+            "recorded": recorded if has_source else None,
+            "exact_share": (exact or 0) / recorded if has_source and recorded else None,
             "drift_decisions": (n or 0) if has_estimate else None,
             "drift_input_tokens": inp if has_estimate else None,
             "over_tokens": (over or 0) if has_estimate else None,
@@ -760,7 +766,7 @@ def kv_drift(db: sqlite_utils.Database | str | Path, run_id: str | None = None) 
                  (run_id,))
     urls = _backend_urls(db) if merged else {}
     out: dict[tuple, dict] = {}
-    totals: dict[tuple, list[int]] = {}
+    totals: dict[tuple, list[int]] = {}  # n and _KV_COLUMNS
     per_instance: dict[tuple, list[int]] = {}
     names: dict[tuple, set[str]] = {}  # a URL's instance names in the routers' logs
     for r in rows:
@@ -771,7 +777,7 @@ def kv_drift(db: sqlite_utils.Database | str | Path, run_id: str | None = None) 
         name = urls.get((r["source"], r["instance"]), r["instance"]) if merged else r["instance"]
         if name != r["instance"]:
             names.setdefault((*key, name), set()).add(r["instance"])
-        for acc in (per_instance.setdefault((*key, name), [0] * 6), totals.setdefault(key, [0] * 6)):
+        for acc in (per_instance.setdefault((*key, name), [0] * 7), totals.setdefault(key, [0] * 7)):
             for i, v in enumerate((r["n"], *figures)):
                 acc[i] += v or 0
     for (policy, version, name), figures in per_instance.items():

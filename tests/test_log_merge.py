@@ -284,6 +284,12 @@ def test_logs_of_older_schemas_still_merge(logs, capsys):
     kv = seg["kv"]  # router 1's rows read NULL: only router 2's exact decisions count
     assert (kv["exact"], kv["drift_input_tokens"], kv["over_tokens"], kv["under_tokens"]) == (4, 7000, 0, 0)
     assert kv["drift"] == 0.0
+    # Router 1's decisions have no recorded source: left out of the exact share, not counted
+    # as estimates (4 of 5 recorded, 80%; counted as estimates it would read 4 of 9, 44.4%).
+    assert (kv["recorded"], kv["exact_share"]) == (5, 0.8)
+    rc, out, _ = _kvtop(capsys, "log", "--db", a, "--db", b, "summary")
+    assert rc == 0 and (f"exact 4 of 5 decisions with a recorded source (80.0%; 4 from {a}, "
+                        "which predates index_source)") in out
     # The other way round: a file with index_source but no estimate column says drift n/a.
     _drop_columns(b, "estimate_hit_tokens")
     rc, out, _ = _kvtop(capsys, "log", "summary", "--db", b)
