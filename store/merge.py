@@ -134,7 +134,8 @@ def open_merged(paths: Sequence[str | Path], *, open_one, error: type[Exception]
         if len(sources) > limit:
             raise error(f"at most {limit} logs can be read at once (SQLite's attach limit); got {len(sources)}")
         for s in sources:
-            conn.execute("ATTACH DATABASE ? AS " + s.alias, ("file:" + quote(s.path) + "?mode=ro",))
+            uri = getattr(s.db, "ro_uri", None) or "file:" + quote(s.path) + "?mode=ro"
+            conn.execute("ATTACH DATABASE ? AS " + s.alias, (uri,))
         _check_run_ids(sources, error)
         db = MergedLog(conn)
         db.sources, db.duplicates, db.runs, db.knob_conflicts = sources, duplicates, [], {}

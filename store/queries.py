@@ -16,6 +16,7 @@ import csv
 import gc
 import json
 import math
+import os
 import re
 import sqlite3
 import sys
@@ -71,11 +72,24 @@ def open_readonly(path: str | Path) -> sqlite_utils.Database:
         raise QueryError(f"{path} is not a file")
     uri = "file:" + quote(str(p.resolve())) + "?mode=ro"
     try:
-        conn = sqlite3.connect(uri, uri=True, check_same_thread=False, timeout=BUSY_TIMEOUT_S)
-        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        try:
+            conn = sqlite3.connect(uri, uri=True, check_same_thread=False, timeout=BUSY_TIMEOUT_S)
+            tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        except sqlite3.OperationalError as exc:
+            # A WAL-mode file needs its -shm beside it, even to read; on a read-only mount
+            # (an archived log, a CI artefact) SQLite cannot create one. With no -wal content
+            # to miss, read the file as immutable: no locks and no -shm, valid while nobody
+            # writes the file, which a read-only mount promises.
+            if "unable to open" not in str(exc) or not _wal_mode(p) or _has_wal_content(p):
+                raise
+            uri += "&immutable=1"
+            conn = sqlite3.connect(uri, uri=True, check_same_thread=False, timeout=BUSY_TIMEOUT_S)
+            tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     except sqlite3.DatabaseError as exc:
         if "unable to open" in str(exc):  # e.g. a live WAL file in a directory we cannot write
-            raise QueryError(f"cannot open {path} read-only: {exc}") from None
+            hint = (f"; its {p.name}-wal holds rows not yet in the file: copy both somewhere writable"
+                    if _has_wal_content(p) else "")
+            raise QueryError(f"cannot open {path} read-only: {exc}{hint}") from None
         if "malformed" in str(exc):
             raise QueryError(f"{path} is damaged ({exc})") from None
         if "locked" in str(exc):  # another process holds an exclusive lock past BUSY_TIMEOUT_S
@@ -89,7 +103,26 @@ def open_readonly(path: str | Path) -> sqlite_utils.Database:
     # Reads of a big log are scans: map the file and keep a generous page cache.
     conn.execute("PRAGMA mmap_size = 4294967296")
     conn.execute("PRAGMA cache_size = -262144")
-    return sqlite_utils.Database(conn)
+    db = sqlite_utils.Database(conn)
+    db.ro_uri = uri  # store.merge attaches the file the same way
+    return db
+
+
+def _wal_mode(p: Path) -> bool:
+    """The file's header says WAL (bytes 18 and 19 are 2: SQLite's file format, 1.3)."""
+    try:
+        with open(p, "rb") as f:
+            head = f.read(20)
+    except OSError:
+        return False
+    return head[:16] == b"SQLite format 3\x00" and head[18:20] == b"\x02\x02"
+
+
+def _has_wal_content(p: Path) -> bool:
+    try:
+        return os.path.getsize(str(p) + "-wal") > 0
+    except OSError:
+        return False
 
 
 def open_logs(paths: str | Path | Sequence[str | Path]) -> sqlite_utils.Database:

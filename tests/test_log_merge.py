@@ -334,6 +334,46 @@ def test_instances_merge_by_backend_url_not_by_name(tmp_path, capsys):
     assert rc == 0 and f"{u0} (i0, i1)  exact 3/4 (75.0%)" in out
 
 
+def _read_only_mount(directory) -> str | None:
+    """A shell line that bind-mounts ``directory`` read-only onto itself (inside ``unshare
+    -m``), or None where this machine cannot (not root, no unshare)."""
+    import os
+    import subprocess
+
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        return None
+    probe = subprocess.run(["unshare", "-m", "true"], capture_output=True)
+    return None if probe.returncode else f"mount --bind {directory} {directory} && mount -o remount,ro,bind {directory}"
+
+
+def test_logs_on_a_read_only_mount_are_read_as_immutable(tmp_path):
+    """A WAL-mode log needs its -shm file even to be read, and a read-only mount (an archived
+    log, a CI artefact) cannot have one created: the files are read with immutable=1."""
+    import subprocess
+    import sys
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    a = _write(ro / "r1.db", {"20261126-100000-aaaaaa": (99.0, ROUTER1)})
+    b = _write(ro / "r2.db", {"20261126-100000-bbbbbb": (99.5, ROUTER2)})
+    for p in (a, b):  # checkpointed WAL files with nothing beside them, as archived
+        conn = sqlite3.connect(p)
+        conn.execute("PRAGMA journal_mode = WAL")
+        conn.close()
+        assert open(p, "rb").read(20)[18:20] == b"\x02\x02"
+        for extra in ("-wal", "-shm"):
+            assert not (ro / (p.rsplit("/", 1)[1] + extra)).exists()
+    mount = _read_only_mount(ro)
+    if mount is None:
+        pytest.skip("needs root and unshare -m for a read-only mount")
+    kvtop = f"{sys.executable} -m kvtop"
+    out = subprocess.run(["unshare", "-m", "sh", "-c", f"{mount} && {kvtop} log --db {a} --db {b} summary "
+                          f"&& {kvtop} log --db {a} runs && touch {ro}/x"],
+                         capture_output=True, text=True, cwd=str(tmp_path))
+    assert "2 routers' logs merged" in out.stdout and "20261126-100000-aaaaaa" in out.stdout, out.stderr
+    assert "Read-only file system" in out.stderr  # the mount really was read-only
+
+
 # -- bad inputs ------------------------------------------------------------------------------
 def test_the_same_file_twice_is_read_once(logs, capsys):
     a, b, _ = logs
