@@ -31,7 +31,7 @@ DEFAULT_DB = "kvtop.db"
 # Columns ``log decisions`` shows as a table (jsonl and csv carry every column).
 DECISION_TABLE_COLUMNS = ("ts", "request_id", "attempt", "session_id", "turn", "policy", "instance",
                           "reason", "route_class", "input_tokens", "est_hit_tokens", "best_hit_tokens",
-                          "delivered_hit_tokens", "status", "ttft_ms", "e2e_ms")
+                          "index_source", "delivered_hit_tokens", "status", "ttft_ms", "e2e_ms")
 _CELL_MAX = 48
 _RUN_HELP = ("run id or unique prefix (default: the latest run); on several logs, each log's latest run "
              "merged as one, or the runs named here, comma-separated")
@@ -197,8 +197,12 @@ def _why(queries, db, args) -> int:
         return 0
     blocks = []
     for a in found["attempts"]:
-        ev = receipt.from_row({k: v for k, v in a["decision"].items() if k not in ("blocks", "blocks_parent")},
-                              a["outcome"])
+        row = {k: v for k, v in a["decision"].items() if k not in ("blocks", "blocks_parent", "source")}
+        # The estimate's own figure beside the exact hit, in words, not as a raw column.
+        estimate = row.pop("estimate_hit_tokens", None)
+        if estimate is not None and row.get("index_source") == "exact":
+            row["index_source"] = f"exact; the estimate said {receipt.fmt_num(estimate)}"
+        ev = receipt.from_row(row, a["outcome"])
         blocks.append(receipt.render_text(ev, a["outcome"]))
     if found.get("source"):
         blocks.insert(0, f"from {found['source']} (run {found['run_id']})")
@@ -265,7 +269,9 @@ def format_summary(result: dict) -> str:
     """The readable report of ``queries.summary``: one block per policy segment."""
     lines = [f"run {result['run_id']}: {len(result['segments'])} policy segment(s)"]
     if result.get("sources"):
-        lines.append(f"  {len(result['sources'])} routers' logs merged: "
+        n = len(result["sources"])
+        what = "routers' logs" if n > 1 else "router's log"
+        lines.append(f"  {n} {what} merged: "
                      + ", ".join(f"{s['source']} (run {s['run_id']})" for s in result["sources"]))
     for note in result.get("notes", ()):
         lines.append(f"  note: {note}")

@@ -372,7 +372,9 @@ def request_attempts(db: sqlite_utils.Database | str | Path, request_id: str, *,
             "SELECT DISTINCT request_id FROM decisions WHERE request_id >= ? AND request_id < ? "
             "ORDER BY request_id LIMIT 4", (request_id, request_id + "\U0010ffff"))] if request_id else []
         if not ids:
-            raise QueryError(f"no decision for request {request_id!r} in this log "
+            where = (f"in these logs ({', '.join(s.label for s in db.sources)})" if is_merged(db)
+                     else "in this log")
+            raise QueryError(f"no decision for request {request_id!r} {where} "
                              "(kvtop log decisions lists the newest)")
         if len(ids) > 1:
             shown = ", ".join(ids[:3]) + (", ..." if len(ids) > 3 else "")

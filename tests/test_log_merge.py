@@ -206,6 +206,25 @@ def test_why_finds_the_request_in_whichever_log_holds_it(logs, capsys):
     assert rc == 2 and "no decision for request 'c-1'" in err
 
 
+def test_merged_output_wording(logs, capsys):
+    """Words, not column names; plurals that fit; the files named where there are several."""
+    a, b, _ = logs
+    rc, _, err = _kvtop(capsys, "log", "--db", a, "--db", b, "why", "c-1")
+    assert rc == 2 and f"no decision for request 'c-1' in these logs ({a}, {b})" in err
+    rc, _, err = _kvtop(capsys, "log", "--db", a, "why", "c-1")
+    assert rc == 2 and "no decision for request 'c-1' in this log" in err
+    rc, out, _ = _kvtop(capsys, "log", "--db", a, "--db", b, "why", "a-2")
+    assert rc == 0 and "est hit 1,000 tok (exact; the estimate said 1,500)" in out
+    assert "estimate_hit_tokens" not in out and f"source {a}" not in out
+    rc, out, _ = _kvtop(capsys, "log", "--db", a, "--db", b, "summary", "--run", "20261126-100000-bbbbbb")
+    assert rc == 0 and f"1 router's log merged: {b}" in out
+    rc, out, _ = _kvtop(capsys, "log", "--db", a, "--db", b, "summary")
+    assert rc == 0 and "2 routers' logs merged" in out
+    rc, out, _ = _kvtop(capsys, "log", "--db", a, "--db", b, "decisions")
+    header = out.splitlines()[0].split()
+    assert "index_source" in header and out.count(" estimate ") == 2  # a-4 and b-2
+
+
 def test_decisions_and_sql_see_the_union_with_a_source_column(logs, capsys):
     a, b, _ = logs
     rc, out, _ = _kvtop(capsys, "log", "--db", a, "--db", b, "sql",
