@@ -98,7 +98,11 @@ def open_readonly(path: str | Path) -> sqlite_utils.Database:
     missing = {"runs", "decisions", "outcomes"} - tables
     if missing:
         conn.close()
-        raise QueryError(f"{path} is not a kvtop database (no {', '.join(sorted(missing))} table)")
+        hint = ""
+        if _wal_mode(p) and not _has_wal_content(p):  # a WAL-mode file without its -wal
+            hint = ("; if it is a copy of a live router's log, its rows may still be in the original's -wal "
+                    "file: copy with sqlite3 SRC \".backup DST\", or copy SRC-wal beside it too")
+        raise QueryError(f"{path} is not a kvtop database (no {', '.join(sorted(missing))} table){hint}")
     conn.execute("PRAGMA query_only = ON")
     # Reads of a big log are scans: map the file and keep a generous page cache.
     conn.execute("PRAGMA mmap_size = 4294967296")

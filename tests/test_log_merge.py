@@ -446,6 +446,29 @@ def test_a_bad_file_among_several_is_a_one_line_error(logs, tmp_path, capsys, ba
     assert (message in err or (bad == "missing" and "no database at" in err)) and str(path) in err, err
 
 
+def test_a_plain_copy_of_a_live_log_gets_a_hint(tmp_path, capsys):
+    """``cp`` of a live router's log copies the main file, while the rows are still in its
+    -wal: the copy has no tables, and the error says how to copy it instead."""
+    live = tmp_path / "live.db"
+    conn = sqlite3.connect(live)
+    conn.execute("PRAGMA journal_mode = WAL")
+    conn.execute("PRAGMA wal_autocheckpoint = 0")  # the router's rows stay in live.db-wal
+    for table in ("runs", "decisions", "outcomes"):
+        conn.execute(f"CREATE TABLE {table} (run_id TEXT)")
+    conn.commit()
+    copy = tmp_path / "copy.db"
+    shutil.copy(live, copy)  # the main file only, as a plain cp of the main file
+    conn.close()
+    rc, _, err = _kvtop(capsys, "log", "--db", str(copy), "runs")
+    assert rc == 2 and "is not a kvtop database" in err
+    assert 'copy with sqlite3 SRC ".backup DST", or copy SRC-wal beside it too' in err
+    # A foreign file that is not in WAL mode gets no such hint.
+    other = tmp_path / "other.db"
+    sqlite3.connect(other).execute("CREATE TABLE t (x)").connection.close()
+    rc, _, err = _kvtop(capsys, "log", "--db", str(other), "runs")
+    assert rc == 2 and "is not a kvtop database" in err and ".backup" not in err
+
+
 def test_a_locked_file_is_a_clear_error(logs, tmp_path, capsys, monkeypatch):
     a, b, _ = logs
     monkeypatch.setattr(q, "BUSY_TIMEOUT_S", 0.1)
