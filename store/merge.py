@@ -68,6 +68,10 @@ class MergedLog(sqlite_utils.Database):
     #: after ``merge_runs``: {(policy, version): text} for the segments whose routers ran
     #: them with different knobs or features (each router numbers its versions on its own)
     knob_conflicts: dict[tuple[str, int], str]
+    #: after ``merge_runs``: {(policy, version as the views read it): label} for those
+    #: segments, split per file: the views read such a file's ``policy_version`` as
+    #: ``version + 1,000,000 x (its index + 1)``, labelled ``unified@3 (r2.db)``
+    segment_names: dict[tuple[str, int], str]
 
     def table_names(self, fts4: bool = False, fts5: bool = False) -> list[str]:
         if fts4 or fts5:
@@ -138,7 +142,7 @@ def open_merged(paths: Sequence[str | Path], *, open_one, error: type[Exception]
             conn.execute("ATTACH DATABASE ? AS " + s.alias, (uri,))
         _check_run_ids(sources, error)
         db = MergedLog(conn)
-        db.sources, db.duplicates, db.runs, db.knob_conflicts = sources, duplicates, [], {}
+        db.sources, db.duplicates, db.runs, db.knob_conflicts, db.segment_names = sources, duplicates, [], {}, {}
         _create_views(db, None)
         conn.execute("PRAGMA query_only = ON")
         return db
@@ -162,9 +166,15 @@ def _check_run_ids(sources: list[Source], error: type[Exception]) -> None:
             owner[run_id] = s.label
 
 
-def _create_views(db: MergedLog, chosen: dict[str, list[str]] | None, label: str | None = None) -> None:
+#: tables whose rows carry a decision's segment (``remap`` applies to them)
+_SEGMENT_TABLES = ("decisions", "outcomes")
+
+
+def _create_views(db: MergedLog, chosen: dict[str, list[str]] | None, label: str | None = None,
+                  remap: dict[str, dict[tuple[str, int], int]] | None = None) -> None:
     """TEMP views over every source; with ``chosen`` ({source label: run ids}) only those
-    runs' rows, their run_id read as ``label``."""
+    runs' rows, their run_id read as ``label``; ``remap`` ({source label: {(policy,
+    version): version read instead}}) splits segments the routers ran with different knobs."""
     conn = db.conn
     for table in MERGED_TABLES:
         per_source = [(s, _columns(conn, s.alias, table)) for s in db.sources]
@@ -184,6 +194,11 @@ def _create_views(db: MergedLog, chosen: dict[str, list[str]] | None, label: str
             for c in union:
                 if c == "run_id" and chosen is not None:
                     picked.append(f"{_lit(label)} AS run_id")
+                elif c == "policy_version" and table in _SEGMENT_TABLES and remap and remap.get(s.label) \
+                        and "policy" in have:
+                    cases = " ".join(f"WHEN policy = {_lit(pol)} AND policy_version = {int(ver)} THEN {int(new)}"
+                                     for (pol, ver), new in remap[s.label].items())
+                    picked.append(f"CASE {cases} ELSE policy_version END AS policy_version")
                 elif c in have:
                     picked.append(f"[{c}]")
                 else:
@@ -233,9 +248,19 @@ def merge_runs(db: MergedLog, runs: Sequence[str] | None, *, resolve, error: typ
             raise error("none of these logs has a run yet")
     picked.sort()
     label = "+".join(run_id for _, _, run_id in picked)
-    _with_writes(db, lambda: _create_views(db, chosen, label))
     db.runs = [(source, run_id) for _, source, run_id in picked]
     db.knob_conflicts = knob_conflicts(db)
+    # A version the routers ran with different settings is one segment per file: its
+    # figures are not pooled. Each file keeps its own number, shifted out of the way.
+    remap: dict[str, dict[tuple[str, int], int]] = {}
+    db.segment_names = {}
+    index = {s.label: i for i, s in enumerate(db.sources)}
+    for (policy, version) in db.knob_conflicts:
+        for source in chosen:
+            new = version + 1_000_000 * (index[source] + 1)
+            remap.setdefault(source, {})[(policy, version)] = new
+            db.segment_names[(policy, new)] = f"{policy}@{version} ({source})"
+    _with_writes(db, lambda: _create_views(db, chosen, label, remap))
     return label
 
 

@@ -186,18 +186,16 @@ def _db_file(db: sqlite_utils.Database) -> str | None:
 
 
 def segment_label(db: sqlite_utils.Database, policy: str | None, version: int | None) -> str:
-    """``policy@version``; on several logs, marked when the routers ran that segment with
-    different knobs (``merge.knob_conflicts``: versions are numbered by each router)."""
-    label = f"{policy}@{version}"
-    if (policy, version) in getattr(db, "knob_conflicts", {}):
-        label += " (knobs differ)"
-    return label
+    """``policy@version``; on several logs, a version the routers ran with different knobs
+    is a segment per file, ``policy@version (file)`` (``merge.segment_names``: each router
+    numbers its versions on its own)."""
+    return getattr(db, "segment_names", {}).get((policy, version)) or f"{policy}@{version}"
 
 
 def knob_notes(db: sqlite_utils.Database) -> list[str]:
     """One line per segment whose routers' knobs differ (several logs), saying how."""
-    return [f"{policy}@{version} mixes different settings across routers: {text}; its figures pool them "
-            "(read each router's log with --db alone to tell them apart)"
+    return [f"{policy}@{version} ran with different settings on these routers ({text}): "
+            "one segment per file"
             for (policy, version), text in getattr(db, "knob_conflicts", {}).items()]
 
 
@@ -524,6 +522,8 @@ def _each_run(db: sqlite_utils.Database, run_id: str) -> list[tuple[sqlite_utils
     """Where the run's rows are: (db, run_id) itself, or on several logs (``merge_runs``)
     each file's own connection with each of its runs that make up the merged one."""
     if not is_merged(db):
+        return [(db, run_id)]
+    if db.segment_names:  # segments split per file: only the views read them so
         return [(db, run_id)]
     own = {s.label: s.db for s in db.sources}
     return [(own[source], rid) for source, rid in db.runs]

@@ -317,22 +317,39 @@ def test_logs_of_older_schemas_still_merge(logs, capsys):
     assert rc == 0 and "unified@1" in out
 
 
-def test_a_segment_whose_routers_ran_different_knobs_says_so(tmp_path, capsys):
+@pytest.mark.parametrize("flat", [True, False], ids=["flat", "joined"])
+def test_a_version_routers_ran_with_different_knobs_is_a_segment_per_file(tmp_path, capsys, flat):
     """Each router numbers its versions: unified@1 on router 1 is not unified@1 on router 2
-    when their knobs differ. The merged segment is marked and a note names the knob."""
-    a = _write(tmp_path / "r1.db", {"20261126-100000-aaaaaa": (99.0, ROUTER1)}, knobs={"overload_factor": 1.5})
+    when their knobs differ. The merged run keeps them apart, one segment per file, each with
+    exactly the figures of its own log, and a note names the knobs that differ."""
+    a = _write(tmp_path / "r1.db", {"20261126-100000-aaaaaa": (99.0, ROUTER1)}, knobs={"overload_factor": 1.5},
+               flat=flat)
     b = _write(tmp_path / "r2.db", {"20261126-100000-bbbbbb": (99.5, ROUTER2)},
-               knobs={"overload_factor": 3.0, "cache_ratio_gate": 0.9})
+               knobs={"overload_factor": 3.0, "cache_ratio_gate": 0.9}, flat=flat)
+    got = q.summary(q.open_logs([a, b]), instances=True)
+    assert [s["label"] for s in got["segments"]] == [f"unified@1 ({a})", f"unified@1 ({b})"]
+
+    def figures(seg):
+        return {k: v for k, v in seg.items() if k not in ("label", "policy_version")}
+    for seg, path in zip(got["segments"], (a, b)):
+        alone = q.summary(q.open_logs([path]), instances=True)["segments"]
+        assert len(alone) == 1 and figures(seg) == figures(alone[0])
+    assert got["notes"] == [f"unified@1 ran with different settings on these routers (cache_ratio_gate - ({a}), "
+                            f"0.9 ({b}); overload_factor 1.5 ({a}), 3.0 ({b})): one segment per file"]
     rc, out, _ = _kvtop(capsys, "log", "--db", a, "--db", b, "summary")
-    assert rc == 0 and "== unified@1 (knobs differ)" in out
-    assert (f"note: unified@1 mixes different settings across routers: cache_ratio_gate - ({a}), 0.9 ({b}); "
-            f"overload_factor 1.5 ({a}), 3.0 ({b})") in out
+    assert rc == 0 and f"== unified@1 ({a})" in out and f"== unified@1 ({b})" in out and "note: unified@1" in out
     rc, out, err = _kvtop(capsys, "report", "--db", a, "--db", b)
-    assert rc == 0 and "unified@1 (knobs differ)" in out and "overload_factor 1.5" in err
+    rc1, out1, _ = _kvtop(capsys, "report", "--db", a)
+    assert rc == rc1 == 0 and "overload_factor 1.5" in err
+    # Router 1's arm in the merged report is router 1's report, row for row.
+    row = next(line for line in out.splitlines() if line.startswith(f"unified@1 ({a})"))
+    row1 = next(line for line in out1.splitlines() if line.startswith("unified@1"))
+    assert row.split()[2:] == row1.split()[1:]
     # The same knobs on both routers: one segment, no note.
-    c = _write(tmp_path / "r3.db", {"20261126-100000-cccccc": (99.5, ROUTER2)}, knobs={"overload_factor": 1.5})
+    c = _write(tmp_path / "r3.db", {"20261126-100000-cccccc": (99.5, ROUTER2)}, knobs={"overload_factor": 1.5},
+               flat=flat)
     rc, out, _ = _kvtop(capsys, "log", "--db", a, "--db", c, "summary")
-    assert rc == 0 and "== unified@1  " in out and "knobs differ" not in out and "note:" not in out
+    assert rc == 0 and "== unified@1  " in out and "note:" not in out
 
 
 def test_instances_merge_by_backend_url_not_by_name(tmp_path, capsys):
