@@ -66,7 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("summary", parents=[common], help="per policy segment: reasons, latency, hits, KV drift")
     p.add_argument("--run", help=_RUN_HELP)
     p.add_argument("--instances", action="store_true",
-                   help="also each chosen instance's exact share and KV drift (one more pass over the decisions)")
+                   help="also each chosen instance's exact share and KV drift (one more pass over the decisions); "
+                        "on several logs an instance is its backend URL")
     p.add_argument("--format", choices=("text", "json"), default="text")
 
     p = sub.add_parser("why", parents=[common], help="why one request went where it did (its receipt)",
