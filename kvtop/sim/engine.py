@@ -794,6 +794,16 @@ class Engine:
         append = req.blocks.append
         hol_set = self._hol_pos
         kv_events = self.kv_events
+        if not hol_set and kv_events is None:   # the loop below without the memo and the events
+            taken = [popitem(False)[0] for _ in range(n)]
+            for b in taken:
+                h = block_hash[b]
+                if h is not None:
+                    del cached[h]     # evict
+                    block_hash[b] = None
+                ref[b] = 1
+            req.blocks += taken
+            return
         for _ in range(n):
             b = popitem(False)[0]
             h = block_hash[b]
