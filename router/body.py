@@ -133,3 +133,55 @@ def fetch(raw: bytes | ArenaRef) -> bytes:
         with open(raw.path, "rb") as f:
             m = _worker_map[raw.path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     return m[:raw.size]
+
+
+class MemoryReturn:
+    """Gives the freed memory of large bodies back to the system once none is held.
+
+    glibc keeps freed memory in its heaps, and after a burst of large bodies its dynamic mmap
+    threshold rises, so later large chunks come from the heaps too: the router stayed at
+    ~450 MB idle after 8 x 60 MB bodies (review, bench_bodies). ``malloc_trim(0)`` returns every
+    free page; it runs in a thread (it can take milliseconds on a large heap), at most once per
+    ``interval_s``, and only when the router holds no body and a large one has gone since the
+    last trim. Where glibc is absent it does nothing."""
+
+    def __init__(self, interval_s: float = 1.0) -> None:
+        self.interval_s = interval_s
+        self._trim = _malloc_trim()
+        self._due = False
+        self._last = 0.0
+        self._running = False
+        self.trims = 0
+
+    def body_done(self, size: int, held_now: int) -> None:
+        """A body of ``size`` bytes was let go; ``held_now``: bytes of bodies still held."""
+        if self._trim is None:
+            return
+        if size >= COPY_STEP:
+            self._due = True
+        if not self._due or held_now > 0 or self._running:
+            return
+        loop = asyncio.get_running_loop()
+        wait = self._last + self.interval_s - loop.time()
+        self._running = True
+        loop.call_later(max(0.0, wait), self._start, loop)
+
+    def _start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._due = False
+        self._last = loop.time()
+        fut = loop.run_in_executor(None, self._trim, 0)
+        fut.add_done_callback(self._done)
+
+    def _done(self, fut) -> None:
+        self._running = False
+        self.trims += 1
+        fut.exception()  # retrieved: a failed trim changes nothing
+
+
+def _malloc_trim():
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None

@@ -91,6 +91,7 @@ async def handle(request: web.Request, state, api: Api, store: ResponseStore | N
         return refusal(exc)
     finally:
         state.body_bytes -= held
+        state.memory.body_done(held, state.body_bytes)
 
 
 async def _route(request: web.Request, state, api: Api, t_recv: float, raw: bytes,

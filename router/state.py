@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from router import features as router_features
+from router.body import MemoryReturn
 from router.calibration import DEFAULT_PRIOR, PrefillPrior
 from router.cluster import Cluster
 from router.config import KnobError
@@ -150,6 +151,7 @@ class RouterState:
         self.outcome_counts: dict[str, int] = {}
         self.draining = False
         self.body_bytes = 0  # request body bytes held now (router/limits.py body_room)
+        self.memory = MemoryReturn()  # gives large bodies' freed memory back (router/body.py)
 
     @property
     def cluster(self) -> Cluster:

@@ -68,3 +68,27 @@ async def test_without_memfd_the_body_is_pickled_as_before():
     finally:
         pool.shutdown()
         handoff.close()
+
+
+async def test_freed_memory_is_given_back_once_no_body_is_held():
+    from router.body import MemoryReturn
+
+    calls = []
+    mem = MemoryReturn(interval_s=0.05)
+    mem._trim = lambda pad: calls.append(pad) or 1
+    mem.body_done(1000, 0)  # a small body: nothing to give back
+    await asyncio.sleep(0.1)
+    assert calls == []
+    mem.body_done(COPY_STEP, 5 * COPY_STEP)  # a large one, but others are still held: later
+    await asyncio.sleep(0.1)
+    assert calls == []
+    mem.body_done(10, 0)  # the last body let go: now, once
+    mem.body_done(10, 0)
+    for _ in range(100):
+        if mem.trims:
+            break
+        await asyncio.sleep(0.01)
+    assert calls == [0] and mem.trims == 1
+    mem.body_done(COPY_STEP, 0)  # the next one waits out the interval, then trims again
+    await asyncio.sleep(0.2)
+    assert calls == [0, 0]
