@@ -151,6 +151,21 @@ def test_render_once_has_every_instance_and_gpu_reason():
         assert f"vllm-{i}" in text
     assert "gpu n/a: no NVIDIA driver" in text
     assert "totals" in text and "in_flight=" in text
+    assert "kv_drift" not in text  # no instance reports KV events: no column
+
+
+def test_render_once_shows_kv_drift_where_events_flow():
+    snap = syn.snapshot(3, 5.0)
+    snap["instances"][0]["kv_events"] = {"state": "exact", "drift": {"share": 0.0412, "tokens": 5, "samples": 2}}
+    snap["instances"][0]["index_source"] = "exact"
+    snap["instances"][1]["kv_events"] = {"state": "resync", "drift": {"share": None}}
+    lines = render_once(snap).splitlines()
+    header = next(line for line in lines if line.startswith("instance"))
+    assert header.rstrip().endswith("kv_drift")
+    rows = {line.split()[0]: line for line in lines if line.startswith("vllm-")}
+    assert rows["vllm-0"].rstrip().endswith("4.1% exact")
+    assert rows["vllm-1"].rstrip().endswith("– resync")
+    assert rows["vllm-2"].rstrip().endswith("–")
 
 
 def test_resolve_target_reads_locator_and_token(tmp_path, monkeypatch):

@@ -620,6 +620,11 @@ def render_once(snap: dict[str, Any], policies: dict[str, Any] | None = None) ->
                      str(v["backlog_tokens"]), fmt_secs(v["backlog_s"]), str(v["decode_requests"]),
                      str(v["decode_tokens"]), fmt_pct(v["est_hit"]), fmt_pct(v["engine_hit"]),
                      "n/a" if v["errors"] is None else str(v["errors"]), fmt_pct(v["kv"]), util, mem])
+    drifts = [drift_of(inst) for inst in snap.get("instances", [])]
+    if any(d != (None, None) for d in drifts):  # KV events: the estimate's drift and the hits' source
+        headers.append("kv_drift")
+        for row, d in zip(rows, drifts):
+            row.append(fmt_drift(*d))
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(headers)]
     fmt_row = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731
                                       for i, (c, w) in enumerate(zip(cells, widths)))
