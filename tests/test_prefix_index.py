@@ -65,6 +65,27 @@ def test_text_fallback_chunks():
     base = "x" * 2048 * 3
     assert hash_text_blocks(base, 512)[:2] == hash_text_blocks(base[:4096] + "y" * 2048, 512)[:2]
     assert len(hash_text_blocks("a" * 2047, 512)) == 0
+    # non-ASCII text: the chunks are characters, hashed by their UTF-8 bytes; a change in a
+    # later chunk leaves the earlier hashes alone
+    uni = "é" * 2048 + "x" * 2048 + "日" * 2048
+    a, b = hash_text_blocks(uni, 512), hash_text_blocks(uni[:4096] + "z" * 2048, 512)
+    assert len(a) == 3 and a[:2] == b[:2] and a[2] != b[2]
+    assert hash_text_blocks("x" * 4096, 512) != hash_text_blocks("y" * 4096, 512)
+
+
+def test_text_hashes_are_the_same_in_every_process():
+    """The parser's worker process hashes big bodies: its text hashes must equal the loop's,
+    whatever each interpreter's string-hash seed."""
+    import subprocess
+    import sys
+
+    text = "system prompt " * 2000 + "ü tool output " * 1000
+    code = ("import sys; from router.blocks import hash_text_blocks; "
+            "print(hash_text_blocks(sys.stdin.read(), 64))")
+    outs = {subprocess.run([sys.executable, "-c", code], input=text, capture_output=True, text=True,
+                           env={**__import__("os").environ, "PYTHONHASHSEED": seed}, check=True).stdout
+            for seed in ("1", "2")}
+    assert outs == {f"{hash_text_blocks(text, 64)}\n"}
 
 
 def test_long_prefixes_take_the_fast_path_and_agree():
