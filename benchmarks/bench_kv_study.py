@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -33,35 +32,19 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent / "peers"))
 import run as peers  # noqa: E402  (build_trace, wait_http)
 
-from kvtop.procs import stop_process  # noqa: E402
+from kvtop.procs import free_port_run, stop_process  # noqa: E402
 from store.stats import percentile  # noqa: E402
 
 KVTOP = [sys.executable, "-m", "kvtop"]
 ENGINE_BLOCK = 16
 
 
-def free_base(n: int) -> int:
-    """A base port with n free ports above it."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65535:
-            continue
-        try:
-            for p in range(base, base + n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no free port range")
 
 
 def run_arm(trace: Path, policy: str, events: bool, args, out: Path) -> dict:
     n = args.instances
     label = f"{policy}-{'events' if events else 'estimate'}"
-    base = free_base(3 * n + 1)
+    base = free_port_run(3 * n + 1)
     kv_base, rport = base + n, base + 3 * n
     sim = subprocess.Popen([*KVTOP, "sim", "--instances", str(n), "--port-base", str(base),
                             "--profile", args.profile, "--speed", str(args.speed),

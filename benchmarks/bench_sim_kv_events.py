@@ -16,29 +16,14 @@ import argparse
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
 import time
 import urllib.request
+from kvtop.procs import free_port_run
 
 
-def free_run(n: int) -> int:
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65535:
-            continue
-        try:
-            for p in range(base, base + n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no free run of ports")
 
 
 def cpu_s(pid: int) -> float:
@@ -48,7 +33,7 @@ def cpu_s(pid: int) -> float:
 
 
 def one_arm(events: bool, prompts: list[list[int]]) -> tuple[float, float]:
-    base = free_run(3)
+    base = free_port_run(3)
     cmd = [sys.executable, "-m", "kvtop", "sim", "--port-base", str(base), "--speed", "1000",
            "--num-gpu-blocks", "8000", "--duration", "600"]
     if not events:

@@ -19,9 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,7 +28,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from kvtop.procs import stop_processes
+from kvtop.procs import free_port_run, stop_processes
 from router.policies import DEFAULT_POLICY
 
 
@@ -91,25 +89,6 @@ class Stack:
         for name, proc in procs:
             stop_processes([proc], grace_s=max(grace_s, 15.0) if name == "route" else grace_s,
                            sig=signal.SIGINT)
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port_run(n: int) -> int:
-    """A base port with ``n`` free consecutive ports (kvtop sim takes PORT..PORT+n-1)."""
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20_000, 60_000 - n)
-        if all(_port_free(base + i) for i in range(n)):
-            return base
-    raise OSError("no run of free loopback ports found")
 
 
 def wait_http(url: str, proc: subprocess.Popen, timeout_s: float, ok=(200, 503)) -> bool:

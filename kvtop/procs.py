@@ -1,4 +1,5 @@
-"""Ending processes kvtop started: a signal first, then a kill after a grace period.
+"""Ending processes kvtop started: a signal first, then a kill after a grace period; and a run
+of free loopback ports for the servers it starts (kvtop sim takes PORT..PORT+n-1).
 
 Only ever called with processes the caller itself started (a demo's servers, a test's or a
 benchmark's subprocesses), by their Popen handle.
@@ -6,7 +7,9 @@ benchmark's subprocesses), by their Popen handle.
 
 from __future__ import annotations
 
+import random
 import signal
+import socket
 import subprocess
 from collections.abc import Sequence
 
@@ -34,3 +37,22 @@ def stop_processes(procs: Sequence[subprocess.Popen], *, grace_s: float = 10.0,
 def stop_process(proc: subprocess.Popen | None, *, grace_s: float = 10.0, sig: int = signal.SIGTERM) -> None:
     if proc is not None:
         stop_processes([proc], grace_s=grace_s, sig=sig)
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port_run(n: int) -> int:
+    """A base port with ``n`` free consecutive ports (kvtop sim takes PORT..PORT+n-1)."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20_000, 60_000 - n)
+        if all(_port_free(base + i) for i in range(n)):
+            return base
+    raise OSError("no run of free loopback ports found")

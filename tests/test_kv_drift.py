@@ -23,6 +23,7 @@ from router.request import RouteRequest
 from router.telemetry import parse_prometheus
 from store.schema import TABLES, ensure_schema
 from store.writer import Writer
+from kvtop.procs import free_port_run
 
 BS = 16
 
@@ -181,23 +182,6 @@ async def test_metrics_show_each_instance_kv_events_and_drift(router_client, tmp
 
 
 # -- kvtop sim publishes by default; its startup lines say where ---------------------------------
-def _free_run(n):
-    import socket
-
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65535:
-            continue
-        try:
-            for p in range(base, base + n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no free run of ports")
 
 
 async def test_kvtop_sim_publishes_by_default_where_its_route_line_says(router_client, tmp_path):
@@ -209,7 +193,7 @@ async def test_kvtop_sim_publishes_by_default_where_its_route_line_says(router_c
 
     from router.cli import parse_backend
 
-    base = _free_run(6)  # 2 HTTP ports, then 2 x (events, replay)
+    base = free_port_run(6)  # 2 HTTP ports, then 2 x (events, replay)
     proc = subprocess.Popen([sys.executable, "-m", "kvtop", "sim", "--instances", "2", "--port-base", str(base),
                              "--speed", "100", "--duration", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
@@ -253,7 +237,7 @@ def test_kvtop_sim_says_which_kv_port_is_taken_and_how_to_move():
     import subprocess
     import sys
 
-    base = _free_run(4)
+    base = free_port_run(4)
     with socket.socket() as blocker:
         blocker.bind(("127.0.0.1", base + 2))  # one instance: HTTP on base, events base + 1, replay base + 2
         blocker.listen()

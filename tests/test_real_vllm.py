@@ -28,7 +28,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from kvtop.procs import stop_process
+from kvtop.procs import free_port_run, stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -61,18 +61,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _adjacent_free(n: int) -> int:
-    """A base port with ``n`` free ports from it (instance i listens on base + i)."""
-    for _ in range(50):
-        base = _free_port()
-        try:
-            for p in range(base, base + n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no free port range")
 
 
 def _get(url: str, timeout: float = 10) -> bytes:
@@ -161,7 +149,7 @@ def vllm_a(model_dir, tmp_path_factory):
     """One real instance: the calibration and the load run against it alone."""
     import real_vllm
     state = tmp_path_factory.mktemp("vllm-a")
-    urls = real_vllm.start(1, _adjacent_free(1), model_dir, state, python=VLLM_PYTHON,
+    urls = real_vllm.start(1, free_port_run(1), model_dir, state, python=VLLM_PYTHON,
                            timeout=420)
     yield urls[0]
     real_vllm.stop(state)
@@ -172,7 +160,7 @@ def vllm(vllm_a, model_dir, tmp_path_factory):
     """Two real instances (the router checks), the second started only when needed."""
     import real_vllm
     state = tmp_path_factory.mktemp("vllm-b")
-    urls = real_vllm.start(1, _adjacent_free(1), model_dir, state, python=VLLM_PYTHON,
+    urls = real_vllm.start(1, free_port_run(1), model_dir, state, python=VLLM_PYTHON,
                            timeout=420, first_index=1)
     yield [vllm_a, urls[0]]
     real_vllm.stop(state)

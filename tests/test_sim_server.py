@@ -10,6 +10,7 @@ import pytest
 from kvtop.sim.engine import Engine
 from kvtop.sim.server import SimInstance, create_app
 from kvtop.sim.tokenizer import count_tokens, render_chat, tokenize
+from kvtop.procs import free_port_run
 
 FAST = 1000.0   # engine seconds per wall second: a 1k-token H20 prefill takes ~0.2 ms of wall
 
@@ -321,29 +322,6 @@ async def test_prefill_decode_two_step(aiohttp_client):
 
 # ---------------------------------------------------------------- the verb
 
-def _free_ports(n: int) -> int:
-    """A base port with n free consecutive ports on 127.0.0.1."""
-    import socket
-
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65535:
-            continue
-        try:
-            socks = []
-            for k in range(n):
-                sk = socket.socket()
-                socks.append(sk)
-                sk.bind(("127.0.0.1", base + k))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sk in socks:
-                sk.close()
-    raise RuntimeError("no free ports")
 
 
 async def test_kvtop_sim_verb_serves_n_instances_and_exits_by_itself(aiohttp_client):
@@ -351,7 +329,7 @@ async def test_kvtop_sim_verb_serves_n_instances_and_exits_by_itself(aiohttp_cli
 
     import aiohttp
 
-    base = _free_ports(2)
+    base = free_port_run(2)
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "kvtop.cli", "sim", "--instances", "2", "--port-base", str(base),
         "--profile", "cpu-tiny", "--speed", "100", "--duration", "3",
