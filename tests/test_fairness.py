@@ -129,26 +129,41 @@ async def test_chunked_bodies_count_against_the_bound_as_they_arrive(router_clie
 
 
 async def test_a_huge_body_is_parsed_off_the_event_loop(router_client, fake_backends, tmp_path):
-    """A 40 MB prompt parses in the worker process while /health keeps answering at once."""
+    """A 40 MB prompt parses in the worker process while /health keeps answering: probes
+    complete while the parse is in flight, which a parse on the event loop would not allow.
+    (How fast they answer is a benchmark's question: benchmarks/bench_bodies.py, with its
+    prober in a process of its own; here the test's client shares the loop.)"""
     import time
 
     client, state = await start(router_client, fake_backends, tmp_path, max_input_tokens=100_000_000)
+    parsing: list[float] = []
+    handoff = state.parser._handoff
+    real_run = handoff.run
+
+    async def timed_run(*args, **kw):
+        parsing.append(time.monotonic())
+        try:
+            return await real_run(*args, **kw)
+        finally:
+            parsing.append(time.monotonic())
+
+    handoff.run = timed_run
     huge = {"messages": [{"role": "user", "content": "word " * 200} for _ in range(40_000)], "max_tokens": 1}
     task = asyncio.create_task(client.post("/v1/chat/completions", json=huge))
     while state.body_bytes == 0:
         await asyncio.sleep(0.005)
-    worst = 0.0
+    answered: list[float] = []
     while not task.done():
-        t0 = time.monotonic()
         async with client.get("/health") as r:
             assert r.status == 200
-        worst = max(worst, time.monotonic() - t0)
+        answered.append(time.monotonic())
         await asyncio.sleep(0.01)
     resp = task.result()
     assert resp.status == 200, await resp.text()
     resp.close()
-    assert state.parser.offloaded == 1
-    assert worst < 0.1, worst
+    assert state.parser.offloaded == 1 and len(parsing) == 2
+    during = [t for t in answered if parsing[0] < t < parsing[1]]
+    assert len(during) >= 2, (len(during), parsing[1] - parsing[0])
 
 
 async def test_big_bodies_reach_the_backend_byte_for_byte(router_client, fake_backends, tmp_path):
