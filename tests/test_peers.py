@@ -17,7 +17,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from kvtop.procs import stop_process
+from kvtop.procs import free_port_run, stop_process
 
 PEERS_PYTHON = os.environ.get(
     "KVTOP_PEERS_PYTHON", str(Path.home() / ".cache" / "kvtop-peers" / "venv" / "bin" / "python"))
@@ -48,21 +48,6 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
-def _adjacent_free(n: int) -> int:
-    """A base port with n free ports after it (kvtop sim takes PORT..PORT+n-1)."""
-    for _ in range(50):
-        base = _free_ports(1)[0]
-        ok = True
-        for p in range(base, base + n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError("no free port range")
 
 
 def _wait(url: str, proc: subprocess.Popen, timeout: float, want: bytes | None = None) -> None:
@@ -89,7 +74,7 @@ def _requests_total(base: str) -> float:
 
 @pytest.fixture
 def sim():
-    base = _adjacent_free(2)
+    base = free_port_run(2)
     proc = subprocess.Popen([sys.executable, "-m", "kvtop", "sim", "--instances", "2",
                              "--port-base", str(base), "--profile", "cpu-tiny", "--speed", "10",
                              "--duration", "120"],

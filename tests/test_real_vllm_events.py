@@ -26,9 +26,9 @@ from pathlib import Path
 
 import pytest
 
-from kvtop.procs import stop_process
+from kvtop.procs import free_port_run, stop_process
 from test_messages import claude_code_body
-from test_real_vllm import BLOCK, VLLM_PYTHON, _WHY, _adjacent_free, _free_port, _get, _post, _wait
+from test_real_vllm import BLOCK, VLLM_PYTHON, _WHY, _free_port, _get, _post, _wait
 from test_tokenize_real_vllm import tools_model
 
 pytestmark = pytest.mark.skipif(_WHY is not None, reason=_WHY or "")
@@ -43,7 +43,7 @@ def stack(tmp_path_factory):
 
     model = tools_model(tmp_path_factory)
     state = tmp_path_factory.mktemp("vllm-events")
-    port, kv_port, replay_port = _adjacent_free(1), _free_port(), _free_port()
+    port, kv_port, replay_port = free_port_run(1), _free_port(), _free_port()
     events = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv-events",
               "endpoint": f"tcp://127.0.0.1:{kv_port}", "replay_endpoint": f"tcp://127.0.0.1:{replay_port}"}
     cmd = real_vllm.instance_cmd(VLLM_PYTHON, model, port, 16384, [

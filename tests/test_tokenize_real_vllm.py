@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from kvtop.procs import free_port_run
 from router.request import Tokenizer, parse_request
 from test_messages import claude_code_body
-from test_real_vllm import VLLM_PYTHON, _WHY, _adjacent_free
+from test_real_vllm import VLLM_PYTHON, _WHY
 from test_tokenize import _bench
 
 pytestmark = pytest.mark.skipif(_WHY is not None, reason=_WHY or "")
@@ -48,7 +49,7 @@ def served(tmp_path_factory):
 
     model = tools_model(tmp_path_factory)
     state = tmp_path_factory.mktemp("vllm-tools")
-    port = _adjacent_free(1)
+    port = free_port_run(1)
     url = f"http://127.0.0.1:{port}"
     # tools need vLLM's tool-call parser on (tool_choice "auto" is what Messages bodies imply)
     cmd = real_vllm.instance_cmd(VLLM_PYTHON, model, port, 16384,
