@@ -75,14 +75,23 @@ class _Answers(asyncio.Protocol):
             frame = bytes(memoryview(buf)[_LEN.size:_LEN.size + n])
             del buf[:_LEN.size + n]
             if n <= _DECODE_ON_LOOP:
-                self.worker._answer(pickle.loads(frame))
+                try:
+                    answer = pickle.loads(frame)
+                except Exception:  # noqa: BLE001 - a frame we cannot read: nothing after it can be trusted
+                    self.worker._broken()
+                    return
+                self.worker._answer(answer)
             else:  # in a thread, where the GIL still lets the loop in every switch interval
                 done = asyncio.get_running_loop().run_in_executor(None, pickle.loads, frame)
                 done.add_done_callback(self._decoded)
 
     def _decoded(self, done: asyncio.Future) -> None:
-        if not done.cancelled() and done.exception() is None:
-            self.worker._answer(done.result())
+        if done.cancelled():
+            return
+        if done.exception() is not None:  # unreadable: fail every call in flight rather than hang one
+            self.worker._broken()
+            return
+        self.worker._answer(done.result())
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.worker._broken()
@@ -143,6 +152,8 @@ class WorkerProcess(Executor):
 
     def _broken(self) -> None:
         self.broken = True
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.close()  # the worker reads EOF and exits
         pending, self._pending = self._pending, {}
         for fut in pending.values():
             if not fut.done():

@@ -27,6 +27,38 @@ def _refuse(message):
     raise BadRequest(message, "messages", status=413)
 
 
+def _fail_to_load():
+    raise ValueError("this answer cannot be read back")
+
+
+class _Unreadable:
+    """Pickles in the worker, fails to unpickle in the router."""
+
+    def __init__(self, pad: int):
+        self.pad = b"x" * pad
+
+    def __reduce__(self):
+        return (_fail_to_load, ())
+
+
+def _unreadable(pad):
+    return _Unreadable(pad)
+
+
+@pytest.mark.parametrize("pad", [10, 2 * 1024 * 1024])  # decoded on the loop / in a thread
+async def test_an_answer_that_cannot_be_read_fails_the_call_instead_of_hanging(pad):
+    loop = asyncio.get_running_loop()
+    w = await WorkerProcess.start()
+    try:
+        with pytest.raises(BrokenProcessPool):
+            await asyncio.wait_for(loop.run_in_executor(w, _unreadable, pad), 30)
+        assert w.broken  # the owner starts a new worker; this one reads EOF and exits
+        w._proc.join(10)
+        assert not w._proc.is_alive()
+    finally:
+        w.shutdown()
+
+
 async def test_calls_answer_in_order_and_carry_exceptions():
     loop = asyncio.get_running_loop()
     w = await WorkerProcess.start()
