@@ -241,11 +241,21 @@ def test_kvtop_sim_says_which_kv_port_is_taken_and_how_to_move():
     with socket.socket() as blocker:
         blocker.bind(("127.0.0.1", base + 2))  # one instance: HTTP on base, events base + 1, replay base + 2
         blocker.listen()
-        r = subprocess.run([sys.executable, "-m", "kvtop", "sim", "--port-base", str(base), "--duration", "5"],
+        # ports asked for and taken: a clear error
+        r = subprocess.run([sys.executable, "-m", "kvtop", "sim", "--port-base", str(base),
+                            "--kv-events-port-base", str(base + 1), "--duration", "5"],
                            capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
-    assert f"cannot publish KV events on 127.0.0.1 ports {base + 1}..{base + 2}" in r.stderr
-    assert "--kv-events-port-base PORT, or --no-kv-events" in r.stderr
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert f"cannot publish KV events on 127.0.0.1 ports {base + 1}..{base + 2}" in r.stderr
+        assert "--kv-events-port-base PORT, or --no-kv-events" in r.stderr
+        # the default layout taken: free ports instead, and the startup lines say which
+        ok = subprocess.run([sys.executable, "-m", "kvtop", "sim", "--port-base", str(base), "--duration", "1"],
+                            capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0, ok.stderr
+    line = next(ln for ln in ok.stdout.splitlines() if ln.startswith("route with: "))
+    replay = int(line.rsplit("@kv-replay=tcp://127.0.0.1:", 1)[1].split()[0])
+    assert replay != base + 2 and f"@kv=tcp://127.0.0.1:{base + 1}@" in line
+    assert f"replay tcp://127.0.0.1:{replay}" in ok.stdout  # the instance's own line agrees
     both = subprocess.run([sys.executable, "-m", "kvtop", "sim", "--port-base", str(base), "--no-kv-events",
                            "--kv-events-port-base", str(base + 10), "--duration", "1"],
                           capture_output=True, text=True, timeout=60)

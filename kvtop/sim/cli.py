@@ -7,7 +7,9 @@ not), /metrics with vLLM's names, /tokenize, /v1/completions/render, /health, /v
 follows the vLLM v1 step loop and a fitted step-time model (docs/simulator.md). It publishes
 vLLM's KV events (ZMQ, with a replay endpoint) unless --no-kv-events: instance i on
 KV_BASE+2i and KV_BASE+2i+1, KV_BASE being --kv-events-port-base or, by default, the port
-after the last HTTP one; the startup lines end with the `kvtop route` backends that follow them.
+after the last HTTP one (a default port found taken is replaced by a free one; ports asked for
+with --kv-events-port-base must be free); the startup lines say where, and end with the
+`kvtop route` backends that follow them.
 
 Profiles: h20 (default; Qwen3-30B-A3B BF16 on one H20, fitted to Qwen's published table),
 h100 (same model on one H100: ESTIMATED by roofline scaling, calibrate before relying on it),
@@ -106,8 +108,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-events-port-base", type=int, default=None, metavar="PORT",
                         help="where the vLLM KV events go: instance i publishes on tcp://HOST:PORT+2i, "
                              "its replay endpoint on PORT+2i+1 (default: the ports right after the HTTP "
-                             "ones, --port-base + --instances; the startup lines give each instance's "
-                             "--backend for kvtop route)")
+                             "ones, --port-base + --instances, or free ones where those are taken; "
+                             "the startup lines give each instance's --backend for kvtop route)")
     parser.add_argument("--no-kv-events", action="store_true",
                         help="publish no KV events (a router then routes on its estimate)")
     parser.add_argument("--duration", type=float, default=None, metavar="S",
@@ -164,12 +166,16 @@ def build_instances(args: argparse.Namespace):
         if kv_base is not None:
             from kvtop.sim.kv_publisher import KvEventPublisher
 
-            if kv_base < 1 or kv_base + 2 * (off + args.instances) - 1 > 65535:
-                raise CliError(f"KV event ports {kv_base}..{kv_base + 2 * (off + args.instances) - 1} must lie "
-                               "in 1..65535: choose --kv-events-port-base PORT, or --no-kv-events")
+            default = getattr(args, "kv_events_port_base", None) is None
             k = off + i
-            instances[-1].kv_publisher = KvEventPublisher(engine, host=args.host, port=kv_base + 2 * k,
-                                                          replay_port=kv_base + 2 * k + 1)
+            pub_port, replay_port = kv_base + 2 * k, kv_base + 2 * k + 1
+            if kv_base < 1 or kv_base + 2 * (off + args.instances) - 1 > 65535:
+                if not default:
+                    raise CliError(f"KV event ports {kv_base}..{kv_base + 2 * (off + args.instances) - 1} must "
+                                   "lie in 1..65535: choose --kv-events-port-base PORT, or --no-kv-events")
+                pub_port = replay_port = 0  # past the last port: any free ones, printed at start
+            instances[-1].kv_publisher = KvEventPublisher(
+                engine, host=args.host, port=pub_port, replay_port=replay_port, any_port_if_taken=default)
     return instances
 
 
@@ -188,14 +194,19 @@ def url_host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
-def route_line(args: argparse.Namespace) -> str:
-    """``kvtop route`` with a ``--backend`` per instance, following its KV events when on."""
+def route_line(args: argparse.Namespace, instances=None) -> str:
+    """``kvtop route`` with a ``--backend`` per instance, following its KV events when on:
+    from the running ``instances`` where given (their publishers may have taken other ports
+    than the default layout's, when those were in use), else from the layout."""
     kv = kv_events_port_base(args)
     host = url_host(args.host)
     specs = []
     for i in range(args.instances):
         spec = f"http://{host}:{args.port_base + i}"
-        if kv is not None:
+        pub = instances[i].kv_publisher if instances is not None else None
+        if pub is not None:
+            spec += f"@kv={pub.endpoint}@kv-replay={pub.replay_endpoint}"
+        elif kv is not None:
             spec += f"@kv=tcp://{host}:{kv + 2 * i}@kv-replay=tcp://{host}:{kv + 2 * i + 1}"
         specs.append(f"--backend {spec}")
     return "route with: kvtop route " + " ".join(specs)
@@ -235,7 +246,7 @@ def run(args: argparse.Namespace) -> int:
                   f"{e.num_gpu_blocks} blocks x {e.block_size} tokens, max_model_len "
                   f"{e.max_model_len}, speed {inst.speed:g}{events}", flush=True)
         if not getattr(args, "no_route_line", False):  # (--process-per-instance: the parent's)
-            print(route_line(args), flush=True)
+            print(route_line(args, insts), flush=True)
 
     async def main() -> None:
         # SIGINT and SIGTERM stop it cleanly, even when started in the background by a shell

@@ -36,8 +36,11 @@ STORED_AT, EVICTED = 1, 0
 
 class KvEventPublisher:
     def __init__(self, engine, *, host: str = "127.0.0.1", port: int = 5557, replay_port: int | None = None,
-                 buffer_steps: int = 10_000, topic: bytes = b""):
+                 buffer_steps: int = 10_000, topic: bytes = b"", any_port_if_taken: bool = False):
         self.engine = engine
+        #: the ports were kvtop sim's default layout, not asked for: if one is taken, take free
+        #: ones (the startup lines print where) rather than fail
+        self.any_port_if_taken = any_port_if_taken
         self.host = host
         #: as it goes in an endpoint: an IPv6 address in brackets (its sockets then take IPv6)
         self._ipv6 = ":" in host
@@ -71,18 +74,28 @@ class KvEventPublisher:
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.setsockopt(zmq.SNDHWM, 100_000)
         self._pub.setsockopt(zmq.IPV6, int(self._ipv6))
+        if self.port != 0:
+            try:
+                self._pub.bind(self.endpoint)
+            except zmq.ZMQError as exc:
+                if not (self.any_port_if_taken and exc.errno == zmq.EADDRINUSE):
+                    raise
+                self.port = 0
         if self.port == 0:
             self.port = self._pub.bind_to_random_port(f"tcp://{self._zhost}")
-        else:
-            self._pub.bind(self.endpoint)
         if self.replay_port is not None:
             self._router = self._ctx.socket(zmq.ROUTER)
             self._router.setsockopt(zmq.LINGER, 0)
             self._router.setsockopt(zmq.IPV6, int(self._ipv6))
+            if self.replay_port != 0:
+                try:
+                    self._router.bind(self.replay_endpoint)
+                except zmq.ZMQError as exc:
+                    if not (self.any_port_if_taken and exc.errno == zmq.EADDRINUSE):
+                        raise
+                    self.replay_port = 0
             if self.replay_port == 0:
                 self.replay_port = self._router.bind_to_random_port(f"tcp://{self._zhost}")
-            else:
-                self._router.bind(self.replay_endpoint)
             self._task = asyncio.get_running_loop().create_task(self._serve_replay())
         self.engine.kv_events = []
 
