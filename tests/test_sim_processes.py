@@ -81,6 +81,10 @@ def test_process_per_instance_isolates_and_stops_cleanly():
     assert proc.returncode == 0, err
     assert sorted(line.split(":")[0] for line in out.splitlines() if line.startswith("instance")) == \
         ["instance 0", "instance 1"]
+    # the route-with line comes once, after both instances listen
+    lines = out.splitlines()
+    routes = [k for k, line in enumerate(lines) if line.startswith("route with: ")]
+    assert len(routes) == 1 and lines[routes[0]].count("--backend ") == 2
     assert _closed(base) and _closed(base + 1)  # no child left serving
 
 
@@ -99,4 +103,5 @@ def test_a_child_that_cannot_start_ends_the_rest():
         blocker.close()
     assert proc.returncode == 2
     assert "an instance process exited" in proc.stderr
+    assert "route with:" not in proc.stdout  # never printed for a fleet that did not come up
     assert _closed(busy - 1)

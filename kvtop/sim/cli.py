@@ -306,7 +306,6 @@ def _run_processes(args: argparse.Namespace) -> int:
 
     children = [subprocess.Popen([sys.executable, "-m", "kvtop", *_child_argv(args, i)], stdin=subprocess.DEVNULL)
                 for i in range(args.instances)]
-    print(route_line(args), flush=True)
     stopping = False
 
     def on_signal(signum, _frame) -> None:
@@ -314,11 +313,17 @@ def _run_processes(args: argparse.Namespace) -> int:
         stopping = True
 
     old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    waiting = set(range(args.instances))  # the route-with line only once every instance listens
     try:
         while not stopping:
             codes = [c.poll() for c in children]
             if any(code is not None for code in codes):
                 break
+            if waiting is not None:
+                waiting = {i for i in waiting if not _serving(args.host, args.port_base + i)}
+                if not waiting:
+                    print(route_line(args), flush=True)
+                    waiting = None
             time.sleep(0.1)
     finally:
         stop_processes(children, grace_s=10.0)
@@ -330,6 +335,21 @@ def _run_processes(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     return 0
+
+
+def _serving(host: str, port: int) -> bool:
+    """The instance at ``port`` answers its /health (a port that merely accepts is not enough:
+    something else may hold it)."""
+    import http.client
+
+    conn = http.client.HTTPConnection(host, port, timeout=0.5)
+    try:
+        conn.request("GET", "/health")
+        return conn.getresponse().status == 200
+    except (OSError, http.client.HTTPException):
+        return False
+    finally:
+        conn.close()
 
 
 _CALIBRATE_HELP = """Fit the simulated engine to a running vLLM instance and write a profile file.
