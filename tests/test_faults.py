@@ -29,7 +29,10 @@ def start_sim(port: int) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "kvtop", "sim", "--instances", "1", "--port-base", str(port),
                              "--speed", "4"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     line = proc.stdout.readline()
-    assert b"instance 0" in line, proc.stderr.read().decode()
+    if b"instance 0" not in line:
+        proc.kill()
+        proc.wait(5)
+        raise AssertionError(f"kvtop sim did not start: {proc.stderr.read().decode()}")
     return proc
 
 
@@ -66,7 +69,15 @@ async def test_instance_killed_mid_replay(tmp_path):
     from kvtop.replay import ReplayConfig, replay
 
     ports = [free_port() for _ in range(3)]
-    sims = [start_sim(p) for p in ports]
+    sims: list[subprocess.Popen] = []
+    try:
+        for p in ports:
+            sims.append(start_sim(p))
+    except BaseException:  # one failed to start: end the ones already serving
+        for s in sims:
+            s.kill()
+            s.wait(5)
+        raise
     port = free_port()
     db = tmp_path / "faults.db"
     route = subprocess.Popen(
