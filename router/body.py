@@ -175,7 +175,8 @@ class MemoryReturn:
     def _done(self, fut) -> None:
         self._running = False
         self.trims += 1
-        fut.exception()  # retrieved: a failed trim changes nothing
+        if not fut.cancelled():  # (at shutdown)
+            fut.exception()  # retrieved: a failed trim changes nothing
 
 
 def _malloc_trim():

@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
-from router.body import ArenaRef, Chunks, Handoff, fetch
+from router.body import ArenaRef, Chunks, Handoff, as_bytes, fetch
 from router.http import parse_json
 from router.request import (BadRequest, Counted, Parsed, RouteRequest, Tokenizer, count_prompt,
                             read_body, route_request)
@@ -125,9 +125,7 @@ class BodyParser:
         Raises BadRequest."""
         cfg = self.config
         if len(raw) <= (OFFLOAD_BYTES if self.tokenizer is None else TOKENIZE_PROCESS_BYTES):
-            if isinstance(raw, Chunks):  # 1-4 MB without a tokenizer: parsed here, as one
-                raw = raw.join()
-            body = parse_json(raw)
+            body = parse_json(as_bytes(raw))  # 1-4 MB without a tokenizer: parsed here, as one
             parsed = read_body(body, endpoint, headers=headers, session_header=cfg.session_header)
             tok = self.tokenizer
             if tok is None or parsed.prompt.tokens is not None:
@@ -175,7 +173,7 @@ class BodyParser:
     @staticmethod
     def body(raw: bytes | Chunks, parsed: Any | None) -> Any:
         """The parsed body when a leg needs it (the offload legs rewrite it)."""
-        return parsed if parsed is not None else json.loads(raw.join() if isinstance(raw, Chunks) else raw)
+        return parsed if parsed is not None else json.loads(as_bytes(raw))
 
     def close(self) -> None:
         self._handoff.close()

@@ -65,6 +65,20 @@ class KvEventPublisher:
     def replay_endpoint(self) -> str | None:
         return f"tcp://{self._zhost}:{self.replay_port}" if self.replay_port else None
 
+    def _bind(self, sock, port: int) -> int:
+        """Bind ``sock`` to ``port`` (0: any free one) and return the port bound; a taken port
+        is an error unless ``any_port_if_taken``, then a free one is taken instead."""
+        import zmq
+
+        if port != 0:
+            try:
+                sock.bind(f"tcp://{self._zhost}:{port}")
+                return port
+            except zmq.ZMQError as exc:
+                if not (self.any_port_if_taken and exc.errno == zmq.EADDRINUSE):
+                    raise
+        return sock.bind_to_random_port(f"tcp://{self._zhost}")
+
     async def start(self) -> None:
         import zmq
         import zmq.asyncio
@@ -74,28 +88,12 @@ class KvEventPublisher:
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.setsockopt(zmq.SNDHWM, 100_000)
         self._pub.setsockopt(zmq.IPV6, int(self._ipv6))
-        if self.port != 0:
-            try:
-                self._pub.bind(self.endpoint)
-            except zmq.ZMQError as exc:
-                if not (self.any_port_if_taken and exc.errno == zmq.EADDRINUSE):
-                    raise
-                self.port = 0
-        if self.port == 0:
-            self.port = self._pub.bind_to_random_port(f"tcp://{self._zhost}")
+        self.port = self._bind(self._pub, self.port)
         if self.replay_port is not None:
             self._router = self._ctx.socket(zmq.ROUTER)
             self._router.setsockopt(zmq.LINGER, 0)
             self._router.setsockopt(zmq.IPV6, int(self._ipv6))
-            if self.replay_port != 0:
-                try:
-                    self._router.bind(self.replay_endpoint)
-                except zmq.ZMQError as exc:
-                    if not (self.any_port_if_taken and exc.errno == zmq.EADDRINUSE):
-                        raise
-                    self.replay_port = 0
-            if self.replay_port == 0:
-                self.replay_port = self._router.bind_to_random_port(f"tcp://{self._zhost}")
+            self.replay_port = self._bind(self._router, self.replay_port)
             self._task = asyncio.get_running_loop().create_task(self._serve_replay())
         self.engine.kv_events = []
 
