@@ -199,10 +199,6 @@ def _why(queries, db, args) -> int:
     blocks = []
     for a in found["attempts"]:
         row = {k: v for k, v in a["decision"].items() if k not in ("blocks", "blocks_parent", "source")}
-        # The estimate's own figure beside the exact hit, in words, not as a raw column.
-        estimate = row.pop("estimate_hit_tokens", None)
-        if estimate is not None and row.get("index_source") == "exact":
-            row["index_source"] = f"exact; the estimate said {receipt.fmt_num(estimate)}"
         ev = receipt.from_row(row, a["outcome"])
         blocks.append(receipt.render_text(ev, a["outcome"]))
     if found.get("source"):

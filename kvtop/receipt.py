@@ -25,12 +25,13 @@ TIMELINE = (("t_proxy_recv", "received"), ("ts", "decided"), ("t_prefill_sent", 
 SHOWN = frozenset({"ts", "request_id", "attempt", "session", "turn", "class", "input_tokens", "instance",
                    "reason", "policy", "est_hit", "best_hit", "best_hit_instance", "new_prefill",
                    "decision_us", "terms", "index_source", "migrated_from", "run_id", "token_source",
-                   "session_source", "instance_index", "blocks", "blocks_parent", "id", "shadow"}
+                   "session_source", "instance_index", "blocks", "blocks_parent", "id", "shadow",
+                   "estimate_hit"}
                   | {k for k, _ in TIMELINE})
 # Decision-log column -> event field, where they differ.
 _ROW_NAMES = {"session_id": "session", "route_class": "class", "est_hit_tokens": "est_hit",
               "best_hit_tokens": "best_hit", "new_prefill_tokens": "new_prefill", "scores": "terms",
-              "shadows": "shadow"}
+              "shadows": "shadow", "estimate_hit_tokens": "estimate_hit"}
 
 
 def fmt_num(v: Any) -> str:
@@ -137,7 +138,7 @@ def head_lines(ev: dict[str, Any]) -> list[str]:
              f"input {fmt_num(ev.get('input_tokens'))} tok"
              + (f" ({ev['token_source']})" if ev.get("token_source") else ""),
              f"→ {ev.get('instance', '?')}  reason {reason_text(ev.get('reason', '?'))}",
-             f"est hit {fmt_num(ev.get('est_hit'))} tok ({ev.get('index_source') or 'estimate'})  "
+             f"est hit {fmt_num(ev.get('est_hit'))} tok ({source_text(ev)})  "
              f"best {fmt_num(ev.get('best_hit'))} on {ev.get('best_hit_instance') or '–'}  "
              f"new prefill {fmt_num(ev.get('new_prefill'))}  decided in {fmt_num(ev.get('decision_us'))} µs"]
     if ev.get("migrated_from"):
@@ -172,6 +173,15 @@ def shadow_text(picks: Any) -> str:
             f", est. prefill {'saved' if saved > 0 else 'added'} {fmt_num(abs(saved))} tok"
         parts.append(f"{p['policy']} → {p.get('instance', '?')} ({p.get('reason', '?')}{est})")
     return ("shadows: " + "; ".join(parts)) if parts else ""
+
+
+def source_text(ev: dict[str, Any]) -> str:
+    """Where the chosen hit came from; beside an exact one (KV events), what the router's own
+    estimate said."""
+    source = ev.get("index_source") or "estimate"
+    if source == "exact" and ev.get("estimate_hit") is not None:
+        return f"exact; the estimate said {fmt_num(ev['estimate_hit'])}"
+    return source
 
 
 def extras(ev: dict[str, Any]) -> list[tuple[str, str]]:

@@ -30,3 +30,18 @@ def test_affinity_stick_records_every_candidate(name, score_i0):
     assert [t["instance"] for t in pick.terms] == ["i0", "i1", "i2"]
     assert [t["hit"] for t in pick.terms] == [0, 9_000, 0]
     assert pick.terms[0]["score"] == pytest.approx(score_i0)
+
+
+def test_an_exact_hit_is_shown_beside_what_the_estimate_said():
+    """The dashboard's receipt (decision events) and `kvtop log why` (log rows) say it alike,
+    in words, never as the raw field."""
+    from kvtop.receipt import from_row, head_lines
+
+    event = {"request_id": "r1", "instance": "i0", "reason": "affinity_stick", "est_hit": 15360,
+             "index_source": "exact", "estimate_hit": 12288, "best_hit": 15360}
+    text = "\n".join(head_lines(event))
+    assert "est hit 15,360 tok (exact; the estimate said 12,288)" in text
+    assert "estimate_hit" not in text
+    row = {"request_id": "r1", "instance": "i0", "reason": "argmin", "est_hit_tokens": 0,
+           "index_source": "estimate", "estimate_hit_tokens": None}
+    assert "est hit 0 tok (estimate)" in "\n".join(head_lines(from_row(row, None)))
