@@ -85,22 +85,7 @@ def test_old_decision_log_gains_the_column_and_stays_readable(tmp_path):
 
 
 # -- /metrics against /kvtop/v1/state, with kvtop sim publishing --------------------------------
-async def _sim_fleet(n, blocks):
-    from kvtop.sim.engine import Engine
-    from kvtop.sim.kv_publisher import KvEventPublisher
-    from kvtop.sim.server import SimInstance, serve
-
-    insts = []
-    for _ in range(n):
-        eng = Engine("h20", num_gpu_blocks=blocks)
-        inst = SimInstance(eng, model="sim-model", port=0, speed=1000.0)
-        inst.kv_publisher = KvEventPublisher(eng, port=0, replay_port=0)
-        insts.append(inst)
-
-    ready = asyncio.Event()
-    task = asyncio.get_running_loop().create_task(serve(insts, on_ready=lambda _: ready.set()))
-    await ready.wait()
-    return insts, task
+from test_kv_events_router import _sim_fleet  # noqa: E402  (kvtop sim instances publishing, in this loop)
 
 
 def _by_instance(metrics, name, **labels):
