@@ -198,6 +198,7 @@ class Ticket:
     decode: bool = True  # False for a prefill-only leg (elastic P2P offload)
     phase: str = "prefill"  # prefill -> decode -> done
     started: float = 0.0
+    pinned: Sequence[int] = ()  # its blocks, held in the exact index's model until it finishes
 
 
 class Cluster:
@@ -247,25 +248,23 @@ class Cluster:
             for i, m in ex.match(blocks, ex.live_mask, self.clock()).items():
                 if drift:
                     ex.record_drift(i, min(matched[i] * bs, cap), min(m * bs, cap), input_tokens)
-                if matched[i] < m and self._queue_evicts(i, bs):
+                if m:
                     # The events say what the engine holds now; vLLM delivers what is still there
                     # when the request is scheduled, after the prefills queued ahead of it have
-                    # evicted the oldest free blocks. The estimate already evicted for that work
-                    # (it inserts each routed request's blocks at dispatch), so then the hit is
-                    # what both still hold (docs/kv-events.md, docs/experiments.md).
-                    m = matched[i]
+                    # evicted the oldest blocks of its free queue (docs/kv-events.md).
+                    m = ex.survivors(i, blocks, m, self._queued_evictions(i, bs))
                 matched[i] = m
         return [min(m * bs, cap) for m in matched]
 
-    def _queue_evicts(self, instance: int, bs: int) -> bool:
-        """Will the prefills queued on ``instance`` evict cached blocks before a request routed
-        there now is scheduled? Yes when their new blocks exceed the room the engine has
-        beside what its events say it holds (``capacity`` as the estimate counts it)."""
+    def _queued_evictions(self, instance: int, bs: int) -> int:
+        """Blocks the prefills queued on ``instance`` will evict before a request routed there
+        now is scheduled: their new blocks beyond the room the engine has beside what its
+        events say it holds (``capacity`` as the estimate counts it)."""
         pending = self.instances[instance].pending_prefill_tokens
         if pending <= 0:
-            return False
+            return 0
         room = self.index.capacity[instance] - self.exact.cached_blocks(instance)
-        return -(-pending // bs) > room
+        return -(-pending // bs) - max(room, 0)
 
     def index_source(self, instance: int, *, exact: bool = True) -> str:
         """Where ``instance``'s hit comes from: ``exact`` (its KV events) or ``estimate``."""
@@ -336,10 +335,13 @@ class Cluster:
         s.est_hit_tokens_total += est_hit
         if cache_blocks:
             self.index.insert(instance, blocks, session_id)
-            if self.exact is not None:
-                self.exact.speculate(instance, blocks, self.clock())
+        pinned: Sequence[int] = ()
+        if cache_blocks and self.exact is not None:
+            self.exact.speculate(instance, blocks, self.clock())
+            self.exact.pin(instance, blocks)
+            pinned = blocks
         self.in_flight += 1
-        t = Ticket(instance, input_tokens, new_prefill, decode, "prefill", self.clock())
+        t = Ticket(instance, input_tokens, new_prefill, decode, "prefill", self.clock(), pinned)
         self._prefilling[instance][id(t)] = t
         return t
 
@@ -371,6 +373,9 @@ class Cluster:
             s.decode_requests -= 1
         s.num_requests -= 1
         s.ongoing_tokens -= t.input_tokens
+        if t.pinned and self.exact is not None:
+            self.exact.release(t.instance, t.pinned)
+            t.pinned = ()
         if error:
             s.errors_total += 1
         t.phase = "done"

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from itertools import accumulate, repeat
+from itertools import accumulate, islice, repeat
 from operator import and_
 from dataclasses import dataclass, field
 
@@ -61,6 +61,10 @@ class InstanceBlocks:
     engine_block_size: int | None = None
     per_router_block: int = 0  # m: engine blocks per router block (0 until the first store)
     speculative: OrderedDict = field(default_factory=OrderedDict)  # router hash -> expiry
+    # The engine's free queue as the router can model it: held router blocks no request of this
+    # router is using, in the order the engine would evict them (front first).
+    free: OrderedDict = field(default_factory=OrderedDict)  # router hash -> None
+    pins: dict = field(default_factory=dict)  # router hash -> requests of this router using it
     # counters
     blocks_stored: int = 0
     blocks_removed: int = 0
@@ -146,6 +150,7 @@ class ExactIndex:
         owners = self._owners
         bit = 1 << instance
         spec = st.speculative
+        free, pins = st.free, st.pins
         epoch = st.epoch
         for k in range(n):
             h = block_hashes[k]
@@ -154,6 +159,8 @@ class ExactIndex:
             if node is not None:  # stored again (vLLM reports reused blocks since 0.11 or so)
                 if node[4] != epoch:
                     nodes[h] = (*node[:4], epoch)
+                if node[2] is None and node[1] in free:  # reused by a request not ours: now newest
+                    free.move_to_end(node[1])
                 base, depth, parent = node[1], node[3], h
                 continue
             toks = token_ids[k * ebs:(k + 1) * ebs]
@@ -184,6 +191,8 @@ class ExactIndex:
             counts[rh] = c + 1
             if not c:
                 owners[rh] = owners.get(rh, 0) | bit
+                if rh not in pins:  # nobody of ours uses it (another client's, or ours finished)
+                    free[rh] = None
             if spec:
                 spec.pop(rh, None)
             base, parent = rh, h
@@ -214,6 +223,7 @@ class ExactIndex:
                 counts[rh] = c
             elif c == 0:
                 del counts[rh]
+                st.free.pop(rh, None)
                 mask = owners.get(rh, 0) & ~bit
                 if mask:
                     owners[rh] = mask
@@ -234,6 +244,7 @@ class ExactIndex:
         st.nodes.clear()
         st.counts.clear()
         st.speculative.clear()
+        st.free.clear()
         st.clears += 1
 
     def mark_turnover(self, instance: int) -> None:
@@ -277,6 +288,45 @@ class ExactIndex:
             spec[h] = exp
         while len(spec) > self.max_speculative:
             spec.popitem(last=False)
+
+    # -- the engine's free queue ----------------------------------------------------------
+    def pin(self, instance: int, blocks: Sequence[int]) -> None:
+        """A request of this router on ``instance`` uses ``blocks`` until ``release``: the engine
+        takes its hit blocks out of the free queue and allocates the rest."""
+        st = self.instances[instance]
+        pins, pop = st.pins, st.free.pop
+        for h in blocks:
+            pins[h] = pins.get(h, 0) + 1
+            pop(h, None)
+
+    def release(self, instance: int, blocks: Sequence[int]) -> None:
+        """That request finished: like vLLM, its blocks join the free queue's end last block
+        first, so its tail is evicted before its head."""
+        st = self.instances[instance]
+        pins, free, counts = st.pins, st.free, st.counts
+        for h in reversed(blocks):
+            c = pins.get(h, 0) - 1
+            if c > 0:
+                pins[h] = c
+                continue
+            pins.pop(h, None)
+            if h in counts:
+                free[h] = None
+                free.move_to_end(h)
+
+    def survivors(self, instance: int, blocks: Sequence[int], matched: int, evicted: int) -> int:
+        """How many of the ``matched`` leading ``blocks`` are still held after the engine evicts
+        the ``evicted`` oldest blocks of its free queue (the prefills queued ahead of this
+        request allocate that many beyond the engine's free room)."""
+        free = self.instances[instance].free
+        if evicted <= 0 or not matched or not free:
+            return matched
+        doomed = set(islice(free, evicted))
+        gone = list(map(doomed.__contains__, islice(blocks, matched)))
+        try:
+            return gone.index(True)
+        except ValueError:
+            return matched
 
     # -- lookups -------------------------------------------------------------------------
     def match(self, blocks: Sequence[int], mask: int, now: float = 0.0) -> dict[int, int]:

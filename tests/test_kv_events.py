@@ -196,32 +196,42 @@ def test_cluster_uses_exact_hits_only_where_events_are_live():
 
 
 
-def test_with_prefills_queued_ahead_the_hit_is_what_both_views_still_hold():
+def test_with_prefills_queued_ahead_the_hit_loses_what_the_engine_will_evict_first():
     """The events say what the engine holds now; the prefills already routed to it and not yet
-    run will evict its oldest blocks before this request is scheduled, and the estimate has
-    already evicted for them. With more work queued than the engine has room for, the exact hit
-    is capped by the estimate's; with no queue, a queue that fits, or where the estimate
-    believes more, the events alone decide."""
+    run allocate their new blocks first, and beyond the engine's free room each one evicts the
+    front of its free queue: blocks no running request uses, in the order they were freed, a
+    finished request's tail before its head (vLLM's order). The exact hit counts only the
+    blocks that survive that; blocks a request still in flight uses are never evicted."""
     c = Cluster(["a", "b"], block_size=16, capacity_blocks=12)
     c.exact = ExactIndex(2, 16, speculative_ttl_s=0)
     toks = list(range(160))
     blocks = hash_token_blocks(toks, 16)
     engines = [FakeEngineCache(16), FakeEngineCache(16)]
+    first = [c.dispatch(i, 160, 0, blocks) for i in (0, 1)]  # the router sends the prompt to both
     for i in (0, 1):
         _feed(c.exact, i, engines[i].run(toks))  # both engines hold all 10 blocks now
         c.exact.set_live(i, True)
-        c.index.insert(i, blocks[:3])  # the estimate kept only 3 (it evicted for queued work)
     assert c.hits(blocks, 160) == [144, 144]  # nothing queued: the engines' word
-    t = c.dispatch(0, 32, 0, [], cache_blocks=False)  # 2 new blocks queued on a: they fit in its room
-    assert c.hits(blocks, 160) == [144, 144]
-    c.first_token(t)
-    c.dispatch(0, 1000, 0, [], cache_blocks=False)  # a 1,000-token prefill (63 blocks) waits on a
-    assert c.instances[0].pending_prefill_tokens == 1000
-    assert c.hits(blocks, 160) == [48, 144]
-    # the estimate believing more than the engine holds never raises the hit
-    c.index.insert(0, blocks)
-    _feed(c.exact, 0, [(REMOVED, list(reversed(engines[0].chain(toks)[4:])))])  # a keeps 4
-    assert c.hits(blocks, 160) == [64, 144]
+    q = c.dispatch(0, 1000, 0, [], cache_blocks=False)  # 63 new blocks queued on a
+    assert c.hits(blocks, 160) == [144, 144]  # the prompt's blocks are in use: nothing evictable
+    for t in first:
+        c.first_token(t)
+        c.finish(t)  # freed, tail first
+    assert c.hits(blocks, 160) == [0, 144]  # 61 blocks to evict beyond a's room of 2: all of it
+    c.first_token(q)
+    c.finish(q)
+    t = c.dispatch(0, 64, 0, [], cache_blocks=False)  # 4 new blocks, room 2: the 2 oldest go
+    assert c.instances[0].pending_prefill_tokens == 64
+    assert c.hits(blocks, 160) == [128, 144]  # a's last two blocks were freed first
+    assert c.hits(blocks[:5], 80) == [64, 64]  # a shorter prompt's blocks all survive
+    c.finish(t)
+    # a block the engine stores for somebody else's request joins the free queue at its end
+    other = list(range(1000, 1032))
+    _feed(c.exact, 0, engines[0].run(other))
+    c.dispatch(0, 48, 0, [], cache_blocks=False)  # 3 new blocks; cached 12, room 0: the 3 oldest go
+    assert c.hits(blocks, 160) == [112, 144]
+    assert c.hits(hash_token_blocks(other, 16), 32) == [16, 0]  # the last token is recomputed
+
 
 # -- the subscriber, message by message (no sockets) -----------------------------------------
 def _sub(resync_tokens=64, **kw):
