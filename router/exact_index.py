@@ -37,9 +37,9 @@ Pure: no I/O, no clock of its own (callers pass ``now``).
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Sequence
-from itertools import accumulate, islice, repeat
+from itertools import accumulate, compress, islice, repeat
 from operator import and_
 from dataclasses import dataclass, field
 
@@ -63,8 +63,8 @@ class InstanceBlocks:
     speculative: OrderedDict = field(default_factory=OrderedDict)  # router hash -> expiry
     # The engine's free queue as the router can model it: held router blocks no request of this
     # router is using, in the order the engine would evict them (front first).
-    free: OrderedDict = field(default_factory=OrderedDict)  # router hash -> None
-    pins: dict = field(default_factory=dict)  # router hash -> requests of this router using it
+    free: dict = field(default_factory=dict)  # router hash -> None, in order (a dict keeps it)
+    pins: Counter = field(default_factory=Counter)  # router hash -> requests of this router using it
     # counters
     blocks_stored: int = 0
     blocks_removed: int = 0
@@ -159,8 +159,8 @@ class ExactIndex:
             if node is not None:  # stored again (vLLM reports reused blocks since 0.11 or so)
                 if node[4] != epoch:
                     nodes[h] = (*node[:4], epoch)
-                if node[2] is None and node[1] in free:  # reused by a request not ours: now newest
-                    free.move_to_end(node[1])
+                if node[2] is None and free.pop(node[1], 0) is None:  # reused, not by ours:
+                    free[node[1]] = None  # now the newest
                 base, depth, parent = node[1], node[3], h
                 continue
             toks = token_ids[k * ebs:(k + 1) * ebs]
@@ -294,25 +294,20 @@ class ExactIndex:
         """A request of this router on ``instance`` uses ``blocks`` until ``release``: the engine
         takes its hit blocks out of the free queue and allocates the rest."""
         st = self.instances[instance]
-        pins, pop = st.pins, st.free.pop
-        for h in blocks:
-            pins[h] = pins.get(h, 0) + 1
-            pop(h, None)
+        st.pins.update(blocks)  # a Counter: counted in C, like every step below but one
+        deque(map(st.free.pop, blocks, repeat(None)), maxlen=0)
 
     def release(self, instance: int, blocks: Sequence[int]) -> None:
         """That request finished: like vLLM, its blocks join the free queue's end last block
-        first, so its tail is evicted before its head."""
+        first, so its tail is evicted before its head. Blocks another request still uses stay."""
         st = self.instances[instance]
-        pins, free, counts = st.pins, st.free, st.counts
-        for h in reversed(blocks):
-            c = pins.get(h, 0) - 1
-            if c > 0:
-                pins[h] = c
-                continue
-            pins.pop(h, None)
-            if h in counts:
-                free[h] = None
-                free.move_to_end(h)
+        pins = st.pins
+        held = list(map(pins.get, blocks, repeat(0)))
+        for h in compress(blocks, map((1).__lt__, held)):  # shared with a request in flight
+            pins[h] -= 1
+        last = list(compress(reversed(blocks), map((1).__eq__, reversed(held))))
+        deque(map(pins.pop, last), maxlen=0)
+        st.free.update(dict.fromkeys(filter(st.counts.__contains__, last)))
 
     def survivors(self, instance: int, blocks: Sequence[int], matched: int, evicted: int) -> int:
         """How many of the ``matched`` leading ``blocks`` are still held after the engine evicts
