@@ -101,15 +101,57 @@ def test_returning_turn_reuses_pieces_and_blocks(tok):
         prev = counted
 
 
+def test_next_turn_reuses_the_previous_texts_tokens_exactly(tok):
+    # ids_after takes the previous turn's tokens up to a piece start well inside the text the
+    # two turns share; the cut falls anywhere, also inside or just before a special token
+    rng = random.Random(11)
+    words = ["def", " f(x):", "\n    return", " x", "  ", "\n\n", "\u00e9t\u00e9", " <tool_call>", "<|im", "_end|>", "\t"]
+    specials = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|im_end|>\n"]
+
+    def text(n):
+        return "".join(rng.choice(specials + words * 3) for _ in range(n))
+
+    for _ in range(150):
+        prev_text = text(rng.randrange(0, 40))
+        prev_ids, prev_pieces, _ = tok.ids_after(prev_text)
+        assert list(prev_ids) == tok.encode(prev_text)
+        for _ in range(3):  # a session's next turns: cut the text somewhere, then grow it
+            nxt = prev_text[:rng.randrange(0, len(prev_text) + 1)] + text(rng.randrange(0, 12))
+            ids, pieces, common = tok.ids_after(nxt, prev_ids, prev_pieces)
+            assert list(ids) == tok.encode(nxt), (prev_text, nxt)
+            if common is not None:
+                assert 0 < common <= len(ids) and ids[:common] == prev_ids[:common]
+            prev_text, prev_ids, prev_pieces = nxt, ids, pieces
+
+
+def test_returning_turn_tokenizes_only_its_new_text(tok, tok_dir, monkeypatch):
+    # the shared prefix is neither cut nor looked up again: only the text after the cut is
+    prompt = [read_body(claude_code_body(turn), "messages").prompt for turn in (4, 5)]
+    first = count_prompt(prompt[0], 16, tok)
+    cut: list[str] = []
+    real = Tokenizer._pieced
+
+    def spy(self, text, marks=False):
+        cut.append(text)
+        return real(self, text, marks)
+
+    monkeypatch.setattr(Tokenizer, "_pieced", spy)
+    second = count_prompt(prompt[1], 16, tok, first)
+    whole = tok.render(prompt[1])
+    assert second.input_tokens == len(tok.encode(whole)) and len(cut) == 1
+    assert len(cut[0]) < len(whole) - len(tok.render(prompt[0])) + 200  # the new turn, about
+    assert second.blocks == count_prompt(prompt[1], 16, Tokenizer(str(tok_dir))).blocks
+
+
 async def test_router_tokenizes_off_the_event_loop(router_client, fake_backends, tmp_path, tok_dir, monkeypatch):
     seen: list[str] = []
-    real = Tokenizer.ids
+    real = Tokenizer._pieced  # what every path tokenizes through (ids, ids_after)
 
-    def spy(self, text, add_special_tokens=False):
+    def spy(self, text, marks=False):
         seen.append(threading.current_thread().name)
-        return real(self, text, add_special_tokens)
+        return real(self, text, marks)
 
-    monkeypatch.setattr(Tokenizer, "ids", spy)
+    monkeypatch.setattr(Tokenizer, "_pieced", spy)
     fakes = await fake_backends(2)
     client, state = await start_router(router_client, [u for _, u in fakes], tmp_path, policy="unified",
                                        tokenizer=str(tok_dir), block_size=16)
