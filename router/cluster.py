@@ -252,19 +252,18 @@ class Cluster:
                     # The events say what the engine holds now; vLLM delivers what is still there
                     # when the request is scheduled, after the prefills queued ahead of it have
                     # evicted the oldest blocks of its free queue (docs/kv-events.md).
-                    m = ex.survivors(i, blocks, m, self._queued_evictions(i, bs))
+                    m = ex.survivors(i, blocks, m, self._queued_evictions(i))
                 matched[i] = m
         return [min(m * bs, cap) for m in matched]
 
-    def _queued_evictions(self, instance: int, bs: int) -> int:
+    def _queued_evictions(self, instance: int) -> int:
         """Blocks the prefills queued on ``instance`` will evict before a request routed there
-        now is scheduled: their new blocks beyond the room the engine has beside what its
-        events say it holds (``capacity`` as the estimate counts it)."""
-        pending = self.instances[instance].pending_prefill_tokens
-        if pending <= 0:
-            return 0
-        room = self.index.capacity[instance] - self.exact.cached_blocks(instance)
-        return -(-pending // bs) - max(room, 0)
+        now is scheduled: the blocks of this router's requests in flight there that the engine
+        has not reported holding (what they will still allocate), beyond the room it has beside
+        what it holds (``capacity`` as the estimate counts it)."""
+        ex = self.exact
+        room = self.index.capacity[instance] - ex.cached_blocks(instance)
+        return ex.to_allocate(instance) - max(room, 0)
 
     def index_source(self, instance: int, *, exact: bool = True) -> str:
         """Where ``instance``'s hit comes from: ``exact`` (its KV events) or ``estimate``."""

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Sequence
-from itertools import accumulate, compress, islice, repeat
+from itertools import accumulate, compress, filterfalse, islice, repeat
 from operator import and_
 from dataclasses import dataclass, field
 
@@ -65,6 +65,7 @@ class InstanceBlocks:
     # router is using, in the order the engine would evict them (front first).
     free: dict = field(default_factory=dict)  # router hash -> None, in order (a dict keeps it)
     pins: Counter = field(default_factory=Counter)  # router hash -> requests of this router using it
+    unheld: int = 0  # pinned blocks the engine has not reported: what our requests will allocate
     # counters
     blocks_stored: int = 0
     blocks_removed: int = 0
@@ -193,6 +194,8 @@ class ExactIndex:
                 owners[rh] = owners.get(rh, 0) | bit
                 if rh not in pins:  # nobody of ours uses it (another client's, or ours finished)
                     free[rh] = None
+                else:
+                    st.unheld -= 1
             if spec:
                 spec.pop(rh, None)
             base, parent = rh, h
@@ -224,6 +227,8 @@ class ExactIndex:
             elif c == 0:
                 del counts[rh]
                 st.free.pop(rh, None)
+                if rh in st.pins:  # one of our requests' blocks, gone: it will be allocated again
+                    st.unheld += 1
                 mask = owners.get(rh, 0) & ~bit
                 if mask:
                     owners[rh] = mask
@@ -245,6 +250,7 @@ class ExactIndex:
         st.counts.clear()
         st.speculative.clear()
         st.free.clear()
+        st.unheld = len(st.pins)
         st.clears += 1
 
     def mark_turnover(self, instance: int) -> None:
@@ -294,7 +300,10 @@ class ExactIndex:
         """A request of this router on ``instance`` uses ``blocks`` until ``release``: the engine
         takes its hit blocks out of the free queue and allocates the rest."""
         st = self.instances[instance]
-        st.pins.update(blocks)  # a Counter: counted in C, like every step below but one
+        pins, counts = st.pins, st.counts
+        fresh = list(filterfalse(pins.__contains__, blocks))  # every step in C
+        st.unheld += len(fresh) - sum(map(counts.__contains__, fresh))
+        pins.update(blocks)
         deque(map(st.free.pop, blocks, repeat(None)), maxlen=0)
 
     def release(self, instance: int, blocks: Sequence[int]) -> None:
@@ -307,7 +316,14 @@ class ExactIndex:
             pins[h] -= 1
         last = list(compress(reversed(blocks), map((1).__eq__, reversed(held))))
         deque(map(pins.pop, last), maxlen=0)
-        st.free.update(dict.fromkeys(filter(st.counts.__contains__, last)))
+        cached = list(filter(st.counts.__contains__, last))
+        st.unheld -= len(last) - len(cached)
+        st.free.update(dict.fromkeys(cached))
+
+    def to_allocate(self, instance: int) -> int:
+        """Blocks this router's requests on ``instance`` use that the engine has not reported
+        holding: what their prefills will still allocate."""
+        return self.instances[instance].unheld
 
     def survivors(self, instance: int, blocks: Sequence[int], matched: int, evicted: int) -> int:
         """How many of the ``matched`` leading ``blocks`` are still held after the engine evicts

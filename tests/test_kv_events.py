@@ -197,40 +197,47 @@ def test_cluster_uses_exact_hits_only_where_events_are_live():
 
 
 def test_with_prefills_queued_ahead_the_hit_loses_what_the_engine_will_evict_first():
-    """The events say what the engine holds now; the prefills already routed to it and not yet
-    run allocate their new blocks first, and beyond the engine's free room each one evicts the
-    front of its free queue: blocks no running request uses, in the order they were freed, a
-    finished request's tail before its head (vLLM's order). The exact hit counts only the
-    blocks that survive that; blocks a request still in flight uses are never evicted."""
-    c = Cluster(["a", "b"], block_size=16, capacity_blocks=12)
+    """The events say what the engine holds now; the requests already routed to it allocate
+    the blocks it has not reported holding, and beyond its free room each one evicts the front
+    of its free queue: blocks no running request uses, in the order they were freed, a finished
+    request's tail before its head (vLLM's order). The exact hit counts only the blocks that
+    survive that; blocks a request in flight uses are never evicted."""
+    c = Cluster(["a", "b"], block_size=16, capacity_blocks=16)
     c.exact = ExactIndex(2, 16, speculative_ttl_s=0)
     toks = list(range(160))
     blocks = hash_token_blocks(toks, 16)
     engines = [FakeEngineCache(16), FakeEngineCache(16)]
     first = [c.dispatch(i, 160, 0, blocks) for i in (0, 1)]  # the router sends the prompt to both
     for i in (0, 1):
-        _feed(c.exact, i, engines[i].run(toks))  # both engines hold all 10 blocks now
+        _feed(c.exact, i, engines[i].run(toks))  # both engines hold all 10 blocks now: room 6
         c.exact.set_live(i, True)
     assert c.hits(blocks, 160) == [144, 144]  # nothing queued: the engines' word
-    q = c.dispatch(0, 1000, 0, [], cache_blocks=False)  # 63 new blocks queued on a
-    assert c.hits(blocks, 160) == [144, 144]  # the prompt's blocks are in use: nothing evictable
+    big = list(range(5000, 5000 + 63 * 16))
+    q = c.dispatch(0, len(big), 0, hash_token_blocks(big, 16))  # 63 blocks to allocate on a
+    assert c.exact.to_allocate(0) == 63
+    assert c.hits(blocks, 160) == [144, 144]  # the prompt's blocks are in use: not evictable
     for t in first:
-        c.first_token(t)
         c.finish(t)  # freed, tail first
-    assert c.hits(blocks, 160) == [0, 144]  # 61 blocks to evict beyond a's room of 2: all of it
-    c.first_token(q)
-    c.finish(q)
-    t = c.dispatch(0, 64, 0, [], cache_blocks=False)  # 4 new blocks, room 2: the 2 oldest go
-    assert c.instances[0].pending_prefill_tokens == 64
-    assert c.hits(blocks, 160) == [128, 144]  # a's last two blocks were freed first
+    assert c.hits(blocks, 160) == [0, 144]  # 57 blocks to evict beyond the room: all of them
+    c.finish(q)  # aborted before it ran: nothing of it to allocate any more
+    assert c.exact.to_allocate(0) == 0 and c.hits(blocks, 160) == [144, 144]
+    new = list(range(9000, 9000 + 8 * 16))
+    t = c.dispatch(0, len(new), 0, hash_token_blocks(new, 16))  # 8 blocks, room 6: 2 go
+    assert c.hits(blocks, 160) == [128, 144]  # the prompt's last two blocks were freed first
     assert c.hits(blocks[:5], 80) == [64, 64]  # a shorter prompt's blocks all survive
+    _feed(c.exact, 0, engines[0].run(new[:96]))  # the engine fills its room with 6 of them
+    assert c.exact.to_allocate(0) == 2 and c.hits(blocks, 160) == [128, 144]
+    tail = engines[0].chain(toks)[8:]
+    _feed(c.exact, 0, [(REMOVED, list(reversed(tail)))] + engines[0].run(new))  # and evicts 2
+    assert c.exact.to_allocate(0) == 0 and c.hits(blocks, 160) == [128, 144]  # now the events say so
     c.finish(t)
-    # a block the engine stores for somebody else's request joins the free queue at its end
+    # a block stored for somebody else's request joins the free queue at its end
+    gone = engines[0].chain(toks)[6:8]
     other = list(range(1000, 1032))
-    _feed(c.exact, 0, engines[0].run(other))
-    c.dispatch(0, 48, 0, [], cache_blocks=False)  # 3 new blocks; cached 12, room 0: the 3 oldest go
-    assert c.hits(blocks, 160) == [112, 144]
-    assert c.hits(hash_token_blocks(other, 16), 32) == [16, 0]  # the last token is recomputed
+    _feed(c.exact, 0, [(REMOVED, list(reversed(gone)))] + engines[0].run(other))
+    c.dispatch(0, 48, 0, hash_token_blocks(list(range(7000, 7048)), 16))  # 3 blocks, room 0
+    assert c.hits(blocks, 160) == [48, 144]  # the prompt's next three oldest go
+    assert c.hits(hash_token_blocks(other, 16), 32) == [16, 0]  # (the last token is recomputed)
 
 
 # -- the subscriber, message by message (no sockets) -----------------------------------------
