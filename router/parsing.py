@@ -102,7 +102,7 @@ def _parse(raw: bytes | ArenaRef, endpoint: str, headers: dict[str, str], sessio
         _worker_turns.move_to_end(key)
         while len(_worker_turns) > SESSION_TURNS:
             _worker_turns.popitem(last=False)
-    return route_request(parsed, counted, max_input_tokens=max_input_tokens)
+    return route_request(parsed, counted, max_input_tokens=max_input_tokens, blocks_as_list=False)
 
 
 class BodyParser:
@@ -137,7 +137,7 @@ class BodyParser:
         self.offloaded += 1
         hv = headers.get(cfg.session_header) if cfg.session_header else None
         try:
-            return None, await self._handoff.run(
+            req = await self._handoff.run(
                 asyncio.get_running_loop(), pool, _parse_in_worker, raw, endpoint,
                 {cfg.session_header: hv} if hv else {}, cfg.session_header, cfg.block_size,
                 cfg.tokenizer, cfg.max_input_tokens)
@@ -145,6 +145,9 @@ class BodyParser:
             if self._pool is pool:
                 self._pool = None
             raise BadRequest("the router's body parser failed on this request; retry", status=503) from None
+        if not isinstance(req.blocks, list):  # an array('q') from the worker: one buffer, not 13,000 ints
+            req.blocks = req.blocks.tolist()
+        return None, req
 
     async def _worker(self) -> WorkerProcess:
         """The worker process, started on first use (and again after it died)."""
