@@ -206,16 +206,8 @@ def bench_lookup(repeat) -> tuple[float, float, float, float]:
         c.exact.store(i, engine_hashes[:keep], None, toks[:keep * bs], bs)
         c.exact.set_live(i, True)
     c.index.insert(0, blocks)
-    best_exact = best_est = float("inf")
-    for _ in range(repeat):
-        t = time.perf_counter()
-        for _ in range(20):
-            c.hits(blocks, len(toks))
-        best_exact = min(best_exact, (time.perf_counter() - t) / 20)
-        t = time.perf_counter()
-        for _ in range(20):
-            c.hits(blocks, len(toks), exact=False)
-        best_est = min(best_est, (time.perf_counter() - t) / 20)
+    exact_ms = _best_ms(repeat, lambda: c.hits(blocks, len(toks)))
+    est_ms = _best_ms(repeat, lambda: c.hits(blocks, len(toks), exact=False))
     # A queue: another 200k-token prompt routed to every instance and not yet run, so each
     # instance holding more than its room must project that prompt's evictions (the survivors).
     other = [rng.randrange(150_000) for _ in range(200_000)]
@@ -223,20 +215,22 @@ def bench_lookup(repeat) -> tuple[float, float, float, float]:
     tickets = [c.dispatch(i, len(other), 0, other_blocks) for i in range(8)]
     queued = [i for i in range(8) if c._queued_evictions(i) > 0]
     assert queued, "the queued prompt evicts nothing: the lookup below would not measure it"
-    best_queued = best_pin = float("inf")
-    for _ in range(repeat):
-        t = time.perf_counter()
-        for _ in range(20):
-            c.hits(blocks, len(toks))
-        best_queued = min(best_queued, (time.perf_counter() - t) / 20)
-        t = time.perf_counter()
-        for _ in range(20):
-            c.exact.release(0, other_blocks)
-            c.exact.pin(0, other_blocks)
-        best_pin = min(best_pin, (time.perf_counter() - t) / 20)
+    queued_ms = _best_ms(repeat, lambda: c.hits(blocks, len(toks)))
+    pin_ms = _best_ms(repeat, lambda: (c.exact.release(0, other_blocks), c.exact.pin(0, other_blocks)))
     for tk in tickets:
         c.finish(tk)
-    return best_exact * 1000, best_est * 1000, best_queued * 1000, best_pin * 1000
+    return exact_ms, est_ms, queued_ms, pin_ms
+
+
+def _best_ms(repeat: int, fn, inner: int = 20) -> float:
+    """The best over ``repeat`` rounds of ``fn``'s mean time over ``inner`` calls, in ms."""
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        best = min(best, (time.perf_counter() - t) / inner)
+    return best * 1000
 
 
 def main(argv=None) -> None:
