@@ -176,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policies", default=KVTOP_POLICIES, help="kvtop arms")
     p.add_argument("--peers", default=PEER_ARMS, help="peer arms, kind:policy,...")
     p.add_argument("--timeout", type=float, default=300.0, help="per-request replay timeout (s)")
+    p.add_argument("--prompt-format", choices=("text", "tokens"), default="text",
+                   help="how prompts are sent (default text: sglang-router rejects token ids; "
+                        "tokens: kvtop arms only, no tokenizing anywhere on the path)")
     args = p.parse_args(argv)
     args.cache.mkdir(parents=True, exist_ok=True)
     out = args.out
@@ -183,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(out)
     (out / "logs").mkdir(parents=True)
     arms = parse_arms(args)
+    if args.prompt_format == "tokens" and any(a.kind != "kvtop" for a in arms):
+        raise SystemExit("--prompt-format tokens is for kvtop arms only (give --peers \"\"): "
+                         "sglang-router rejects token ids")
     peers_bin = ensure_venv(args.venv or args.cache / "venv") if any(
         a.kind != "kvtop" for a in arms) else Path()
     trace = args.trace or build_trace(args, out)
@@ -219,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"arm {arm.label}: replaying through {' '.join(cmd[:4])} ...")
                 rc = subprocess.run(
                     [sys.executable, "-m", "kvtop", "replay", str(trace), "--prompt-format",
-                     "text", "--target", f"http://127.0.0.1:{port}", "--mode", "closed",
+                     args.prompt_format, "--target", f"http://127.0.0.1:{port}", "--mode", "closed",
                      "--speed", str(args.speed), "--model", model,
                      "--arm", arm.label, "--out", str(res), "--timeout", str(args.timeout),
                      "--no-progress", *sum((["--scrape", b] for b in arm.backends), [])]).returncode

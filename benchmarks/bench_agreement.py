@@ -1,0 +1,128 @@
+"""Does `kvtop simulate` agree with live runs of the same trace? (issue 18's agreement study)
+
+Live: `benchmarks/peers/run.py --peers "" --policies P --seed S` run several times (fresh
+engines and router each time), each a directory with one `kvtop-<policy>.jsonl` of client-side
+records per arm and the built trace (meta.json names it). Simulated: the same trace through
+`kvtop simulate`'s own function, closed loop, the same instances and profile, in N replicas
+(replica 0 as traced, the others with each session shifted by up to --jitter engine seconds,
+kvtop/repeats.py `perturb`). Per policy and metric (TTFT p50, TTFT p90, E2E p99 over ok
+requests, the same linear percentile on both sides) it prints the live runs, their mean and
+range, the simulator's mean and 95% interval, and whether each live run lies inside it; then
+whether the two rank the policies the same way.
+
+Live figures are wall seconds of engines running --speed times faster than the profile;
+they are multiplied by --speed to compare with the simulator's engine seconds. What the
+live path adds that does not scale with the engines (the router, HTTP, the client) is then
+multiplied too: `--overhead-ms` subtracts a measured per-request wall overhead first.
+
+    python benchmarks/bench_agreement.py --live /tmp/agree/s7-r1 /tmp/agree/s7-r2 /tmp/agree/s7-r3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from kvtop.repeats import interval, perturb
+from kvtop.simulate import SimConfig, simulate
+from kvtop.traces.loader import load_trace
+from store.stats import percentile
+
+METRICS = (("ttft", 50, "TTFT p50 s"), ("ttft", 90, "TTFT p90 s"), ("e2e", 99, "E2E p99 s"))
+
+_STATE: dict[str, Any] = {}
+
+
+def figures(records: list[dict[str, Any]], scale: float = 1.0, overhead_ms: float = 0.0) -> dict[str, float]:
+    """TTFT p50/p90 and E2E p99 in seconds over ok requests; ``scale`` turns wall into engine
+    seconds after ``overhead_ms`` (wall) is taken off each request."""
+    ok = [r for r in records if r.get("status", "ok") == "ok" and not r.get("error")]
+    out = {}
+    for key, q, label in METRICS:
+        vals = [(max(r[f"{key}_ms"] - overhead_ms, 0.0)) * scale / 1000 for r in ok
+                if r.get(f"{key}_ms") is not None]
+        out[label] = percentile(vals, q) if vals else float("nan")
+    return out
+
+
+def read_live(run_dir: Path, policy: str) -> list[dict[str, Any]]:
+    path = run_dir / f"kvtop-{policy}.jsonl"
+    lines = path.read_text().splitlines()
+    return [json.loads(line) for line in lines[1:] if line.strip()]
+
+
+def _sim(task: tuple[str, int]) -> tuple[str, int, dict[str, float]]:
+    policy, replica = task
+    reqs = perturb(_STATE["requests"], replica, _STATE["jitter"])
+    recs = simulate(reqs, policy, _STATE["cfg"])
+    return policy, replica, figures(recs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--live", type=Path, nargs="+", required=True, help="peers/run.py output dirs of one trace")
+    p.add_argument("--trace", type=Path, default=None, help="the built trace (default: the first run's meta.json)")
+    p.add_argument("--policies", default="round_robin,lmetric,unified,leastwork,expected_cost")
+    p.add_argument("--repeats", type=int, default=16)
+    p.add_argument("--jitter", type=float, default=2.0)
+    p.add_argument("--workers", type=int, default=None)
+    p.add_argument("--overhead-ms", type=float, default=0.0,
+                   help="wall ms each live request spends outside the engines, taken off before scaling")
+    p.add_argument("--json", type=Path, default=None, help="write every figure here")
+    args = p.parse_args(argv)
+    meta = json.loads((args.live[0] / "meta.json").read_text())
+    trace = args.trace or Path(meta["trace"])
+    speed, instances, profile = meta["speed"], meta["instances_per_arm"], meta["profile"]
+    policies = [x for x in args.policies.split(",") if x]
+    live = {pol: [figures(read_live(d, pol), speed, args.overhead_ms) for d in args.live] for pol in policies}
+
+    _STATE.update(requests=load_trace(str(trace)), jitter=args.jitter,
+                  cfg=SimConfig(instances=instances, profile=profile, mode="closed"))
+    tasks = [(pol, r) for pol in policies for r in range(args.repeats)]
+    t0 = time.time()
+    with multiprocessing.get_context("fork").Pool(args.workers) as pool:
+        done = pool.map(_sim, tasks)
+    sim: dict[str, list[dict[str, float]]] = {pol: [] for pol in policies}
+    for pol, _, fig in sorted(done, key=lambda x: (x[0], x[1])):
+        sim[pol].append(fig)
+    print(f"trace {trace}: {len(_STATE['requests'])} requests, {instances} instances, profile {profile}, "
+          f"live at speed {speed} x{len(args.live)} runs, simulated x{args.repeats} "
+          f"({time.time() - t0:.1f} s wall); engine seconds", file=sys.stderr)
+
+    out: dict[str, Any] = {"trace": str(trace), "speed": speed, "instances": instances,
+                           "overhead_ms": args.overhead_ms, "policies": {}}
+    print(f"{'policy':<14} {'metric':<11} {'live runs':<26} {'live mean':>9} {'sim mean ± 95%':>18}  inside")
+    inside_all = total = 0
+    for pol in policies:
+        out["policies"][pol] = {}
+        for _, _, label in METRICS:
+            lv = [f[label] for f in live[pol]]
+            sv = [f[label] for f in sim[pol]]
+            m, h = interval(sv)
+            ins = [m - h <= v <= m + h for v in lv]
+            inside_all += sum(ins)
+            total += len(ins)
+            out["policies"][pol][label] = {"live": lv, "sim": sv, "sim_mean": m, "sim_ci": h, "inside": ins}
+            runs = " ".join(f"{v:.2f}" for v in lv)
+            print(f"{pol:<14} {label:<11} {runs:<26} {statistics.mean(lv):>9.2f} {m:>10.2f} ± {h:<6.2f}  "
+                  f"{sum(ins)}/{len(ins)}")
+    print(f"\nlive runs inside the simulator's 95% interval: {inside_all}/{total}")
+    for _, _, label in METRICS:
+        lr = sorted(policies, key=lambda pol: statistics.mean(f[label] for f in live[pol]))
+        sr = sorted(policies, key=lambda pol: statistics.mean(f[label] for f in sim[pol]))
+        print(f"rank by {label}: live {' < '.join(lr)}; sim {' < '.join(sr)}"
+              f"{'  (same)' if lr == sr else ''}")
+        out.setdefault("ranks", {})[label] = {"live": lr, "sim": sr}
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
