@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import re
-from functools import lru_cache
 
 #: Qwen3's vocabulary size, so ids look plausible.
 VOCAB_SIZE = 151_936
@@ -27,15 +26,32 @@ _FILLER = (" the", " model", " is", " a", " fake", " engine", " and", " this", "
            " fills", " its", " output", " with", " tokens", " on", " demand", ".")
 
 
-@lru_cache(maxsize=1 << 16)
-def _piece_id(piece: str) -> int:
+def _hash_piece(piece: str) -> int:
     digest = hashlib.blake2b(piece.encode("utf-8", "surrogatepass"), digest_size=8).digest()
     return int.from_bytes(digest, "little") % VOCAB_SIZE
 
 
+class _PieceIds(dict):
+    """piece -> id, filled on a miss (``__missing__`` is called from C, so a hit costs one
+    dict lookup). Emptied past ``LIMIT`` pieces: a flood of distinct pieces costs time, not
+    unbounded memory."""
+
+    LIMIT = 1 << 20
+
+    def __missing__(self, piece: str) -> int:
+        if len(self) >= self.LIMIT:
+            self.clear()
+        v = self[piece] = _hash_piece(piece)
+        return v
+
+
+_IDS = _PieceIds()
+_piece_id = _IDS.__getitem__
+
+
 def tokenize(text: str) -> list[int]:
     """Token ids of ``text`` (deterministic; about 4 characters per token on English)."""
-    return [_piece_id(p) for p in _PIECE.findall(text)]
+    return list(map(_piece_id, _PIECE.findall(text)))
 
 
 def count_tokens(text: str) -> int:
