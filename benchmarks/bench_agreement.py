@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvtop.repeats import interval, perturb
+from kvtop.repeats import interval, perturb, t95
 from kvtop.simulate import SimConfig, simulate
 from kvtop.traces.loader import load_trace
 from store.stats import percentile
@@ -51,10 +51,49 @@ def figures(records: list[dict[str, Any]], scale: float = 1.0, overhead_ms: floa
     return out
 
 
+def welch_halfwidth(a: list[float], b: list[float]) -> float:
+    """Half-width of the 95% interval of mean(b) - mean(a) without assuming equal variances
+    (Welch-Satterthwaite degrees of freedom); one live run counts with the simulator's
+    variance alone."""
+    va = statistics.variance(a) / len(a) if len(a) > 1 else 0.0
+    vb = statistics.variance(b) / len(b) if len(b) > 1 else 0.0
+    if va + vb == 0:
+        return 0.0
+    terms = (va * va / (len(a) - 1) if len(a) > 1 else 0.0) + (vb * vb / (len(b) - 1) if len(b) > 1 else 0.0)
+    df = max(1, round((va + vb) ** 2 / terms)) if terms else 1
+    return t95(df) * (va + vb) ** 0.5
+
+
 def read_live(run_dir: Path, policy: str) -> list[dict[str, Any]]:
     path = run_dir / f"kvtop-{policy}.jsonl"
     lines = path.read_text().splitlines()
     return [json.loads(line) for line in lines[1:] if line.strip()]
+
+
+def pooled_overhead(runs: list[Path], policies: list[str], profile: str, speed: float) -> tuple[Any, str]:
+    """The profile with the live path's overhead (fixed + per input token, wall, times
+    ``speed``) added as frontend time: one least-squares fit per recorded arm, weighted by the
+    requests each fit used."""
+    from kvtop.sim.profiles import get_profile
+    from kvtop.whatif import TimeFit, fit_time, fitted_profile, load_run
+
+    base = get_profile(profile)
+    fits = []
+    for d in runs:
+        for pol in policies:
+            fit = fit_time(load_run(d / f"kvtop-{pol}.db"), base, speed)
+            if fit is not None:
+                fits.append(fit)
+    if not fits:
+        raise SystemExit("no live arm had 8 requests alone on their instance to fit the overhead on")
+    n = sum(f.used for f in fits)
+    fixed = sum(f.fixed_s * f.used for f in fits) / n
+    per = sum(f.per_100k_s * f.used for f in fits) / n
+    pooled = TimeFit(speed, fixed, per, n, "pooled")
+    note = (f"live path overhead, fitted on {n} isolated requests of {len(fits)} arms: "
+            f"{fixed * 1000:.1f} ms + {per * 1000:.1f} ms per 100k input tokens (wall), "
+            f"given to the simulated engines as frontend time x{speed:g}")
+    return fitted_profile(base, pooled), note
 
 
 def _sim(task: tuple[str, int]) -> tuple[str, int, dict[str, float]]:
@@ -74,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=None)
     p.add_argument("--overhead-ms", type=float, default=0.0,
                    help="wall ms each live request spends outside the engines, taken off before scaling")
+    p.add_argument("--fit-overhead", action="store_true",
+                   help="give the simulated engines the live path's wall-clock overhead as frontend "
+                        "time, fitted on each live run's requests that ran alone (kvtop/whatif.py "
+                        "fit_time; pooled over every run and arm) instead of --overhead-ms")
     p.add_argument("--json", type=Path, default=None, help="write every figure here")
     args = p.parse_args(argv)
     meta = json.loads((args.live[0] / "meta.json").read_text())
@@ -82,8 +125,13 @@ def main(argv: list[str] | None = None) -> int:
     policies = [x for x in args.policies.split(",") if x]
     live = {pol: [figures(read_live(d, pol), speed, args.overhead_ms) for d in args.live] for pol in policies}
 
+    sim_profile: Any = profile
+    fit_note = None
+    if args.fit_overhead:
+        sim_profile, fit_note = pooled_overhead(args.live, policies, profile, speed)
+        print(fit_note, file=sys.stderr)
     _STATE.update(requests=load_trace(str(trace)), jitter=args.jitter,
-                  cfg=SimConfig(instances=instances, profile=profile, mode="closed"))
+                  cfg=SimConfig(instances=instances, profile=sim_profile, mode="closed"))
     tasks = [(pol, r) for pol in policies for r in range(args.repeats)]
     t0 = time.time()
     with multiprocessing.get_context("fork").Pool(args.workers) as pool:
@@ -96,23 +144,34 @@ def main(argv: list[str] | None = None) -> int:
           f"({time.time() - t0:.1f} s wall); engine seconds", file=sys.stderr)
 
     out: dict[str, Any] = {"trace": str(trace), "speed": speed, "instances": instances,
-                           "overhead_ms": args.overhead_ms, "policies": {}}
-    print(f"{'policy':<14} {'metric':<11} {'live runs':<26} {'live mean':>9} {'sim mean ± 95%':>18}  inside")
-    inside_all = total = 0
+                           "overhead_ms": args.overhead_ms, "fit": fit_note, "policies": {}}
+    print(f"{'policy':<14} {'metric':<11} {'live runs':<22} {'live mean ± 95%':>16} {'sim mean ± 95%':>16} "
+          f"{'sim range':>15}  {'live - sim ± 95%':>18}")
+    agree = total = in_range = runs_total = 0
     for pol in policies:
         out["policies"][pol] = {}
         for _, _, label in METRICS:
             lv = [f[label] for f in live[pol]]
             sv = [f[label] for f in sim[pol]]
             m, h = interval(sv)
-            ins = [m - h <= v <= m + h for v in lv]
-            inside_all += sum(ins)
-            total += len(ins)
-            out["policies"][pol][label] = {"live": lv, "sim": sv, "sim_mean": m, "sim_ci": h, "inside": ins}
+            lm, lh = interval(lv) if len(lv) > 1 else (lv[0], float("nan"))
+            dh = welch_halfwidth(sv, lv)
+            diff = lm - m
+            ok = abs(diff) <= dh
+            rng = (min(sv), max(sv))
+            k = sum(rng[0] <= v <= rng[1] for v in lv)
+            agree += ok
+            total += 1
+            in_range += k
+            runs_total += len(lv)
+            out["policies"][pol][label] = {"live": lv, "sim": sv, "sim_mean": m, "sim_ci": h, "live_mean": lm,
+                                           "live_ci": lh, "diff": diff, "diff_ci": dh, "agree": ok,
+                                           "runs_in_sim_range": k}
             runs = " ".join(f"{v:.2f}" for v in lv)
-            print(f"{pol:<14} {label:<11} {runs:<26} {statistics.mean(lv):>9.2f} {m:>10.2f} ± {h:<6.2f}  "
-                  f"{sum(ins)}/{len(ins)}")
-    print(f"\nlive runs inside the simulator's 95% interval: {inside_all}/{total}")
+            print(f"{pol:<14} {label:<11} {runs:<22} {lm:>8.2f} ± {lh:<5.2f} {m:>8.2f} ± {h:<5.2f} "
+                  f"{rng[0]:>7.2f}-{rng[1]:<7.2f}  {diff:>+8.2f} ± {dh:<6.2f}{'' if ok else ' *'}")
+    print(f"\nmeans that agree (live - sim interval holds 0): {agree}/{total}; live runs inside the "
+          f"simulator's replica range: {in_range}/{runs_total}  (* = differ)")
     for _, _, label in METRICS:
         lr = sorted(policies, key=lambda pol: statistics.mean(f[label] for f in live[pol]))
         sr = sorted(policies, key=lambda pol: statistics.mean(f[label] for f in sim[pol]))
