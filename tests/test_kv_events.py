@@ -240,6 +240,32 @@ def test_with_prefills_queued_ahead_the_hit_loses_what_the_engine_will_evict_fir
     assert c.hits(hash_token_blocks(other, 16), 32) == [16, 0]  # (the last token is recomputed)
 
 
+def test_blocks_to_allocate_follow_the_engine_through_evictions_and_a_clear():
+    """What our requests will still allocate: their blocks the engine does not hold. A block of
+    theirs the engine evicts counts again; a cleared cache (a restart) makes all of them count;
+    a finished request counts for nothing, and its held blocks join the free queue."""
+    ex = ExactIndex(1, 16, speculative_ttl_s=0)
+    eng = FakeEngineCache(16)
+    toks = list(range(64))
+    blocks = hash_token_blocks(toks, 16)
+    ex.pin(0, blocks)
+    ex.pin(0, blocks[:2])  # a second request sharing the first two blocks
+    assert ex.to_allocate(0) == 4
+    _feed(ex, 0, eng.run(toks))
+    assert ex.to_allocate(0) == 0 and not ex.instances[0].free
+    _feed(ex, 0, [(REMOVED, [eng.chain(toks)[3]])])
+    assert ex.to_allocate(0) == 1
+    _feed(ex, 0, [(CLEARED,)])
+    assert ex.to_allocate(0) == 4
+    _feed(ex, 0, FakeEngineCache(16).run(toks[:48]))  # the restarted engine stores three again
+    assert ex.to_allocate(0) == 1
+    ex.release(0, blocks)  # the first request ends: the shared blocks stay pinned by the second
+    assert ex.to_allocate(0) == 0 and list(ex.instances[0].free) == [blocks[2]]
+    ex.release(0, blocks[:2])
+    assert list(ex.instances[0].free) == [blocks[2], blocks[1], blocks[0]]
+    assert not ex.instances[0].pins
+
+
 # -- the subscriber, message by message (no sockets) -----------------------------------------
 def _sub(resync_tokens=64, **kw):
     idx = ExactIndex(1, 16)
