@@ -7,8 +7,10 @@ records per arm and the built trace (meta.json names it). Simulated: the same tr
 (replica 0 as traced, the others with each session shifted by up to --jitter engine seconds,
 kvtop/repeats.py `perturb`). Per policy and metric (TTFT p50, TTFT p90, E2E p99 over ok
 requests, the same linear percentile on both sides) it prints the live runs, their mean and
-range, the simulator's mean and 95% interval, and whether each live run lies inside it; then
-whether the two rank the policies the same way.
+spread, the simulator's mean with its 95% interval and the replicas' 95% prediction interval
+(where one more run would fall), the difference of the means with its Welch interval, and
+whether each live run lies inside the prediction interval; then whether the two rank the
+policies the same way.
 
 Live figures are wall seconds of engines running --speed times faster than the profile;
 they are multiplied by --speed to compare with the simulator's engine seconds. What the
@@ -146,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {"trace": str(trace), "speed": speed, "instances": instances,
                            "overhead_ms": args.overhead_ms, "fit": fit_note, "policies": {}}
     print(f"{'policy':<14} {'metric':<11} {'live runs':<22} {'live mean ± 95%':>16} {'sim mean ± 95%':>16} "
-          f"{'sim range':>15}  {'live - sim ± 95%':>18}")
+          f"{'sim 95% PI':>15}  {'live - sim ± 95%':>18}")
     agree = total = in_range = runs_total = 0
     for pol in policies:
         out["policies"][pol] = {}
@@ -158,7 +160,9 @@ def main(argv: list[str] | None = None) -> int:
             dh = welch_halfwidth(sv, lv)
             diff = lm - m
             ok = abs(diff) <= dh
-            rng = (min(sv), max(sv))
+            # where one more run would fall: the replicas' 95% prediction interval
+            pi = t95(len(sv) - 1) * statistics.stdev(sv) * (1 + 1 / len(sv)) ** 0.5
+            rng = (m - pi, m + pi)
             k = sum(rng[0] <= v <= rng[1] for v in lv)
             agree += ok
             total += 1
@@ -166,12 +170,12 @@ def main(argv: list[str] | None = None) -> int:
             runs_total += len(lv)
             out["policies"][pol][label] = {"live": lv, "sim": sv, "sim_mean": m, "sim_ci": h, "live_mean": lm,
                                            "live_ci": lh, "diff": diff, "diff_ci": dh, "agree": ok,
-                                           "runs_in_sim_range": k}
+                                           "sim_pi": pi, "runs_in_sim_pi": k}
             runs = " ".join(f"{v:.2f}" for v in lv)
             print(f"{pol:<14} {label:<11} {runs:<22} {lm:>8.2f} ± {lh:<5.2f} {m:>8.2f} ± {h:<5.2f} "
                   f"{rng[0]:>7.2f}-{rng[1]:<7.2f}  {diff:>+8.2f} ± {dh:<6.2f}{'' if ok else ' *'}")
     print(f"\nmeans that agree (live - sim interval holds 0): {agree}/{total}; live runs inside the "
-          f"simulator's replica range: {in_range}/{runs_total}  (* = differ)")
+          f"simulator's 95% prediction interval: {in_range}/{runs_total}  (* = the means differ)")
     for _, _, label in METRICS:
         lr = sorted(policies, key=lambda pol: statistics.mean(f[label] for f in live[pol]))
         sr = sorted(policies, key=lambda pol: statistics.mean(f[label] for f in sim[pol]))
