@@ -108,5 +108,7 @@ async def test_a_dead_worker_fails_its_calls_and_the_parser_starts_another(tmp_p
         _, again = await parser.parse(raw, "completions", {})
         assert parser._pool.pid != first and parser.offloaded == 2
         assert (again.input_tokens, again.blocks) == (req.input_tokens, req.blocks) and req.input_tokens == 600_000
+        # the hashes cross as one array('q') and reach the router's index as a list of ints
+        assert type(req.blocks) is list and len(req.blocks) == 600_000 // 16
     finally:
         parser.close()
