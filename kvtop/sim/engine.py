@@ -842,6 +842,20 @@ class Engine:
         block_hash = self._block_hash
         blocks = req.blocks
         kv_events = self.kv_events
+        if kv_events is None:
+            # The common case, no block of the run cached already: one C-level update.
+            run = hashes[k:upto]
+            if cached.keys().isdisjoint(run):
+                before = len(cached)
+                run_blocks = blocks[k:upto]
+                cached.update(zip(run, run_blocks))
+                if len(cached) - before == upto - k:
+                    for b, h in zip(run_blocks, run):
+                        block_hash[b] = h
+                    req.registered = upto
+                    return
+                for h in set(run):   # a hash repeated inside the run: undo, go block by block
+                    del cached[h]
         for idx in range(k, upto):
             h = hashes[idx]
             if h not in cached:   # another block may already hold this content
