@@ -443,29 +443,15 @@ def hash_blocks(tokens: Any, block_size: int, *, prev_tokens: Any = None,
 
 
 def _common_prefix(a: Any, b: Any, step: int = 8192) -> int:
-    """Length of the common prefix of two token sequences (compared a slice at a time in C)."""
+    """Length of the common prefix of two sequences (token lists or strings): slices compared
+    in C, then a bisection inside the first slice that differs."""
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i:i + step] == b[i:i + step]:
         i += step
     if i >= n:
         return n
-    end = min(n, i + step)
-    while i < end and a[i] == b[i]:
-        i += 1
-    return i
-
-
-def _common_text_prefix(a: str, b: str, step: int = 16384) -> int:
-    """Length of the common prefix of two strings: slices compared in C, then a bisection
-    inside the first slice that differs."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i:i + step] == b[i:i + step]:
-        i += step
-    if i >= n:
-        return n
-    lo, hi = i, min(n, i + step)  # a[:lo] == b[:lo]; they differ before hi
+    lo, hi = i, min(n, i + step)  # a[:lo] == b[:lo]; they differ before hi, or only past n
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if a[lo:mid] == b[lo:mid]:
@@ -660,7 +646,7 @@ class Tokenizer:
             return array("I", self._tok.encode(text, add_special_tokens=False).ids), None, None
         k = -1
         if prev is not None and prev_ids is not None:
-            n = _common_text_prefix(text, prev.text)
+            n = _common_prefix(text, prev.text, 16384)
             k = bisect_right(prev.chars, n - self._longest_special) - 1
         if k <= 0:  # nothing reused
             ids, chars, toks = self._pieced(text, marks=True)
