@@ -245,3 +245,8 @@ def test_kvtop_sim_says_which_kv_port_is_taken_and_how_to_move():
                            "--kv-events-port-base", str(base + 10), "--duration", "1"],
                           capture_output=True, text=True, timeout=60)
     assert both.returncode == 2 and "contradict" in both.stderr, both.stderr
+    overlap = subprocess.run([sys.executable, "-m", "kvtop", "sim", "--instances", "2", "--port-base", str(base),
+                              "--kv-events-port-base", str(base + 1), "--duration", "1"],
+                             capture_output=True, text=True, timeout=60)
+    assert overlap.returncode == 2 and "Traceback" not in overlap.stderr, overlap.stderr
+    assert f"over the HTTP ports {base}..{base + 1}" in overlap.stderr, overlap.stderr

@@ -145,6 +145,14 @@ def build_instances(args: argparse.Namespace):
         raise CliError("--admission-lookahead must be at least 1")
     if getattr(args, "no_kv_events", False) and getattr(args, "kv_events_port_base", None) is not None:
         raise CliError("--no-kv-events and --kv-events-port-base contradict each other: pick one")
+    kv_given = getattr(args, "kv_events_port_base", None)
+    if kv_given is not None:
+        off = getattr(args, "instance_offset", 0)
+        first, last = kv_given + 2 * off, kv_given + 2 * (off + args.instances) - 1
+        if first <= args.port_base + args.instances - 1 and args.port_base <= last:
+            raise CliError(f"--kv-events-port-base {kv_given} puts KV events on ports {first}..{last}, "
+                           f"over the HTTP ports {args.port_base}..{args.port_base + args.instances - 1}: "
+                           f"choose a base outside them (e.g. {args.port_base + args.instances}), or leave it out")
     try:
         profile = get_profile(args.profile)
     except KeyError as exc:
