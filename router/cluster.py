@@ -321,9 +321,11 @@ class Cluster:
     # -- lifecycle ------------------------------------------------------------------
     def dispatch(self, instance: int, input_tokens: int, est_hit: int, blocks: Sequence[int],
                  *, decode: bool = True, cache_blocks: bool = True,
-                 session_id: str | None = None) -> Ticket:
+                 session_id: str | None = None, exact: bool = True) -> Ticket:
         """Charge ``instance`` for a request and record its blocks in the estimated cache
-        (as ``session_id``'s, for the lookahead's eviction estimate)."""
+        (as ``session_id``'s, for the lookahead's eviction estimate), and, when they are hashes
+        of token ids (``exact``; not a prompt hashed from text, which no engine event can
+        match), in the exact index's speculation and free-queue model until it finishes."""
         s = self.instances[instance]
         new_prefill = max(0, input_tokens - est_hit)
         s.num_requests += 1
@@ -335,7 +337,7 @@ class Cluster:
         if cache_blocks:
             self.index.insert(instance, blocks, session_id)
         pinned: Sequence[int] = ()
-        if cache_blocks and self.exact is not None:
+        if cache_blocks and exact and self.exact is not None:
             self.exact.speculate(instance, blocks, self.clock())
             self.exact.pin(instance, blocks)
             pinned = blocks

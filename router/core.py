@@ -154,7 +154,7 @@ class RoutingCore:
         """
         r = d.request
         d.ticket = self.cluster.dispatch(d.instance, r.input_tokens, d.est_hit_tokens, r.blocks,
-                                         session_id=r.session_id)
+                                         session_id=r.session_id, exact=r.token_source != "text_approx")
         self.cluster.bind_session(r.session_id, d.instance, r.input_tokens, d.est_hit_tokens,
                                   new_turn=new_turn)
         return d.ticket

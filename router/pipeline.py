@@ -188,9 +188,9 @@ class Pipeline:
         # Elastic P2P: P prefills (a prefill-only ticket), D decodes and owes no prefill.
         req = flow.request
         p = off.prefill_instance
-        p_hit = cluster.hits(req.blocks, req.input_tokens, exact=req.token_source != "text_approx")[p]
-        p_ticket = cluster.dispatch(p, req.input_tokens, p_hit,
-                                    req.blocks, decode=False)
+        exact = req.token_source != "text_approx"
+        p_hit = cluster.hits(req.blocks, req.input_tokens, exact=exact)[p]
+        p_ticket = cluster.dispatch(p, req.input_tokens, p_hit, req.blocks, decode=False, exact=exact)
         self._set_new_prefill(d.ticket, 0)
         d.extra["offload"] = 1
         flow.legs = [Leg(PREFILL, p, p_ticket), serve]

@@ -240,6 +240,22 @@ def test_with_prefills_queued_ahead_the_hit_loses_what_the_engine_will_evict_fir
     assert c.hits(hash_token_blocks(other, 16), 32) == [16, 0]  # (the last token is recomputed)
 
 
+def test_a_prompt_hashed_from_text_is_not_held_in_the_exact_model():
+    """Text hashes never match the engine's token-id events: a request routed with them would
+    count its whole prompt as blocks still to allocate for as long as it runs (and project
+    evictions onto every exact hit there), so it is neither pinned nor speculated."""
+    c = Cluster(["a"], block_size=16, capacity_blocks=16)
+    c.exact = ExactIndex(1, 16, speculative_ttl_s=5)
+    text_blocks = list(range(900, 910))
+    t = c.dispatch(0, 160, 0, text_blocks, exact=False)
+    assert c.exact.to_allocate(0) == 0 and not c.exact.instances[0].speculative
+    c.finish(t)
+    t = c.dispatch(0, 160, 0, text_blocks)
+    assert c.exact.to_allocate(0) == 10
+    c.finish(t)
+    assert c.exact.to_allocate(0) == 0
+
+
 def test_blocks_to_allocate_follow_the_engine_through_evictions_and_a_clear():
     """What our requests will still allocate: their blocks the engine does not hold. A block of
     theirs the engine evicts counts again; a cleared cache (a restart) makes all of them count;
