@@ -14,8 +14,9 @@ policies the same way.
 
 Live figures are wall seconds of engines running --speed times faster than the profile;
 they are multiplied by --speed to compare with the simulator's engine seconds. What the
-live path adds that does not scale with the engines (the router, HTTP, the client) is then
-multiplied too: `--overhead-ms` subtracts a measured per-request wall overhead first.
+live path adds that does not scale with the engines (the router, HTTP, the client, the
+simulated server's parsing) is then multiplied too: `--fit-overhead` measures it on the live
+runs' isolated requests and gives it to the simulated engines as frontend time.
 
     python benchmarks/bench_agreement.py --live /tmp/agree/s7-r1 /tmp/agree/s7-r2 /tmp/agree/s7-r3
 """
@@ -41,13 +42,13 @@ METRICS = (("ttft", 50, "TTFT p50 s"), ("ttft", 90, "TTFT p90 s"), ("e2e", 99, "
 _STATE: dict[str, Any] = {}
 
 
-def figures(records: list[dict[str, Any]], scale: float = 1.0, overhead_ms: float = 0.0) -> dict[str, float]:
+def figures(records: list[dict[str, Any]], scale: float = 1.0) -> dict[str, float]:
     """TTFT p50/p90 and E2E p99 in seconds over ok requests; ``scale`` turns wall into engine
-    seconds after ``overhead_ms`` (wall) is taken off each request."""
+    seconds."""
     ok = [r for r in records if r.get("status", "ok") == "ok" and not r.get("error")]
     out = {}
     for key, q, label in METRICS:
-        vals = [(max(r[f"{key}_ms"] - overhead_ms, 0.0)) * scale / 1000 for r in ok
+        vals = [r[f"{key}_ms"] * scale / 1000 for r in ok
                 if r.get(f"{key}_ms") is not None]
         out[label] = percentile(vals, q) if vals else float("nan")
     return out
@@ -68,6 +69,8 @@ def welch_halfwidth(a: list[float], b: list[float]) -> float:
 
 def read_live(run_dir: Path, policy: str) -> list[dict[str, Any]]:
     path = run_dir / f"kvtop-{policy}.jsonl"
+    if not path.is_file():
+        raise SystemExit(f"{path}: no such live arm (run peers/run.py with --policies {policy})")
     lines = path.read_text().splitlines()
     return [json.loads(line) for line in lines[1:] if line.strip()]
 
@@ -113,19 +116,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=16)
     p.add_argument("--jitter", type=float, default=2.0)
     p.add_argument("--workers", type=int, default=None)
-    p.add_argument("--overhead-ms", type=float, default=0.0,
-                   help="wall ms each live request spends outside the engines, taken off before scaling")
     p.add_argument("--fit-overhead", action="store_true",
                    help="give the simulated engines the live path's wall-clock overhead as frontend "
                         "time, fitted on each live run's requests that ran alone (kvtop/whatif.py "
-                        "fit_time; pooled over every run and arm) instead of --overhead-ms")
+                        "fit_time; pooled over every run and arm)")
     p.add_argument("--json", type=Path, default=None, help="write every figure here")
     args = p.parse_args(argv)
+    if not (args.live[0] / "meta.json").is_file():
+        raise SystemExit(f"{args.live[0]}: not a benchmarks/peers/run.py output directory (no meta.json)")
     meta = json.loads((args.live[0] / "meta.json").read_text())
     trace = args.trace or Path(meta["trace"])
     speed, instances, profile = meta["speed"], meta["instances_per_arm"], meta["profile"]
     policies = [x for x in args.policies.split(",") if x]
-    live = {pol: [figures(read_live(d, pol), speed, args.overhead_ms) for d in args.live] for pol in policies}
+    live = {pol: [figures(read_live(d, pol), speed) for d in args.live] for pol in policies}
 
     sim_profile: Any = profile
     fit_note = None
@@ -146,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
           f"({time.time() - t0:.1f} s wall); engine seconds", file=sys.stderr)
 
     out: dict[str, Any] = {"trace": str(trace), "speed": speed, "instances": instances,
-                           "overhead_ms": args.overhead_ms, "fit": fit_note, "policies": {}}
+                           "fit": fit_note, "policies": {}}
     print(f"{'policy':<14} {'metric':<11} {'live runs':<22} {'live mean ± 95%':>16} {'sim mean ± 95%':>16} "
           f"{'sim 95% PI':>15}  {'live - sim ± 95%':>18}")
     agree = total = in_range = runs_total = 0

@@ -180,15 +180,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="how prompts are sent (default text: sglang-router rejects token ids; "
                         "tokens: kvtop arms only, no tokenizing anywhere on the path)")
     args = p.parse_args(argv)
+    if args.prompt_format == "tokens" and any(a.kind != "kvtop" for a in parse_arms(args)):
+        raise SystemExit("--prompt-format tokens is for kvtop arms only (give --peers \"\"): "
+                         "sglang-router rejects token ids")
     args.cache.mkdir(parents=True, exist_ok=True)
     out = args.out
     if out.exists():
         shutil.rmtree(out)
     (out / "logs").mkdir(parents=True)
     arms = parse_arms(args)
-    if args.prompt_format == "tokens" and any(a.kind != "kvtop" for a in arms):
-        raise SystemExit("--prompt-format tokens is for kvtop arms only (give --peers \"\"): "
-                         "sglang-router rejects token ids")
     peers_bin = ensure_venv(args.venv or args.cache / "venv") if any(
         a.kind != "kvtop" for a in arms) else Path()
     trace = args.trace or build_trace(args, out)

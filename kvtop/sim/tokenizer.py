@@ -36,7 +36,7 @@ class _PieceIds(dict):
     dict lookup). Emptied past ``LIMIT`` pieces: a flood of distinct pieces costs time, not
     unbounded memory."""
 
-    LIMIT = 1 << 20
+    LIMIT = 1 << 18  # ~35 MB of short pieces; a replay's vocabulary is 150k words
 
     def __missing__(self, piece: str) -> int:
         if len(self) >= self.LIMIT:
