@@ -123,3 +123,70 @@ def test_bisection_holds_under_heavy_eviction_with_branching_chains():
         for lru in idx._lru:  # the invariant itself: whatever is cached of a chain is a prefix of it
             held = [h in lru for h in probe]
             assert held == sorted(held, reverse=True)
+
+
+class _PerBlockIndex(PrefixIndex):
+    """The insert as a per-block Python loop (the code before the C-level passes): the
+    reference the fast insert must equal, state for state."""
+
+    def insert(self, instance, blocks, tag=None):
+        lru = self._lru[instance]
+        owners = self._owners
+        bit = 1 << instance
+        for h in reversed(blocks):
+            if h in lru:
+                lru.move_to_end(h)
+            else:
+                lru[h] = None
+                owners[h] = owners.get(h, 0) | bit
+        if tag is not None:
+            self._tags.update(dict.fromkeys(blocks, tag))
+        over = len(lru) - self.capacity[instance]
+        for old in list(lru)[:max(over, 0)]:
+            del lru[old]
+            mask = owners.get(old, 0) & ~bit
+            if mask:
+                owners[old] = mask
+            else:
+                owners.pop(old, None)
+                self._tags.pop(old, None)
+        if over > 0:
+            self.evictions[instance] += over
+
+
+def _state(idx):
+    return ([list(lru) for lru in idx._lru], dict(idx._owners), dict(idx._tags), list(idx.evictions))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_insert_equals_the_per_block_loop(seed):
+    """Random chains that branch off shared prefixes, inserts of any prefix on any instance,
+    with and without a tag, some lists with repeated or foreign hashes (not chains: the insert
+    must not rely on the prefix invariant), small caches (constant eviction) and a forget now
+    and then: LRU order, owner masks, tags, eviction counts and every answer stay equal."""
+    rng = random.Random(seed)
+    caps = [rng.randint(5, 80) for _ in range(3)]
+    fast, ref = PrefixIndex(3, caps, 16), _PerBlockIndex(3, caps, 16)
+    trunk = [rng.getrandbits(60) for _ in range(30)]
+    chains = [trunk[:rng.randint(0, 30)] + [rng.getrandbits(60) for _ in range(rng.randint(1, 60))]
+              for _ in range(8)]
+    for step in range(600):
+        chain = rng.choice(chains)
+        blocks = chain[:rng.randint(0, len(chain))]
+        if step % 7 == 0 and blocks:  # not a chain: a repeat and a foreign hash
+            blocks = blocks + [rng.choice(blocks), rng.getrandbits(60)] + blocks[:3]
+        if step % 5 == 0:
+            blocks = tuple(blocks)
+        inst = rng.randrange(3)
+        tag = rng.choice([None, "a", "b", "c"])
+        fast.insert(inst, blocks, tag)
+        ref.insert(inst, blocks, tag)
+        assert _state(fast) == _state(ref)
+        probe = rng.choice(chains)
+        assert fast.match(probe) == ref.match(probe)
+        k, count = rng.randrange(3), rng.randint(0, 90)
+        assert fast.oldest_tags(k, count, skip=tag) == ref.oldest_tags(k, count, skip=tag)
+        if step % 97 == 0:
+            fast.forget_instance(k)
+            ref.forget_instance(k)
+            assert _state(fast) == _state(ref)
