@@ -134,6 +134,35 @@ async def test_calibrate_against_kvtop_sim_recovers_its_profile(aiohttp_server, 
     back = get_profile(str(path))
     assert back == profile and back.source == str(path)
     assert back.measured["url"] == url and back.measured["at"] and back.measured["figures"]
+    # a steady engine: the reference figure re-timed at the end agrees with its first timing
+    assert measured["drift"]["figure"] == "cold 1024"
+    assert measured["drift"]["ratio"] == pytest.approx(1.0, abs=0.05)
+    assert back.measured["drift"] == measured["drift"]
+
+
+async def test_an_engine_that_slows_down_while_measured_is_reported(aiohttp_server):
+    # The host gets busy half-way through: every step takes 1.6x longer from the decode
+    # figures on. The fit cannot tell; the drift check must, and say so.
+    inst = SimInstance(Engine(TRUE), model="truth-model")
+    server = await aiohttp_server(create_app(inst))
+    slow = replace(TRUE, **{k: getattr(TRUE, k) * 1.6 for k in ("t_fixed", "t_req", "t_new_req",
+                                                                  "b", "c", "kappa")})
+
+    class Slowing(_Progress):
+        def __enter__(self):
+            def advance(what, n):
+                if what.startswith("TPOT"):
+                    inst.engine.profile = slow
+                self.done.append(n)
+            return advance
+
+    lines: list[str] = []
+    _, _, measured = await cal.calibrate(
+        f"http://127.0.0.1:{server.port}", base="cpu-tiny", plan=PLAN,
+        progress_factory=lambda total: Slowing(total, []), log=lines.append)
+    assert measured["drift"]["ratio"] > 1 + cal.DRIFT_WARN
+    warning = [line for line in lines if line.startswith("warning: the engine's speed moved")]
+    assert len(warning) == 1 and "cold 1024" in warning[0] and "quiet" in warning[0]
 
 
 class _Progress:

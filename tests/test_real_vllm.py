@@ -208,7 +208,7 @@ def calibrated(vllm_a, report, tmp_path_factory):
         "max_relative_residual": round(result.max_rel, 4), "method": result.method,
         "coefficients": {k: float(f"{v:.4g}") for k, v in result.coefficients.items()},
         "disturbed_samples_kept": measured["disturbed_samples_kept"],
-        "loadavg": measured["client_loadavg_1m"]}
+        "loadavg": measured["client_loadavg_1m"], "drift": measured.get("drift")}
     print("\n" + result.table())
     assert elapsed < 300, f"calibration took {elapsed:.0f} s (limit 5 minutes)"
     assert get_profile(str(path)) == profile      # the file is the profile
@@ -240,8 +240,11 @@ def test_simulator_matches_real_vllm_under_agentic_load(vllm_a, calibrated, repo
     assert c["cached_tokens_equal"] == c["requests"] == 36, "cached tokens must match exactly"
     missed = {k: v for k, v in c["rows"].items()
               if not c["checks"].get(k, True)}
+    drift = report.get("calibration", {}).get("drift")
     assert c["passed"], (f"missed {[k for k, ok in c['checks'].items() if not ok]}: {missed}, "
-                         f"TTFT correlation {c['ttft_correlation']:.3f}")
+                         f"TTFT correlation {c['ttft_correlation']:.3f}; the engine's speed "
+                         f"during the calibration moved {drift} (a busy host moves the real "
+                         f"engine's decode step 10-40% between minutes)")
 
 
 def _text(n_words: int, seed: int) -> str:

@@ -346,6 +346,12 @@ class EngineClock:
 
 # ----------------------------------------------------------------------------- scenarios
 
+#: The drift check re-times the first cold figure of at least this many tokens at the end of a
+#: calibration; beyond ``DRIFT_WARN`` (relative) the engine's speed moved while it was measured.
+DRIFT_REFERENCE_TOKENS = 1024
+DRIFT_WARN = 0.15
+
+
 @dataclass
 class Figure:
     """One measured scenario: client samples (TTFT, or TPOT for ``tpot``) and, where the server
@@ -633,18 +639,22 @@ class Plan:
     tpot_tokens: int = 96
     frontend_tokens: int = 8
     repeats: int = 3
+    #: Decode figures take more samples: they are cheap (a few hundred ms each) and a step of a
+    #: few ms moves 10-20% between samples on a shared host, which a median of 3 did not absorb.
+    tpot_repeats: int = 5
     retries: int = 2
     max_cold_ttft_s: float = 5.0
 
     @classmethod
     def quick(cls) -> "Plan":
         return cls(cold=(128, 1024, 4096, 8192), repeat=(4096,), extend=((4096, 1024),),
-                   tpot_batches=(1, 4, 8), tpot_contexts=(256, 4096), tpot_tokens=64, repeats=2)
+                   tpot_batches=(1, 4, 8), tpot_contexts=(256, 4096), tpot_tokens=64, repeats=2,
+                   tpot_repeats=2)
 
     def total_requests(self) -> int:
-        n_tpot = sum(self.tpot_batches) * len(self.tpot_contexts) * self.repeats
+        n_tpot = sum(self.tpot_batches) * len(self.tpot_contexts) * self.tpot_repeats
         warm = max(self.tpot_batches, default=0) * len(self.tpot_contexts)
-        return (self.repeats * (1 + len(self.cold) + len(self.repeat) + len(self.extend))
+        return (self.repeats * (2 + len(self.cold) + len(self.repeat) + len(self.extend))
                 + len(self.repeat) + len(self.extend) + n_tpot + warm + 3)
 
 
@@ -739,7 +749,7 @@ async def measure(client: VllmClient, plan: Plan, max_model_len: int,
         for batch in plan.tpot_batches:
             fig = Figure("tpot", ctx, cached=ctx, batch=batch, max_tokens=plan.tpot_tokens)
             what = f"TPOT batch {batch} ctx {ctx}"
-            for k in range(plan.repeats):
+            for k in range(plan.tpot_repeats):
                 await clock.start()
                 runs = await asyncio.gather(*(client.complete(p, plan.tpot_tokens)
                                               for p in prompts[:batch]))
@@ -751,6 +761,20 @@ async def measure(client: VllmClient, plan: Plan, max_model_len: int,
                     fig.samples.append(statistics.fmean(tpots))
                 progress(what, batch)
             figures.append(fig)
+
+    # The engine's speed must not move while it is measured: every figure is fitted as if
+    # taken at one speed. Re-time the first compute-bound figure at the end and compare.
+    first = next((f for f in figures if f.kind == "cold" and f.tokens >= DRIFT_REFERENCE_TOKENS),
+                 None)
+    if first is not None:
+        again = Figure("cold", first.tokens)
+        for k in range(plan.repeats):
+            await ttft(again, fresh(first.tokens, f"drift-{k}"), f"cold TTFT {first.tokens} again")
+        start, end = first.engine_measured, again.engine_measured
+        if start is None or end is None:
+            start, end = first.measured, again.measured
+        stats["drift"] = {"figure": f"cold {first.tokens}", "start_s": round(start, 6),
+                          "end_s": round(end, 6), "ratio": round(end / start, 4)}
     return figures
 
 
@@ -826,6 +850,12 @@ async def calibrate(url: str, *, base: str | None = None, plan: Plan | None = No
     if stats.get("still_disturbed"):
         log(f"note: {stats['still_disturbed']} client samples stayed disturbed after "
             f"{plan.retries} retries (a busy host); medians over repeats absorb a few")
+    drift = stats.get("drift")
+    if drift and abs(drift["ratio"] - 1) > DRIFT_WARN:
+        log(f"warning: the engine's speed moved while it was measured: {drift['figure']} took "
+            f"{drift['start_s'] * 1e3:.1f} ms at the start and {drift['end_s'] * 1e3:.1f} ms at the "
+            f"end ({(drift['ratio'] - 1) * 100:+.0f}%). The fit averages two speeds; calibrate "
+            f"again when the host is quiet")
     result = fit(figures, limits)
     profile = profile_from_fit(limits, result, facts,
                                name=name or f"calibrated-{facts['model']}".replace("/", "-"),
@@ -838,6 +868,7 @@ async def calibrate(url: str, *, base: str | None = None, plan: Plan | None = No
         "client_loadavg_1m": [load_before, load_after],
         "disturbed_samples_retried": stats.get("retried", 0),
         "disturbed_samples_kept": stats.get("still_disturbed", 0),
+        **({"drift": drift} if drift else {}),
         "fit": fit_table(result),
         "figures": [f.to_dict() for f in figures],
     }

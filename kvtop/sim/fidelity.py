@@ -95,11 +95,12 @@ async def run_load(client: VllmClient, plan: list[list[Turn]]) -> list[dict[str,
 
 
 async def tpot_probe(client: VllmClient, batches=(1, 4, 8), context: int = 4096,
-                     max_tokens: int = 128, repeats: int = 2, salt: str = ""
+                     max_tokens: int = 128, repeats: int = 6, salt: str = ""
                      ) -> dict[str, dict[int, float]]:
     """Time per output token of ``b`` simultaneous streams on cached prompts: ``engine`` (the
-    server's own per-request TPOT histogram, mean over the runs) and ``client`` (median of the
-    streams' client-side TPOT)."""
+    server's own per-request TPOT histogram, median over the runs) and ``client`` (median of the
+    streams' client-side TPOT). Six runs per batch: on a shared 2-core host one run's mean step
+    at batch 1 and 4k context moved 1.7-3.7 ms within a minute, so a mean of two was a draw."""
     prompts = [random_ids(context, f"tpot-probe-{salt}-{i}") for i in range(max(batches))]
     for p in prompts:
         await client.complete(p, 1)
@@ -116,7 +117,7 @@ async def tpot_probe(client: VllmClient, batches=(1, 4, 8), context: int = 4096,
                 means.append(mean)
             tpots += [r.tpot for r in runs if r.tpot is not None and not r.disturbed]
         if means:
-            engine[b] = statistics.fmean(means)
+            engine[b] = statistics.median(means)
         if tpots:
             client_side[b] = statistics.median(tpots)
     return {"engine": engine, "client": client_side}
