@@ -348,6 +348,20 @@ def test_malformed_line_skip_and_fail(tmp_path, capsys):
     assert capsys.readouterr().err.count("\n") == 1  # one line
 
 
+def test_lines_are_read_one_by_one_and_a_bad_one_is_named(tmp_path, capsys):
+    # a line that is not UTF-8 is one malformed line with its number, not an unreadable file;
+    # an id past 64 bits (orjson reads it as a float) is refused as not an integer
+    good = req("s", 1, 0.0, 100, [1]).to_json()
+    big = req("s", 2, 1.0, 100, [2 ** 70]).to_json()
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(b"\n".join([good.encode(), big.encode(), b'{"session": "\xff"}', good.encode()])
+                     + b"\n")
+    assert [r.hash_ids for r in load_trace(path)] == [[1], [1]]
+    err = capsys.readouterr().err
+    assert "t.jsonl:2: malformed trace line: hash_ids must be a list of integers" in err
+    assert "t.jsonl:3: malformed trace line" in err
+
+
 def test_missing_file(tmp_path, capsys):
     with pytest.raises(CliError, match="trace file not found"):
         load_trace(tmp_path / "nope.jsonl")

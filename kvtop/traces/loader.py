@@ -7,7 +7,7 @@ through ``load_trace`` / ``iter_trace``. A line is::
      "output_tokens": 169, "hash_ids": [10000001, ...], "block_size": 64,
      "think_time": 12.0, "parent": null, "source": "weka"}
 
-``hash_ids`` are chained prefix-block ids: an equal id at position k means equal first
+``hash_ids`` are chained prefix-block ids (integers within 64 bits): an equal id at position k means equal first
 (k+1)*block_size tokens. An optional first line ``{"kvtop_trace": 1, ...}`` carries metadata;
 loaders skip it (``read_header`` returns it). Files ending in ``.gz`` are read and written
 gzip-compressed.
@@ -22,8 +22,11 @@ import math
 import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
+from itertools import repeat
 from pathlib import Path
 from typing import Any, TextIO
+
+import orjson
 
 from kvtop.cli import CliError
 
@@ -93,7 +96,7 @@ def _parse(obj: Any) -> TraceRequest:
             raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
     if turn < 1 or block_size < 1:
         raise ValueError("turn and block_size must be >= 1")
-    if not isinstance(hash_ids, list) or not all(isinstance(h, int) for h in hash_ids):
+    if not isinstance(hash_ids, list) or not all(map(isinstance, hash_ids, repeat(int))):
         raise ValueError("hash_ids must be a list of integers")
     think = obj.get("think_time")
     parent = obj.get("parent")
@@ -125,12 +128,19 @@ def iter_trace(path: str | Path, *, on_error: str = "skip") -> Iterator[TraceReq
         raise ValueError("on_error must be 'skip' or 'fail'")
     p = _check_path(path)
     try:
-        with open_text(p) as fh:
+        # Bytes and orjson: a 10,000-request agentic trace (112 MB gzipped, 12M hash ids) loads
+        # in 2.2-2.4 CPU s instead of 3.0 (half of what is left is gunzip). What orjson refuses
+        # (NaN, Infinity) is read again by json and judged as before; an integer past 64 bits
+        # comes back from orjson as a float, so a hash id must fit in 64 bits.
+        with (gzip.open(p, "rb") if str(p).endswith(".gz") else open(p, "rb")) as fh:
             for lineno, line in enumerate(fh, 1):
                 if not line.strip():
                     continue
                 try:
-                    obj = json.loads(line)
+                    try:
+                        obj = orjson.loads(line)
+                    except orjson.JSONDecodeError:
+                        obj = json.loads(line)   # a UnicodeDecodeError is a ValueError too
                     if lineno == 1 and isinstance(obj, dict) and "kvtop_trace" in obj:
                         continue
                     req = _parse(obj)
@@ -141,7 +151,7 @@ def iter_trace(path: str | Path, *, on_error: str = "skip") -> Iterator[TraceReq
                     print(f"warning: {msg} (skipped)", file=sys.stderr)
                     continue
                 yield req
-    except (OSError, EOFError, UnicodeDecodeError) as exc:
+    except (OSError, EOFError) as exc:
         raise CliError(f"cannot read trace {p}: {exc}") from None
 
 
