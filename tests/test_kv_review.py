@@ -1,0 +1,333 @@
+"""Review of the exact index's free-queue model (issue 16, docs/kv-events.md "Work queued ahead").
+
+The passing tests pin invariants nothing else checked: over random lifecycles the model's pins,
+free queue and blocks-to-allocate stay consistent with the events and return to nothing once
+every request has ended. The ``xfail(strict=True)`` tests each show one bug found in review:
+they fail today and will turn into XPASS (a failure) once the bug is fixed, so the fixer flips
+them to plain tests. Engine truth comes from tests/kvfake.py's FakeEngineCache, which frees a
+finished prompt tail first and reuses a prefix head-newest, as vLLM's free queue does.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+
+from kvfake import FakeEngineCache
+from router.blocks import hash_token_blocks
+from router.cluster import Cluster
+from router.exact_index import REMOVED, ExactIndex
+from router.kv_events import decode_batch, encode_batch
+
+
+def _feed(index: ExactIndex, instance: int, events):
+    index.apply(instance, decode_batch(encode_batch(0.0, events))[1])
+
+
+def _cluster(capacity_blocks: int, *, block_size: int = 16, ttl: float = 0.0, clock=None) -> Cluster:
+    c = Cluster(["a"], block_size=block_size, capacity_blocks=capacity_blocks,
+                **({"clock": clock} if clock else {}))
+    c.exact = ExactIndex(1, block_size, speculative_ttl_s=ttl)
+    c.exact.set_live(0, True)
+    return c
+
+
+def _check_model(ex: ExactIndex, instance: int) -> None:
+    """The free-queue model's own invariants, from its definitions (docs/kv-events.md)."""
+    st = ex.instances[instance]
+    # blocks to allocate: the distinct blocks our requests use that the engine does not hold
+    assert st.unheld == sum(1 for h in st.pins if h not in st.counts)
+    assert all(n > 0 for n in st.pins.values())  # a pin count of 0 is a leaked key
+    assert not set(st.free) - set(st.counts)  # only held blocks can be evicted
+    assert not set(st.free) & set(st.pins)  # a block one of our requests uses is not free
+
+
+# -- invariants (passing) -------------------------------------------------------------------
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_model_stays_consistent_and_empties_over_random_lifecycles(seed):
+    """Requests sharing prefixes start and end in random order (ok, error, before or after the
+    engine ran them) while the engine stores, evicts and sometimes clears: after every step the
+    pins, free queue and blocks-to-allocate agree with the events, and once every request has
+    ended nothing is pinned, nothing is left to allocate and every held block is free."""
+    rng = random.Random(seed)
+    bs = 16
+    c = _cluster(40)
+    eng = FakeEngineCache(bs, capacity=40)
+    ex = c.exact
+    prefixes = [[rng.randrange(10_000) for _ in range(bs * rng.randrange(1, 6))] for _ in range(5)]
+    live = []
+    for _ in range(400):
+        r = rng.random()
+        if r < 0.4 or not live:
+            toks = rng.choice(prefixes) + [rng.randrange(10_000) for _ in range(bs * rng.randrange(0, 4) + 3)]
+            t = c.dispatch(0, len(toks), 0, hash_token_blocks(toks, bs))
+            live.append((t, toks))
+        elif r < 0.7:
+            t, toks = live.pop(rng.randrange(len(live)))
+            if rng.random() < 0.7:
+                _feed(ex, 0, eng.run(toks))  # it ran (else it ended before the engine saw it)
+            c.finish(t, error=rng.random() < 0.2)
+        elif r < 0.95:
+            _feed(ex, 0, eng.run(rng.choice(prefixes) + [rng.randrange(10_000) for _ in range(bs)]))  # another client
+        else:
+            _feed(ex, 0, eng.clear())
+        _check_model(ex, 0)
+    for t, _ in live:
+        c.finish(t)
+    _check_model(ex, 0)
+    st = ex.instances[0]
+    assert not st.pins and ex.to_allocate(0) == 0 and c.counters_zero()
+    assert set(st.free) == set(st.counts)  # nothing in use: every held block is evictable
+
+
+def test_a_request_retried_elsewhere_releases_its_first_instance():
+    """A failed first attempt and its retry on another instance: each instance's model is
+    empty again once the request has ended (the first attempt's pins do not outlive it)."""
+    c = Cluster(["a", "b"], block_size=16, capacity_blocks=100)
+    c.exact = ExactIndex(2, 16, speculative_ttl_s=0)
+    blocks = hash_token_blocks(list(range(160)), 16)
+    first = c.dispatch(0, 160, 0, blocks)
+    c.finish(first, error=True)  # 502 from a: the proxy ends attempt 1 before routing attempt 2
+    second = c.dispatch(1, 160, 0, blocks)
+    assert c.exact.to_allocate(0) == 0 and not c.exact.instances[0].pins
+    assert c.exact.to_allocate(1) == 10
+    c.finish(second)
+    assert not c.exact.instances[1].pins and c.exact.to_allocate(1) == 0
+
+
+# -- bugs (xfail, strict) -------------------------------------------------------------------
+@pytest.mark.xfail(strict=True, reason="review: a request whose blocks repeat a hash leaves a "
+                   "zero-count pin and a block counted as still to allocate forever")
+def test_a_request_repeating_a_block_hash_is_released_completely():
+    # what should happen: pin then release of any block list leaves no pin and nothing to allocate
+    ex = ExactIndex(1, 16, speculative_ttl_s=0)
+    a, b = 11, 12  # router hashes; a repeat needs a collision of the chained hash (crafted input)
+    ex.pin(0, [a, b, a])
+    during = ex.to_allocate(0)  # today 3: the repeat counted twice
+    ex.release(0, [a, b, a])
+    # today: pins {a: 0} (a leaked key; a is then never free) and 2 blocks "to allocate" forever
+    assert (during, dict(ex.instances[0].pins), ex.to_allocate(0)) == (2, {}, 0)
+
+
+@pytest.mark.xfail(strict=True, reason="review: blocks the engine stores for another client "
+                   "join the router's free queue head first; vLLM frees a request tail first, so "
+                   "the router predicts the head evicted and under-states the hit")
+def test_another_clients_blocks_are_evicted_tail_first():
+    # what should happen: the router's hit equals what the engine delivers after the queued work
+    bs = 16
+    c = _cluster(8)
+    eng = FakeEngineCache(bs, capacity=8)
+    theirs = list(range(64))  # 4 blocks, stored for another client (another router, curl, ...)
+    _feed(c.exact, 0, eng.run(theirs))
+    ours = list(range(1000, 1000 + 6 * bs))  # 6 blocks to allocate, room 4: 2 evicted
+    c.dispatch(0, len(ours), 0, hash_token_blocks(ours, bs))
+    probe = theirs + [7] * bs
+    truth = copy.deepcopy(eng)
+    truth.run(ours)
+    delivered = truth.cached_prefix_blocks(probe) * bs
+    assert delivered == 32  # the engine evicts the tail two
+    assert c.hits(hash_token_blocks(probe, bs), len(probe)) == [delivered]
+
+
+@pytest.mark.xfail(strict=True, reason="review: a prefix another client reuses is reported as "
+                   "BlockStored head first and moved to the free queue's end in that order, so "
+                   "the router evicts its head first where vLLM evicts its tail first")
+def test_another_clients_reused_prefix_is_evicted_tail_first():
+    # what should happen: the router's hit equals what the engine delivers after the queued work
+    bs = 16
+    c = _cluster(8)
+    eng = FakeEngineCache(bs, capacity=8)
+    theirs = list(range(64))
+    t = c.dispatch(0, 64, 0, hash_token_blocks(theirs, bs))  # ours first: freed tail first
+    _feed(c.exact, 0, eng.run(theirs))
+    c.finish(t)
+    _feed(c.exact, 0, eng.run(theirs + [5] * 3))  # another client reuses the 4 blocks
+    ours = list(range(1000, 1000 + 6 * bs))
+    c.dispatch(0, len(ours), 0, hash_token_blocks(ours, bs))
+    probe = theirs + [7] * bs
+    truth = copy.deepcopy(eng)
+    truth.run(ours)
+    delivered = truth.cached_prefix_blocks(probe) * bs
+    assert delivered == 32
+    assert c.hits(hash_token_blocks(probe, bs), len(probe)) == [delivered]
+
+
+@pytest.mark.xfail(strict=True, reason="review: a text-hashed request (no --tokenizer) still "
+                   "allocates its blocks on the engine, but the free-queue model counts none of "
+                   "them, so token requests' exact hits ignore the evictions it causes")
+def test_a_text_hashed_request_still_evicts_on_the_engine():
+    # what should happen: the exact hit does not exceed what the engine delivers once the text
+    # request queued ahead has allocated its blocks
+    bs = 16
+    c = _cluster(8)
+    eng = FakeEngineCache(bs, capacity=8)
+    toks = list(range(64))
+    t = c.dispatch(0, 64, 0, hash_token_blocks(toks, bs))
+    _feed(c.exact, 0, eng.run(toks))
+    c.finish(t)  # 4 blocks held and free, room 4
+    text_prompt = list(range(5000, 5000 + 6 * bs))  # the engine tokenizes it: 6 new blocks
+    c.dispatch(0, len(text_prompt), 0, list(range(900, 906)), exact=False)
+    probe = toks + [7] * bs
+    truth = copy.deepcopy(eng)
+    truth.run(text_prompt)
+    delivered = truth.cached_prefix_blocks(probe) * bs
+    assert delivered == 32
+    assert c.hits(hash_token_blocks(probe, bs), len(probe))[0] <= delivered
+
+
+@pytest.mark.xfail(strict=True, reason="review: speculative entries outlive a request that "
+                   "failed (or whose client left) before the engine stored anything: a phantom "
+                   "exact hit for the TTL")
+def test_a_failed_request_leaves_no_speculative_hit():
+    # what should happen: once the request has ended with nothing stored, its blocks are no hit
+    now = [100.0]
+    c = _cluster(100, ttl=2.0, clock=lambda: now[0])
+    toks = list(range(160))
+    blocks = hash_token_blocks(toks, 16)
+    t = c.dispatch(0, 160, 0, blocks)
+    assert c.hits(blocks, 160) == [144]  # just routed: speculated, as designed
+    now[0] += 0.1
+    c.finish(t, error=True)  # e.g. HTTP 400 (prompt too long) or connection refused
+    now[0] += 0.1
+    assert c.hits(blocks, 160) == [0]
+
+
+@pytest.mark.xfail(strict=True, reason="review: a resync drops every block not stored since the "
+                   "gap, also blocks a running request of ours still uses (the engine cannot "
+                   "evict them); they then count as blocks to allocate while it runs")
+def test_a_resync_keeps_the_blocks_a_running_request_uses():
+    # what should happen: blocks pinned by a request in flight survive drop_unseen_since_mark
+    ex = ExactIndex(1, 16, speculative_ttl_s=0)
+    eng = FakeEngineCache(16)
+    long_running = list(range(64))
+    blocks = hash_token_blocks(long_running, 16)
+    ex.pin(0, blocks)
+    _feed(ex, 0, eng.run(long_running))  # prefilled, now decoding for a while
+    ex.mark_turnover(0)  # a gap nobody could fill
+    for k in range(20):  # a cache's worth of other prompts
+        _feed(ex, 0, eng.run(list(range(10_000 + 100 * k, 10_064 + 100 * k))))
+    ex.drop_unseen_since_mark(0)
+    assert ex.hits_by_walk(0, blocks) == 4 and ex.to_allocate(0) == 0
+
+
+@pytest.mark.xfail(strict=True, reason="review: with the router's block a multiple of the "
+                   "engine's, the engine blocks of an open router block (a prompt's tail) take "
+                   "engine room the model counts as free, so queued work evicts more than "
+                   "projected and the exact hit is over-stated")
+def test_open_router_blocks_take_engine_room():
+    # what should happen: the router's hit does not exceed what the engine delivers
+    rbs, ebs = 32, 16  # m = 2 (the default --block-size 512 over GPU vLLM's 16 is m = 32)
+    c = _cluster(4, block_size=rbs)  # 4 router blocks = 8 engine blocks
+    eng = FakeEngineCache(ebs, capacity=8)
+    old = list(range(64))  # 2 router blocks (4 engine blocks)
+    newer = list(range(500, 548))  # 1 router block + an open half (3 engine blocks)
+    for toks in (old, newer):
+        t = c.dispatch(0, len(toks), 0, hash_token_blocks(toks, rbs))
+        _feed(c.exact, 0, eng.run(toks))
+        c.finish(t)
+    queued = list(range(2000, 2064))  # 2 router blocks to allocate: the engine has 1 engine block empty
+    c.dispatch(0, len(queued), 0, hash_token_blocks(queued, rbs))
+    probe = old + [7] * rbs
+    truth = copy.deepcopy(eng)
+    truth.run(queued)
+    delivered = truth.cached_prefix_blocks(probe) * ebs // rbs * rbs
+    assert delivered == 0
+    assert c.hits(hash_token_blocks(probe, rbs), len(probe))[0] <= delivered
+
+
+@pytest.mark.xfail(strict=True, reason="review: the drift counters (/metrics, /kvtop/v1/state) "
+                   "compare the estimate with the events' raw match, not with the hit the router "
+                   "uses after the queued evictions, so they disagree with the decision log")
+def test_drift_compares_the_estimate_with_the_hit_the_router_uses():
+    # what should happen: drift = |estimate - exact hit used for the decision|
+    c = _cluster(16)
+    toks = list(range(160))
+    blocks = hash_token_blocks(toks, 16)
+    eng = FakeEngineCache(16)
+    t = c.dispatch(0, 160, 0, blocks)
+    _feed(c.exact, 0, eng.run(toks))
+    c.finish(t)
+    big = list(range(5000, 5000 + 63 * 16))
+    c.dispatch(0, len(big), 0, hash_token_blocks(big, 16))  # evicts all 10 (exact) and the estimate's too
+    view = c.view(blocks, 160, None)
+    assert view.hits == [0] and view.estimate_hits == [0]  # they agree
+    assert c.exact.instances[0].drift_tokens == 0
+
+
+class _CountingDict(dict):
+    """A dict that counts the keys its iterators hand out."""
+
+    def __init__(self, *a):
+        super().__init__(*a)
+        self.read = 0
+
+    def __iter__(self):
+        for k in super().__iter__():
+            self.read += 1
+            yield k
+
+
+@pytest.mark.xfail(strict=True, reason="review: survivors() builds a set of every block the "
+                   "queued work evicts, per instance per lookup: O(queued blocks), ~13k per "
+                   "queued 200k-token prompt at block size 16, times each instance with a hit")
+def test_survivors_costs_the_request_not_the_queue():
+    # what should happen: the work per lookup follows the request's matched blocks
+    n = 50_000
+    ex = ExactIndex(1, 1, speculative_ttl_s=0)
+    ex.store(0, list(range(n)), None, list(range(n)), 1)  # n one-token blocks, all free
+    ex.store(0, [-1], None, [7], 1)  # and the request's own block, the newest free one
+    req = hash_token_blocks([7], 1)
+    st = ex.instances[0]
+    st.free = _CountingDict(st.free)
+    got = ex.survivors(0, req, 1, n - 1)
+    assert got == 1  # correct: the request's block is the newest, not evicted
+    assert st.free.read <= 64  # ...but it read the whole queue to say so
+
+
+@pytest.mark.parametrize("ending", ["ok", "prefill_failed", "client_gone_during_prefill_leg"])
+def test_p2p_offload_legs_release_their_pins(ending):
+    """An offloaded request pins its blocks on P (the prefill leg) and on D: P's pins go when
+    its leg ends, ok or failed, D's when the request ends, and a client that leaves during the
+    prefill leg releases both."""
+    from router.core import RoutingCore
+    from router.features import Features
+    from router.pipeline import OK, Pipeline
+    from router.policies import build_policy
+    from router.request import RouteRequest
+
+    class Sink:
+        def decision(self, d):
+            pass
+
+        def outcome(self, d, o):
+            pass
+
+    c = Cluster(["a", "b"], block_size=16, capacity_blocks=1000, clock=lambda: 0.0)
+    c.exact = ExactIndex(2, 16, speculative_ttl_s=0)
+    busy = c.dispatch(0, 32, 0, [1, 2])
+    c.first_token(busy)  # a is decoding: a heavy request routed there is offloaded to idle b
+    core = RoutingCore(c, build_policy("round_robin", {}), clock=lambda: 0.0)
+    feats = Features.build({"offload_mode": "simple", "heavy_threshold": 1000})
+    pipe = Pipeline(core, lambda: feats, Sink(), clock=lambda: 0.0)
+    toks = list(range(2000))
+    flow = pipe.receive(RouteRequest("r", "s", "header", len(toks), hash_token_blocks(toks, 16),
+                                     "tokens", "completions", True, 1))
+    leg = pipe.route(flow)
+    assert (leg.kind, leg.instance, flow.decision.instance) == ("prefill", 1, 0)
+    ex = c.exact
+    assert ex.to_allocate(0) == 2 + 125 and ex.to_allocate(1) == 125
+    pipe.sent(flow)
+    if ending == "client_gone_during_prefill_leg":
+        pipe.abandon(flow, "during the prefill leg")
+    else:
+        pipe.prefill_done(flow, {"remote": 1} if ending == "ok" else None)
+        assert not ex.instances[1].pins and ex.to_allocate(1) == 0  # P's leg is over
+        pipe.sent(flow)
+        pipe.first_token(flow)
+        pipe.finish(flow, OK, output_tokens=1)
+    c.finish(busy)
+    for i in (0, 1):
+        assert not ex.instances[i].pins and ex.to_allocate(i) == 0
+    assert c.counters_zero()
