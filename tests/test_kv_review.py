@@ -402,3 +402,18 @@ async def test_a_live_router_releases_every_pin_whatever_ends_the_request(router
     finally:
         for p in pubs:
             await p.close()
+
+
+@pytest.mark.xfail(strict=True, reason="review: the engine block size is fixed at the first store "
+                   "and survives a restart, so an engine restarted with another block size (one "
+                   "that still divides the router's) has every store skipped while its state says "
+                   "exact: every exact hit there is 0")
+def test_an_engine_restarted_with_another_block_size_is_indexed_again():
+    # what should happen: after the restart (a clear), the new engine's blocks are indexed
+    ex = ExactIndex(1, 32, speculative_ttl_s=0)
+    toks = list(range(128))
+    _feed(ex, 0, FakeEngineCache(16).run(toks))
+    assert ex.hits_by_walk(0, hash_token_blocks(toks, 32)) == 4
+    _feed(ex, 0, FakeEngineCache(16).clear())  # the engine restarts (the subscriber clears the index)
+    _feed(ex, 0, FakeEngineCache(32).run(toks))  # ...now with --block-size 32
+    assert ex.hits_by_walk(0, hash_token_blocks(toks, 32)) == 4 and ex.instances[0].skipped == 0
