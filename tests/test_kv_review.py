@@ -417,3 +417,27 @@ def test_an_engine_restarted_with_another_block_size_is_indexed_again():
     _feed(ex, 0, FakeEngineCache(16).clear())  # the engine restarts (the subscriber clears the index)
     _feed(ex, 0, FakeEngineCache(32).run(toks))  # ...now with --block-size 32
     assert ex.hits_by_walk(0, hash_token_blocks(toks, 32)) == 4 and ex.instances[0].skipped == 0
+
+
+@pytest.mark.xfail(strict=True, reason="review: an engine larger than --capacity-tokens (default "
+                   "265k, an H20's) is seen holding more than that, yet room is taken as 0 and every "
+                   "queued block is projected to evict: exact hits under-stated on bigger GPUs")
+def test_an_engine_seen_holding_more_than_the_configured_capacity_has_room():
+    # what should happen: the events prove the engine is bigger than configured; the router does
+    # not project evictions from the configured capacity then (delivered hit is the whole prefix)
+    bs = 16
+    c = _cluster(8)  # --capacity-tokens 128, the engine really holds 100 blocks
+    eng = FakeEngineCache(bs, capacity=100)
+    held = list(range(12 * bs))
+    t = c.dispatch(0, len(held), 0, hash_token_blocks(held, bs))
+    _feed(c.exact, 0, eng.run(held))
+    c.finish(t)
+    assert c.exact.cached_blocks(0) == 12  # more than the 8 configured
+    queued = list(range(5000, 5000 + 2 * bs))
+    c.dispatch(0, len(queued), 0, hash_token_blocks(queued, bs))
+    probe = held + [7] * bs
+    truth = copy.deepcopy(eng)
+    truth.run(queued)
+    delivered = truth.cached_prefix_blocks(probe) * bs
+    assert delivered == 12 * bs
+    assert c.hits(hash_token_blocks(probe, bs), len(probe)) == [delivered]
