@@ -14,7 +14,8 @@ in reverse order.
 This keeps each instance's cached blocks of any chain a prefix of it: a block's hash covers
 its whole prefix, so every request that touches block k also touches blocks 0..k-1, after
 k; block k-1 is therefore always at least as recent as block k and is evicted later. The
-one-pass ``match`` relies on this (tests compare it with a block-by-block walk).
+one-pass ``match`` relies on this (tests compare it with a block-by-block walk), and ``insert``
+uses it to find a request's blocks not yet held by bisection (checked, so any list is safe).
 """
 
 from __future__ import annotations
