@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections import Counter
 from dataclasses import replace
 
 import pytest
@@ -30,14 +31,20 @@ def req(rid: str, n: int, max_tokens: int = 1, seed: int | None = None, bs: int 
 def check_invariants(e: Engine) -> None:
     allocated = e.num_allocated_blocks()
     assert allocated + e.num_free_blocks == e.num_gpu_blocks
-    assert all(e._ref[b] == 0 for b in e._free)
+    # refcounts are what the requests hold; the free queue holds exactly the unheld blocks
+    held = Counter(b for r in e._requests.values() for b in r.blocks)
+    assert all(e._refcount(b) == k for b, k in held.items())
+    queue = e._free_queue()
+    assert len(queue) == len(set(queue)) == e.num_free_blocks
+    assert set(queue) == set(range(e.num_gpu_blocks)) - held.keys()
+    assert {b: h for b, h in enumerate(e._block_hash) if h is not None} == {b: h for h, b in e._cached.items()}
     assert e.prefix_hits <= e.prefix_queries
     assert e.prefix_hits % e.block_size == 0
     assert len(e.running) <= e.max_num_seqs
     hol = e._hol_req     # the head-of-line memo must agree with a fresh lookup
     if hol is not None and hol in e.waiting:
         assert e._lookup(hol.hashes, hol.num_tokens)[:len(e._hol_hit)] == e._hol_hit
-        assert e._hol_touch_free == [e._ref[b] for b in e._hol_hit].count(0)
+        assert e._hol_touch_free == [e._refcount(b) for b in e._hol_hit].count(0)
 
 
 def run_until_idle(e: Engine, t: float = 0.0, check: bool = True, limit: int = 1_000_000):
