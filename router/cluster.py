@@ -246,13 +246,13 @@ class Cluster:
             if estimates is not None:
                 estimates[:] = [min(m * bs, cap) for m in matched]
             for i, m in ex.match(blocks, ex.live_mask, self.clock()).items():
-                if drift:
-                    ex.record_drift(i, min(matched[i] * bs, cap), min(m * bs, cap), input_tokens)
                 if m:
                     # The events say what the engine holds now; vLLM delivers what is still there
                     # when the request is scheduled, after the prefills queued ahead of it have
                     # evicted the oldest blocks of its free queue (docs/kv-events.md).
                     m = ex.survivors(i, blocks, m, self._queued_evictions(i))
+                if drift:  # the estimate against the hit the decision uses
+                    ex.record_drift(i, min(matched[i] * bs, cap), min(m * bs, cap), input_tokens)
                 matched[i] = m
         return [min(m * bs, cap) for m in matched]
 
@@ -261,9 +261,7 @@ class Cluster:
         now is scheduled: the blocks of this router's requests in flight there that the engine
         has not reported holding (what they will still allocate), beyond the room it has beside
         what it holds (``capacity`` as the estimate counts it)."""
-        ex = self.exact
-        room = self.index.capacity[instance] - ex.cached_blocks(instance)
-        return ex.to_allocate(instance) - max(room, 0)
+        return self.exact.queued_evictions(instance, self.index.capacity[instance])
 
     def index_source(self, instance: int, *, exact: bool = True) -> str:
         """Where ``instance``'s hit comes from: ``exact`` (its KV events) or ``estimate``."""
@@ -375,6 +373,8 @@ class Cluster:
         s.num_requests -= 1
         s.ongoing_tokens -= t.input_tokens
         if t.pinned and self.exact is not None:
+            if error:  # what the engine stored before the failure, its events say
+                self.exact.unspeculate(t.instance, t.pinned)
             self.exact.release(t.instance, t.pinned)
             t.pinned = ()
         if error:

@@ -63,7 +63,10 @@ class InstanceBlocks:
     speculative: OrderedDict = field(default_factory=OrderedDict)  # router hash -> expiry
     # The engine's free queue as the router can model it: held router blocks no request of this
     # router is using, in the order the engine would evict them (front first).
-    free: dict = field(default_factory=dict)  # router hash -> None, in order (a dict keeps it)
+    # router hash -> its place in the queue (a number that only grows: the dict's order and the
+    # values' order agree, so "evicted by the first k" is one comparison with the k-th value)
+    free: dict = field(default_factory=dict)
+    seq: int = 0  # the next place in the free queue
     pins: Counter = field(default_factory=Counter)  # router hash -> requests of this router using it
     unheld: int = 0  # pinned blocks the engine has not reported: what our requests will allocate
     # counters
@@ -153,6 +156,31 @@ class ExactIndex:
         spec = st.speculative
         free, pins = st.free, st.pins
         epoch = st.epoch
+        # Blocks nobody of ours uses join the free queue when this event is done, last block
+        # first, as vLLM frees a request's blocks (another client's, ours after our finish, a
+        # prefix another client reused): its tail is evicted before its head.
+        newly_free: list = []
+        try:
+            self._store_run(st, instance, block_hashes, token_ids, n, m, ebs, base, depth, parent,
+                            newly_free)
+        finally:
+            if newly_free:
+                newly_free.reverse()
+                free.update(zip(newly_free, range(st.seq, st.seq + len(newly_free))))
+                st.seq += len(newly_free)
+        st.blocks_stored += n
+        st.stored_since_mark += n
+        if len(nodes) > self.max_nodes:
+            self.clear(instance)
+
+    def _store_run(self, st: InstanceBlocks, instance: int, block_hashes: Sequence,
+                   token_ids: Sequence[int], n: int, m: int, ebs: int, base, depth: int, parent,
+                   newly_free: list) -> None:
+        nodes, counts, owners = st.nodes, st.counts, self._owners
+        bit = 1 << instance
+        spec = st.speculative
+        free, pins = st.free, st.pins
+        epoch = st.epoch
         for k in range(n):
             h = block_hashes[k]
             depth += 1
@@ -160,8 +188,8 @@ class ExactIndex:
             if node is not None:  # stored again (vLLM reports reused blocks since 0.11 or so)
                 if node[4] != epoch:
                     nodes[h] = (*node[:4], epoch)
-                if node[2] is None and free.pop(node[1], 0) is None:  # reused, not by ours:
-                    free[node[1]] = None  # now the newest
+                if node[2] is None and free.pop(node[1], None) is not None:  # reused, not by ours:
+                    newly_free.append(node[1])  # now among the newest
                 base, depth, parent = node[1], node[3], h
                 continue
             toks = token_ids[k * ebs:(k + 1) * ebs]
@@ -182,6 +210,8 @@ class ExactIndex:
                         cur = pn[0]
                 except (KeyError, TypeError):  # an open block of this run is gone: cannot chain
                     st.orphans += n - k
+                    st.blocks_stored -= n - k
+                    st.stored_since_mark -= n - k
                     return
                 full: list[int] = []
                 for p in reversed(parts):
@@ -193,16 +223,12 @@ class ExactIndex:
             if not c:
                 owners[rh] = owners.get(rh, 0) | bit
                 if rh not in pins:  # nobody of ours uses it (another client's, or ours finished)
-                    free[rh] = None
+                    newly_free.append(rh)
                 else:
                     st.unheld -= 1
             if spec:
                 spec.pop(rh, None)
             base, parent = rh, h
-        st.blocks_stored += n
-        st.stored_since_mark += n
-        if len(nodes) > self.max_nodes:
-            self.clear(instance)
 
     def remove(self, instance: int, block_hashes: Sequence, *, medium: str | None = None,
                group: int | None = None) -> None:
@@ -252,6 +278,9 @@ class ExactIndex:
         st.free.clear()
         st.unheld = len(st.pins)
         st.clears += 1
+        # a restarted engine may come back with another block size: the next store sets it
+        st.engine_block_size = None
+        st.per_router_block = 0
 
     def mark_turnover(self, instance: int) -> None:
         """Start counting stores from now (a resync waits for a cache's worth of them)."""
@@ -267,7 +296,9 @@ class ExactIndex:
         touched in that time, and vLLM reports a touch (a prefix-cache reuse) as a store, so
         what was not seen since is gone. Returns how many engine blocks were dropped."""
         st = self.instances[instance]
-        stale = [h for h, node in st.nodes.items() if node[4] != st.epoch]
+        pins = st.pins  # a block a request of ours runs with cannot have been evicted
+        stale = [h for h, node in st.nodes.items()
+                 if node[4] != st.epoch and (node[2] is not None or node[1] not in pins)]
         self.remove(instance, stale)
         st.blocks_removed -= len(stale)
         return len(stale)
@@ -301,7 +332,9 @@ class ExactIndex:
         takes its hit blocks out of the free queue and allocates the rest."""
         st = self.instances[instance]
         pins, counts = st.pins, st.counts
-        fresh = list(filterfalse(pins.__contains__, blocks))  # every step in C
+        # every step in C; a block repeated in one request (only a hash collision does that) is
+        # one block to allocate
+        fresh = list(dict.fromkeys(filterfalse(pins.__contains__, blocks)))
         st.unheld += len(fresh) - sum(map(counts.__contains__, fresh))
         pins.update(blocks)
         deque(map(st.free.pop, blocks, repeat(None)), maxlen=0)
@@ -312,28 +345,61 @@ class ExactIndex:
         st = self.instances[instance]
         pins = st.pins
         held = list(map(pins.get, blocks, repeat(0)))
-        for h in compress(blocks, map((1).__lt__, held)):  # shared with a request in flight
+        shared = list(compress(blocks, map((1).__lt__, held)))  # with a request in flight
+        for h in shared:
             pins[h] -= 1
         last = list(compress(reversed(blocks), map((1).__eq__, reversed(held))))
         deque(map(pins.pop, last), maxlen=0)
+        # a block this request held twice (a repeated hash) reached 0 above without being last
+        zero = list(dict.fromkeys(filterfalse(pins.get, shared))) if shared else ()
+        if zero:
+            deque(map(pins.pop, zero), maxlen=0)
+            last += zero
         cached = list(filter(st.counts.__contains__, last))
         st.unheld -= len(last) - len(cached)
-        st.free.update(dict.fromkeys(cached))
+        st.free.update(zip(cached, range(st.seq, st.seq + len(cached))))
+        st.seq += len(cached)
 
     def to_allocate(self, instance: int) -> int:
         """Blocks this router's requests on ``instance`` use that the engine has not reported
         holding: what their prefills will still allocate."""
         return self.instances[instance].unheld
 
+    def queued_evictions(self, instance: int, capacity_blocks: int) -> int:
+        """Router blocks of the free queue that this router's requests in flight on ``instance``
+        will evict: what they still allocate beyond the engine's room, counted in engine blocks
+        (an open router block at a prompt's end holds engine blocks too). ``capacity_blocks`` is
+        the configured capacity in router blocks; an engine seen holding more than that is not
+        the configured one, and nothing is projected for it (set --capacity-tokens right)."""
+        st = self.instances[instance]
+        m = st.per_router_block or 1
+        held = len(st.nodes)
+        cap = capacity_blocks * m
+        if held > cap:
+            return 0
+        over = st.unheld * m - (cap - held)
+        return -(-over // m) if over > 0 else 0
+
+    def unspeculate(self, instance: int, blocks: Sequence[int]) -> None:
+        """A request sent with ``blocks`` failed: whatever the engine did store, its events say."""
+        spec = self.instances[instance].speculative
+        if spec:
+            deque(map(spec.pop, blocks, repeat(None)), maxlen=0)
+
     def survivors(self, instance: int, blocks: Sequence[int], matched: int, evicted: int) -> int:
         """How many of the ``matched`` leading ``blocks`` are still held after the engine evicts
         the ``evicted`` oldest blocks of its free queue (the prefills queued ahead of this
         request allocate that many beyond the engine's free room)."""
-        free = self.instances[instance].free
+        st = self.instances[instance]
+        free = st.free
         if evicted <= 0 or not matched or not free:
             return matched
-        doomed = set(islice(free, evicted))
-        gone = list(map(doomed.__contains__, islice(blocks, matched)))
+        # The queue's places grow along its order, so the first ``evicted`` blocks are those whose
+        # place is at most the evicted-th one's: one skip over the values in C (no set), then one
+        # C-level lookup per matched block. A block not in the queue (a request of ours holds
+        # it) reads as a place past that one: never evicted.
+        last = st.seq - 1 if evicted >= len(free) else next(islice(free.values(), evicted - 1, None))
+        gone = list(map(last.__ge__, map(free.get, islice(blocks, matched), repeat(last + 1))))
         try:
             return gone.index(True)
         except ValueError:
