@@ -199,6 +199,7 @@ class Ticket:
     phase: str = "prefill"  # prefill -> decode -> done
     started: float = 0.0
     pinned: Sequence[int] = ()  # its blocks, held in the exact index's model until it finishes
+    anon: int = 0  # blocks a text-hashed prefill will allocate, counted in the exact model until it ends
 
 
 class Cluster:
@@ -339,8 +340,14 @@ class Cluster:
             self.exact.speculate(instance, blocks, self.clock())
             self.exact.pin(instance, blocks)
             pinned = blocks
+        anon = 0
+        if cache_blocks and not exact and self.exact is not None and new_prefill:
+            # no hashes the engine will report, but its prefill still allocates (and evicts)
+            anon = -(-new_prefill // self.block_size)
+            self.exact.reserve(instance, anon)
         self.in_flight += 1
-        t = Ticket(instance, input_tokens, new_prefill, decode, "prefill", self.clock(), pinned)
+        t = Ticket(instance, input_tokens, new_prefill, decode, "prefill", self.clock(), pinned,
+                   anon)
         self._prefilling[instance][id(t)] = t
         return t
 
@@ -353,6 +360,9 @@ class Cluster:
             self.calibration.observe(t.instance, t.new_prefill, t.input_tokens - t.new_prefill,
                                      t.started, self.clock())
         self._prefilling[t.instance].pop(id(t), None)
+        if t.anon:  # its blocks are allocated now; the engine reports them as held
+            self.exact.reserve(t.instance, -t.anon)
+            t.anon = 0
         s = self.instances[t.instance]
         s.pending_prefill_tokens -= t.new_prefill
         if t.decode:
@@ -367,6 +377,9 @@ class Cluster:
         if t.phase == "prefill":
             s.pending_prefill_tokens -= t.new_prefill
             self._prefilling[t.instance].pop(id(t), None)
+            if t.anon:
+                self.exact.reserve(t.instance, -t.anon)
+                t.anon = 0
         elif t.decode:
             s.ongoing_decode_tokens -= t.input_tokens
             s.decode_requests -= 1

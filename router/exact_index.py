@@ -69,6 +69,7 @@ class InstanceBlocks:
     seq: int = 0  # the next place in the free queue
     pins: Counter = field(default_factory=Counter)  # router hash -> requests of this router using it
     unheld: int = 0  # pinned blocks the engine has not reported: what our requests will allocate
+    anon: int = 0  # blocks our text-hashed requests still in prefill will allocate (no hashes to pin)
     # counters
     blocks_stored: int = 0
     blocks_removed: int = 0
@@ -377,8 +378,15 @@ class ExactIndex:
         cap = capacity_blocks * m
         if held > cap:
             return 0
-        over = st.unheld * m - (cap - held)
+        over = (st.unheld + st.anon) * m - (cap - held)
         return -(-over // m) if over > 0 else 0
+
+    def reserve(self, instance: int, blocks: int) -> None:
+        """A request hashed from text (its hashes match no event, so it cannot be pinned) will
+        allocate about ``blocks`` blocks on ``instance`` during its prefill; negative when the
+        prefill is over or the request ended."""
+        st = self.instances[instance]
+        st.anon = max(0, st.anon + blocks)
 
     def unspeculate(self, instance: int, blocks: Sequence[int]) -> None:
         """A request sent with ``blocks`` failed: whatever the engine did store, its events say."""

@@ -166,9 +166,6 @@ def test_another_clients_reused_prefix_is_evicted_tail_first():
     assert c.hits(hash_token_blocks(probe, bs), len(probe)) == [delivered]
 
 
-@pytest.mark.xfail(strict=True, reason="review: a text-hashed request (no --tokenizer) still "
-                   "allocates its blocks on the engine, but the free-queue model counts none of "
-                   "them, so token requests' exact hits ignore the evictions it causes")
 def test_a_text_hashed_request_still_evicts_on_the_engine():
     # what should happen: the exact hit does not exceed what the engine delivers once the text
     # request queued ahead has allocated its blocks
@@ -187,6 +184,9 @@ def test_a_text_hashed_request_still_evicts_on_the_engine():
     delivered = truth.cached_prefix_blocks(probe) * bs
     assert delivered == 32
     assert c.hits(hash_token_blocks(probe, bs), len(probe))[0] <= delivered
+    assert c.exact.instances[0].anon == 6
+    c.first_token(c._prefilling[0][next(iter(c._prefilling[0]))])  # its prefill is over: held now
+    assert c.exact.instances[0].anon == 0
 
 
 def test_a_failed_request_leaves_no_speculative_hit():
