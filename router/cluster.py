@@ -336,12 +336,15 @@ class Cluster:
         if cache_blocks:
             self.index.insert(instance, blocks, session_id)
         pinned: Sequence[int] = ()
-        if cache_blocks and exact and self.exact is not None:
+        ex = self.exact
+        if ex is not None and not ex.published_mask >> instance & 1:
+            ex = None  # an instance without KV events: nothing of it is modelled
+        if cache_blocks and exact and ex is not None:
             self.exact.speculate(instance, blocks, self.clock())
             self.exact.pin(instance, blocks)
             pinned = blocks
         anon = 0
-        if cache_blocks and not exact and self.exact is not None and new_prefill:
+        if cache_blocks and not exact and ex is not None and new_prefill:
             # no hashes the engine will report, but its prefill still allocates (and evicts)
             anon = -(-new_prefill // self.block_size)
             self.exact.reserve(instance, anon)

@@ -99,6 +99,9 @@ class ExactIndex:
         self._owners: dict[int, int] = {}  # router hash -> bitmask of instances
         #: Instances whose hits come from this index (their events flow and are consistent).
         self.live_mask = 0
+        #: Instances that publish events at all: only their requests are modelled (pinned,
+        #: speculated, reserved); every instance unless the router says otherwise.
+        self.published_mask = (1 << num_instances) - 1
 
     # -- which instances are exact -------------------------------------------------------
     def set_live(self, instance: int, live: bool) -> None:

@@ -519,6 +519,8 @@ def attach_index(cluster, backends, *, speculative_ttl_s: float = 2.0) -> ExactI
         return None
     cluster.exact = ExactIndex(len(cluster.instances), cluster.block_size,
                                speculative_ttl_s=speculative_ttl_s)
+    cluster.exact.published_mask = sum(1 << i for i, b in enumerate(backends)
+                                       if getattr(b, "kv_events", None))
     return cluster.exact
 
 

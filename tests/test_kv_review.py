@@ -395,3 +395,24 @@ def test_an_engine_seen_holding_more_than_the_configured_capacity_has_room():
     delivered = truth.cached_prefix_blocks(probe) * bs
     assert delivered == 12 * bs
     assert c.hits(hash_token_blocks(probe, bs), len(probe)) == [delivered]
+
+
+def test_an_instance_without_kv_events_is_not_modelled():
+    # only instances that publish events are pinned, speculated or reserved: the others would
+    # pay the model's work per request (~4 ms per 200k-token prompt at block size 16) for nothing
+    from types import SimpleNamespace
+
+    from router.kv_events import attach_index
+
+    backends = [SimpleNamespace(kv_events="tcp://127.0.0.1:1"), SimpleNamespace(kv_events=None)]
+    c2 = Cluster(["a", "b"], block_size=16, capacity_blocks=100)
+    ex = attach_index(c2, backends)
+    assert ex.published_mask == 0b01
+    blocks = hash_token_blocks(list(range(160)), 16)
+    t0 = c2.dispatch(0, 160, 0, blocks)
+    t1 = c2.dispatch(1, 160, 0, blocks)
+    assert t0.pinned and not t1.pinned
+    assert ex.to_allocate(0) == 10 and ex.to_allocate(1) == 0 and not ex.instances[1].pins
+    c2.finish(t0)
+    c2.finish(t1)
+    assert not ex.instances[0].pins and ex.to_allocate(0) == 0
