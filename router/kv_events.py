@@ -509,7 +509,11 @@ class Subscriber:
                 "engine_block_size": ib.engine_block_size, "engine_blocks": len(ib.nodes),
                 "router_blocks": len(ib.counts), "blocks_stored": ib.blocks_stored,
                 "blocks_removed": ib.blocks_removed, "clears": ib.clears,
-                "unknown_removed": ib.unknown_removed, "orphans": ib.orphans, "skipped": ib.skipped}
+                "unknown_removed": ib.unknown_removed, "orphans": ib.orphans, "skipped": ib.skipped,
+                # the free-queue model: blocks our requests in flight use, what they will still
+                # allocate, and the blocks the engine may evict first (docs/kv-events.md)
+                "pinned_blocks": len(ib.pins), "queued_blocks": ib.unheld + ib.anon,
+                "free_blocks": len(ib.free)}
 
 
 # -- wiring into a router -------------------------------------------------------------------

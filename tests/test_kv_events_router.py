@@ -198,6 +198,9 @@ async def test_kvtop_sim_events_make_hits_exact_under_capacity_pressure(router_c
     exact_err, sources, subs, apc = await _hit_error(router_client, tmp_path, "events", kv=True)
     assert sources == {"exact"}
     assert all(s["state"] == "exact" and s["gaps"] == 0 and s["batches"] > 0 for s in subs), subs
+    # every request has ended: nothing pinned or still to allocate in the free-queue model
+    assert all(s["pinned_blocks"] == 0 and s["queued_blocks"] == 0 and s["free_blocks"] > 0
+               for s in subs), subs
     assert all(s["blocks_removed"] > 0 for s in subs)  # the engines did evict
     est_err, est_sources, _, _ = await _hit_error(router_client, tmp_path, "estimate", kv=False)
     assert est_sources == {"estimate"}
