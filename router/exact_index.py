@@ -405,12 +405,17 @@ class ExactIndex:
         free = st.free
         if evicted <= 0 or not matched or not free:
             return matched
-        # The queue's places grow along its order, so the first ``evicted`` blocks are those whose
-        # place is at most the evicted-th one's: one skip over the values in C (no set), then one
-        # C-level lookup per matched block. A block not in the queue (a request of ours holds
-        # it) reads as a place past that one: never evicted.
-        last = st.seq - 1 if evicted >= len(free) else next(islice(free.values(), evicted - 1, None))
-        gone = list(map(last.__ge__, map(free.get, islice(blocks, matched), repeat(last + 1))))
+        if evicted <= matched:  # a set of the few doomed blocks, one membership test per block
+            doomed = set(islice(free, evicted))
+            gone = list(map(doomed.__contains__, islice(blocks, matched)))
+        else:
+            # Many doomed: the queue's places grow along its order, so the first ``evicted``
+            # blocks are those whose place is at most the evicted-th one's: one skip over the
+            # values in C, then two C-level passes over the matched blocks. A block not in the
+            # queue (a request of ours holds it) reads as a place past that one: never evicted.
+            last = (st.seq - 1 if evicted >= len(free)
+                    else next(islice(free.values(), evicted - 1, None)))
+            gone = list(map(last.__ge__, map(free.get, islice(blocks, matched), repeat(last + 1))))
         try:
             return gone.index(True)
         except ValueError:
