@@ -11,7 +11,7 @@ blocks) plus their own turns, ~13,300 blocks at 215k tokens, every instance's ca
   13,300 blocks by its last turn; the cache is full, so each turn also evicts ~150 blocks;
 - ``cold``: fresh sessions' first turns, ~12,000 new blocks each, evicting as many.
 
-Prints p50 / max ms of ``PrefixIndex.insert`` (wall and thread CPU) per kind. It imports
+Prints p50 / max ms of ``PrefixIndex.insert`` and its ``flush`` (wall and thread CPU) per kind. It imports
 ``router.prefix_index`` as Python finds it, so a baseline runs with ``PYTHONPATH`` set to
 its checkout (the module's path is printed).
 """
@@ -46,12 +46,17 @@ def run(turns: int, cold: int, instances: int, seed: int) -> dict[str, list[tupl
     print(f"router.prefix_index from {pi.__file__}")
     rng = random.Random(seed)
     idx = pi.PrefixIndex(instances, CAPACITY_BLOCKS, BLOCK_SIZE)
+    flush = getattr(idx, "flush", lambda: None)  # an insert may be left pending until flushed
+
+    def insert(instance: int, blocks: list[int], tag: str) -> None:
+        idx.insert(instance, blocks, tag)
+        flush()
     system = chain(rng, SYSTEM_BLOCKS)
     out: dict[str, list[tuple[float, float]]] = {"cold": [], "returning": []}
     sessions = []
     for k in range(max(cold, 2 * instances)):  # fills every cache; the later ones are timed
         blocks = system + chain(rng, SESSION_BLOCKS - SYSTEM_BLOCKS)
-        t = timed(idx.insert, k % instances, blocks, f"s{k}")
+        t = timed(insert, k % instances, blocks, f"s{k}")
         if k >= 2 * instances:
             out["cold"].append(t)
         sessions.append(blocks)
@@ -63,7 +68,7 @@ def run(turns: int, cold: int, instances: int, seed: int) -> dict[str, list[tupl
     for t in range(turns):
         k = back[t % len(back)]
         sessions[k] = sessions[k] + chain(rng, TURN_BLOCKS)
-        out["returning"].append(timed(idx.insert, k % instances, sessions[k], f"s{k}"))
+        out["returning"].append(timed(insert, k % instances, sessions[k], f"s{k}"))
     # a cross-check that the index still answers: the last session holds its whole chain
     assert idx.match(sessions[-1])[(len(sessions) - 1) % instances] == len(sessions[-1])
     return out

@@ -253,6 +253,9 @@ class Pipeline:
         elif not d.recorded:
             d.extra["admission_wait_ms"] = flow.wait_ms
             self._record_decision(d, defer=True)
+        # The dispatch left its prefix-index insert pending (router/prefix_index.py): done now,
+        # while the backend works, rather than before the request went (any read does it first).
+        self.cluster.index.flush()
 
     def prefill_done(self, flow: Flow, params: dict[str, Any] | None) -> Leg:
         """P answered with its ``kv_transfer_params`` (or failed: None). Returns the serve leg;

@@ -38,14 +38,30 @@ class PrefixIndex:
         self._lru: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_instances)]
         self._owners: dict[int, int] = {}  # block hash -> bitmask of instances
         self._tags: dict[int, str] = {}  # block hash -> the session that last inserted it (lookahead)
-        self.evictions = [0] * num_instances
+        self._evictions = [0] * num_instances
+        #: An insert not applied yet (see ``insert``): every read applies it first.
+        self._pending: tuple[int, Sequence[int], str | None] | None = None
 
     @property
     def num_instances(self) -> int:
         return len(self._lru)
 
+    @property
+    def evictions(self) -> list[int]:
+        """Blocks evicted so far, per instance."""
+        self.flush()
+        return self._evictions
+
     def cached_blocks(self, instance: int) -> int:
+        self.flush()
         return len(self._lru[instance])
+
+    def flush(self) -> None:
+        """Apply the insert that ``insert`` left pending, if any."""
+        p = self._pending
+        if p is not None:
+            self._pending = None
+            self._insert(*p)
 
     def match(self, blocks: Sequence[int]) -> list[int]:
         """Return, per instance, how many leading blocks of ``blocks`` it holds.
@@ -55,6 +71,7 @@ class PrefixIndex:
         depth at which each bit drops is found by bisecting for the end of each run of equal
         masks: at most (instances + 1) x log2(len(blocks)) lookups, not a walk of every block.
         """
+        self.flush()
         matched = [0] * len(self._lru)
         nb = len(blocks)
         get = self._owners.get
@@ -79,6 +96,20 @@ class PrefixIndex:
         """Record that ``instance`` now holds ``blocks`` (a request was dispatched there).
 
         ``tag`` (a session id) marks the blocks as that session's, for ``oldest_tags``.
+
+        The work is left pending until the next read of the index (``match``,
+        ``cached_blocks``, ``oldest_tags``, ``evictions``, ``forget_instance``, the next
+        insert) or ``flush``, whichever comes first, so every reader sees exactly what an
+        immediate insert would have left; the live router flushes right after the request
+        is written upstream (``Pipeline.sent``), so a returning turn's insert overlaps the
+        backend's work instead of delaying the request. ``blocks`` must not change until then
+        (a request's blocks never do).
+        """
+        self.flush()
+        self._pending = (instance, blocks, tag)
+
+    def _insert(self, instance: int, blocks: Sequence[int], tag: str | None) -> None:
+        """The insert itself.
 
         The result is the walk from the last block to the first: a block not held is appended
         (its owner bit set), a held one moves to the newest end; then the oldest beyond
@@ -128,13 +159,14 @@ class PrefixIndex:
                     owners[old] = mask
                 else:
                     tags.pop(old, None)
-            self.evictions[instance] += over
+            self._evictions[instance] += over
 
     def oldest_tags(self, instance: int, count: int, skip: str | None = None) -> dict[str | None, int]:
         """The next ``count`` blocks ``instance`` would evict, counted by tag (session).
 
         Blocks tagged ``skip`` (the session being routed: its blocks are touched, not evicted)
         are passed over. O(count) over the LRU's oldest end."""
+        self.flush()
         out: dict[str | None, int] = {}
         if count <= 0:
             return out
@@ -151,6 +183,7 @@ class PrefixIndex:
 
     def forget_instance(self, instance: int) -> None:
         """Drop everything believed cached on ``instance`` (it restarted or was reset)."""
+        self.flush()
         bit = 1 << instance
         owners = self._owners
         for h in self._lru[instance]:
