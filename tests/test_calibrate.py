@@ -163,6 +163,7 @@ async def test_an_engine_that_slows_down_while_measured_is_reported(aiohttp_serv
     assert measured["drift"]["ratio"] > 1 + cal.DRIFT_WARN
     warning = [line for line in lines if line.startswith("warning: the engine's speed moved")]
     assert len(warning) == 1 and "cold 1024" in warning[0] and "quiet" in warning[0]
+    assert not any(line.startswith("speed check") for line in lines)
 
 
 class _Progress:

@@ -856,6 +856,10 @@ async def calibrate(url: str, *, base: str | None = None, plan: Plan | None = No
             f"{drift['start_s'] * 1e3:.1f} ms at the start and {drift['end_s'] * 1e3:.1f} ms at the "
             f"end ({(drift['ratio'] - 1) * 100:+.0f}%). The fit averages two speeds; calibrate "
             f"again when the host is quiet")
+    elif drift:
+        log(f"speed check: {drift['figure']} took {drift['start_s'] * 1e3:.1f} ms at the start and "
+            f"{drift['end_s'] * 1e3:.1f} ms at the end ({(drift['ratio'] - 1) * 100:+.0f}%, within "
+            f"{DRIFT_WARN:.0%})")
     result = fit(figures, limits)
     profile = profile_from_fit(limits, result, facts,
                                name=name or f"calibrated-{facts['model']}".replace("/", "-"),
