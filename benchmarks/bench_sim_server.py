@@ -4,6 +4,7 @@
     python benchmarks/bench_sim_server.py trace FILE [--requests 10000] [--session-gap 20]
     python benchmarks/bench_sim_server.py server [--speed 10] [--streams 16] [--tokens 400]
     python benchmarks/bench_sim_server.py fingerprint FILE [--limit N] [--policies P,...]
+    python benchmarks/bench_sim_server.py ab FILE NAME=ENGINE.py NAME=ENGINE.py ... [--rounds 2]
 
 ``engine``: an agentic-shaped synthetic trace (sessions whose every turn repeats the previous
 context and adds 1-8k tokens; prompts 5k-200k tokens; block size 64; outputs 50-400 tokens)
@@ -18,6 +19,12 @@ so ``kvtop simulate FILE`` runs the benchmark's load through the router's polici
 their JSON, with the CPU seconds each simulation took. A change meant to make the simulator
 faster without changing what it simulates must print the same fingerprints before and after
 (run it on both commits, e.g. the old one from ``git worktree add``).
+
+``ab FILE NAME=PATH ...``: two or more versions of kvtop/sim/engine.py (e.g. the old one from
+``git show COMMIT:kvtop/sim/engine.py > /tmp/old_engine.py``) run alternately in ONE process
+on the same trace, each policy once per round, swapped in as ``kvtop.sim.engine``'s classes:
+CPU seconds per run, the records' SHA-256, and the median per version. One process, the
+trace loaded once and the versions interleaved, is the fairest comparison a shared host gives.
 
 ``server``: one instance (``--speed``) on a free 127.0.0.1 port in a subprocess, driven by
 concurrent streaming clients in this process; prints the server's CPU seconds (user + sys,
@@ -228,6 +235,48 @@ def fingerprint(path: str, limit: int | None, policies: str, instances: int) -> 
     print(f"total {total:.2f} CPU s")
 
 
+def ab(path: str, versions: list[str], limit: int | None, policies: str, instances: int,
+       rounds: int) -> None:
+    import gc
+    import hashlib
+    import importlib.util
+    import json
+
+    import kvtop.sim.engine as live
+    from kvtop.simulate import SimConfig, simulate
+    from kvtop.traces.loader import load_trace
+
+    modules = {}
+    for spec_text in versions:
+        name, sep, file = spec_text.partition("=")
+        if not sep or not name or not os.path.isfile(file):
+            raise ValueError(f"expected NAME=PATH to an engine.py, got {spec_text!r}")
+        spec = importlib.util.spec_from_file_location(f"_ab_engine_{name}", file)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module     # dataclasses look their module up by name
+        spec.loader.exec_module(module)
+        modules[name] = module
+    requests = load_trace(path)
+    if limit is not None:
+        requests = requests[:limit]
+    cpu: dict[tuple[str, str], list[float]] = {}
+    for r in range(rounds):
+        for name, module in modules.items():
+            for attr in ("Engine", "EngineRequest", "EngineRejected"):
+                setattr(live, attr, getattr(module, attr))
+            for policy in policies.split(","):
+                gc.collect()
+                c0 = time.process_time()
+                records = simulate(requests, policy, SimConfig(instances=instances))
+                took = time.process_time() - c0
+                digest = hashlib.sha256(json.dumps(records, sort_keys=True).encode()).hexdigest()[:16]
+                cpu.setdefault((policy, name), []).append(took)
+                print(f"round {r}  {name:10} {policy:16} {took:7.2f} CPU s  sha256 {digest}", flush=True)
+    for (policy, name), runs in cpu.items():
+        runs.sort()
+        print(f"{policy:16} {name:10} median {runs[len(runs) // 2]:7.2f} CPU s  all {[round(x, 2) for x in runs]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="what", required=True)
@@ -247,6 +296,13 @@ def main() -> None:
     f.add_argument("--limit", type=int, default=None, help="first N requests")
     f.add_argument("--policies", default=ALL_POLICIES)
     f.add_argument("--instances", type=int, default=8)
+    a = sub.add_parser("ab")
+    a.add_argument("file", help="a normalized trace, e.g. the one `trace` writes")
+    a.add_argument("versions", nargs="+", help="NAME=PATH of an engine.py, two or more")
+    a.add_argument("--limit", type=int, default=None, help="first N requests")
+    a.add_argument("--policies", default="round_robin,leastwork")
+    a.add_argument("--instances", type=int, default=8)
+    a.add_argument("--rounds", type=int, default=2)
     s = sub.add_parser("server")
     s.add_argument("--speed", type=float, default=10.0)
     s.add_argument("--streams", type=int, default=16)
@@ -263,6 +319,13 @@ def main() -> None:
             fingerprint(args.file, args.limit, args.policies, args.instances)
         except (CliError, OSError, ValueError, KeyError) as exc:
             raise SystemExit(f"fingerprint: {exc}") from None
+    elif args.what == "ab":
+        from kvtop.cli import CliError
+
+        try:
+            ab(args.file, args.versions, args.limit, args.policies, args.instances, args.rounds)
+        except (CliError, OSError, ValueError, KeyError) as exc:
+            raise SystemExit(f"ab: {exc}") from None
     elif args.what == "trace":
         n = write_agentic_trace(args.file, args.requests, args.session_gap)
         print(f"wrote {n} requests to {args.file}")
