@@ -1,9 +1,10 @@
 """The engine's block pool keeps its free queue as runs of blocks (a request's release is one
 run, a returning turn's hit leaves it as one slice, other hits leave stale entries that
-allocation filters); it must take, free and evict exactly the blocks vLLM's block pool would. A shadow pool kept the plain way (an ordered free
-queue, one refcount per block, block by block) follows every touch, allocation and free the
-engine makes, on random workloads with shared prefixes, preemptions, aborts, KV events and a
-head-of-line memo, and the two must agree after each one."""
+allocation filters); it must take, free and evict exactly the blocks vLLM's block pool would.
+A shadow pool kept the plain way (an ordered free queue, one refcount per block, block by
+block) follows every touch, allocation and free the engine makes, on random workloads with
+shared prefixes, preemptions, aborts, KV events and a head-of-line memo, and the two must
+agree after each one."""
 
 from __future__ import annotations
 
@@ -162,14 +163,16 @@ def test_a_returning_turn_leaves_the_queue_as_one_slice_and_other_hits_go_stale(
     shadowed(e)
     hashes = list(range(100, 110))
     t = 0.0
+    dirty = []
     for k, n in enumerate((10, 10, 6, 10)):   # the same prompt, then a shorter one, then again
         e.add_request(EngineRequest(f"r{k}", n * BS + 1, hashes[:n], 1, t))
         while e.has_work():
             r = e.step(t)
             t = r.end_time if not r.idle else (e.next_event_time() or t)
-    # r1 took r0's run's tail as one slice; r2's hit (6 of r1's 10 blocks) too; r3's hit spans
-    # r2's run and r1's leftover, block by block: r1's run is left with stale entries
-    assert any(run.dirty for run in e._runs)
+        dirty.append(any(run.dirty for run in e._runs))
+    # r1 and r2 take their hit as the tail of the run the turn before released: one slice each.
+    # r3's hit spans r2's run and what r1 left free, so it goes block by block: stale entries.
+    assert dirty == [False, False, False, True]
     e.add_request(EngineRequest("big", 30 * BS, [], 1, t))    # allocation filters them
     while e.has_work():
         r = e.step(t)
