@@ -346,8 +346,10 @@ class EngineClock:
 
 # ----------------------------------------------------------------------------- scenarios
 
-#: The drift check re-times the first cold figure of at least this many tokens at the end of a
-#: calibration; beyond ``DRIFT_WARN`` (relative) the engine's speed moved while it was measured.
+#: The drift check times a cold prompt of this many tokens (less where the server's context is
+#: shorter) right after the warm-up and again at the end, each after one unrecorded run of that
+#: length (a shape's first run on vLLM's CPU backend is slower); beyond ``DRIFT_WARN``
+#: (relative) the engine's speed moved while it was measured.
 DRIFT_REFERENCE_TOKENS = 1024
 DRIFT_WARN = 0.15
 
@@ -654,7 +656,7 @@ class Plan:
     def total_requests(self) -> int:
         n_tpot = sum(self.tpot_batches) * len(self.tpot_contexts) * self.tpot_repeats
         warm = max(self.tpot_batches, default=0) * len(self.tpot_contexts)
-        return (self.repeats * (2 + len(self.cold) + len(self.repeat) + len(self.extend))
+        return (self.repeats * (3 + len(self.cold) + len(self.repeat) + len(self.extend)) + 2
                 + len(self.repeat) + len(self.extend) + n_tpot + warm + 3)
 
 
@@ -696,6 +698,18 @@ async def measure(client: VllmClient, plan: Plan, max_model_len: int,
     for k in range(3):   # warm the HTTP path and the engine
         await client.complete(random_ids(64, f"{salt}-warm-{k}"), 2)
         progress("warm-up", 1)
+
+    ref_tokens = min(DRIFT_REFERENCE_TOKENS, ctx_cap)
+
+    async def speed_check(tag: str) -> Figure:
+        await client.complete(random_ids(ref_tokens, f"{salt}-{tag}-warm"), 2)
+        progress("speed check", 1)
+        ref = Figure("cold", ref_tokens)
+        for k in range(plan.repeats):
+            await ttft(ref, fresh(ref_tokens, f"{tag}-{k}"), "speed check")
+        return ref
+
+    first = await speed_check("drift-start") if ref_tokens > 0 else None
 
     fig = Figure("frontend", plan.frontend_tokens)
     for k in range(plan.repeats):
@@ -763,17 +777,13 @@ async def measure(client: VllmClient, plan: Plan, max_model_len: int,
             figures.append(fig)
 
     # The engine's speed must not move while it is measured: every figure is fitted as if
-    # taken at one speed. Re-time the first compute-bound figure at the end and compare.
-    first = next((f for f in figures if f.kind == "cold" and f.tokens >= DRIFT_REFERENCE_TOKENS),
-                 None)
+    # taken at one speed. Time the reference again and compare.
     if first is not None:
-        again = Figure("cold", first.tokens)
-        for k in range(plan.repeats):
-            await ttft(again, fresh(first.tokens, f"drift-{k}"), f"cold TTFT {first.tokens} again")
+        again = await speed_check("drift-end")
         start, end = first.engine_measured, again.engine_measured
         if start is None or end is None:
             start, end = first.measured, again.measured
-        stats["drift"] = {"figure": f"cold {first.tokens}", "start_s": round(start, 6),
+        stats["drift"] = {"figure": f"cold {ref_tokens}", "start_s": round(start, 6),
                           "end_s": round(end, 6), "ratio": round(end / start, 4)}
     return figures
 
