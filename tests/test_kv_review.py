@@ -26,6 +26,18 @@ def _feed(index: ExactIndex, instance: int, events):
     index.apply(instance, decode_batch(encode_batch(0.0, events))[1])
 
 
+def _hit_after_queued(c: Cluster, eng: FakeEngineCache, queued: list[int], held: list[int],
+                      bs: int = 16) -> tuple[int, int]:
+    """Route ``queued`` to instance 0, then probe ``held`` plus a block of new tokens: (tokens
+    the engine delivers once ``queued`` has run, the router's hit)."""
+    c.dispatch(0, len(queued), 0, hash_token_blocks(queued, bs))
+    probe = held + [7] * bs
+    truth = copy.deepcopy(eng)
+    truth.run(queued)
+    delivered = truth.cached_prefix_blocks(probe) * bs
+    return delivered, c.hits(hash_token_blocks(probe, bs), len(probe))[0]
+
+
 def _cluster(capacity_blocks: int, *, block_size: int = 16, ttl: float = 0.0, clock=None) -> Cluster:
     c = Cluster(["a"], block_size=block_size, capacity_blocks=capacity_blocks,
                 **({"clock": clock} if clock else {}))
@@ -117,13 +129,7 @@ def test_another_clients_blocks_are_evicted_tail_first():
     theirs = list(range(64))  # 4 blocks, stored for another client (another router, curl, ...)
     _feed(c.exact, 0, eng.run(theirs))
     ours = list(range(1000, 1000 + 6 * bs))  # 6 blocks to allocate, room 4: 2 evicted
-    c.dispatch(0, len(ours), 0, hash_token_blocks(ours, bs))
-    probe = theirs + [7] * bs
-    truth = copy.deepcopy(eng)
-    truth.run(ours)
-    delivered = truth.cached_prefix_blocks(probe) * bs
-    assert delivered == 32  # the engine evicts the tail two
-    assert c.hits(hash_token_blocks(probe, bs), len(probe)) == [delivered]
+    assert _hit_after_queued(c, eng, ours, theirs) == (32, 32)  # the engine evicts the tail two
 
 
 def test_our_blocks_reported_after_our_finish_are_evicted_tail_first():
@@ -137,13 +143,7 @@ def test_our_blocks_reported_after_our_finish_are_evicted_tail_first():
     c.finish(t)  # the HTTP answer is in...
     _feed(c.exact, 0, events)  # ...and the engine's batch for it comes a moment later
     queued = list(range(1000, 1000 + 6 * bs))
-    c.dispatch(0, len(queued), 0, hash_token_blocks(queued, bs))
-    probe = ours + [7] * bs
-    truth = copy.deepcopy(eng)
-    truth.run(queued)
-    delivered = truth.cached_prefix_blocks(probe) * bs
-    assert delivered == 32
-    assert c.hits(hash_token_blocks(probe, bs), len(probe)) == [delivered]
+    assert _hit_after_queued(c, eng, queued, ours) == (32, 32)
 
 
 def test_another_clients_reused_prefix_is_evicted_tail_first():
@@ -157,13 +157,7 @@ def test_another_clients_reused_prefix_is_evicted_tail_first():
     c.finish(t)
     _feed(c.exact, 0, eng.run(theirs + [5] * 3))  # another client reuses the 4 blocks
     ours = list(range(1000, 1000 + 6 * bs))
-    c.dispatch(0, len(ours), 0, hash_token_blocks(ours, bs))
-    probe = theirs + [7] * bs
-    truth = copy.deepcopy(eng)
-    truth.run(ours)
-    delivered = truth.cached_prefix_blocks(probe) * bs
-    assert delivered == 32
-    assert c.hits(hash_token_blocks(probe, bs), len(probe)) == [delivered]
+    assert _hit_after_queued(c, eng, ours, theirs) == (32, 32)
 
 
 def test_a_text_hashed_request_still_evicts_on_the_engine():
