@@ -169,7 +169,9 @@ class ExactIndex:
                             newly_free)
         finally:
             if newly_free:
-                newly_free.reverse()
+                # once each (a repeated hash would take a new place at its old position in the
+                # dict, and places must grow along the queue's order: survivors() relies on it)
+                newly_free = list(dict.fromkeys(reversed(newly_free)))
                 free.update(zip(newly_free, range(st.seq, st.seq + len(newly_free))))
                 st.seq += len(newly_free)
         st.blocks_stored += n

@@ -410,3 +410,23 @@ def test_an_instance_without_kv_events_is_not_modelled():
     c2.finish(t0)
     c2.finish(t1)
     assert not ex.instances[0].pins and ex.to_allocate(0) == 0
+
+
+def test_free_queue_places_grow_along_its_order():
+    # survivors() compares places: after any mix of stores (own and foreign, reused, repeated
+    # hashes in one event), releases and removals, the places grow in the queue's order
+    rng = random.Random(3)
+    ex = ExactIndex(1, 16, speculative_ttl_s=0)
+    eng = FakeEngineCache(16, capacity=40)
+    live: list[list[int]] = []
+    for step in range(300):
+        toks = [rng.randrange(50) for _ in range(16 * rng.randrange(1, 6))]
+        blocks = hash_token_blocks(toks, 16)
+        if rng.random() < 0.5:
+            ex.pin(0, blocks)
+            live.append(blocks)
+        _feed(ex, 0, eng.run(toks))
+        if live and rng.random() < 0.5:
+            ex.release(0, live.pop(rng.randrange(len(live))))
+        places = list(ex.instances[0].free.values())
+        assert places == sorted(places) and len(set(places)) == len(places), step
