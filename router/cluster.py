@@ -340,14 +340,14 @@ class Cluster:
         if ex is not None and not ex.published_mask >> instance & 1:
             ex = None  # an instance without KV events: nothing of it is modelled
         if cache_blocks and exact and ex is not None:
-            self.exact.speculate(instance, blocks, self.clock())
-            self.exact.pin(instance, blocks)
+            ex.speculate(instance, blocks, self.clock())
+            ex.pin(instance, blocks)
             pinned = blocks
         anon = 0
         if cache_blocks and not exact and ex is not None and new_prefill:
             # no hashes the engine will report, but its prefill still allocates (and evicts)
             anon = -(-new_prefill // self.block_size)
-            self.exact.reserve(instance, anon)
+            ex.reserve(instance, anon)
         self.in_flight += 1
         t = Ticket(instance, input_tokens, new_prefill, decode, "prefill", self.clock(), pinned,
                    anon)

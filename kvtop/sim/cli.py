@@ -369,7 +369,9 @@ TTFT of a few-token prompt (frontend overhead). Then it replays each scenario th
 engine and solves for frontend_overhead_s, t_fixed, t_req, b, c and kappa (non-negative
 least squares on relative residuals), prints every figure with its fitted value, and writes
 the profile with where and when it was measured. About 1-3 minutes against the tiny CPU
-model on 2 cores. The instance should be otherwise idle.
+model on 2 cores. The instance should be otherwise idle: a cold 1,024-token prompt is timed
+right after the warm-up and again at the end, and a warning says when the engine's speed
+moved more than 15% while it was measured (recorded in the file as [measured.drift]).
 
   kvtop sim calibrate http://127.0.0.1:8101 --out cpu-here.toml
   kvtop sim --profile cpu-here.toml
