@@ -286,7 +286,8 @@ class Engine:
         # its prefix hit stays valid until one of its hit blocks is evicted, so keep it.
         self._hol_req: _Req | None = None
         self._hol_hit: list[int] = []
-        self._hol_pos: dict[int, int] = {}   # block of the memo's hit -> its position in it
+        self._hol_set: set[int] = set()   # the memo's hit blocks (a set: cheaper to build than
+        # a block -> position dict, and positions are needed only when one is evicted, rarely)
         self._hol_touch_free = 0       # hit blocks of the memo with refcount 0
         self._pending: list[tuple[float, int, _Req]] = []      # frontend, sorted by ready time
         self.kv_events: list | None = None  # KV facts for kvtop/sim/kv_publisher.py, when it is on
@@ -762,7 +763,7 @@ class Engine:
                 if more:
                     hit = hit + more
                     self._hol_hit = hit
-                    self._hol_pos.update(zip(more, range(k, k + len(more))))
+                    self._hol_set.update(more)
                     self._hol_touch_free += self._count_free(more)
             hit_tokens = len(hit) * bs
         else:
@@ -804,16 +805,19 @@ class Engine:
         n_free = self._num_free
         memo = req is self._hol_req and hit is self._hol_hit
         fail = need_new > n_free
+        touch_free = -1
         if not fail and need_new + len(hit) > n_free:   # the refcount-0 part of the hit matters
             touch_free = self._hol_touch_free if memo else self._count_free_hit(hit)
             fail = need_new + touch_free > n_free
         if fail:
             if not memo:   # it will be retried next step: remember its hit until one is evicted
-                self._hol_req, self._hol_hit, self._hol_pos = req, hit, dict(zip(hit, range(len(hit))))
-                self._hol_touch_free = self._count_free(hit)
+                self._hol_req, self._hol_hit, self._hol_set = req, hit, set(hit)
+                # counted just above in the common case (a failure decided by the hit's free part)
+                self._hol_touch_free = (touch_free if touch_free >= 0
+                                        else self._count_free_hit(hit) if hit else 0)
             return None
         if req is self._hol_req:
-            self._hol_req, self._hol_hit, self._hol_pos = None, [], {}
+            self._hol_req, self._hol_hit, self._hol_set = None, [], set()
         self._touch(req, hit)
         if need_new > 0:
             self._allocate(req, need_new)
@@ -839,7 +843,8 @@ class Engine:
         ref = self._ref
         k = len(hit)
         r0 = ref[hit[0]]
-        if r0 < 0 and not self._hol_pos:
+        hol_set = self._hol_set
+        if r0 < 0:
             # A returning turn: its hit is the tail of the run the previous turn released
             # (released in reverse), all free. Check it with one C-level comparison and
             # take it out of the queue as one slice.
@@ -850,11 +855,12 @@ class Engine:
                 for b in hit:
                     ref[b] = 1
                 self._num_free -= k
+                if hol_set:   # the memo's free blocks among them are held now
+                    self._hol_touch_free -= len(hol_set.intersection(hit))
                 req.blocks.extend(hit)
                 req.registered = k
                 return
         run_of = self._run_of
-        hol_set = self._hol_pos
         taken = 0
         for b in hit:
             r = ref[b]
@@ -905,7 +911,7 @@ class Engine:
         ref = self._ref
         block_hash = self._block_hash
         cached = self._cached
-        hol_set = self._hol_pos
+        hol_set = self._hol_set
         kv_events = self.kv_events
         if not hol_set and kv_events is None:   # the loop below without the memo and the events
             for b in taken:
@@ -929,10 +935,9 @@ class Engine:
                     # there too (the blocks before it keep their hashes), and if the hash
                     # comes back the memo's "chain grew" check in _admit finds it.
                     hit = self._hol_hit
-                    gone = hit[hol_set[b]:]
+                    gone = hit[hit.index(b):]
                     self._hol_touch_free -= self._count_free(gone)
-                    for g in gone:
-                        del hol_set[g]
+                    hol_set.difference_update(gone)
                     self._hol_hit = hit[:len(hit) - len(gone)]
             ref[b] = 1
             append(b)
@@ -983,18 +988,18 @@ class Engine:
         if not blocks:
             return
         ref = self._ref
-        hol_set = self._hol_pos
+        hol_set = self._hol_set
         rid = self._next_rid
         self._next_rid = rid + 1
         neg = -rid
-        refs = list(map(ref.__getitem__, blocks)) if not hol_set else None
-        n_last = refs.count(1) if refs is not None else -1
+        refs = list(map(ref.__getitem__, blocks))
+        n_last = refs.count(1)
         if n_last == len(blocks):
-            # No block shared with another request, no memo to keep: every block goes free.
+            # No block shared with another request: every block goes free.
             q = blocks[::-1]
             for b in blocks:
                 ref[b] = neg
-        elif n_last >= 0 and refs[:len(blocks) - n_last].count(2) == len(blocks) - n_last:
+        elif refs[:len(blocks) - n_last].count(2) == len(blocks) - n_last:
             # A leading run shared with one other request (the session's next turn took it as
             # its hit while this one ran): it stays with that request, the rest goes free.
             shared = len(blocks) - n_last
@@ -1012,12 +1017,12 @@ class Engine:
                 if r == 0:
                     ref[b] = neg
                     q.append(b)
-                    if hol_set and b in hol_set:
-                        self._hol_touch_free += 1
                 else:
                     ref[b] = r
             if not q:
                 return
+        if hol_set:   # the memo's blocks among those now free (one C-level pass, not a test each)
+            self._hol_touch_free += len(hol_set.intersection(q))
         run = _Run(rid, q)
         self._runs.append(run)
         self._run_of[rid] = run
