@@ -214,6 +214,7 @@ ALL_POLICIES = "round_robin,load_only,lmetric,sticky,unified,unified_ab,leastwor
 
 
 def fingerprint(path: str, limit: int | None, policies: str, instances: int) -> None:
+    import gc
     import hashlib
     import json
 
@@ -223,6 +224,8 @@ def fingerprint(path: str, limit: int | None, policies: str, instances: int) -> 
     requests = load_trace(path)
     if limit is not None:
         requests = requests[:limit]
+    gc.collect()
+    gc.freeze()   # as kvtop simulate does with its trace (kvtop/simulate.py run)
     total = 0.0
     for policy in policies.split(","):
         c0 = time.process_time()
@@ -259,6 +262,8 @@ def ab(path: str, versions: list[str], limit: int | None, policies: str, instanc
     requests = load_trace(path)
     if limit is not None:
         requests = requests[:limit]
+    gc.collect()
+    gc.freeze()   # as kvtop simulate does with its trace (kvtop/simulate.py run)
     cpu: dict[tuple[str, str], list[float]] = {}
     for r in range(rounds):
         for name, module in modules.items():

@@ -16,6 +16,7 @@ when its own 95% interval excludes zero.
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import random
@@ -149,6 +150,11 @@ def run_tasks(simulate: Callable[..., Any], traces: dict[str, Sequence[Any]], ta
 
     _setup(simulate, traces)   # inherited by forked workers; spawned ones get it as initargs
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
+    # What is alive now (the traces above all) is frozen before the fork, so the workers' full
+    # collections neither traverse it nor touch its pages (which would copy them); thawed after.
+    frozen = method == "fork" and gc.get_freeze_count() == 0
+    if frozen:
+        gc.freeze()
     ctx = multiprocessing.get_context(method)
     init = (None, ()) if method == "fork" else (_setup, (simulate, traces))
     try:
@@ -162,6 +168,8 @@ def run_tasks(simulate: Callable[..., Any], traces: dict[str, Sequence[Any]], ta
                     progress(done, total)
     finally:
         _SHARED.clear()
+        if frozen:
+            gc.unfreeze()
     return rows  # type: ignore[return-value]
 
 
