@@ -42,8 +42,8 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from itertools import compress, repeat
-from operator import itemgetter
+from itertools import compress, count, islice, repeat
+from operator import itemgetter, ne
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -158,6 +158,32 @@ class StepResult:
 _PENDING, _WAITING, _TRANSFERRING, _RUNNING, _DONE = range(5)
 
 _negative = (0).__gt__     # as a C-level predicate: free blocks have a negative refcount entry
+
+#: Requests whose blocks ``_lookup`` remembers per engine (by first block hash), at most.
+_MAX_CHAINS = 1024
+
+
+def _first_difference(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """Index of the first position where equal-length ``a`` and ``b`` differ, else their length."""
+    return next(compress(count(), map(ne, a, b)), len(a))
+
+
+def _chain_prefix(chain: tuple[Sequence[int], list[int]], hashes: Sequence[int], limit: int,
+                  block_hash: list[int | None]) -> list[int]:
+    """The leading blocks of ``chain`` (a request's hashes and blocks) that still hold
+    ``hashes[:limit]``'s leading hashes: ``_lookup``'s answer for that stretch."""
+    c_hashes, c_blocks = chain
+    m = min(limit, len(c_hashes), len(c_blocks))
+    want = hashes[:m]
+    if c_hashes[:m] != want:
+        m = _first_difference(c_hashes[:m], want)
+        want = want[:m]
+    blocks = c_blocks[:m]
+    held = list(map(block_hash.__getitem__, blocks))
+    if held != want:
+        m = _first_difference(held, want)
+        del blocks[m:]
+    return blocks
 
 
 class _Run:
@@ -289,6 +315,8 @@ class Engine:
         self._hol_set: set[int] = set()   # the memo's hit blocks (a set: cheaper to build than
         # a block -> position dict, and positions are needed only when one is evicted, rarely)
         self._hol_touch_free = 0       # hit blocks of the memo with refcount 0
+        # first block hash -> (hashes, blocks) of the last request admitted with it (_lookup)
+        self._chains: dict[int, tuple[Sequence[int], list[int]]] = {}
         self._pending: list[tuple[float, int, _Req]] = []      # frontend, sorted by ready time
         self.kv_events: list | None = None  # KV facts for kvtop/sim/kv_publisher.py, when it is on
         self._seq = 0
@@ -714,6 +742,16 @@ class Engine:
         get = cached.get
         found: list[int] = []
         start, size = 0, 64
+        chain = self._chains.get(hashes[0])
+        if chain is not None:
+            # The blocks of the last request admitted with this first hash (a returning turn's
+            # previous one, mostly): as far as they still hold this prompt's hashes, they are
+            # what the dict would give (a block holds hash h exactly when the cache maps h to
+            # it), found by list comparisons instead of a dict read a hash.
+            found = _chain_prefix(chain, hashes, limit, self._block_hash)
+            start = len(found)
+            if start == limit or hashes[start] not in cached:
+                return found
         while start < limit:
             end = start + size if start + size < limit else limit
             part = hashes[start:end]
@@ -734,6 +772,18 @@ class Engine:
             found += chunk[:miss]
             break
         return found
+
+    def _note_chain(self, req: _Req) -> None:
+        """Remember an admitted request's blocks for ``_lookup`` (see there), bounded."""
+        hashes = req.hashes
+        if not hashes:
+            return
+        chains = self._chains
+        chains.pop(hashes[0], None)    # re-inserted: the dict's order is the order of use
+        chains[hashes[0]] = (hashes, req.blocks)
+        if len(chains) > _MAX_CHAINS:
+            for h in list(islice(chains, _MAX_CHAINS // 2)):
+                del chains[h]
 
     def _count_prefix(self, req: _Req, hit_tokens: int) -> None:
         if self.prefix_metrics == "at_lookup":
@@ -788,6 +838,7 @@ class Engine:
             if self.prefix_metrics == "after_alloc":
                 self._count_prefix(req, hit_tokens)
             req.cached_tokens = n_full * bs
+            self._note_chain(req)
             req.state = _TRANSFERRING
             req.ready_at = now + self.profile.kv_transfer_s((n_full - len(hit)) * bs)
             self.waiting.remove(req)
@@ -824,6 +875,7 @@ class Engine:
         if self.prefix_metrics == "after_alloc" and not resumed_after_transfer:
             self._count_prefix(req, hit_tokens)
         self._register(req, hit_tokens + num_new)
+        self._note_chain(req)
         if req.cached_tokens is None:
             req.cached_tokens = hit_tokens
         req.computed = hit_tokens + num_new
