@@ -86,6 +86,8 @@ def test_lookup_from_the_chains_is_the_dict_walk(seed, blocks, budget):
         for r in rng.sample(list(e._requests.values()), min(2, len(e._requests))):
             e._lookup(r.hashes, r.num_tokens)   # lookups at other moments than admission too
         res = e.step(t)
+        # the count that lets a release skip reading refcounts when no block is shared
+        assert e._num_shared == sum(r - 1 for r in e._ref if r > 1)
         for f in res.finished:
             if f.request_id in live:
                 live.remove(f.request_id)

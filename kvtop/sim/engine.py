@@ -163,6 +163,14 @@ _negative = (0).__gt__     # as a C-level predicate: free blocks have a negative
 _MAX_CHAINS = 1024
 
 
+def _gather(values: list[Any], index: Sequence[int]) -> tuple[Any, ...]:
+    """``values[i]`` for each ``i`` in ``index``, as a tuple: one ``itemgetter`` call, about half
+    the cost of ``map(values.__getitem__, index)`` (a method-wrapper call per item)."""
+    if len(index) > 1:
+        return itemgetter(*index)(values)
+    return (values[index[0]],) if index else ()
+
+
 def _first_difference(a: Sequence[Any], b: Sequence[Any]) -> int:
     """Index of the first position where equal-length ``a`` and ``b`` differ, else their length."""
     return next(compress(count(), map(ne, a, b)), len(a))
@@ -179,8 +187,8 @@ def _chain_prefix(chain: tuple[Sequence[int], list[int]], hashes: Sequence[int],
         m = _first_difference(c_hashes[:m], want)
         want = want[:m]
     blocks = c_blocks[:m]
-    held = list(map(block_hash.__getitem__, blocks))
-    if held != want:
+    held = _gather(block_hash, blocks)
+    if held != tuple(want):
         m = _first_difference(held, want)
         del blocks[m:]
     return blocks
@@ -306,6 +314,7 @@ class Engine:
         self._run_of: dict[int, _Run] = {1: first}             # run id -> run, while queued
         self._next_rid = 2
         self._num_free = n
+        self._num_shared = 0    # sum of (refcount - 1) over held blocks: 0 = no block is shared
 
         self._requests: dict[str, _Req] = {}
         # Head-of-line memo: a waiting request whose blocks did not fit is retried every step;
@@ -459,7 +468,7 @@ class Engine:
     def _count_free(self, blocks: Sequence[int]) -> int:
         """How many of ``blocks`` have refcount 0 (C-level passes; ``list.count`` of a bool is
         far cheaper than ``sum`` over bools, which leaves sum's int fast path)."""
-        return list(map(_negative, map(self._ref.__getitem__, blocks))).count(True)
+        return list(map(_negative, _gather(self._ref, blocks))).count(True)
 
     def _free_queue(self) -> list[int]:
         """The free blocks in LRU order, the next evicted first (for tests and invariants)."""
@@ -925,6 +934,7 @@ class Engine:
             else:
                 ref[b] = r + 1
         self._num_free -= taken
+        self._num_shared += k - taken
         req.blocks.extend(hit)
         req.registered = k
 
@@ -938,7 +948,7 @@ class Engine:
             run = runs[0]
             if run.dirty:   # drop the entries hits took one by one (C-level passes)
                 q = run.q[run.head:]
-                run.q = list(compress(q, map((-run.rid).__eq__, map(ref.__getitem__, q))))
+                run.q = list(compress(q, map((-run.rid).__eq__, _gather(ref, q))))
                 run.head = 0
                 run.dirty = False
             q = run.q
@@ -1044,10 +1054,11 @@ class Engine:
         rid = self._next_rid
         self._next_rid = rid + 1
         neg = -rid
-        refs = list(map(ref.__getitem__, blocks))
-        n_last = refs.count(1)
+        refs = _gather(ref, blocks) if self._num_shared else None
+        n_last = refs.count(1) if refs is not None else len(blocks)
         if n_last == len(blocks):
-            # No block shared with another request: every block goes free.
+            # No block shared with another request (known without reading a refcount when no
+            # block of the engine is): every block goes free.
             q = blocks[::-1]
             for b in blocks:
                 ref[b] = neg
@@ -1055,6 +1066,7 @@ class Engine:
             # A leading run shared with one other request (the session's next turn took it as
             # its hit while this one ran): it stays with that request, the rest goes free.
             shared = len(blocks) - n_last
+            self._num_shared -= shared
             for b in blocks[:shared]:
                 ref[b] = 1
             q = blocks[:shared - 1:-1] if shared else blocks[::-1]
@@ -1071,6 +1083,7 @@ class Engine:
                     q.append(b)
                 else:
                     ref[b] = r
+            self._num_shared -= len(blocks) - len(q)   # each decrement that left a holder
             if not q:
                 return
         if hol_set:   # the memo's blocks among those now free (one C-level pass, not a test each)
