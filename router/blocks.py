@@ -113,7 +113,8 @@ def regroup_block_ids(hash_ids: Sequence[int], id_block_size: int, block_size: i
     if block_size % id_block_size == 0:
         step = block_size // id_block_size
         usable = min(nblocks, len(hash_ids) // step)
-        return list(hash_ids[step - 1:usable * step:step])   # ids at k*step + step-1, k < usable
+        ids = hash_ids[step - 1:usable * step:step]   # ids at k*step + step-1, k < usable
+        return ids if type(ids) is list else list(ids)   # a list's slice is a new list already
     if id_block_size % block_size == 0:
         per = id_block_size // block_size
         out: list[int] = []
