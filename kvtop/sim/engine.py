@@ -1018,19 +1018,29 @@ class Engine:
         blocks = req.blocks
         kv_events = self.kv_events
         if kv_events is None:
-            # The common case, no block of the run cached already: one C-level update.
+            # The common case, no block of the run cached already (no exception on the agentic
+            # benchmark trace): one C-level update, checked afterwards by the dict's growth,
+            # which a hash cached already or repeated inside the run cuts short.
             run = hashes[k:upto]
-            if cached.keys().isdisjoint(run):
-                before = len(cached)
-                run_blocks = blocks[k:upto]
-                cached.update(zip(run, run_blocks))
-                if len(cached) - before == upto - k:
-                    for b, h in zip(run_blocks, run):
-                        block_hash[b] = h
-                    req.registered = upto
-                    return
-                for h in set(run):   # a hash repeated inside the run: undo, go block by block
+            before = len(cached)
+            run_blocks = blocks[k:upto]
+            cached.update(zip(run, run_blocks))
+            if len(cached) - before == upto - k:
+                for b, h in zip(run_blocks, run):
+                    block_hash[b] = h
+                req.registered = upto
+                return
+            # Undo it, then go block by block: a hash that another block held (its block_hash
+            # entry says which; the run's own blocks hold none yet) is given back to that
+            # block, in place, and the run's new hashes are removed.
+            run_set = set(run)
+            held = {h: b for b, h in enumerate(block_hash) if h is not None and h in run_set}
+            for h in run_set:
+                b = held.get(h)
+                if b is None:
                     del cached[h]
+                else:
+                    cached[h] = b
         for idx in range(k, upto):
             h = hashes[idx]
             if h not in cached:   # another block may already hold this content
