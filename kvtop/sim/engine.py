@@ -468,7 +468,10 @@ class Engine:
     def _count_free(self, blocks: Sequence[int]) -> int:
         """How many of ``blocks`` have refcount 0 (C-level passes; ``list.count`` of a bool is
         far cheaper than ``sum`` over bools, which leaves sum's int fast path)."""
-        return list(map(_negative, _gather(self._ref, blocks))).count(True)
+        refs = _gather(self._ref, blocks)
+        if not self._num_shared:   # every held block's refcount is 1: count those, about twice as cheap
+            return len(refs) - refs.count(1)
+        return list(map(_negative, refs)).count(True)
 
     def _free_queue(self) -> list[int]:
         """The free blocks in LRU order, the next evicted first (for tests and invariants)."""
