@@ -28,7 +28,8 @@ def reference_lookup(e: Engine, hashes, num_tokens) -> list[int]:
 
 
 def checked(e: Engine) -> list[int]:
-    """Compare every lookup with the reference; returns a list counting those the chains answered."""
+    """Compare every lookup with the reference, and every count of a hit's free blocks with the
+    refcounts; returns a list counting the lookups the chains answered."""
     lookup = e._lookup
     from_chain = []
 
@@ -39,7 +40,15 @@ def checked(e: Engine) -> list[int]:
         assert got == reference_lookup(e, hashes, num_tokens)
         return got
 
+    count_free_hit = e._count_free_hit
+
+    def _count_free_hit(hit):   # what a lookup that found only held blocks lets it skip
+        got = count_free_hit(hit)
+        assert got == [e._refcount(b) for b in hit].count(0)
+        return got
+
     e._lookup = _lookup
+    e._count_free_hit = _count_free_hit
     return from_chain
 
 

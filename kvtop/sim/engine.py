@@ -176,11 +176,11 @@ def _first_difference(a: Sequence[Any], b: Sequence[Any]) -> int:
     return next(compress(count(), map(ne, a, b)), len(a))
 
 
-def _chain_prefix(chain: tuple[Sequence[int], list[int]], hashes: Sequence[int], limit: int,
+def _chain_prefix(chain: tuple[Sequence[int], list[int], Any], hashes: Sequence[int], limit: int,
                   block_hash: list[int | None]) -> list[int]:
     """The leading blocks of ``chain`` (a request's hashes and blocks) that still hold
     ``hashes[:limit]``'s leading hashes: ``_lookup``'s answer for that stretch."""
-    c_hashes, c_blocks = chain
+    c_hashes, c_blocks = chain[0], chain[1]
     m = min(limit, len(c_hashes), len(c_blocks))
     want = hashes[:m]
     if c_hashes[:m] != want:
@@ -324,8 +324,9 @@ class Engine:
         self._hol_set: set[int] = set()   # the memo's hit blocks (a set: cheaper to build than
         # a block -> position dict, and positions are needed only when one is evicted, rarely)
         self._hol_touch_free = 0       # hit blocks of the memo with refcount 0
-        # first block hash -> (hashes, blocks) of the last request admitted with it (_lookup)
-        self._chains: dict[int, tuple[Sequence[int], list[int]]] = {}
+        # first block hash -> (hashes, blocks, request) of the last request admitted with it
+        self._chains: dict[int, tuple[Sequence[int], list[int], _Req]] = {}
+        self._held_hit: list[int] | None = None   # the last lookup's hit, if all of it is held
         self._pending: list[tuple[float, int, _Req]] = []      # frontend, sorted by ready time
         self.kv_events: list | None = None  # KV facts for kvtop/sim/kv_publisher.py, when it is on
         self._seq = 0
@@ -455,7 +456,10 @@ class Engine:
         return r if r > 0 else 0
 
     def _count_free_hit(self, hit: list[int]) -> int:
-        """``_count_free(hit)``, read off the run when the hit is a released run's tail."""
+        """``_count_free(hit)``, read off the run when the hit is a released run's tail, or
+        known to be 0 when the lookup just found it all in blocks a live request holds."""
+        if hit is self._held_hit:
+            return 0
         r0 = self._ref[hit[0]]
         if r0 < 0:
             run = self._run_of[-r0]
@@ -754,6 +758,7 @@ class Engine:
         get = cached.get
         found: list[int] = []
         start, size = 0, 64
+        self._held_hit = None
         chain = self._chains.get(hashes[0])
         if chain is not None:
             # The blocks of the last request admitted with this first hash (a returning turn's
@@ -763,6 +768,10 @@ class Engine:
             found = _chain_prefix(chain, hashes, limit, self._block_hash)
             start = len(found)
             if start == limit or hashes[start] not in cached:
+                if found and chain[2].blocks is chain[1]:
+                    # That request still holds every block of its list (a release swaps the
+                    # list), so none of the hit is free: _count_free_hit need not count.
+                    self._held_hit = found
                 return found
         while start < limit:
             end = start + size if start + size < limit else limit
@@ -792,7 +801,7 @@ class Engine:
             return
         chains = self._chains
         chains.pop(hashes[0], None)    # re-inserted: the dict's order is the order of use
-        chains[hashes[0]] = (hashes, req.blocks)
+        chains[hashes[0]] = (hashes, req.blocks, req)
         if len(chains) > _MAX_CHAINS:
             for h in list(islice(chains, _MAX_CHAINS // 2)):
                 del chains[h]
