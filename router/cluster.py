@@ -61,8 +61,18 @@ class SessionInfo:
     last_seen: float = 0.0
     bound_since: float = 0.0  # when the session moved to its current instance
     moves: int = 0
-    gap_sum: float = 0.0  # seconds between its turns' arrivals, summed (its return rate)
+    gap_sum: float = 0.0  # seconds from its last answer's end (or its last arrival, if later) to its next turn, summed
     gaps: int = 0
+    in_flight: int = 0  # its requests dispatched and not yet finished
+    last_done: float = float("-inf")  # when its last request finished
+
+    def idle_s(self, now: float) -> float:
+        """Seconds it has been free to send a turn: since its last answer ended, or its last
+        arrival if later; 0 while a request of its own is in flight (an agent waits for the
+        answer before its next turn)."""
+        if self.in_flight > 0:
+            return 0.0
+        return now - max(self.last_seen, self.last_done)
 
 
 @dataclass(slots=True)
@@ -181,7 +191,7 @@ class Lookahead:
                     continue
                 g = other.gap_sum / other.gaps if other.gaps else self.fleet_gap_s
                 # a numerical cut, not a model: idle over 14 mean gaps is odds below e^-14
-                if g and self.now - other.last_seen > 14 * g:
+                if g and other.idle_s(self.now) > 14 * g:
                     ids.discard(sid)
                     continue
                 if sid != self._session_id:
@@ -200,6 +210,7 @@ class Ticket:
     started: float = 0.0
     pinned: Sequence[int] = ()  # its blocks, held in the exact index's model until it finishes
     anon: int = 0  # blocks a text-hashed prefill will allocate, counted in the exact model until it ends
+    session_id: str | None = None  # the session whose turn this is (None for a prefill-only leg)
 
 
 class Cluster:
@@ -350,7 +361,7 @@ class Cluster:
             ex.reserve(instance, anon)
         self.in_flight += 1
         t = Ticket(instance, input_tokens, new_prefill, decode, "prefill", self.clock(), pinned,
-                   anon)
+                   anon, session_id if decode else None)
         self._prefilling[instance][id(t)] = t
         return t
 
@@ -395,6 +406,11 @@ class Cluster:
             t.pinned = ()
         if error:
             s.errors_total += 1
+        if t.session_id is not None:  # its session may send its next turn from now
+            sess = self.sessions.get(t.session_id)
+            if sess is not None and sess.in_flight > 0:
+                sess.in_flight -= 1
+                sess.last_done = self.clock()
         t.phase = "done"
         self.in_flight -= 1
 
@@ -411,7 +427,7 @@ class Cluster:
         else:
             self.sessions.move_to_end(session_id)
             if new_turn and sess.turns:
-                gap = now - sess.last_seen
+                gap = now - max(sess.last_seen, sess.last_done)  # its think time, not its service
                 sess.gap_sum += gap
                 sess.gaps += 1
                 self.gap_sum += gap
@@ -426,6 +442,7 @@ class Cluster:
         sess.last_input_tokens = input_tokens
         sess.last_est_hit_tokens = est_hit
         sess.last_seen = now
+        sess.in_flight += 1
         self._bound[instance].add(session_id)
         return sess
 

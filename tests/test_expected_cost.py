@@ -12,7 +12,7 @@ import pytest
 from router.calibration import DEFAULT_PRIOR, Calibration, PrefillPrior
 from router.cluster import Cluster
 from router.policies import build_policy
-from router.policies.expected_cost import ExpectedCost, return_odds
+from router.policies.expected_cost import ExpectedCost, queued_behind_s, return_odds
 
 ROOT = Path(__file__).resolve().parents[1]
 BS = 512
@@ -165,6 +165,94 @@ def test_return_odds_follow_laplace_and_idle_time():
     assert return_odds(1, 0.0, 0, 30.0, 10.0) < 0.5  # no gap of its own: the fleet's mean
 
 
+def test_a_session_is_idle_from_its_answers_end_not_its_arrival():
+    """An agent sends its next turn after reading the answer: while a request of its own is in
+    flight it is not idle at all, its idle time runs from the answer's end, and its gap is
+    the think time from that end to the next turn (a 30 s prefill is not a 30 s gap)."""
+    c, clock = cluster(2)
+    t = c.dispatch(0, 4 * BS, 0, chain(1, 4), session_id="s")
+    sess = c.bind_session("s", 0, 4 * BS, 0)
+    clock.t = 30.0
+    assert sess.in_flight == 1 and sess.idle_s(clock.t) == 0.0  # 30 s after arrival, still served
+    c.first_token(t)
+    clock.t = 40.0
+    c.finish(t)
+    assert sess.in_flight == 0 and sess.last_done == 40.0
+    assert sess.idle_s(45.0) == pytest.approx(5.0)
+    clock.t = 42.0  # next turn 2 s after the answer: a gap of 2 s, not 42
+    c.dispatch(0, 5 * BS, 4 * BS, chain(1, 5), session_id="s")
+    c.bind_session("s", 0, 5 * BS, 4 * BS)
+    assert (sess.gaps, sess.gap_sum, sess.in_flight) == (1, pytest.approx(2.0), 1)
+    assert (c.gaps, c.gap_sum) == (1, pytest.approx(2.0))  # the fleet's mean gap, too
+
+
+def test_a_prefill_only_leg_does_not_end_its_sessions_turn():
+    c, clock = cluster(2)
+    p = c.dispatch(1, 4 * BS, 0, chain(1, 4), decode=False, session_id="s")  # offload's P leg
+    d = c.dispatch(0, 4 * BS, 0, chain(1, 4), session_id="s")
+    sess = c.bind_session("s", 0, 4 * BS, 0)
+    c.finish(p)
+    assert sess.in_flight == 1 and sess.idle_s(clock.t + 10) == 0.0
+    c.finish(d)
+    assert sess.in_flight == 0
+
+
+@pytest.mark.parametrize("wait,own,gap,expected", [
+    (0.0, 10.0, 10.0, 10 - 10 * (1 - math.exp(-1))),  # arrives during it: e^-u/g-weighted remainder
+    (5.0, 10.0, 10.0, 10 - 10 * math.exp(-0.5) * (1 - math.exp(-1))),  # before it starts: all of it
+    (0.0, 10.0, 1e-9, 10.0),  # returns at once: waits the whole prefill
+    (0.0, 10.0, 1e9, 0.0),  # never returns in time: nothing
+    (3.0, 0.0, 10.0, 0.0),  # nothing to prefill: nobody waits
+])
+def test_queued_behind_is_the_expected_wait_added_to_a_returning_turn(wait, own, gap, expected):
+    """By hand: a turn arriving at t ~ Exp(gap) waits own if t < wait, wait + own - t if it
+    comes during the prefill, 0 after; E = own - gap e^(-wait/gap) (1 - e^(-own/gap))."""
+    assert queued_behind_s(wait, own, gap) == pytest.approx(expected, abs=1e-6)
+    # the same by numerical integration over the arrival time
+    if 1e-6 < gap < 1e6 and own > 0:
+        n = 20_000
+        hi = wait + own + 30 * gap
+        dt = hi / n
+        num = sum((own if x < wait else max(wait + own - x, 0.0)) * math.exp(-x / gap) / gap * dt
+                  for x in (dt * (k + 0.5) for k in range(n)))
+        assert queued_behind_s(wait, own, gap) == pytest.approx(num, rel=1e-3)
+
+
+def test_queue_term_prices_the_returning_turns_a_prefill_holds_up():
+    """Two idle instances; a session returns to i0 every 2 s (think time). A cold prompt costs
+    the same prefill on both, but on i0 the session's next turn may queue behind it: the
+    queue term is p_return x queued_behind(0, own, 2 s), by hand, and the prompt goes to i1."""
+    c, clock = cluster(2, capacity_blocks=2000)
+    r = chain(1, 104)  # a 51k-token context: moving would cost it more than waiting
+    for turn in range(3):
+        serve(c, clock, 0, "r", r[: 100 + turn], prefill_s=0.5)
+        clock.t += 2.0
+    sess = c.sessions["r"]
+    assert sess.gap_sum / sess.gaps == pytest.approx(2.0)
+    p, terms = decide(c, chain(5, 40), "new")
+    own = terms["i0"]["own_s"]
+    odds = return_odds(3, sess.gap_sum, sess.gaps, 2.0, c.gap_sum / c.gaps)
+    assert terms["i0"]["queue_s"] == pytest.approx(odds * queued_behind_s(0.0, own, 2.0), abs=1e-3)
+    assert queued_behind_s(0.0, own, 2.0) < c.calibration.seconds(0, sess.last_input_tokens, 0)
+    assert terms["i1"]["queue_s"] == 0.0
+    assert p.index == 1
+
+
+def test_a_returning_turn_is_held_up_at_most_its_move():
+    """A short session would rather re-prefill its 1k-token context elsewhere than wait out a
+    cold 100k prefill: its share of the queue term is capped at T(context, 0)."""
+    c, clock = cluster(2, capacity_blocks=2000)
+    serve(c, clock, 0, "r", chain(1, 2), prefill_s=0.1)
+    clock.t += 1.0
+    serve(c, clock, 0, "r", chain(1, 2), prefill_s=0.1)
+    p, terms = decide(c, chain(5, 200), "new")
+    sess = c.sessions["r"]
+    odds = return_odds(sess.turns, sess.gap_sum, sess.gaps, sess.idle_s(clock.t), c.gap_sum / c.gaps)
+    move = c.calibration.seconds(0, sess.last_input_tokens, 0)
+    assert queued_behind_s(0.0, terms["i0"]["own_s"], 1.0) > move
+    assert terms["i0"]["queue_s"] == pytest.approx(odds * move, abs=1e-3)
+
+
 def test_sticks_while_the_queue_is_shorter_than_the_re_prefill():
     c, clock = cluster(2)
     a = chain(1, 100)  # 51k tokens cached on i0
@@ -242,8 +330,8 @@ def test_every_candidate_is_recorded_with_the_rate_it_used():
     p, terms = decide(c, chain(5, 10), "new")
     assert set(terms) == {"i0", "i1", "i2"}
     for t in terms.values():
-        assert t["score"] == pytest.approx(t["wait_s"] + t["own_s"] + t["interf_s"] + t.get("evict_s", 0)
-                                           + t.get("keep_s", 0), abs=1e-3)
+        assert t["score"] == pytest.approx(t["wait_s"] + t["own_s"] + t["interf_s"] + t.get("queue_s", 0)
+                                           + t.get("evict_s", 0) + t.get("keep_s", 0), abs=1e-3)
         assert t["tps"] == pytest.approx(DEFAULT_PRIOR.tokens_per_s, rel=1e-3)
 
 
@@ -312,8 +400,9 @@ def test_skipping_candidates_that_cannot_win_changes_nothing(seed):
     pol = ExpectedCost()
     got = pol.pick(None, v)
     turn = v.session_turn
-    full = [sum({**pol._today(x, v.lookahead), **pol._future(x, v.lookahead, turn / (turn + 1.0),
-                                                            v.input_tokens)}.values()) for x in v.candidates]
+    today = [pol._today(x, v.lookahead) for x in v.candidates]
+    full = [sum({**d, **pol._future(x, v.lookahead, turn / (turn + 1.0), v.input_tokens, d)}.values())
+            for x, d in zip(v.candidates, today)]
     k, _, _ = argmin_with_ties(v.candidates, full, (lambda x: x.new, lambda x: x.num_requests), v.rr_counter)
     assert got.index == v.candidates[k].index
     for t, f in zip(got.terms, full):

@@ -14,7 +14,8 @@ def return_odds(turns: int, gap_sum: float, gaps: int, idle_s: float, fleet_gap_
     """Probability that a session seen for ``turns`` turns sends another one.
 
     Laplace's rule on its own history (k turns, k - 1 of them continuations, none seen
-    ending): pi = k / (k + 1). Its gaps between turns are taken as exponential with its own
+    ending): pi = k / (k + 1). Its gaps before a turn (from its last answer's end: an agent
+    sends the next turn after reading the answer) are taken as exponential with its own
     mean gap (the fleet's mean while it has none); having been idle ``idle_s`` seconds, Bayes
     gives pi e^(-idle/g) / (pi e^(-idle/g) + 1 - pi)."""
     pi = turns / (turns + 1.0)
@@ -26,14 +27,24 @@ def return_odds(turns: int, gap_sum: float, gaps: int, idle_s: float, fleet_gap_
 
 
 def session_odds(s: SessionInfo, la: Lookahead) -> float:
-    return return_odds(s.turns, s.gap_sum, s.gaps, la.now - s.last_seen, la.fleet_gap_s)
+    return return_odds(s.turns, s.gap_sum, s.gaps, s.idle_s(la.now), la.fleet_gap_s)
+
+
+def queued_behind_s(wait: float, own: float, gap: float) -> float:
+    """Expected seconds a session that returns after an exponential gap of mean ``gap`` (from
+    now) waits longer because a prefill of ``own`` seconds starts on its instance after
+    ``wait``: all of ``own`` if it arrives before that prefill starts, what is left of it if it
+    arrives during it, nothing after: own - gap e^(-wait/gap) (1 - e^(-own/gap))."""
+    if own <= 0:
+        return 0.0
+    return own - gap * math.exp(-wait / gap) * -math.expm1(-own / gap)
 
 
 class ExpectedCost(Policy):
     """expected_cost: argmin over healthy instances i of the expected seconds this placement
     costs, everyone's, now and at the next turns:
 
-        cost_i = wait_i + own_i + interference_i + evict_i + keep_i
+        cost_i = wait_i + own_i + interference_i + queue_i + evict_i + keep_i
 
     - wait_i: the prefill queued on i ahead of this request, each pending request's T_i(q, h)
       summed, less the service the head has had (chunked prefill serves the queue in order);
@@ -41,7 +52,15 @@ class ExpectedCost(Policy):
       cached ones, attention included (T grows with context);
     - interference_i = BS_i x own_i: every request in flight on i decodes while this prefill
       runs (those decoding now, and those prefilling ahead of it once they finish), one token
-      per chunk, so each is held up by about the length of this prefill;
+      per chunk, so each is held up by about the length of this prefill (only one with
+      fewer tokens left to decode than the prefill has steps, new_i / the token budget, at
+      most 25 on an H20, is held up less: docs/policies.md);
+    - queue_i = sum over the other sessions bound to i of
+      p_return(s) x min(queued_behind(wait_i, own_i, g_s), T_i(context_s, 0)): the turns
+      that will arrive at i while this request waits or prefills there, each held up by
+      the part of own_i still ahead of it (queued_behind, with s's return after an
+      exponential gap of its own mean g_s from now), but never longer than re-prefilling
+      its whole context elsewhere would cost it (it would move);
     - evict_i = sum over the sessions whose blocks this request's new blocks would evict
       from i (the estimated LRU's oldest end, sessions still bound to i) of
       p_return(s) x T_i(evicted_s, context_s - evicted_s): their tail re-prefilled if they return;
@@ -53,8 +72,9 @@ class ExpectedCost(Policy):
     T_i(q, h) = scale_i x (q + (2qh + q^2) / (2 A)) / R: the prior's shape (R prefill tokens/s
     of the linear layers, A = the context where attention costs as much; from the engine
     profile) at i's measured scale (router/calibration.py). p_return(s): Laplace's rule on
-    the session's turns, k / (k + 1), discounted by its idle time against its own mean gap
-    between turns (the fleet's while it has none). p_next = turn / (turn + 1).
+    the session's turns, k / (k + 1), discounted by its idle time (since its last answer
+    ended; none while a request of its is in flight) against its own mean gap from an
+    answer's end to its next turn (the fleet's while it has none). p_next = turn / (turn + 1).
 
     Ties by new_i, then BS_i, then the global round-robin counter. Reasons: affinity_stick
     (stayed on the session's instance), affinity_new (first turn), affinity_lost (its instance
@@ -80,7 +100,7 @@ class ExpectedCost(Policy):
         for k in sorted(range(len(cands)), key=lower.__getitem__):
             if lower[k] > best:
                 break
-            parts[k].update(self._future(cands[k], la, p_next, length))
+            parts[k].update(self._future(cands[k], la, p_next, length, parts[k]))
             best = min(best, sum(parts[k].values()))
         scores: list[float] = []
         terms: list[dict] = []
@@ -116,11 +136,20 @@ class ExpectedCost(Policy):
         return {"wait_s": la.wait_s.get(c.index, 0.0), "own_s": own, "interf_s": c.num_requests * own}
 
     @staticmethod
-    def _future(c: Candidate, la: Lookahead | None, p_next: float, length: int) -> dict[str, float]:
+    def _future(c: Candidate, la: Lookahead | None, p_next: float, length: int,
+                today: dict[str, float]) -> dict[str, float]:
         if la is None:
-            return {"evict_s": 0.0, "keep_s": 0.0}
+            return {"queue_s": 0.0, "evict_s": 0.0, "keep_s": 0.0}
         cal = la.calibration
         i = c.index
+        queue = 0.0
+        own = today["own_s"]
+        if own > 0:
+            for s in la.bound(i):
+                g = s.gap_sum / s.gaps if s.gaps else la.fleet_gap_s
+                if g:  # no gap seen anywhere yet: no evidence of returns to price
+                    held = queued_behind_s(today["wait_s"], own, g)
+                    queue += session_odds(s, la) * min(held, cal.seconds(i, s.last_input_tokens, 0))
         evict = 0.0
         for s, lost in la.victims(i):
             ctx = s.last_input_tokens
@@ -132,4 +161,4 @@ class ExpectedCost(Policy):
             lost = min(length, max(0, int(demand + length - la.capacity_tokens[i])))
             if lost:
                 keep = p_next * cal.seconds(i, lost, length - lost)
-        return {"evict_s": evict, "keep_s": keep}
+        return {"queue_s": queue, "evict_s": evict, "keep_s": keep}
