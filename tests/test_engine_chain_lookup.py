@@ -149,3 +149,19 @@ def test_chains_are_bounded():
             r = e.step(t)
             t = r.end_time if not r.idle else (e.next_event_time() or t)
     assert len(e._chains) <= mod._MAX_CHAINS
+
+
+def test_chains_keep_a_bounded_number_of_hashes_alive():
+    from kvtop.sim import engine as mod
+
+    e = Engine("h20", block_size=BS, num_gpu_blocks=64)
+    t = 0.0
+    for k in range(200):   # long prompts, each of a new session
+        hashes = [10_000_000 * (k + 1) + j for j in range(40)]
+        e.add_request(EngineRequest(f"r{k}", 40 * BS + 1, hashes, 1, t))
+        while e.has_work():
+            r = e.step(t)
+            t = r.end_time if not r.idle else (e.next_event_time() or t)
+    kept = sum(len(c[0]) for c in e._chains.values())
+    assert kept == e._chains_size <= mod._CHAIN_BLOCKS_PER_CACHE_BLOCK * 64
+    assert 0 < len(e._chains) < 200

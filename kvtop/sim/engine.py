@@ -159,8 +159,11 @@ _PENDING, _WAITING, _TRANSFERRING, _RUNNING, _DONE = range(5)
 
 _negative = (0).__gt__     # as a C-level predicate: free blocks have a negative refcount entry
 
-#: Requests whose blocks ``_lookup`` remembers per engine (by first block hash), at most.
+#: Requests whose blocks ``_lookup`` remembers per engine (by first block hash), at most, and
+#: their hashes in all, at most, in multiples of the engine's blocks: beyond what the cache can
+#: hold they are of no use, and ``kvtop sim`` must not keep 200k-token prompts' hashes alive.
 _MAX_CHAINS = 1024
+_CHAIN_BLOCKS_PER_CACHE_BLOCK = 8
 
 
 def _gather(values: list[Any], index: Sequence[int]) -> tuple[Any, ...]:
@@ -326,6 +329,7 @@ class Engine:
         self._hol_touch_free = 0       # hit blocks of the memo with refcount 0
         # first block hash -> (hashes, blocks, request) of the last request admitted with it
         self._chains: dict[int, tuple[Sequence[int], list[int], _Req]] = {}
+        self._chains_size = 0   # their hashes, in all
         self._held_hit: list[int] | None = None   # the last lookup's hit, if all of it is held
         self._pending: list[tuple[float, int, _Req]] = []      # frontend, sorted by ready time
         self.kv_events: list | None = None  # KV facts for kvtop/sim/kv_publisher.py, when it is on
@@ -800,11 +804,15 @@ class Engine:
         if not hashes:
             return
         chains = self._chains
-        chains.pop(hashes[0], None)    # re-inserted: the dict's order is the order of use
+        old = chains.pop(hashes[0], None)    # re-inserted: the dict's order is the order of use
+        if old is not None:
+            self._chains_size -= len(old[0])
         chains[hashes[0]] = (hashes, req.blocks, req)
-        if len(chains) > _MAX_CHAINS:
-            for h in list(islice(chains, _MAX_CHAINS // 2)):
-                del chains[h]
+        self._chains_size += len(hashes)
+        if (len(chains) > _MAX_CHAINS
+                or self._chains_size > _CHAIN_BLOCKS_PER_CACHE_BLOCK * self.num_gpu_blocks):
+            for h in list(islice(chains, (len(chains) + 1) // 2)):   # the older half
+                self._chains_size -= len(chains.pop(h)[0])
 
     def _count_prefix(self, req: _Req, hit_tokens: int) -> None:
         if self.prefix_metrics == "at_lookup":
