@@ -165,3 +165,25 @@ def test_chains_keep_a_bounded_number_of_hashes_alive():
     kept = sum(len(c[0]) for c in e._chains.values())
     assert kept == e._chains_size <= mod._CHAIN_BLOCKS_PER_CACHE_BLOCK * 64
     assert 0 < len(e._chains) < 200
+
+
+def test_a_long_previous_turn_cut_past_its_first_chunk():
+    # the check of a chain whose tail was evicted goes in chunks from 64 blocks: the cut at
+    # block ~120 lies in the second chunk
+    e = Engine("h20", block_size=BS, num_gpu_blocks=200)
+    checked(e)
+    t = 0.0
+
+    def run(rid, hashes, n_tokens):
+        nonlocal t
+        e.add_request(EngineRequest(rid, n_tokens, hashes, 1, t))
+        while e.has_work():
+            r = e.step(t)
+            t = r.end_time if not r.idle else (e.next_event_time() or t)
+
+    a = list(range(1_000, 1_150))
+    run("a1", a, 150 * BS + 1)
+    run("other", list(range(5_000, 5_080)), 80 * BS)   # 49 unused blocks, then a1's tail
+    left = len(reference_lookup(e, a, 150 * BS + 1))
+    assert 64 < left < 150
+    assert e.lookup_cached_tokens(a, 150 * BS + 1) == left * BS

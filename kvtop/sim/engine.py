@@ -190,10 +190,24 @@ def _chain_prefix(chain: tuple[Sequence[int], list[int], Any], hashes: Sequence[
         m = _first_difference(c_hashes[:m], want)
         want = want[:m]
     blocks = c_blocks[:m]
-    held = _gather(block_hash, blocks)
-    if held != tuple(want):
-        m = _first_difference(held, want)
-        del blocks[m:]
+    if not m or block_hash[blocks[-1]] == want[-1]:
+        # The last one still holds its hash: all of them, usually (evictions take a released
+        # request's last blocks first), checked in one pass.
+        held = _gather(block_hash, blocks)
+        if held != tuple(want):
+            del blocks[_first_difference(held, want):]
+        return blocks
+    # Some were evicted: check chunks that double from 64 blocks, so that a request evicted
+    # from its first block on costs one chunk rather than a pass over all of its blocks.
+    start, size = 0, 64
+    while start < m:
+        end = start + size if start + size < m else m
+        part = blocks[start:end]
+        held = _gather(block_hash, part)
+        if held != tuple(want[start:end]):
+            del blocks[start + _first_difference(held, want[start:end]):]
+            return blocks
+        start, size = end, size * 2
     return blocks
 
 
