@@ -80,6 +80,22 @@ class Handoff:
             ref = await self._fill(raw)
             return await loop.run_in_executor(pool, fn, ref, *args)
 
+    async def run_partial(self, loop: asyncio.AbstractEventLoop, pool, fn, raw: bytes | Chunks,
+                          *args) -> tuple[bool, Any, asyncio.Future]:
+        """``fn`` in ``pool`` (a WorkerProcess), which may answer early (router/worker.partial):
+        (True, the early answer, a future of the result) or (False, the result, that future,
+        done). The buffer is free again at the first answer: the worker copied the body out
+        before it could send one."""
+        if not self.available:
+            first, final = pool.submit_partial(fn, as_bytes(raw), *args)
+            early, value = await asyncio.wrap_future(first, loop=loop)
+            return early, value, asyncio.wrap_future(final, loop=loop)
+        async with self._lock:
+            ref = await self._fill(raw)
+            first, final = pool.submit_partial(fn, ref, *args)
+            early, value = await asyncio.wrap_future(first, loop=loop)
+        return early, value, asyncio.wrap_future(final, loop=loop)
+
     async def _fill(self, raw: bytes | Chunks) -> ArenaRef:
         n = len(raw)
         if self._map is None or len(self._map) < n:

@@ -414,6 +414,44 @@ class Cluster:
         t.phase = "done"
         self.in_flight -= 1
 
+    def amend(self, t: Ticket, input_tokens: int, blocks: Sequence[int], *,
+              session_id: str | None = None, cache_blocks: bool = True) -> None:
+        """A request dispatched on an estimate of its size (a returning turn routed before its
+        new text was tokenized) is counted now: ``input_tokens`` and ``blocks`` replace what
+        ``dispatch`` charged, which were its shared prefix (exact) and that estimate. The
+        charge moves by the difference (all of it new prefill: the hit was the prefix's), the
+        new blocks are recorded where the prefix's were, and the totals say the counted figure.
+        A ticket that already finished releases nothing more: only the totals and the cache
+        records change (``cache_blocks`` False: not the cache records, for an attempt that
+        failed before its retry)."""
+        s = self.instances[t.instance]
+        delta = input_tokens - t.input_tokens
+        s.input_tokens_total += delta
+        sess = self.sessions.get(session_id) if session_id is not None else None
+        if sess is not None:
+            sess.total_input_tokens += delta
+            sess.last_input_tokens = input_tokens
+        if cache_blocks:
+            self.index.extend(t.instance, blocks, session_id)
+        if t.phase == "done":
+            t.input_tokens = input_tokens
+            return
+        s.ongoing_tokens += delta
+        if t.phase == "prefill":
+            new_prefill = max(0, t.new_prefill + delta)
+            s.pending_prefill_tokens += new_prefill - t.new_prefill
+            t.new_prefill = new_prefill
+        elif t.decode:
+            s.ongoing_decode_tokens += delta
+        t.input_tokens = input_tokens
+        held = len(t.pinned)
+        ex = self.exact
+        if ex is not None and cache_blocks and held and len(blocks) > held:
+            more = blocks[held:]
+            ex.speculate(t.instance, more, self.clock())
+            ex.pin(t.instance, more)
+            t.pinned = blocks
+
     # -- sessions -------------------------------------------------------------------
     def bind_session(self, session_id: str, instance: int, input_tokens: int, est_hit: int,
                      *, new_turn: bool = True) -> SessionInfo:

@@ -13,7 +13,9 @@ Three costs, three places:
   loop over a socket pair (router/worker.py), not through a process pool's threads, which
   cost a returning 200k-token turn milliseconds of wake-ups. Its main thread, at normal
   priority, does a returning turn whole (~6-9 ms of CPU for a 215k-token turn: JSON, template,
-  the new text's tokens, the new blocks, most of it the new tokens); a cold prompt (its session
+  the new text's tokens, the new blocks, most of it the new tokens), and sends the router an
+  early answer once the reused prefix is known, so the router routes while the new text is
+  tokenized (docs/apis.md, "Exact tokens"); a cold prompt (its session
   has no previous turn there) is rendered, tokenized and hashed on one thread at nice
   ``WORKER_NICE``, so it takes one core, and only what the event loop leaves. Smaller bodies
   are tokenized in a thread of the router's own. Either way the session's previous turn is kept
@@ -34,6 +36,7 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from collections.abc import Callable
 from typing import Any
 
 from router.body import ArenaRef, Chunks, Handoff, as_bytes, fetch
@@ -41,6 +44,7 @@ from router.http import parse_json
 from router.request import (BadRequest, Counted, Parsed, RouteRequest, Tokenizer, count_prompt,
                             read_body, route_request)
 from router.worker import WorkerProcess
+from router.worker import partial as worker_partial
 
 #: Bodies larger than this are parsed in the worker process.
 OFFLOAD_BYTES = 4 * 1024 * 1024
@@ -74,17 +78,41 @@ def _background() -> ThreadPoolExecutor:
 
 def _parse_in_worker(raw: bytes | ArenaRef, endpoint: str, headers: dict[str, str], session_header: str,
                      block_size: int, tokenizer_path: str | None,
-                     max_input_tokens: int | None) -> RouteRequest:
+                     max_input_tokens: int | None, early: bool = False) -> RouteRequest:
     """In the worker's main thread: a returning turn here; a cold prompt's counting, and a body
-    over OFFLOAD_BYTES whole, on the low-priority thread."""
+    over OFFLOAD_BYTES whole, on the low-priority thread. ``early``: a returning turn's
+    request goes to the router as soon as its shared prefix is counted (``_preview``)."""
     if (raw.size if isinstance(raw, ArenaRef) else len(raw)) > OFFLOAD_BYTES:
         return _background().submit(_parse, raw, endpoint, headers, session_header, block_size,
                                     tokenizer_path, max_input_tokens).result()
-    return _parse(raw, endpoint, headers, session_header, block_size, tokenizer_path, max_input_tokens)
+    return _parse(raw, endpoint, headers, session_header, block_size, tokenizer_path, max_input_tokens,
+                  early)
+
+
+def _preview(parsed: Parsed, prev: Counted, block_size: int,
+             max_input_tokens: int | None) -> Callable[[int, str], None]:
+    """``on_cut`` for a returning turn in the worker: send the router the request with the
+    previous turn's first ``tokens`` ids (counted, and their block hashes, which are exact) and
+    the new text after them estimated at the session's own characters per token, before that
+    text is tokenized. Nothing is sent when the text could hold more tokens than the router
+    allows (it must refuse such a request before it goes), or when no whole block is shared."""
+    def on_cut(tokens: int, rest: str) -> None:
+        if tokens < block_size or prev.pieces is None or not prev.pieces.text:
+            return
+        # a byte-level tokenizer makes at most one token per byte of text
+        if max_input_tokens is not None and tokens + len(rest.encode("utf-8", "surrogatepass")) > max_input_tokens:
+            return
+        estimate = round(len(rest) * len(prev.tokens) / len(prev.pieces.text))
+        blocks = prev.blocks[:tokens // block_size]
+        req = route_request(parsed, Counted(tokens + estimate, blocks, "tokenizer"), blocks_as_list=False)
+        req.tail_estimate = estimate
+        worker_partial(req)
+    return on_cut
 
 
 def _parse(raw: bytes | ArenaRef, endpoint: str, headers: dict[str, str], session_header: str,
-           block_size: int, tokenizer_path: str | None, max_input_tokens: int | None) -> RouteRequest:
+           block_size: int, tokenizer_path: str | None, max_input_tokens: int | None,
+           early: bool = False) -> RouteRequest:
     raw = fetch(raw)
     tok = None
     if tokenizer_path:
@@ -99,7 +127,9 @@ def _parse(raw: bytes | ArenaRef, endpoint: str, headers: dict[str, str], sessio
         # hundreds of ms, on the low-priority thread
         counted = _background().submit(count_prompt, parsed.prompt, block_size, tok).result()
     else:
-        counted = count_prompt(parsed.prompt, block_size, tok, prev)
+        on_cut = (_preview(parsed, prev, block_size, max_input_tokens)
+                  if early and prev is not None and prev.tokens is not None else None)
+        counted = count_prompt(parsed.prompt, block_size, tok, prev, on_cut)
     if key:
         _worker_turns[key] = counted
         _worker_turns.move_to_end(key)
@@ -123,9 +153,15 @@ class BodyParser:
         self.offloaded = 0
         self.tokenized = 0
 
-    async def parse(self, raw: bytes, endpoint: str, headers: Any) -> tuple[Any | None, RouteRequest]:
+    async def parse(self, raw: bytes, endpoint: str, headers: Any, *,
+                    early: bool = False) -> tuple[Any | None, RouteRequest]:
         """(the parsed body, or None when it was parsed in the worker; the RouteRequest).
-        Raises BadRequest."""
+        Raises BadRequest.
+
+        ``early``: a returning turn parsed in the worker may come back before its new text is
+        tokenized, its prefix counted and the rest estimated (``RouteRequest.tail_estimate``);
+        ``RouteRequest.counting`` is then a future of the counted request (the same request
+        but for ``input_tokens`` and ``blocks``), done a few milliseconds later."""
         cfg = self.config
         if len(raw) <= (OFFLOAD_BYTES if self.tokenizer is None else TOKENIZE_PROCESS_BYTES):
             body = parse_json(as_bytes(raw))  # 1-4 MB without a tokenizer: parsed here, as one
@@ -139,11 +175,17 @@ class BodyParser:
         pool = await self._worker()
         self.offloaded += 1
         hv = headers.get(cfg.session_header) if cfg.session_header else None
-        try:
-            req = await self._handoff.run(
-                asyncio.get_running_loop(), pool, _parse_in_worker, raw, endpoint,
-                {cfg.session_header: hv} if hv else {}, cfg.session_header, cfg.block_size,
+        args = (endpoint, {cfg.session_header: hv} if hv else {}, cfg.session_header, cfg.block_size,
                 cfg.tokenizer, cfg.max_input_tokens)
+        try:
+            if early and self.tokenizer is not None:
+                provisional, req, final = await self._handoff.run_partial(
+                    asyncio.get_running_loop(), pool, _parse_in_worker, raw, *args, True)
+                if provisional:
+                    req.counting = final
+                    final.add_done_callback(_counted)
+            else:
+                req = await self._handoff.run(asyncio.get_running_loop(), pool, _parse_in_worker, raw, *args)
         except BrokenProcessPool:  # the worker died (killed, out of memory): start a new one next time
             if self._pool is pool:
                 self._pool = None
@@ -189,6 +231,15 @@ class BodyParser:
         if self._small is not None:
             self._small.shutdown(wait=False, cancel_futures=True)
             self._small = None
+
+
+def _counted(final: asyncio.Future) -> None:
+    """The counted request arrived: its blocks as a list, like every request's."""
+    if final.cancelled() or final.exception() is not None:
+        return
+    req = final.result()
+    if not isinstance(req.blocks, list):
+        req.blocks = req.blocks.tolist()
 
 
 def _lower_priority() -> None:

@@ -102,7 +102,8 @@ class Flow:
     """One client request inside the pipeline, across its attempts and legs."""
 
     __slots__ = ("request", "t_recv", "decision", "legs", "waiting", "wait_since",
-                 "wait_ms", "t_prefill_sent", "t_prefill_done", "t_first", "first", "done", "waiter")
+                 "wait_ms", "t_prefill_sent", "t_prefill_done", "t_first", "first", "done", "waiter",
+                 "held")
 
     def __init__(self, request: RouteRequest, t_recv: float):
         self.request = request
@@ -118,6 +119,9 @@ class Flow:
         self.first: Decision | None = None  # attempt 1's decision, once a retry exists
         self.done = False  # the current attempt has its outcome
         self.waiter: Any = None  # the driver's handle for on_admit (a future, an event id)
+        #: Rows due while the request is still being counted (``Pipeline.amend``), in order:
+        #: (decision, None) for a decision row, (decision, outcome) for an outcome row.
+        self.held: list[tuple[Decision, Outcome | None]] = []
 
     @property
     def leg(self) -> Leg | None:
@@ -247,15 +251,26 @@ class Pipeline:
         says how its prefill leg ended)."""
         d = flow.decision
         leg = flow.leg
+        # The dispatch left its prefix-index insert pending (router/prefix_index.py); any read
+        # of the index applies it first, so when it runs changes no decision. Live, it runs
+        # when the attempt ends (``finish``: the client has its answer) or with the deferred
+        # work (``defer``: at most 50 ms from now, on the loop), whichever comes first, rather
+        # than between the request's write and the backend's first bytes (a returning
+        # 215k-token turn's insert: 1-3 ms of the loop at block size 16); offline, now.
+        if self.defer is not None:
+            self.defer(self.cluster.index.flush)
+        else:
+            self.cluster.index.flush()
         if leg.kind == PREFILL:
             flow.t_prefill_sent = self.clock()
             d.extra["t_prefill_sent"] = flow.t_prefill_sent
         elif not d.recorded:
             d.extra["admission_wait_ms"] = flow.wait_ms
-            self._record_decision(d, defer=True)
-        # The dispatch left its prefix-index insert pending (router/prefix_index.py): done now,
-        # while the backend works, rather than before the request went (any read does it first).
-        self.cluster.index.flush()
+            if flow.request.counting is not None:  # its row says the count: it waits for ``amend``
+                d.recorded = True
+                flow.held.append((d, None))
+            else:
+                self._record_decision(d, defer=True)
 
     def prefill_done(self, flow: Flow, params: dict[str, Any] | None) -> Leg:
         """P answered with its ``kv_transfer_params`` (or failed: None). Returns the serve leg;
@@ -299,10 +314,16 @@ class Pipeline:
         if flow.waiting is not None:
             self._flows.pop(id(flow.waiting), None)
             flow.waiting = None
+        self.cluster.index.flush()  # the answer is out: nobody waits for the loop on this one
+        counting = flow.request.counting is not None
         if not d.recorded:  # it never went upstream (refused, or the client left while queued)
             d.extra["admission_wait_ms"] = flow.wait_ms
-            self._record_decision(d)
-        elif d.view is not None:  # its shadow picks were waiting: now, before its outcome
+            if counting:
+                d.recorded = True
+                flow.held.append((d, None))
+            else:
+                self._record_decision(d)
+        elif d.view is not None and not counting:  # its shadow picks were waiting: now, before its outcome
             self._shadow_and_record(d)
         o = Outcome(status=status, stream=int(flow.request.stream if stream is None else stream),
                     t_recv=flow.t_recv, t_done=now, http_status=http_status, error=error,
@@ -319,8 +340,45 @@ class Pipeline:
                     o.tpot_ms = (now - flow.t_first) * 1000 / (output_tokens - 1)
         else:
             o.e2e_ms = (now - flow.t_recv) * 1000
-        self.sink.outcome(d, o)
+        if counting:
+            flow.held.append((d, o))
+        else:
+            self.sink.outcome(d, o)
         return o
+
+    def amend(self, flow: Flow, counted: RouteRequest | None) -> None:
+        """The request was routed on an estimate (``RouteRequest.counting``: a returning turn
+        sent on before its new text was tokenized) and is counted now: ``counted`` (None if the
+        count failed: the estimate stays). Its tickets are charged the counted size, its
+        decisions say both figures (``input_tokens`` counted, ``estimated_input_tokens`` what
+        the policy saw), and the rows held for the count are written, in order. Once per
+        request; any time in its life, before or after ``finish``."""
+        req = flow.request
+        if req.counting is None:
+            return
+        req.counting = None
+        estimate = req.input_tokens
+        if counted is not None:
+            req.input_tokens = counted.input_tokens
+            req.blocks = counted.blocks
+            req.tail_estimate = 0
+        first = flow.first if flow.first is not flow.decision else None
+        for d in (x for x in (first, flow.decision) if x is not None):
+            d.extra["estimated_input_tokens"] = estimate
+            d.new_prefill_tokens = max(0, req.input_tokens - d.est_hit_tokens)
+            if counted is not None and d.ticket is not None:  # a failed first attempt: totals only
+                self.cluster.amend(d.ticket, req.input_tokens, req.blocks, session_id=req.session_id,
+                                   cache_blocks=d is flow.decision)
+        if flow.done:  # the answer is out (see ``sent``): its insert now, not on a later request
+            self.cluster.index.flush()
+        held, flow.held = flow.held, []
+        for k, (d, o) in enumerate(held):
+            if o is None:
+                # an outcome row of the same attempt follows: write the decision first, now
+                last = not any(h[0] is d and h[1] is not None for h in held[k + 1:])
+                self._record_decision(d, defer=last)
+            else:
+                self.sink.outcome(d, o)
 
     def abandon(self, flow: Flow, where: str) -> Outcome | None:
         """The client left: end the attempt as ``client_gone``, whatever it was doing."""

@@ -100,13 +100,25 @@ class PrefixIndex:
         The work is left pending until the next read of the index (``match``,
         ``cached_blocks``, ``oldest_tags``, ``evictions``, ``forget_instance``, the next
         insert) or ``flush``, whichever comes first, so every reader sees exactly what an
-        immediate insert would have left; the live router flushes right after the request
-        is written upstream (``Pipeline.sent``), so a returning turn's insert overlaps the
-        backend's work instead of delaying the request. ``blocks`` must not change until then
-        (a request's blocks never do).
+        immediate insert would have left; the live router flushes with its deferred work
+        after the request is written upstream (``Pipeline.sent``), so a returning turn's
+        insert overlaps the backend's work instead of delaying the request. ``blocks`` must
+        not change until then (a request's blocks never do).
         """
         self.flush()
         self._pending = (instance, blocks, tag)
+
+    def extend(self, instance: int, blocks: Sequence[int], tag: str | None = None) -> None:
+        """``insert`` for a request whose own insert had only a prefix of ``blocks`` (it was
+        dispatched before its new text was counted): while that insert is still pending, it
+        becomes this one: one walk instead of two, with the same blocks held in the same
+        order (the evictions too, unless the request alone overflows the instance)."""
+        p = self._pending
+        if p is not None and p[0] == instance and p[2] == tag and len(p[1]) <= len(blocks) \
+                and list(blocks[:len(p[1])]) == list(p[1]):
+            self._pending = (instance, blocks, tag)
+        else:
+            self.insert(instance, blocks, tag)
 
     def _insert(self, instance: int, blocks: Sequence[int], tag: str | None) -> None:
         """The insert itself.

@@ -97,7 +97,12 @@ async def handle(request: web.Request, state, api: Api, store: ResponseStore | N
 async def _route(request: web.Request, state, api: Api, t_recv: float, raw: bytes,
                  store: ResponseStore | None) -> web.StreamResponse:
     pipe = state.pipeline
-    body, req = await state.parser.parse(raw, api.name, request.headers)
+    feats = pipe.features()
+    # A returning turn may be routed on its prefix's count and its new text's estimate while
+    # the worker tokenizes that text (router/parsing.py); offload and admission plan with the
+    # prefill's size before the request goes, so with either on the router waits for the count.
+    early = feats.admission == "off" and feats.offload_mode == "off"
+    body, req = await state.parser.parse(raw, api.name, request.headers, early=early)
     pinned = _pinned(state, req, store)
     if state.draining:
         return error_response(503, "the router is shutting down", headers={"Retry-After": "1"})
@@ -105,6 +110,8 @@ async def _route(request: web.Request, state, api: Api, t_recv: float, raw: byte
         return busy
     state.counts["requests"] += 1
     flow = pipe.receive(req, t_recv)
+    if req.counting is not None:
+        req.counting.add_done_callback(lambda fut: _counted(pipe, flow, fut))
     exclude: tuple[int, ...] = pinned
     while True:
         full = limits.full_instances(state)
@@ -128,6 +135,17 @@ async def _route(request: web.Request, state, api: Api, t_recv: float, raw: byte
             return resp
         pipe.retry(flow)
         exclude = tuple(set(pinned) | {d.instance})
+
+
+def _counted(pipe, flow: Flow, fut: asyncio.Future) -> None:
+    """The worker counted a request that was routed on its estimate."""
+    exc = None if fut.cancelled() else fut.exception()
+    if fut.cancelled() or exc is not None:
+        log.warning("request %s: counting its new text failed (%r); its records keep the estimate",
+                    flow.request.request_id, exc)
+        pipe.amend(flow, None)
+    else:
+        pipe.amend(flow, fut.result())
 
 
 def _pinned(state, req, store: ResponseStore | None) -> tuple[int, ...]:

@@ -36,6 +36,7 @@ import threading
 from array import array
 from bisect import bisect_right
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +69,11 @@ class RouteRequest:
     stream: bool
     max_tokens: int | None
     previous_response_id: str | None = None
+    #: Of ``input_tokens``, how many are an estimate: a returning turn routed before its new
+    #: text was tokenized (router/parsing.py) counts that text at its session's characters per
+    #: token until ``counting`` (a future of the counted request) is done; 0 once counted.
+    tail_estimate: int = 0
+    counting: Any = None
 
     @property
     def route_class(self) -> str:
@@ -481,10 +487,12 @@ class Counted:
 
 
 def count_prompt(prompt: Prompt, block_size: int, tokenizer: Tokenizer | None = None,
-                 prev: Counted | None = None) -> Counted:
+                 prev: Counted | None = None,
+                 on_cut: Callable[[int, str], None] | None = None) -> Counted:
     """Tokens and block hashes of ``prompt``. With a tokenizer this is the slow part (rendering,
     tokenizing): the router calls it off the event loop. ``prev`` is the session's previous
-    turn, whose block hashes are reused for the shared prefix."""
+    turn, whose block hashes are reused for the shared prefix; ``on_cut`` (see
+    ``Tokenizer.ids_after``) hears how much of it is reused before the rest is tokenized."""
     if prompt.tokens is not None:
         return Counted(len(prompt.tokens), hash_blocks(prompt.tokens, block_size), "tokens")
     if tokenizer is not None:
@@ -496,7 +504,7 @@ def count_prompt(prompt: Prompt, block_size: int, tokenizer: Tokenizer | None = 
             ids, pieces, common = tokenizer.ids(text, add_special_tokens=True), None, None
         else:
             ids, pieces, common = tokenizer.ids_after(text, prev.tokens if prev else None,
-                                                      prev.pieces if prev else None)
+                                                      prev.pieces if prev else None, on_cut)
         blocks = hash_blocks(ids, block_size, prev_tokens=prev.tokens if prev else None,
                              prev_blocks=prev.blocks if prev else None, common=common)
         return Counted(len(ids), blocks, "tokenizer", ids, pieces)
@@ -631,8 +639,9 @@ class Tokenizer:
             out = array("I", self._wrap) + out
         return out
 
-    def ids_after(self, text: str, prev_ids: Any = None,
-                  prev: Pieces | None = None) -> tuple[array, Pieces | None, int | None]:
+    def ids_after(self, text: str, prev_ids: Any = None, prev: Pieces | None = None,
+                  on_cut: Callable[[int, str], None] | None = None
+                  ) -> tuple[array, Pieces | None, int | None]:
         """Token ids of ``text`` (no special tokens added), reusing a previous turn's: (ids, the
         pieces for the turn after, how many leading ids are the previous turn's, or None).
 
@@ -641,7 +650,9 @@ class Tokenizer:
         whole special token's length inside that common prefix, the regex cuts both texts the
         same way (it reads no further than that at any position before it), so those pieces,
         and hence those tokens, are the previous turn's: only the rest is cut, looked up and
-        tokenized, instead of the whole 800 KB text (~2 ms of CPU for a 215k-token turn)."""
+        tokenized, instead of the whole 800 KB text (~2 ms of CPU for a 215k-token turn).
+        ``on_cut(tokens, rest)``, if given, is called once the previous turn's first ``tokens``
+        ids are known to be reused and before ``rest`` (the text after them) is tokenized."""
         if self._split is None:
             return array("I", self._tok.encode(text, add_special_tokens=False).ids), None, None
         k = -1
@@ -652,7 +663,10 @@ class Tokenizer:
             ids, chars, toks = self._pieced(text, marks=True)
             return ids, Pieces(text, chars, toks), None
         cut_char, cut_tok = prev.chars[k], prev.tokens[k]
-        tail, chars, toks = self._pieced(text[cut_char:], marks=True)
+        rest = text[cut_char:]
+        if on_cut is not None:
+            on_cut(cut_tok, rest)
+        tail, chars, toks = self._pieced(rest, marks=True)
         ids = prev_ids[:cut_tok]
         ids += tail
         chars = prev.chars[:k] + array("Q", [c + cut_char for c in chars])

@@ -12,6 +12,10 @@ It is an ``Executor`` (``loop.run_in_executor`` takes it), driven from the loop 
 it; ``submit`` must be called from that loop. One process, one call at a time in it, in order.
 If the process dies, every call in flight and every later one raise ``BrokenProcessPool``, as
 a process pool's would; the owner starts a new one.
+
+A call may also send one early answer before its result (``partial`` in the worker,
+``submit_partial`` in the router): the router can act on a first, provisional answer (a
+returning turn's shared prefix, counted) while the worker finishes the rest (its new text).
 """
 
 from __future__ import annotations
@@ -33,9 +37,31 @@ _SOCKET_BUFFER = 4 * 1024 * 1024
 #: hashes: ~120 KB, half a millisecond); bigger ones (a 40 MB body's 600,000: 40 ms) in a thread.
 _DECODE_ON_LOOP = 512 * 1024
 
+#: In the worker: the socket and id of the call running now, for ``partial``.
+_current: tuple[socket.socket, int] | None = None
+
+
+def partial(value: Any) -> bool:
+    """In the worker, during a call: send ``value`` to the router now, as the call's early
+    answer (at most one per call; a second is dropped). False where there is nobody to send it
+    to (not in a worker call, or one was sent already): the caller goes on as if it was sent."""
+    global _current
+    cur = _current
+    if cur is None:
+        return False
+    _current = None
+    sock, call_id = cur
+    try:
+        out = pickle.dumps((call_id, None, value), pickle.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001 - an early answer that does not pickle is simply not sent
+        return False
+    sock.sendall(_LEN.pack(len(out)) + out)
+    return True
+
 
 def _serve(sock: socket.socket, initializer: Callable[[], None] | None) -> None:
     """The worker's loop: read a call, run it, write the answer; until the socket closes."""
+    global _current
     if initializer is not None:
         initializer()
     rfile = sock.makefile("rb", buffering=1 << 20)
@@ -48,10 +74,12 @@ def _serve(sock: socket.socket, initializer: Callable[[], None] | None) -> None:
         if len(payload) < n:
             return
         call_id, fn, args = pickle.loads(payload)
+        _current = (sock, call_id)
         try:
             answer = (call_id, True, fn(*args))
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
             answer = (call_id, False, exc)
+        _current = None
         try:
             out = pickle.dumps(answer, pickle.HIGHEST_PROTOCOL)
         except Exception as exc:  # an answer or exception that does not pickle
@@ -104,6 +132,7 @@ class WorkerProcess(Executor):
         self._proc: multiprocessing.process.BaseProcess | None = None
         self._transport: asyncio.Transport | None = None
         self._pending: dict[int, Future] = {}
+        self._early: dict[int, Future] = {}  # submit_partial's first answers, by call id
         self._next = 0
         self.broken = False
 
@@ -127,6 +156,16 @@ class WorkerProcess(Executor):
         self._transport, _ = await loop.create_unix_connection(lambda: _Answers(self), sock=ours)
         return self
 
+    def submit_partial(self, fn: Callable, /, *args: Any) -> tuple[Future, Future]:
+        """(first, final): ``first`` resolves with ``(True, value)`` when the call sends an early
+        answer (``partial``), else with ``(False, result)`` (or the call's exception) together
+        with ``final``, which resolves with the call's result."""
+        final = self.submit(fn, *args)
+        first: Future = Future()
+        first.set_running_or_notify_cancel()
+        self._early[self._next] = first
+        return first, final
+
     def submit(self, fn: Callable, /, *args: Any, **kwargs: Any) -> Future:
         if kwargs:
             raise TypeError("WorkerProcess.submit takes positional arguments only")
@@ -143,6 +182,17 @@ class WorkerProcess(Executor):
 
     def _answer(self, answer: tuple) -> None:
         call_id, ok, value = answer
+        if ok is None:  # an early answer: the call goes on
+            first = self._early.pop(call_id, None)
+            if first is not None and not first.done():
+                first.set_result((True, value))
+            return
+        first = self._early.pop(call_id, None)  # none came (or it was decoded after this one)
+        if first is not None and not first.done():
+            if ok:
+                first.set_result((False, value))
+            else:
+                first.set_exception(value)
         fut = self._pending.pop(call_id, None)
         if fut is not None and not fut.done():  # a cancelled call's answer is dropped
             if ok:
@@ -155,7 +205,8 @@ class WorkerProcess(Executor):
         if self._transport is not None and not self._transport.is_closing():
             self._transport.close()  # the worker reads EOF and exits
         pending, self._pending = self._pending, {}
-        for fut in pending.values():
+        early, self._early = self._early, {}
+        for fut in [*early.values(), *pending.values()]:
             if not fut.done():
                 fut.set_exception(BrokenProcessPool("the parser's worker process exited"))
 

@@ -16,7 +16,8 @@ import sqlite_utils
 
 #: 2: decisions gained shadows (router/shadow.py) and blocks/blocks_parent (store/chains.py).
 #: 3: decisions gained estimate_hit_tokens (the estimate's drift from the KV events).
-SCHEMA_VERSION = 3
+#: 4: decisions gained estimated_input_tokens (a turn routed before its new text was counted).
+SCHEMA_VERSION = 4
 
 # table -> ordered {column: sqlite type}
 TABLES: dict[str, dict[str, type]] = {
@@ -69,6 +70,10 @@ TABLES: dict[str, dict[str, type]] = {
         # chosen instance, so |est_hit_tokens - estimate_hit_tokens| is the estimate's drift;
         # NULL when the hit came from the estimate (and in files written before it existed)
         "estimate_hit_tokens": int,
+        # a returning turn routed before its new text was tokenized (router/parsing.py): the
+        # size the policy saw (the shared prefix counted, the new text estimated); input_tokens
+        # is the counted size. NULL when the policy saw the counted size.
+        "estimated_input_tokens": int,
         "shadows": str,  # JSON list: each shadow policy's pick (router/shadow.py); NULL: none on
         # the prompt's block-hash chain, against its session's previous row (store/chains.py),
         # for what-if replay; first attempts only
