@@ -145,6 +145,9 @@ class Pipeline:
         #: no wait), so the picks run after the client's answer, off its path.
         self.shadows: Any = None
         self.defer: Callable[[Callable[[], None]], Any] | None = None
+        #: Live: runs a step function (``fn() -> done``) once per turn of the event loop until it
+        #: is done, so long bookkeeping never holds the loop in one piece; offline: None.
+        self.background: Callable[[Callable[[], bool]], Any] | None = None
         self._flows: dict[int, Flow] = {}  # id(ticket) -> flow, for tickets at an admission gate
 
     @property
@@ -252,15 +255,8 @@ class Pipeline:
         d = flow.decision
         leg = flow.leg
         # The dispatch left its prefix-index insert pending (router/prefix_index.py); any read
-        # of the index applies it first, so when it runs changes no decision. Live, it runs
-        # when the attempt ends (``finish``: the client has its answer) or with the deferred
-        # work (``defer``: at most 50 ms from now, on the loop), whichever comes first, rather
-        # than between the request's write and the backend's first bytes (a returning
-        # 215k-token turn's insert: 1-3 ms of the loop at block size 16); offline, now.
-        if self.defer is not None:
-            self.defer(self.cluster.index.flush)
-        else:
-            self.cluster.index.flush()
+        # of the index applies the rest of it first, so when it runs changes no decision.
+        self._apply_index()
         if leg.kind == PREFILL:
             flow.t_prefill_sent = self.clock()
             d.extra["t_prefill_sent"] = flow.t_prefill_sent
@@ -314,7 +310,7 @@ class Pipeline:
         if flow.waiting is not None:
             self._flows.pop(id(flow.waiting), None)
             flow.waiting = None
-        self.cluster.index.flush()  # the answer is out: nobody waits for the loop on this one
+        self._apply_index()
         counting = flow.request.counting is not None
         if not d.recorded:  # it never went upstream (refused, or the client left while queued)
             d.extra["admission_wait_ms"] = flow.wait_ms
@@ -369,8 +365,7 @@ class Pipeline:
             if counted is not None and d.ticket is not None:  # a failed first attempt: totals only
                 self.cluster.amend(d.ticket, req.input_tokens, req.blocks, session_id=req.session_id,
                                    cache_blocks=d is flow.decision)
-        if flow.done:  # the answer is out (see ``sent``): its insert now, not on a later request
-            self.cluster.index.flush()
+        self._apply_index()
         held, flow.held = flow.held, []
         for k, (d, o) in enumerate(held):
             if o is None:
@@ -392,6 +387,16 @@ class Pipeline:
         self.cluster.finish(t, error=error)
         if was_prefill:
             self._prefill_over(t)
+
+    def _apply_index(self) -> None:
+        """Apply the prefix index's pending insert: live, a step per turn of the loop (a cold
+        215k-token turn's insert held the loop 7-20 ms in one piece, and /health and small
+        requests waited behind it; a returning turn's, 1-3 ms between its write and the
+        backend's first bytes); offline, now."""
+        if self.background is not None:
+            self.background(self.cluster.index.flush_step)
+        else:
+            self.cluster.index.flush()
 
     def _set_new_prefill(self, t: Ticket, new_prefill: int) -> None:
         """Change what a not-yet-prefilled ticket owes: 0 when the KV arrives from P, back to

@@ -134,6 +134,7 @@ class RouterState:
         self.pipeline.shadows = self.shadows
         self.deferred = _Later()
         self.pipeline.defer = self.deferred
+        self.pipeline.background = _Steps()
         self.chains = ChainEncoder()  # compact block chains in decision rows (store/chains.py)
         self.tokenizer = Tokenizer(config.tokenizer) if config.tokenizer else None
         self.parser = BodyParser(config, self.tokenizer)
@@ -285,6 +286,39 @@ class _Later:
                 fn()
             except Exception:  # one bad record must not lose the others
                 log.exception("deferred decision record failed")
+
+
+class _Steps:
+    """The live pipeline's background: each function given runs one step per turn of the loop
+    (``loop.call_soon``, so the sockets are read between two steps) until it returns True.
+    A function already stepping is not started twice. Without a running loop (a unit test
+    driving the state directly) it runs to the end at once."""
+
+    def __init__(self) -> None:
+        self.active: list[Callable[[], bool]] = []
+
+    def __call__(self, fn: Callable[[], bool]) -> None:
+        if fn in self.active:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            while not fn():
+                pass
+            return
+        self.active.append(fn)  # its first step too after the sockets (a request just written)
+        loop.call_soon(self._step, fn)
+
+    def _step(self, fn: Callable[[], bool]) -> None:
+        try:
+            done = fn()
+        except Exception:  # noqa: BLE001 - a failed step must not stop the loop's other work
+            log.exception("background step failed")
+            done = True
+        if done:
+            self.active.remove(fn)
+        else:
+            asyncio.get_running_loop().call_soon(self._step, fn)
 
 
 def _wake(flow) -> None:
