@@ -18,6 +18,7 @@ one router with ``--tokenizer`` and ``@kv=``, whose estimate believes nothing is
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -174,3 +175,52 @@ def test_events_see_an_eviction_the_estimate_misses(stack):
     drift1 = _instance(url)["kv_events"]["drift"]
     assert drift1["tokens"] - drift0["tokens"] == delivered, (drift0, drift1)
     assert drift1["samples"] - drift0["samples"] == k + 1
+
+
+async def test_turns_routed_before_their_new_text_is_counted_count_and_hit_as_vllm(stack, router_client, tmp_path,
+                                                                                   monkeypatch):
+    """Issue 15's no-stall path against the real engine: every body goes through the parser's
+    worker (its threshold lowered to 1 KB for these small turns), so each returning turn is
+    routed on its prefix's count and its new text's estimate. The decisions, written once the
+    count arrives, must still say vLLM's prompt tokens, and the hit the policy saw must be the
+    cached tokens vLLM delivers (the router's own estimate: no events, a cache it never fills)."""
+    from router import parsing
+    from test_router_e2e import rows, start_router
+
+    monkeypatch.setattr(parsing, "TOKENIZE_PROCESS_BYTES", 1024)
+    client, state = await start_router(router_client, [stack["vllm"]], tmp_path, policy="leastwork",
+                                       tokenizer=str(stack["model"]), block_size=BLOCK, capacity_tokens=10_000_000)
+
+    def chat(k: int) -> dict:  # a prefix of its own: the other tests' turns are in vLLM's cache
+        body = _chat_turn(k)
+        body["messages"][0]["content"] = "Early routing. " + body["messages"][0]["content"]
+        return body
+
+    def messages(k: int) -> dict:
+        body = _messages_turn(k)
+        body["system"][1] = {**body["system"][1], "text": "Early routing. " + body["system"][1]["text"]}
+        return body
+
+    seen = []
+    for path, turn, delivered_of in (
+            ("/v1/chat/completions", chat,
+             lambda u: ((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0, u["prompt_tokens"])),
+            ("/v1/messages", messages,
+             lambda u: (u.get("cache_read_input_tokens") or 0,
+                        u["input_tokens"] + (u.get("cache_read_input_tokens") or 0)
+                        + (u.get("cache_creation_input_tokens") or 0)))):
+        for k in (1, 2, 3):
+            r = await client.post(path, json=turn(k), headers={"X-Session-ID": f"early-{path}"}, timeout=300)
+            assert r.status == 200, await r.text()
+            seen.append((path, k, r.headers["X-Kvtop-Request-Id"], delivered_of((await r.json())["usage"])))
+    for _ in range(100):  # the last count may land after the last answer
+        if state.pipeline.idle() and len(rows(state, "outcomes")) == len(seen):
+            break
+        await asyncio.sleep(0.05)
+    by_id = {d["request_id"]: d for d in rows(state, "decisions")}
+    for path, k, rid, (delivered, prompt) in seen:
+        d = by_id[rid]
+        assert d["input_tokens"] == prompt and d["token_source"] == "tokenizer", (path, k, d, prompt)
+        if k > 1:
+            assert d["estimated_input_tokens"] is not None, (path, k, d)  # routed before it was counted
+            assert d["est_hit_tokens"] == delivered >= BLOCK, (path, k, d["est_hit_tokens"], delivered)
