@@ -495,6 +495,35 @@ def test_a_preempted_request_queues_behind_requests_holding_pulled_kv():
     assert e.num_allocated_blocks() == 0
 
 
+def test_a_step_that_only_preempts_is_not_idle():
+    # The drivers (kvtop simulate, kvtop sim's server, calibrate, what-if) wait for a new request
+    # after an idle step. The step that preempts a (the scenario above) schedules nothing, as
+    # vLLM's does, but frees a's blocks for the next step, which must run: once it counted as
+    # idle, with nothing in transfer and no request to come, and kvtop simulate ended with d and a
+    # still waiting ("counters not at zero", P/D offload on the agentic trace).
+    e = Engine("h20", num_gpu_blocks=10)
+    e.add_request(req("a", 64, max_tokens=60, seed=1))
+    t = e.step(0.0).end_time
+    e.add_request(req("d", 81, max_tokens=2, seed=2, arrival=t, kv_transfer_params={
+        "do_remote_prefill": True, "remote_engine_id": "P", "remote_block_ids": list(range(5))}))
+    preempted = False
+    for _ in range(400):
+        r = e.step(t)
+        if r.preempted:
+            preempted = True
+            assert not r.idle and r.num_scheduled_tokens == 0
+        if r.idle:
+            nxt = e.next_event_time()
+            if nxt is None:
+                break  # as the drivers do: wait for the next request (none comes)
+            t = max(t, nxt)
+        else:
+            t = r.end_time
+        if not e.has_work():
+            break
+    assert preempted and not e.has_work(), (e.running, e.waiting)
+
+
 # ---------------------------------------------------------------- property: invariants hold
 
 @settings(max_examples=25, deadline=None)

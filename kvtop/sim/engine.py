@@ -151,7 +151,11 @@ class StepResult:
 
     @property
     def idle(self) -> bool:
-        return self.num_scheduled_tokens == 0
+        """Nothing happened that a next step could build on: nothing scheduled and nothing
+        preempted. A step that only preempted (its running requests needed blocks the cache did
+        not have) freed blocks but, like vLLM's scheduler, admitted nothing in the same step;
+        the next one can, so a driver must step again rather than wait for a new request."""
+        return self.num_scheduled_tokens == 0 and not self.preempted
 
 
 # request states
