@@ -469,16 +469,22 @@ def test_prefill_decode_two_step():
     assert d_eng.lookup_cached_tokens(prompt(n, 4)[1], n) == 992   # but is cached afterwards
 
 
-def test_a_preempted_request_queues_behind_requests_holding_pulled_kv():
-    # 10 blocks of 16 tokens. d pulls 5 blocks of remote KV and then waits holding them; a,
-    # decoding, outgrows the rest and is preempted. vLLM schedules KV-holding waiting requests
-    # first: ahead of d, a (which needs 6 blocks) would wait for blocks d holds, d would wait
-    # behind a, and with nothing running neither would ever start.
+def _pulled_kv_and_a_decode_that_outgrows_the_rest() -> tuple[Engine, float]:
+    """10 blocks of 16 tokens: a decoding (60 tokens to go), d arriving with 5 blocks of remote KV."""
     e = Engine("h20", num_gpu_blocks=10)
     e.add_request(req("a", 64, max_tokens=60, seed=1))
     t = e.step(0.0).end_time
     e.add_request(req("d", 81, max_tokens=2, seed=2, arrival=t, kv_transfer_params={
         "do_remote_prefill": True, "remote_engine_id": "P", "remote_block_ids": list(range(5))}))
+    return e, t
+
+
+def test_a_preempted_request_queues_behind_requests_holding_pulled_kv():
+    # 10 blocks of 16 tokens. d pulls 5 blocks of remote KV and then waits holding them; a,
+    # decoding, outgrows the rest and is preempted. vLLM schedules KV-holding waiting requests
+    # first: ahead of d, a (which needs 6 blocks) would wait for blocks d holds, d would wait
+    # behind a, and with nothing running neither would ever start.
+    e, t = _pulled_kv_and_a_decode_that_outgrows_the_rest()
     preempted = False
     for _ in range(400):
         r = e.step(t)
@@ -501,11 +507,7 @@ def test_a_step_that_only_preempts_is_not_idle():
     # vLLM's does, but frees a's blocks for the next step, which must run: once it counted as
     # idle, with nothing in transfer and no request to come, and kvtop simulate ended with d and a
     # still waiting ("counters not at zero", P/D offload on the agentic trace).
-    e = Engine("h20", num_gpu_blocks=10)
-    e.add_request(req("a", 64, max_tokens=60, seed=1))
-    t = e.step(0.0).end_time
-    e.add_request(req("d", 81, max_tokens=2, seed=2, arrival=t, kv_transfer_params={
-        "do_remote_prefill": True, "remote_engine_id": "P", "remote_block_ids": list(range(5))}))
+    e, t = _pulled_kv_and_a_decode_that_outgrows_the_rest()
     preempted = False
     for _ in range(400):
         r = e.step(t)

@@ -12,21 +12,11 @@ import pytest
 
 from router.prefix_index import PrefixIndex
 from router.state import _Steps
+from test_prefix_index import brute_match as _walk  # match the slow way, block by block
 
 
 def _state(idx: PrefixIndex):
     return ([list(lru) for lru in idx._lru], dict(idx._owners), dict(idx._tags), list(idx._evictions))
-
-
-def _walk(idx: PrefixIndex, blocks: list[int]) -> list[int]:
-    """``match`` the slow way: per instance, the leading blocks it holds, one by one."""
-    out = []
-    for lru in idx._lru:
-        k = 0
-        while k < len(blocks) and blocks[k] in lru:
-            k += 1
-        out.append(k)
-    return out
 
 
 def _workload(seed: int):
