@@ -255,8 +255,14 @@ class Pipeline:
         d = flow.decision
         leg = flow.leg
         # The dispatch left its prefix-index insert pending (router/prefix_index.py); any read
-        # of the index applies the rest of it first, so when it runs changes no decision.
-        self._apply_index()
+        # of the index applies it first, so when it runs changes no decision. Live it waits
+        # for the answer (``finish``) or the deferred work (at most 50 ms), whichever is first,
+        # and for the request's count if that is still on its way (``amend`` makes it one
+        # insert, not two); offline it runs now.
+        if self.defer is not None:
+            self.defer(self._apply_index)
+        else:
+            self._apply_index()
         if leg.kind == PREFILL:
             flow.t_prefill_sent = self.clock()
             d.extra["t_prefill_sent"] = flow.t_prefill_sent
@@ -310,8 +316,9 @@ class Pipeline:
         if flow.waiting is not None:
             self._flows.pop(id(flow.waiting), None)
             flow.waiting = None
-        self._apply_index()
         counting = flow.request.counting is not None
+        if not counting:  # the answer is out: nobody waits for the loop on this request
+            self._apply_index()
         if not d.recorded:  # it never went upstream (refused, or the client left while queued)
             d.extra["admission_wait_ms"] = flow.wait_ms
             if counting:
@@ -365,7 +372,8 @@ class Pipeline:
             if counted is not None and d.ticket is not None:  # a failed first attempt: totals only
                 self.cluster.amend(d.ticket, req.input_tokens, req.blocks, session_id=req.session_id,
                                    cache_blocks=d is flow.decision)
-        self._apply_index()
+        if flow.done:  # the answer is out (see ``sent``)
+            self._apply_index()
         held, flow.held = flow.held, []
         for k, (d, o) in enumerate(held):
             if o is None:
@@ -391,8 +399,7 @@ class Pipeline:
     def _apply_index(self) -> None:
         """Apply the prefix index's pending insert: live, a step per turn of the loop (a cold
         215k-token turn's insert held the loop 7-20 ms in one piece, and /health and small
-        requests waited behind it; a returning turn's, 1-3 ms between its write and the
-        backend's first bytes); offline, now."""
+        requests waited behind it); offline, now."""
         if self.background is not None:
             self.background(self.cluster.index.flush_step)
         else:
