@@ -255,11 +255,11 @@ class Pipeline:
         d = flow.decision
         leg = flow.leg
         # The dispatch left its prefix-index insert pending (router/prefix_index.py); any read
-        # of the index applies it first, so when it runs changes no decision. Live it waits
-        # for the answer (``finish``) or the deferred work (at most 50 ms), whichever is first,
-        # and for the request's count if that is still on its way (``amend`` makes it one
-        # insert, not two); offline it runs now.
-        if self.defer is not None:
+        # of the index applies it first, so when it runs changes no decision. Live it starts on
+        # the loop's next turn, in steps; a request still being counted (routed early) waits for
+        # its count (``amend``: one insert of its whole chain, not two), its answer (``finish``)
+        # or the deferred work (at most 50 ms), whichever is first. Offline it runs now.
+        if flow.request.counting is not None and self.defer is not None:
             self.defer(self._apply_index)
         else:
             self._apply_index()
