@@ -432,8 +432,9 @@ class Engine:
 
     def next_event_time(self) -> float | None:
         """Earliest time a queued-but-not-schedulable request becomes schedulable (a frontend
-        delay or a KV transfer ending), or None. Drive: call ``step``; if it scheduled nothing,
-        advance the clock to this time (or wait for the next ``add_request``)."""
+        delay or a KV transfer ending), or None. Drive: call ``step``; if it was ``idle``
+        (nothing scheduled, nothing preempted), advance the clock to this time (or wait for the
+        next ``add_request``)."""
         times = [r.ready_at for r in self._transferring]
         if self._pending:
             times.append(self._pending[0][0])
