@@ -66,13 +66,13 @@ def test_partial_outside_a_worker_call_sends_nothing():
     assert partial("nobody listens") is False
 
 
-def _session_raws(turns: int, chars: int = 120_000) -> list[bytes]:
+def _session_raws(turns: int, chars: int = 120_000, api: str = "chat") -> list[bytes]:
     bench = _bench()
     s = bench.Session(5, bench.corpus(600_000), system_chars=chars)
     out = []
     for _ in range(turns):
         s.grow()
-        out.append(json.dumps(s.body("chat", "early-1")).encode())
+        out.append(json.dumps(s.body(api, "early-1")).encode())
     return out
 
 
@@ -179,18 +179,22 @@ def test_a_count_that_fails_keeps_the_estimate_and_loses_no_row():
     assert cluster.counters_zero()
 
 
+@pytest.mark.parametrize("api,policy", [("chat", "leastwork"), ("messages", "leastwork"), ("messages", "unified"),
+                                        ("responses", "unified")])
 async def test_router_routes_returning_turns_early_and_records_the_count(router_client, fake_backends,
-                                                                         tmp_path, tok, tok_dir):  # noqa: F811
+                                                                         tmp_path, tok, tok_dir,  # noqa: F811
+                                                                         api, policy):
     from router import parsing
+    from router.apis import APIS
 
     fakes = await fake_backends(2)
-    client, state = await start_router(router_client, [u for _, u in fakes], tmp_path, policy="leastwork",
+    client, state = await start_router(router_client, [u for _, u in fakes], tmp_path, policy=policy,
                                        tokenizer=str(tok_dir), block_size=16)
-    raws = _session_raws(4, chars=150_000)
+    raws = _session_raws(4, chars=150_000, api=api)
     assert all(len(r) > parsing.TOKENIZE_PROCESS_BYTES for r in raws)  # the worker's path
     insts = []
     for raw in raws:
-        r = await client.post("/v1/chat/completions", data=raw, headers={"Content-Type": "application/json"})
+        r = await client.post(APIS[api].path, data=raw, headers={"Content-Type": "application/json"})
         assert r.status == 200, await r.text()
         await r.read()
         insts.append(r.headers["X-Kvtop-Instance"])
@@ -199,7 +203,7 @@ async def test_router_routes_returning_turns_early_and_records_the_count(router_
             break
         await asyncio.sleep(0.02)
     decisions = rows(state, "decisions")
-    want = [len(tok.encode(tok.render(parsing.read_body(json.loads(r), "chat").prompt))) for r in raws]
+    want = [len(tok.encode(tok.render(parsing.read_body(json.loads(r), api).prompt))) for r in raws]
     assert [d["input_tokens"] for d in decisions] == want
     assert {d["token_source"] for d in decisions} == {"tokenizer"}
     assert decisions[0]["estimated_input_tokens"] is None  # cold: counted before it was routed
@@ -207,6 +211,7 @@ async def test_router_routes_returning_turns_early_and_records_the_count(router_
         est = d["estimated_input_tokens"]
         assert est is not None and abs(est - w) < 0.05 * w
         assert d["new_prefill_tokens"] == max(0, w - d["est_hit_tokens"])
+    assert len({d["session_id"] for d in decisions}) == 1  # one session, from the body
     assert len(set(insts[1:])) == 1 and state.cluster.counters_zero()
     s = state.cluster.instances
     assert sum(i.input_tokens_total for i in s) == sum(want)
