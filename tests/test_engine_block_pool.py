@@ -11,7 +11,6 @@ from __future__ import annotations
 import random
 from collections import OrderedDict
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -99,8 +98,10 @@ def shadowed(e: Engine) -> ShadowPool:
     return shadow
 
 
-def workload(rng: random.Random, n: int, max_blocks: int):
-    """Sessions whose turns extend their context, some sharing a system prompt; arrivals overlap."""
+def workload(rng: random.Random, n: int, max_blocks: int, compaction: float = 0.0):
+    """Sessions whose turns extend their context, some sharing a system prompt; arrivals
+    overlap. ``compaction``: the chance a turn first cuts its context at a random block (it
+    diverges from the previous turn's from there)."""
     system = [10_000_000 + k for k in range(rng.randint(0, 6))]
     contexts: dict[int, list[int]] = {}
     fresh = iter(range(1, 1 << 30))
@@ -108,6 +109,8 @@ def workload(rng: random.Random, n: int, max_blocks: int):
     for k in range(n):
         s = rng.randrange(5)
         ctx = contexts.setdefault(s, list(system) if rng.random() < 0.6 else [])
+        if compaction and ctx and rng.random() < compaction:
+            del ctx[rng.randrange(len(ctx)):]
         ctx.extend(next(fresh) for _ in range(rng.randint(1, 6)))
         if len(ctx) > max_blocks:
             ctx[:] = ctx[:rng.randint(1, max_blocks // 2)]
@@ -126,7 +129,13 @@ def test_run_pool_matches_the_block_by_block_pool(seed, blocks, events, budget):
     if events:
         e.kv_events = []
     shadowed(e)
-    pending = list(workload(rng, 40, blocks // 2))
+    drive(e, rng, list(workload(rng, 40, blocks // 2)))
+    assert e.num_free_blocks == blocks and e.num_allocated_blocks() == 0
+
+
+def drive(e: Engine, rng: random.Random, pending: list, before_step=None, after_step=None) -> None:
+    """Run ``pending`` ((arrival, request), in order) through ``e`` to the end, aborting a live
+    request now and then; ``before_step(t)`` and ``after_step()`` around every step."""
     t = 0.0
     live: list[str] = []
     for _ in range(20_000):
@@ -139,7 +148,11 @@ def test_run_pool_matches_the_block_by_block_pool(seed, blocks, events, budget):
                 pass
         if live and rng.random() < 0.03:
             e.abort(live.pop(rng.randrange(len(live))), t)
+        if before_step is not None:
+            before_step(t)
         res = e.step(t)
+        if after_step is not None:
+            after_step()
         for f in res.finished:
             if f.request_id in live:
                 live.remove(f.request_id)
@@ -155,7 +168,6 @@ def test_run_pool_matches_the_block_by_block_pool(seed, blocks, events, budget):
     else:
         raise AssertionError("did not finish")
     assert not e.has_work()
-    assert e.num_free_blocks == blocks and e.num_allocated_blocks() == 0
 
 
 def test_a_returning_turn_leaves_the_queue_as_one_slice_and_other_hits_go_stale():

@@ -10,7 +10,9 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtop.sim.engine import Engine, EngineRejected, EngineRequest
+from kvtop.sim.engine import Engine, EngineRequest
+from test_engine_block_pool import drive
+from test_engine_block_pool import workload as pool_workload
 
 BS = 16
 
@@ -53,23 +55,9 @@ def checked(e: Engine) -> list[int]:
 
 
 def workload(rng: random.Random, n: int, max_blocks: int):
-    """Sessions that extend their context, some sharing a system prompt, some rewriting a
-    stretch of it (a prompt that diverges from the previous turn's), arrivals overlapping."""
-    system = [10_000_000 + k for k in range(rng.randint(0, 6))]
-    contexts: dict[int, list[int]] = {}
-    fresh = iter(range(1, 1 << 30))
-    t = 0.0
-    for k in range(n):
-        s = rng.randrange(5)
-        ctx = contexts.setdefault(s, list(system) if rng.random() < 0.6 else [])
-        if ctx and rng.random() < 0.2:   # a compaction: the context diverges from some block on
-            del ctx[rng.randrange(len(ctx)):]
-        ctx.extend(next(fresh) for _ in range(rng.randint(1, 6)))
-        if len(ctx) > max_blocks:
-            ctx[:] = ctx[:rng.randint(1, max_blocks // 2)]
-        n_tokens = len(ctx) * BS + rng.randint(0, BS - 1)
-        t += rng.expovariate(4.0)
-        yield t, EngineRequest(f"r{k}", n_tokens, list(ctx), rng.randint(1, 6 * BS), t)
+    """block_pool's sessions, some also rewriting a stretch of their context (a prompt that
+    diverges from the previous turn's)."""
+    return pool_workload(rng, n, max_blocks, compaction=0.2)
 
 
 @settings(max_examples=60, deadline=None)
@@ -78,53 +66,36 @@ def test_lookup_from_the_chains_is_the_dict_walk(seed, blocks, budget):
     rng = random.Random(seed)
     e = Engine("h20", block_size=BS, num_gpu_blocks=blocks, max_num_batched_tokens=budget,
                max_num_seqs=rng.randint(1, 6))
-    from_chain = checked(e)
-    pending = list(workload(rng, 40, blocks // 2))
-    t = 0.0
-    live: list[str] = []
-    for _ in range(20_000):
-        while pending and pending[0][0] <= t:
-            _, r = pending.pop(0)
-            try:
-                e.add_request(r)
-                live.append(r.request_id)
-            except EngineRejected:
-                pass
-        if live and rng.random() < 0.03:
-            e.abort(live.pop(rng.randrange(len(live))), t)
+    checked(e)  # every lookup compared with a dict walk
+
+    def lookups_elsewhere(t: float) -> None:  # lookups at other moments than admission too
         for r in rng.sample(list(e._requests.values()), min(2, len(e._requests))):
-            e._lookup(r.hashes, r.num_tokens)   # lookups at other moments than admission too
-        res = e.step(t)
-        # the count that lets a release skip reading refcounts when no block is shared
+            e._lookup(r.hashes, r.num_tokens)
+
+    def shared_count() -> None:  # the count that lets a release skip reading refcounts
         assert e._num_shared == sum(r - 1 for r in e._ref if r > 1)
-        for f in res.finished:
-            if f.request_id in live:
-                live.remove(f.request_id)
-        if res.idle:
-            nxt = e.next_event_time()
-            if nxt is None:
-                if not pending:
-                    break
-                nxt = pending[0][0]
-            t = max(t, nxt)
-        else:
-            t = res.end_time
-    else:
-        raise AssertionError("did not finish")
-    assert not e.has_work()
+
+    drive(e, rng, list(workload(rng, 40, blocks // 2)), lookups_elsewhere, shared_count)
+
+
+def runner(e: Engine):
+    """run(rid, hashes, n_tokens): one request of one output token, to its end, on e's own clock."""
+    clock = [0.0]
+
+    def run(rid, hashes, n_tokens):
+        t = clock[0]
+        e.add_request(EngineRequest(rid, n_tokens, hashes, 1, t))
+        while e.has_work():
+            r = e.step(t)
+            t = r.end_time if not r.idle else (e.next_event_time() or t)
+        clock[0] = t
+    return run
 
 
 def test_a_returning_turn_is_found_from_its_previous_turn_and_cut_where_evicted():
     e = Engine("h20", block_size=BS, num_gpu_blocks=24)
     from_chain = checked(e)
-    t = 0.0
-
-    def run(rid, hashes, n_tokens):
-        nonlocal t
-        e.add_request(EngineRequest(rid, n_tokens, hashes, 1, t))
-        while e.has_work():
-            r = e.step(t)
-            t = r.end_time if not r.idle else (e.next_event_time() or t)
+    run = runner(e)
 
     a = list(range(100, 110))
     run("a1", a, 10 * BS + 1)
@@ -142,12 +113,9 @@ def test_chains_are_bounded():
     from kvtop.sim import engine as mod
 
     e = Engine("h20", block_size=BS, num_gpu_blocks=4096)
-    t = 0.0
+    run = runner(e)
     for k in range(mod._MAX_CHAINS + 10):
-        e.add_request(EngineRequest(f"r{k}", 2 * BS, [1_000_000 + k], 1, t))
-        while e.has_work():
-            r = e.step(t)
-            t = r.end_time if not r.idle else (e.next_event_time() or t)
+        run(f"r{k}", [1_000_000 + k], 2 * BS)
     assert len(e._chains) <= mod._MAX_CHAINS
 
 
@@ -155,13 +123,9 @@ def test_chains_keep_a_bounded_number_of_hashes_alive():
     from kvtop.sim import engine as mod
 
     e = Engine("h20", block_size=BS, num_gpu_blocks=64)
-    t = 0.0
+    run = runner(e)
     for k in range(200):   # long prompts, each of a new session
-        hashes = [10_000_000 * (k + 1) + j for j in range(40)]
-        e.add_request(EngineRequest(f"r{k}", 40 * BS + 1, hashes, 1, t))
-        while e.has_work():
-            r = e.step(t)
-            t = r.end_time if not r.idle else (e.next_event_time() or t)
+        run(f"r{k}", [10_000_000 * (k + 1) + j for j in range(40)], 40 * BS + 1)
     kept = sum(len(c[0]) for c in e._chains.values())
     assert kept == e._chains_size <= mod._CHAIN_BLOCKS_PER_CACHE_BLOCK * 64
     assert 0 < len(e._chains) < 200
@@ -172,14 +136,7 @@ def test_a_long_previous_turn_cut_past_its_first_chunk():
     # block ~120 lies in the second chunk
     e = Engine("h20", block_size=BS, num_gpu_blocks=200)
     checked(e)
-    t = 0.0
-
-    def run(rid, hashes, n_tokens):
-        nonlocal t
-        e.add_request(EngineRequest(rid, n_tokens, hashes, 1, t))
-        while e.has_work():
-            r = e.step(t)
-            t = r.end_time if not r.idle else (e.next_event_time() or t)
+    run = runner(e)
 
     a = list(range(1_000, 1_150))
     run("a1", a, 150 * BS + 1)
