@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 
-from conftest import free_port
+from kvtop.procs import free_port_run
 
 
 def _get(port: int, path: str) -> tuple[int, bytes]:
@@ -25,9 +25,11 @@ def _get(port: int, path: str) -> tuple[int, bytes]:
         c.close()
 
 
-def _wait(ports, timeout=30.0) -> None:
+def _wait(ports, proc, timeout=30.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"kvtop sim exited ({proc.returncode}): {proc.stderr.read()[-2000:]}")
         try:
             if all(_get(p, "/health")[0] == 200 for p in ports):
                 return
@@ -42,14 +44,12 @@ def _closed(port: int) -> bool:
 
 
 def test_process_per_instance_isolates_and_stops_cleanly():
-    base = free_port()
-    while not _closed(base + 1):
-        base = free_port()
+    base = free_port_run(2)  # below the ports the kernel hands to this test's own connections
     proc = subprocess.Popen([sys.executable, "-m", "kvtop", "sim", "--instances", "2", "--port-base", str(base),
                              "--speed", "1000", "--duration", "60", "--process-per-instance"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        _wait([base, base + 1])
+        _wait([base, base + 1], proc)
         # each process labels its metrics as instance i would in one process
         for i in range(2):
             _, text = _get(base + i, "/metrics")
@@ -89,7 +89,6 @@ def test_process_per_instance_isolates_and_stops_cleanly():
 
 
 def test_a_child_that_cannot_start_ends_the_rest():
-    base = free_port()
     blocker = socket.socket()
     blocker.bind(("127.0.0.1", 0))
     busy = blocker.getsockname()[1]
