@@ -183,7 +183,10 @@ class BodyParser:
                     asyncio.get_running_loop(), pool, _parse_in_worker, raw, *args, True)
                 if provisional:
                     req.counting = final
-                    final.add_done_callback(_counted)
+                    # registered before the proxy's amend callback, so it runs first (asyncio
+                    # runs a future's callbacks in order); it also retrieves a failed count's
+                    # exception when the request was refused before the proxy registered one
+                    final.add_done_callback(_blocks_as_list)
             else:
                 req = await self._handoff.run(asyncio.get_running_loop(), pool, _parse_in_worker, raw, *args)
         except BrokenProcessPool:  # the worker died (killed, out of memory): start a new one next time
@@ -233,7 +236,7 @@ class BodyParser:
             self._small = None
 
 
-def _counted(final: asyncio.Future) -> None:
+def _blocks_as_list(final: asyncio.Future) -> None:
     """The counted request arrived: its blocks as a list, like every request's."""
     if final.cancelled() or final.exception() is not None:
         return
