@@ -219,11 +219,12 @@ def fingerprint(path: str, limit: int | None, policies: str, instances: int) -> 
     import json
 
     from kvtop.simulate import SimConfig, simulate
-    from kvtop.traces.loader import load_trace
+    from kvtop.traces.loader import dense_ids, load_trace
 
     requests = load_trace(path)
     if limit is not None:
         requests = requests[:limit]
+    requests = dense_ids(requests)   # as kvtop simulate does (kvtop/simulate.py run)
     gc.collect()
     gc.freeze()   # as kvtop simulate does with its trace (kvtop/simulate.py run)
     total = 0.0
@@ -247,7 +248,7 @@ def ab(path: str, versions: list[str], limit: int | None, policies: str, instanc
 
     import kvtop.sim.engine as live
     from kvtop.simulate import SimConfig, simulate
-    from kvtop.traces.loader import load_trace
+    from kvtop.traces.loader import dense_ids, load_trace
 
     modules = {}
     for spec_text in versions:
@@ -262,6 +263,7 @@ def ab(path: str, versions: list[str], limit: int | None, policies: str, instanc
     requests = load_trace(path)
     if limit is not None:
         requests = requests[:limit]
+    requests = dense_ids(requests)   # as kvtop simulate does (kvtop/simulate.py run)
     gc.collect()
     gc.freeze()   # as kvtop simulate does with its trace (kvtop/simulate.py run)
     cpu: dict[tuple[str, str], list[float]] = {}

@@ -368,7 +368,7 @@ def _policy_knobs(policy: str, knobs: dict[str, str]) -> dict[str, str]:
 def run(args: argparse.Namespace) -> int:
     from kvtop.seedtable import class_rows, format_class_table, format_seed_table, seed_row
     from kvtop.sim.profiles import get_profile
-    from kvtop.traces.loader import load_trace
+    from kvtop.traces.loader import dense_ids, load_trace
 
     if args.from_db is not None:
         if args.trace is not None:
@@ -410,6 +410,7 @@ def run(args: argparse.Namespace) -> int:
     requests = load_trace(args.trace)
     if args.limit is not None:
         requests = requests[: args.limit]
+    requests = dense_ids(requests)   # the same results, cheaper to simulate (see there)
     # The trace lives as long as this process: keep it out of the GC's full collections (a
     # 10,000-request trace is 11.7M ids in 10,000 lists to traverse each time) and, with
     # --repeats, out of the pages forked workers would copy when a collection touches them.

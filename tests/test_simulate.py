@@ -6,7 +6,7 @@ import pytest
 
 from kvtop.cli import main
 from kvtop.simulate import SimConfig, simulate
-from kvtop.traces.loader import TraceRequest, write_trace
+from kvtop.traces.loader import TraceRequest, dense_ids, write_trace
 from router.blocks import regroup_block_ids
 
 
@@ -46,6 +46,19 @@ def test_closed_loop_waits_for_the_answer_and_think_time():
     recs = sorted(simulate(reqs, "unified", SimConfig(instances=1, mode="closed")), key=lambda r: r["turn"])
     for prev, nxt in zip(recs, recs[1:]):
         assert nxt["arrival"] == pytest.approx(prev["arrival"] + prev["e2e_ms"] / 1000 + 2.0)
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "sticky", "leastwork", "expected_cost"])
+def test_dense_ids_change_no_record(policy):
+    # kvtop simulate numbers the trace's ids densely (kvtop/traces/loader.py dense_ids): the
+    # records must be the ones the trace's own ids give. Ids past 64 bits' small ints, and two
+    # sessions sharing a prefix, so that both the values and the sharing change.
+    reqs = session_trace(sessions=5, turns=4)
+    shared = [7 * 10**17 + k for k in range(40)]
+    reqs = [TraceRequest(**{**{f: getattr(r, f) for f in r.__slots__},
+                            "hash_ids": shared[:20] + [x * 9_973 + 10**18 for x in r.hash_ids[20:]]})
+            for r in reqs]
+    assert simulate(dense_ids(reqs), policy, SimConfig(instances=3)) == simulate(reqs, policy, SimConfig(instances=3))
 
 
 def test_deterministic():

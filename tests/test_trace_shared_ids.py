@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtop.traces.loader import TraceRequest, _share_prefix, load_trace, write_trace
+from kvtop.traces.loader import TraceRequest, _share_prefix, dense_ids, load_trace, write_trace
 
 BIG = 10**15   # ids past the small-int cache, so every parsed id is its own object
 
@@ -48,3 +48,30 @@ def test_share_prefix_keeps_values_and_shares_only_equal_ones(prev, ids, shared)
     while same < min(len(ids), len(prev)) and ids[same] is prev[same]:
         same += 1
     assert same == shared
+
+
+def test_dense_ids_keep_equality_and_share_each_turns_prefix():
+    a1 = [BIG + k for k in range(5)]
+    a2 = a1 + [BIG + 100]
+    b1 = [2 * BIG + k for k in range(3)]
+    b2 = a1[:2] + [3 * BIG]             # another session repeating a's first ids, then its own
+    reqs = [_req("a", 1, a1), _req("b", 1, b1), _req("a", 2, a2), _req("b", 2, b2)]
+    before = [list(r.hash_ids) for r in reqs]
+    d = dense_ids(reqs)
+    assert [r.hash_ids for r in reqs] == before          # the input is left as it was
+    # numbered 1, 2, ... in order of first appearance; an equal id is the same number anywhere
+    assert [r.hash_ids for r in d] == [[1, 2, 3, 4, 5], [6, 7, 8], [1, 2, 3, 4, 5, 9], [1, 2, 10]]
+    assert all(x is y for x, y in zip(d[2].hash_ids[:5], d[0].hash_ids))
+    assert d[2].hash_ids is not d[0].hash_ids
+    for old, new in zip(reqs, d):   # nothing but the ids changes
+        assert (old.arrival, old.session, old.turn, old.input_tokens, old.block_size) == \
+            (new.arrival, new.session, new.turn, new.input_tokens, new.block_size)
+
+
+def test_dense_ids_after_a_divergent_turn():
+    # a turn that rewrites the middle of its context (compaction): only the shared prefix is
+    # taken from the previous turn; the rest is numbered by value, old ids keeping their numbers
+    t1 = [BIG + k for k in range(6)]
+    t2 = t1[:3] + [BIG + 50] + t1[4:]
+    d = dense_ids([_req("a", 1, t1), _req("a", 2, t2)])
+    assert d[1].hash_ids == [1, 2, 3, 7, 5, 6]
