@@ -960,6 +960,20 @@ class Engine:
                 req.blocks.extend(hit)
                 req.registered = k
                 return
+        if hit is self._held_hit:
+            # The lookup found all of it in blocks a live request holds (no release since):
+            # none is free, so no queue entry changes; each refcount goes up by one, and
+            # while no block is shared every one of them is 1.
+            if self._num_shared:
+                for b in hit:
+                    ref[b] += 1
+            else:
+                for b in hit:
+                    ref[b] = 2
+            self._num_shared += k
+            req.blocks.extend(hit)
+            req.registered = k
+            return
         run_of = self._run_of
         taken = 0
         for b in hit:
@@ -1098,6 +1112,7 @@ class Engine:
         req.registered = 0
         if not blocks:
             return
+        self._held_hit = None   # a release can free blocks of the last lookup's held hit
         ref = self._ref
         hol_set = self._hol_set
         rid = self._next_rid
