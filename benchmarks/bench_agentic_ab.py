@@ -5,7 +5,8 @@ peers, which did not change, measured 6.3 and 10.1 ms p50 in two runs four minut
 before/after made of separate runs mostly measures the host. Here one session's turns go to both
 routers in the same second: each turn is sent straight to the backend (twice, the faster
 counts), then to router A and router B in an order that alternates turn by turn. Both routers
-run ``--tokenizer`` (bench_agentic's 32k BPE) and the same flags as bench_agentic; each runs the
+run ``--tokenizer`` (bench_agentic's 32k BPE; ``--text``: neither, the text path) and the same
+flags as bench_agentic; each runs the
 code of its own directory (``python -m kvtop`` started there, with that directory first on
 PYTHONPATH, so its parser worker imports the same code).
 
@@ -33,12 +34,12 @@ from bench_overhead import free_port, pct  # noqa: E402
 from kvtop.procs import stop_process  # noqa: E402
 
 
-def start_router(code_dir: str, backend: str, tok_dir: Path, state_dir: str) -> tuple[subprocess.Popen, str]:
+def start_router(code_dir: str, backend: str, tok_dir: Path | None, state_dir: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = dict(os.environ, PYTHONPATH=os.path.abspath(code_dir))
     proc = subprocess.Popen([sys.executable, "-m", "kvtop", "route", "--host", "127.0.0.1", "--port", str(port),
                              "--backend", backend, "--policy", "unified", "--db", "none", "--state-dir", state_dir,
-                             "--block-size", "16", "--tokenizer", str(tok_dir)],
+                             "--block-size", "16"] + (["--tokenizer", str(tok_dir)] if tok_dir else []),
                             cwd=code_dir, env=env, stdout=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     ba.wait_ready(url + "/health", proc)
@@ -60,7 +61,7 @@ async def run(args) -> dict:
     try:
         routers = {}
         for name, d in (("a", args.a), ("b", args.b)):
-            p, url = start_router(d, backend, tok_dir, tmp)
+            p, url = start_router(d, backend, None if args.text else tok_dir, tmp)
             procs.append(p)
             routers[name] = (url, p.pid)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:
@@ -105,6 +106,8 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=20, help="returning turns per API (default 20)")
     ap.add_argument("--chars", type=int, default=800_000, help="session size in characters (default 800,000)")
     ap.add_argument("--tokenizer-dir", default=os.path.join(tempfile.gettempdir(), "kvtop-bench-tokenizer-32k"))
+    ap.add_argument("--text", action="store_true",
+                    help="both routers without --tokenizer (the text path: prompts hashed in character chunks)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
     for d in (args.a, args.b):
