@@ -3,7 +3,9 @@
 Three costs, three places:
 
 - A body of a few hundred KB parses (orjson) and, without a tokenizer, hashes in about a
-  millisecond: on the loop.
+  millisecond: on the loop. A bigger one (an agentic turn of 800 KB: a few ms) too, unless
+  the loop ended parsing another less than ``TEXT_BURST_S`` (10 ms) ago: in a burst of cold
+  turns the rest go to the worker process, so that the loop, and /health, wait for one at most.
 - With ``--tokenizer``, rendering the chat template and tokenizing a 200k-token prompt takes
   hundreds of milliseconds cold. Bodies over ``TOKENIZE_PROCESS_BYTES`` (64 KB) are parsed,
   rendered and tokenized in the worker process: their Python work (JSON, template, block
@@ -31,8 +33,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -46,8 +50,16 @@ from router.request import (BadRequest, Counted, Parsed, RouteRequest, Tokenizer
 from router.worker import WorkerProcess
 from router.worker import partial as worker_partial
 
+log = logging.getLogger("kvtop.route")
+
 #: Bodies larger than this are parsed in the worker process.
 OFFLOAD_BYTES = 4 * 1024 * 1024
+#: Without a tokenizer, a body over this size is parsed on the loop only when the loop ended
+#: no other such parse in the last ``TEXT_BURST_S``; in a burst, the others go to the worker.
+#: One 830 KB agentic turn parses and hashes in a few ms on the loop (a worker round trip
+#: adds ~1.7 ms), but six cold ones at once held the loop, and /health, up to 94 ms.
+TEXT_INLINE_BYTES = 256 * 1024
+TEXT_BURST_S = 0.01
 #: With a tokenizer, bodies larger than this are parsed, rendered and tokenized in the worker
 #: process (which keeps its sessions' previous turns): the GIL of the event loop's process is
 #: then never held by a big prompt's Python work (JSON, template, hashing), which on a busy host
@@ -148,6 +160,8 @@ class BodyParser:
         self._pool: WorkerProcess | None = None
         self._starting = asyncio.Lock()
         self._small: ThreadPoolExecutor | None = None
+        self._inline_big_end = float("-inf")   # when the loop last ended parsing a big text body
+        self._warming: asyncio.Task | None = None
         self._turns: OrderedDict[str, Counted] = OrderedDict()
         self._handoff = Handoff()
         self.offloaded = 0
@@ -163,15 +177,28 @@ class BodyParser:
         ``RouteRequest.counting`` is then a future of the counted request (the same request
         but for ``input_tokens`` and ``blocks``), done a few milliseconds later."""
         cfg = self.config
-        if len(raw) <= (OFFLOAD_BYTES if self.tokenizer is None else TOKENIZE_PROCESS_BYTES):
-            body = parse_json(as_bytes(raw))  # 1-4 MB without a tokenizer: parsed here, as one
-            parsed = read_body(body, endpoint, headers=headers, session_header=cfg.session_header)
-            tok = self.tokenizer
-            if tok is None or parsed.prompt.tokens is not None:
-                counted = count_prompt(parsed.prompt, cfg.block_size)
-            else:
-                counted = await self._count(parsed)
-            return body, route_request(parsed, counted, max_input_tokens=cfg.max_input_tokens)
+        tok = self.tokenizer
+        size = len(raw)
+        big_text = tok is None and size > TEXT_INLINE_BYTES
+        if tok is not None:
+            inline = size <= TOKENIZE_PROCESS_BYTES
+        else:   # 256 KB - 4 MB: here unless the loop has just parsed another one (a burst)
+            inline = not big_text or (size <= OFFLOAD_BYTES
+                                      and time.monotonic() - self._inline_big_end > TEXT_BURST_S)
+        if inline:
+            try:
+                body = parse_json(as_bytes(raw))
+                parsed = read_body(body, endpoint, headers=headers, session_header=cfg.session_header)
+                if tok is None or parsed.prompt.tokens is not None:
+                    counted = count_prompt(parsed.prompt, cfg.block_size)
+                else:
+                    counted = await self._count(parsed)
+                return body, route_request(parsed, counted, max_input_tokens=cfg.max_input_tokens)
+            finally:
+                if big_text:
+                    self._inline_big_end = time.monotonic()
+                    if self._pool is None and self._warming is None:   # ready for the next burst
+                        self._warming = asyncio.get_running_loop().create_task(self._warm())
         pool = await self._worker()
         self.offloaded += 1
         hv = headers.get(cfg.session_header) if cfg.session_header else None
@@ -196,6 +223,15 @@ class BodyParser:
         if not isinstance(req.blocks, list):  # an array('q') from the worker: one buffer, not 13,000 ints
             req.blocks = req.blocks.tolist()
         return None, req
+
+    async def _warm(self) -> None:
+        """Start the worker before a burst needs it (its start takes ~150 ms)."""
+        try:
+            await self._worker()
+        except Exception as exc:  # noqa: BLE001 - the next burst will try again, and say why
+            log.warning("could not start the body parser's worker process: %s", exc)
+        finally:
+            self._warming = None
 
     async def _worker(self) -> WorkerProcess:
         """The worker process, started on first use (and again after it died)."""
@@ -227,6 +263,9 @@ class BodyParser:
         return parsed if parsed is not None else json.loads(as_bytes(raw))
 
     def close(self) -> None:
+        if self._warming is not None:
+            self._warming.cancel()
+            self._warming = None
         self._handoff.close()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)

@@ -112,3 +112,34 @@ async def test_a_dead_worker_fails_its_calls_and_the_parser_starts_another(tmp_p
         assert type(req.blocks) is list and len(req.blocks) == 600_000 // 16
     finally:
         parser.close()
+
+
+async def test_a_burst_of_big_text_bodies_leaves_the_loop_after_the_first():
+    """Without a tokenizer, a 256 KB - 4 MB body is parsed on the loop when the loop is free of
+    such work, and in the worker when the loop has just parsed another (a burst of cold turns):
+    the loop then holds one at most. Both give the same request."""
+    import json
+
+    from router import parsing
+
+    cfg = SimpleNamespace(session_header="X-Session-ID", block_size=16, tokenizer=None,
+                          max_input_tokens=None)
+    parser = parsing.BodyParser(cfg, None)
+    text = "def handler(event):\n    return event['body']\n" * 8_000   # 360 KB
+    raw = json.dumps({"messages": [{"role": "user", "content": text}], "max_tokens": 1}).encode()
+    assert parsing.TEXT_INLINE_BYTES < len(raw) < parsing.OFFLOAD_BYTES
+    small = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).encode()
+    try:
+        body, first = await parser.parse(raw, "chat", {})
+        assert body is not None and parser.offloaded == 0            # a free loop: here
+        body, burst = await parser.parse(raw, "chat", {})
+        assert body is None and parser.offloaded == 1                # right after: the worker
+        assert (burst.input_tokens, burst.blocks) == (first.input_tokens, first.blocks)
+        body, _ = await parser.parse(small, "chat", {})
+        assert body is not None and parser.offloaded == 1            # small ones stay here
+        await asyncio.sleep(parsing.TEXT_BURST_S * 3)
+        body, later = await parser.parse(raw, "chat", {})
+        assert body is not None and parser.offloaded == 1            # the burst is over: here again
+        assert later.blocks == first.blocks
+    finally:
+        parser.close()
