@@ -215,6 +215,18 @@ def _chain_prefix(chain: tuple[Sequence[int], list[int], Any], hashes: Sequence[
     return blocks
 
 
+_BLOCK_IDS: list[int] = []
+
+
+def _block_ids(n: int) -> list[int]:
+    """Block ids 0..n-1 as int objects shared by every engine of the process: the 8 engines of a
+    simulation then touch one set of id objects (an id past 256 is an object of its own, and
+    every refcount, free-queue and gather operation reads it) instead of 8."""
+    if len(_BLOCK_IDS) < n:
+        _BLOCK_IDS.extend(range(len(_BLOCK_IDS), n))
+    return _BLOCK_IDS[:n]
+
+
 class _Run:
     """Blocks that entered the free queue together (one request's release, in the order vLLM
     appends them), as one entry of the queue: ``q[head:]`` in LRU order. Entries a later hit
@@ -330,7 +342,7 @@ class Engine:
         self._ref = [-1] * n
         self._block_hash: list[int | None] = [None] * n
         self._cached: dict[int, int] = {}                      # hash -> block id
-        first = _Run(1, list(range(n)))
+        first = _Run(1, _block_ids(n))
         self._runs: deque[_Run] = deque([first])               # the free queue, head = next evicted
         self._run_of: dict[int, _Run] = {1: first}             # run id -> run, while queued
         self._next_rid = 2
