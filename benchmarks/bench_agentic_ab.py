@@ -49,7 +49,7 @@ def start_router(code_dir: str, backend: str, tok_dir: Path | None, state_dir: s
 async def run(args) -> dict:
     import aiohttp
 
-    tok_dir = ba.build_tokenizer(args.tokenizer_dir)
+    tok_dir = None if args.text else ba.build_tokenizer(args.tokenizer_dir)
     texts = ba.corpus(6_000_000)
     procs: list[subprocess.Popen] = []
     bport = free_port()
@@ -57,11 +57,11 @@ async def run(args) -> dict:
     backend = f"http://127.0.0.1:{bport}"
     ba.wait_ready(backend + "/v1/models", procs[-1])
     tmp = tempfile.mkdtemp(prefix="kvtop-agentic-ab-")
-    out: dict = {"a": os.path.abspath(args.a), "b": os.path.abspath(args.b), "apis": {}}
+    out: dict = {"a": os.path.abspath(args.a), "b": os.path.abspath(args.b), "text": args.text, "apis": {}}
     try:
         routers = {}
         for name, d in (("a", args.a), ("b", args.b)):
-            p, url = start_router(d, backend, None if args.text else tok_dir, tmp)
+            p, url = start_router(d, backend, tok_dir, tmp)
             procs.append(p)
             routers[name] = (url, p.pid)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:

@@ -5,7 +5,10 @@ Three costs, three places:
 - A body of a few hundred KB parses (orjson) and, without a tokenizer, hashes in about a
   millisecond: on the loop. A bigger one (an agentic turn of 800 KB: a few ms) too, unless
   the loop ended parsing another less than ``TEXT_BURST_S`` (10 ms) ago: in a burst of cold
-  turns the rest go to the worker process, so that the loop, and /health, wait for one at most.
+  turns the rest go to the worker process, so that the loop, and /health, wait for one at a
+  time. Only while the worker is ready (started and answering: it is started in the background
+  after the first big body), is not parsing a body over 4 MB and holds fewer than
+  ``TEXT_WORKER_QUEUE`` of them; otherwise, and if it fails, the loop parses the body.
 - With ``--tokenizer``, rendering the chat template and tokenizing a 200k-token prompt takes
   hundreds of milliseconds cold. Bodies over ``TOKENIZE_PROCESS_BYTES`` (64 KB) are parsed,
   rendered and tokenized in the worker process: their Python work (JSON, template, block
@@ -54,12 +57,16 @@ log = logging.getLogger("kvtop.route")
 
 #: Bodies larger than this are parsed in the worker process.
 OFFLOAD_BYTES = 4 * 1024 * 1024
-#: Without a tokenizer, a body over this size is parsed on the loop only when the loop ended
-#: no other such parse in the last ``TEXT_BURST_S``; in a burst, the others go to the worker.
+#: Without a tokenizer, a body over this size is parsed on the loop unless the loop finished
+#: parsing another less than ``TEXT_BURST_S`` ago (a burst) and the worker is ready for it.
 #: One 830 KB agentic turn parses and hashes in a few ms on the loop (a worker round trip
-#: adds ~1.7 ms), but six cold ones at once held the loop, and /health, up to 94 ms.
+#: adds ~1.7 ms), but six cold ones at once held the loop, and /health, 23-61 ms.
 TEXT_INLINE_BYTES = 256 * 1024
 TEXT_BURST_S = 0.01
+#: At most this many burst bodies wait in the worker; past it, the loop parses the next.
+TEXT_WORKER_QUEUE = 4
+#: After the worker failed to start, bursts stay on the loop for this long before another try.
+WARM_RETRY_S = 30.0
 #: With a tokenizer, bodies larger than this are parsed, rendered and tokenized in the worker
 #: process (which keeps its sessions' previous turns): the GIL of the event loop's process is
 #: then never held by a big prompt's Python work (JSON, template, hashing), which on a busy host
@@ -86,6 +93,11 @@ def _background() -> ThreadPoolExecutor:
         _worker_background = ThreadPoolExecutor(1, thread_name_prefix="kvtop-parse-cold",
                                                 initializer=_lower_priority)
     return _worker_background
+
+
+def _ping() -> bool:
+    """A call that makes the worker import this module (and what it imports) before a burst."""
+    return True
 
 
 def _parse_in_worker(raw: bytes | ArenaRef, endpoint: str, headers: dict[str, str], session_header: str,
@@ -162,6 +174,10 @@ class BodyParser:
         self._small: ThreadPoolExecutor | None = None
         self._inline_big_end = float("-inf")   # when the loop last ended parsing a big text body
         self._warming: asyncio.Task | None = None
+        self._warm_retry_at = float("-inf")
+        self._pinged: WorkerProcess | None = None   # the worker that answered a call since it started
+        self._in_worker = 0          # bodies in the worker now
+        self._huge_in_worker = 0     # of which over OFFLOAD_BYTES
         self._turns: OrderedDict[str, Counted] = OrderedDict()
         self._handoff = Handoff()
         self.offloaded = 0
@@ -179,32 +195,24 @@ class BodyParser:
         cfg = self.config
         tok = self.tokenizer
         size = len(raw)
-        big_text = tok is None and size > TEXT_INLINE_BYTES
+        huge = size > OFFLOAD_BYTES
         if tok is not None:
             inline = size <= TOKENIZE_PROCESS_BYTES
-        else:   # 256 KB - 4 MB: here unless the loop has just parsed another one (a burst)
-            inline = not big_text or (size <= OFFLOAD_BYTES
-                                      and time.monotonic() - self._inline_big_end > TEXT_BURST_S)
+        elif size <= TEXT_INLINE_BYTES:
+            inline = True
+        else:   # 256 KB - 4 MB: here unless a burst finds the worker ready and not behind a huge body
+            inline = not huge and not self._burst_to_worker()
         if inline:
-            try:
-                body = parse_json(as_bytes(raw))
-                parsed = read_body(body, endpoint, headers=headers, session_header=cfg.session_header)
-                if tok is None or parsed.prompt.tokens is not None:
-                    counted = count_prompt(parsed.prompt, cfg.block_size)
-                else:
-                    counted = await self._count(parsed)
-                return body, route_request(parsed, counted, max_input_tokens=cfg.max_input_tokens)
-            finally:
-                if big_text:
-                    self._inline_big_end = time.monotonic()
-                    if self._pool is None and self._warming is None:   # ready for the next burst
-                        self._warming = asyncio.get_running_loop().create_task(self._warm())
-        pool = await self._worker()
-        self.offloaded += 1
-        hv = headers.get(cfg.session_header) if cfg.session_header else None
-        args = (endpoint, {cfg.session_header: hv} if hv else {}, cfg.session_header, cfg.block_size,
-                cfg.tokenizer, cfg.max_input_tokens)
+            return await self._parse_here(raw, endpoint, headers)
+        burst = tok is None and not huge
+        self._in_worker += 1
+        self._huge_in_worker += huge
         try:
+            pool = await self._worker()
+            self.offloaded += 1
+            hv = headers.get(cfg.session_header) if cfg.session_header else None
+            args = (endpoint, {cfg.session_header: hv} if hv else {}, cfg.session_header, cfg.block_size,
+                    cfg.tokenizer, cfg.max_input_tokens)
             if early and self.tokenizer is not None:
                 provisional, req, final = await self._handoff.run_partial(
                     asyncio.get_running_loop(), pool, _parse_in_worker, raw, *args, True)
@@ -216,19 +224,63 @@ class BodyParser:
                     final.add_done_callback(_blocks_as_list)
             else:
                 req = await self._handoff.run(asyncio.get_running_loop(), pool, _parse_in_worker, raw, *args)
-        except BrokenProcessPool:  # the worker died (killed, out of memory): start a new one next time
-            if self._pool is pool:
+        except (BrokenProcessPool, OSError) as exc:
+            # the worker died (killed, out of memory) or could not start: a new one next time
+            if isinstance(exc, BrokenProcessPool) and self._pool is not None and self._pool.broken:
                 self._pool = None
+            if burst:   # a body the loop can parse: parse it here rather than fail it
+                log.warning("the body parser's worker failed (%s); parsing on the loop", exc)
+                return await self._parse_here(raw, endpoint, headers)
+            if isinstance(exc, OSError):
+                raise
             raise BadRequest("the router's body parser failed on this request; retry", status=503) from None
+        finally:
+            self._in_worker -= 1
+            self._huge_in_worker -= huge
         if not isinstance(req.blocks, list):  # an array('q') from the worker: one buffer, not 13,000 ints
             req.blocks = req.blocks.tolist()
         return None, req
 
-    async def _warm(self) -> None:
-        """Start the worker before a burst needs it (its start takes ~150 ms)."""
+    async def _parse_here(self, raw: bytes | Chunks, endpoint: str, headers: Any) -> tuple[Any, RouteRequest]:
+        """Parse on the loop (the template and tokens, when there are any, in a thread)."""
+        cfg = self.config
+        tok = self.tokenizer
+        big_text = tok is None and len(raw) > TEXT_INLINE_BYTES
         try:
-            await self._worker()
-        except Exception as exc:  # noqa: BLE001 - the next burst will try again, and say why
+            body = parse_json(as_bytes(raw))
+            parsed = read_body(body, endpoint, headers=headers, session_header=cfg.session_header)
+            if tok is None or parsed.prompt.tokens is not None:
+                counted = count_prompt(parsed.prompt, cfg.block_size)
+            else:
+                counted = await self._count(parsed)
+            return body, route_request(parsed, counted, max_input_tokens=cfg.max_input_tokens)
+        finally:
+            if big_text:
+                self._inline_big_end = time.monotonic()
+                if (not self._worker_ready() and self._warming is None
+                        and time.monotonic() >= self._warm_retry_at):   # ready for the next burst
+                    self._warming = asyncio.get_running_loop().create_task(self._warm())
+
+    def _worker_ready(self) -> bool:
+        """The worker answered a call since it (re)started, and has not died since."""
+        return self._pinged is not None and self._pinged is self._pool and not self._pool.broken
+
+    def _burst_to_worker(self) -> bool:
+        """A big text body that should go to the worker: the loop finished parsing another
+        less than TEXT_BURST_S ago, and the worker is ready, not parsing a body over
+        OFFLOAD_BYTES (which takes seconds) and holds fewer than TEXT_WORKER_QUEUE bodies."""
+        return (time.monotonic() - self._inline_big_end <= TEXT_BURST_S and self._worker_ready()
+                and not self._huge_in_worker and self._in_worker < TEXT_WORKER_QUEUE)
+
+    async def _warm(self) -> None:
+        """Start the worker and make one call (its start and imports take 0.1-1 s), so that
+        a burst finds it ready; after a failure, not again for WARM_RETRY_S."""
+        try:
+            pool = await self._worker()
+            await asyncio.get_running_loop().run_in_executor(pool, _ping)
+            self._pinged = pool
+        except Exception as exc:  # noqa: BLE001 - bursts stay on the loop; say why
+            self._warm_retry_at = time.monotonic() + WARM_RETRY_S
             log.warning("could not start the body parser's worker process: %s", exc)
         finally:
             self._warming = None

@@ -116,24 +116,40 @@ async def test_a_dead_worker_fails_its_calls_and_the_parser_starts_another(tmp_p
 
 async def test_a_burst_of_big_text_bodies_leaves_the_loop_after_the_first():
     """Without a tokenizer, a 256 KB - 4 MB body is parsed on the loop when the loop is free of
-    such work, and in the worker when the loop has just parsed another (a burst of cold turns):
-    the loop then holds one at most. Both give the same request."""
+    such work, and in the worker when the loop has just parsed another (a burst of cold turns)
+    and the worker is ready: the loop then holds one at a time. Both give the same request. The
+    worker is started after the first big body; small bodies never start it."""
     import json
 
     from router import parsing
 
     cfg = SimpleNamespace(session_header="X-Session-ID", block_size=16, tokenizer=None,
                           max_input_tokens=None)
+    small = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).encode()
+    quiet = parsing.BodyParser(cfg, None)
+    try:
+        for _ in range(3):
+            await quiet.parse(small, "chat", {})
+        assert quiet._pool is None and quiet._warming is None   # small bodies: no worker
+    finally:
+        quiet.close()
+
     parser = parsing.BodyParser(cfg, None)
     text = "def handler(event):\n    return event['body']\n" * 8_000   # 360 KB
     raw = json.dumps({"messages": [{"role": "user", "content": text}], "max_tokens": 1}).encode()
     assert parsing.TEXT_INLINE_BYTES < len(raw) < parsing.OFFLOAD_BYTES
-    small = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).encode()
     try:
         body, first = await parser.parse(raw, "chat", {})
         assert body is not None and parser.offloaded == 0            # a free loop: here
+        body, _ = await parser.parse(raw, "chat", {})
+        assert body is not None and parser.offloaded == 0            # the worker is not ready yet: here
+        await asyncio.wait_for(parser._warming, 60)                  # started after the first one
+        assert parser._worker_ready()
+        await asyncio.sleep(parsing.TEXT_BURST_S * 3)
+        body, _ = await parser.parse(raw, "chat", {})
+        assert body is not None and parser.offloaded == 0            # a lone turn: here
         body, burst = await parser.parse(raw, "chat", {})
-        assert body is None and parser.offloaded == 1                # right after: the worker
+        assert body is None and parser.offloaded == 1                # right after it: the worker
         assert (burst.input_tokens, burst.blocks) == (first.input_tokens, first.blocks)
         body, _ = await parser.parse(small, "chat", {})
         assert body is not None and parser.offloaded == 1            # small ones stay here
@@ -141,5 +157,39 @@ async def test_a_burst_of_big_text_bodies_leaves_the_loop_after_the_first():
         body, later = await parser.parse(raw, "chat", {})
         assert body is not None and parser.offloaded == 1            # the burst is over: here again
         assert later.blocks == first.blocks
+
+        # a body over 4 MB in the worker takes long: a burst does not queue behind it
+        huge = ("{\"prompt\": [" + ", ".join(str(1000000 + k) for k in range(600_000)) + "]}").encode()
+        big = asyncio.create_task(parser.parse(huge, "completions", {}))
+        await asyncio.sleep(0)
+        assert parser._huge_in_worker == 1
+        await parser.parse(raw, "chat", {})
+        body, _ = await parser.parse(raw, "chat", {})
+        assert body is not None and parser.offloaded == 2            # here (the huge one counted)
+        await big
+
+        # the worker killed mid-burst: the body is parsed here, not refused
+        await parser.parse(raw, "chat", {})
+        os.kill(parser._pool._proc.pid, signal.SIGKILL)
+        body, again = await parser.parse(raw, "chat", {})
+        assert body is not None and again.blocks == first.blocks
     finally:
         parser.close()
+
+
+async def test_close_cancels_the_worker_start():
+    import json
+
+    from router import parsing
+
+    cfg = SimpleNamespace(session_header="X-Session-ID", block_size=16, tokenizer=None,
+                          max_input_tokens=None)
+    parser = parsing.BodyParser(cfg, None)
+    raw = json.dumps({"prompt": "x" * (parsing.TEXT_INLINE_BYTES + 10), "max_tokens": 1}).encode()
+    await parser.parse(raw, "completions", {})
+    task = parser._warming
+    assert task is not None
+    parser.close()
+    assert parser._warming is None
+    with pytest.raises(asyncio.CancelledError):
+        await task

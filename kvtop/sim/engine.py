@@ -222,9 +222,11 @@ def _block_ids(n: int) -> list[int]:
     """Block ids 0..n-1 as int objects shared by every engine of the process: the 8 engines of a
     simulation then touch one set of id objects (an id past 256 is an object of its own, and
     every refcount, free-queue and gather operation reads it) instead of 8."""
-    if len(_BLOCK_IDS) < n:
-        _BLOCK_IDS.extend(range(len(_BLOCK_IDS), n))
-    return _BLOCK_IDS[:n]
+    global _BLOCK_IDS
+    ids = _BLOCK_IDS
+    if len(ids) < n:   # a new list, never one changed in place: safe for engines built in threads
+        ids = _BLOCK_IDS = ids + list(range(len(ids), n))
+    return ids[:n]
 
 
 class _Run:

@@ -196,10 +196,12 @@ def dense_ids(requests: Sequence[TraceRequest]) -> list[TraceRequest]:
     """The requests with each distinct hash id replaced by a small int (1, 2, ... in order of
     first appearance), for the offline simulator; everything else unchanged.
 
-    Ids are only ever compared for equality (a chain's block k is the same block exactly when
-    its id is), so this changes no result of a simulation (the fingerprints of all policies on
-    the agentic benchmark trace are the same), but it makes one run of that trace 1.1-1.4x
-    cheaper (docs/simulator.md, "Cost"). Trace ids are random 64-bit values whose int objects
+    Ids are compared for equality (a chain's block k is the same block exactly when its id is)
+    or, for engine blocks finer than the trace's, hashed with their position (``hash((id, j))``,
+    router/blocks.py), which a 64-bit collision aside keeps every equality as it was; so this
+    changes no result of a simulation (the fingerprints of all policies on the agentic
+    benchmark trace are the same), but it makes one run of that trace 1.1-2x cheaper
+    (docs/simulator.md, "Cost"). Trace ids are random 64-bit values whose int objects
     lie wherever each line was parsed: every hash, comparison and dict probe of an engine's
     block cache read one of them, mostly a cache miss. Small ints hash and compare in one digit,
     are allocated one after the other in the order sessions first use them, and every equal id
