@@ -153,21 +153,29 @@ def drive(e: Engine, rng: random.Random, pending: list, before_step=None, after_
         res = e.step(t)
         if after_step is not None:
             after_step()
-        for f in res.finished:
-            if f.request_id in live:
-                live.remove(f.request_id)
-        if res.idle:
-            nxt = e.next_event_time()
-            if nxt is None:
-                if not pending:
-                    break
-                nxt = pending[0][0]
-            t = max(t, nxt)
-        else:
-            t = res.end_time
+        t = next_time(e, res, t, live, pending[0][0] if pending else None)
+        if t is None:
+            break
     else:
         raise AssertionError("did not finish")
     assert not e.has_work()
+
+
+def next_time(e: Engine, res, t: float, live: list[str], next_arrival: float | None) -> float | None:
+    """A driver's bookkeeping after a step: finished requests leave ``live``; the next step is
+    at the step's end, or, for an idle engine, at its next event or the next arrival (None:
+    nothing is left)."""
+    for f in res.finished:
+        if f.request_id in live:
+            live.remove(f.request_id)
+    if not res.idle:
+        return res.end_time
+    nxt = e.next_event_time()
+    if nxt is None:
+        if next_arrival is None:
+            return None
+        nxt = next_arrival
+    return max(t, nxt)
 
 
 def test_a_returning_turn_leaves_the_queue_as_one_slice_and_other_hits_go_stale():

@@ -13,6 +13,7 @@ import pytest
 
 from kvtop.sim.engine import Engine, EngineRejected, EngineRequest
 from router.admission import engine_hook
+from test_engine_block_pool import next_time
 
 BS = 16
 
@@ -105,18 +106,9 @@ def _run(seed: int) -> None:
         assert (ra.end_time, ra.emitted, ra.finished, ra.preempted, ra.first_token, ra.transfers_started) == \
                (rb.end_time, rb.emitted, rb.finished, rb.preempted, rb.first_token, rb.transfers_started)
         assert _state(a) == _state(b), seed
-        for f in ra.finished:
-            if f.request_id in live:
-                live.remove(f.request_id)
-        if ra.idle:
-            nxt = a.next_event_time()
-            if nxt is None:
-                if i >= len(pending):
-                    break
-                nxt = pending[i][0]
-            t = max(t, nxt)
-        else:
-            t = ra.end_time
+        t = next_time(a, ra, t, live, pending[i][0] if i < len(pending) else None)
+        if t is None:
+            break
 
 
 @pytest.mark.parametrize("chunk", range(4))
