@@ -231,8 +231,9 @@ class BodyParser:
             if burst:   # a body the loop can parse: parse it here rather than fail it
                 log.warning("the body parser's worker failed (%s); parsing on the loop", exc)
                 return await self._parse_here(raw, endpoint, headers)
-            if isinstance(exc, OSError):
-                raise
+            if isinstance(exc, OSError):   # no process to start (EAGAIN, ENOMEM): the host, not a bug
+                raise BadRequest(f"the router could not start its body parser ({exc.strerror or exc}); retry",
+                                 status=503) from None
             raise BadRequest("the router's body parser failed on this request; retry", status=503) from None
         finally:
             self._in_worker -= 1

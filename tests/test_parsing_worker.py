@@ -193,3 +193,24 @@ async def test_close_cancels_the_worker_start():
     assert parser._warming is None
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+async def test_a_worker_that_cannot_start_is_a_503_not_a_crash(monkeypatch):
+    """A body over 4 MB needs the worker; when no process can be started (EAGAIN, ENOMEM) the
+    client gets a 503 to retry, not the 500 a bug gets."""
+    from router import parsing
+
+    async def no_process(*args, **kwargs):
+        raise OSError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(parsing.WorkerProcess, "start", no_process)
+    cfg = SimpleNamespace(session_header="X-Session-ID", block_size=16, tokenizer=None,
+                          max_input_tokens=None)
+    parser = parsing.BodyParser(cfg, None)
+    raw = ("{\"prompt\": [" + ", ".join(str(1000000 + k) for k in range(600_000)) + "]}").encode()
+    try:
+        with pytest.raises(BadRequest) as info:
+            await parser.parse(raw, "completions", {})
+        assert info.value.status == 503 and "could not start" in str(info.value)
+    finally:
+        parser.close()
