@@ -249,6 +249,7 @@ class GpuSampler:
         self.reason: str | None = None
         self._nvml: Any = None
         self._handles: dict[int, Any] = {}
+        self._v2: bool | None = None  # whether nvmlDeviceGetMemoryInfo_v2 answers (None: untried)
 
     def init(self) -> bool:
         try:
@@ -259,6 +260,10 @@ class GpuSampler:
             self.reason = f"NVML not available: {type(exc).__name__}: {exc}".rstrip(": ")
             return False
         self._nvml = pynvml
+        # what a driver or nvidia-ml-py without the v2 memory call raises (names vary by version)
+        self._no_v2 = (AttributeError, TypeError) + tuple(
+            getattr(pynvml, n) for n in ("NVMLError_FunctionNotFound", "NVMLError_NotSupported",
+                                         "NVMLError_ArgumentVersionMismatch") if hasattr(pynvml, n))
         self.available = True
         return True
 
@@ -272,11 +277,27 @@ class GpuSampler:
                 if h is None:
                     h = self._handles[i] = nv.nvmlDeviceGetHandleByIndex(i)
                 util = nv.nvmlDeviceGetUtilizationRates(h)
-                mem = nv.nvmlDeviceGetMemoryInfo(h)
-                out[i] = (float(util.gpu), float(mem.used), float(mem.total))
+                out[i] = (float(util.gpu), *self._memory(h))
             except Exception as exc:
                 out[i] = f"NVML error on GPU {i}: {exc}"
         return out
+
+    def _memory(self, h: Any) -> tuple[float, float]:
+        """(used, total) bytes as nvidia-smi shows them: NVML's v2 call, whose "used" leaves out
+        the memory the driver reserves (about 480 MiB on an H100, counted as used by the v1 call
+        on an idle GPU); the v1 call on a driver without v2."""
+        nv = self._nvml
+        if self._v2 is not False:
+            try:
+                mem = nv.nvmlDeviceGetMemoryInfo(h, version=nv.nvmlMemory_v2)
+                self._v2 = True
+                return float(mem.used), float(mem.total)
+            except self._no_v2:
+                if self._v2:
+                    raise
+                self._v2 = False  # an older driver or nvidia-ml-py: v1 for good
+        mem = nv.nvmlDeviceGetMemoryInfo(h)
+        return float(mem.used), float(mem.total)
 
     def shutdown(self) -> None:
         if self.available:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -106,8 +107,14 @@ def test_router_reports_nvml_utilisation_and_memory_under_load(tmp_path):
         first = gpu()
         assert first["source"] == "nvml", first
         assert 0 <= first["util_pct"] <= 100
-        assert 0 < first["mem_used_bytes"] <= first["mem_total_bytes"]
+        assert 0 <= first["mem_used_bytes"] <= first["mem_total_bytes"]  # 0 MiB on an idle H100
         assert first["mem_total_bytes"] == idle[2]  # NVML's own total, in the same unit
+        smi = shutil.which("nvidia-smi")
+        if smi:  # the operator's cross-check: the same "used" as nvidia-smi (the driver's reserve left out)
+            q = subprocess.run([smi, "-i", "0", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                               capture_output=True, text=True, timeout=30)
+            smi_mib = float(q.stdout.strip())
+            assert abs(gpu()["mem_used_bytes"] / 2**20 - smi_mib) <= 64, (gpu(), smi_mib)
 
         if not has_torch:
             pytest.skip("NVML reading checked; no PyTorch with CUDA here to load the GPU")

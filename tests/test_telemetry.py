@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -228,6 +229,54 @@ def test_gpu_na_when_nvml_missing(monkeypatch):
     assert g.reason.startswith("NVML not available: ImportError")
 
 
+def _fake_nvml(v2: str):
+    """A stand-in pynvml: ``v2`` is "ok", "missing" (an older driver) or "breaks_later"."""
+    class NVMLError(Exception):
+        pass
+
+    class NVMLError_FunctionNotFound(NVMLError):
+        pass
+
+    calls = {"v2": 0, "v1": 0}
+
+    def memory(handle, version=None):
+        if version is None:
+            calls["v1"] += 1
+            return SimpleNamespace(used=3670867968, total=85520809984)  # v1: reserved counted
+        calls["v2"] += 1
+        if v2 == "missing" or (v2 == "breaks_later" and calls["v2"] > 1):
+            raise NVMLError_FunctionNotFound()
+        return SimpleNamespace(used=3167551488, total=85520809984, reserved=503316480)
+
+    mod = SimpleNamespace(
+        nvmlInit=lambda: None, nvmlShutdown=lambda: None, nvmlMemory_v2=33554472,
+        nvmlDeviceGetHandleByIndex=lambda i: f"h{i}",
+        nvmlDeviceGetUtilizationRates=lambda h: SimpleNamespace(gpu=99),
+        nvmlDeviceGetMemoryInfo=memory, NVMLError=NVMLError,
+        NVMLError_FunctionNotFound=NVMLError_FunctionNotFound)
+    return mod, calls
+
+
+@pytest.mark.parametrize("v2", ["ok", "missing", "breaks_later"])
+def test_gpu_memory_is_read_as_nvidia_smi_shows_it(monkeypatch, v2):
+    mod, calls = _fake_nvml(v2)
+    monkeypatch.setitem(sys.modules, "pynvml", mod)
+    g = GpuSampler()
+    assert g.init()
+    first = g.sample([0])[0]
+    second = g.sample([0])[0]
+    if v2 == "ok":  # the v2 call, whose "used" leaves the driver's reserve out, as nvidia-smi does
+        assert first == second == (99.0, 3167551488.0, 85520809984.0)
+        assert calls == {"v2": 2, "v1": 0}
+    elif v2 == "missing":  # v1 once v2 is known missing: not tried again on every sample
+        assert first == second == (99.0, 3670867968.0, 85520809984.0)
+        assert calls == {"v2": 1, "v1": 2}
+    else:  # v2 answered once, so a later failure is an error to show, not a silent switch
+        assert first == (99.0, 3167551488.0, 85520809984.0)
+        assert isinstance(second, str) and second.startswith("NVML error on GPU 0"), second
+        assert calls == {"v2": 2, "v1": 0}
+
+
 def test_nvml_on_a_real_gpu():
     g = GpuSampler()
     if not g.init():
@@ -236,7 +285,7 @@ def test_nvml_on_a_real_gpu():
         (got,) = g.sample([0]).values()
         assert isinstance(got, tuple), got
         util, used, total = got
-        assert 0 <= util <= 100 and 0 < used <= total
+        assert 0 <= util <= 100 and 0 <= used <= total  # v2's "used" is 0 on an idle H100
     finally:
         g.shutdown()
 
