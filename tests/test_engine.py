@@ -526,6 +526,39 @@ def test_a_step_that_only_preempts_is_not_idle():
     assert preempted and not e.has_work(), (e.running, e.waiting)
 
 
+def test_waiting_requests_holding_pulled_kv_do_not_stall_each_other():
+    # 10 blocks of 16 tokens. Three decode-side requests pull 3 blocks of remote KV each (their
+    # prefill sent fewer blocks than the prompt has) and then wait, holding 9 blocks, each
+    # needing 3 more for the rest of its prompt. Nothing runs, so nothing would ever free a
+    # block: the last of them gives its pulled blocks back (counted as a preemption) and the
+    # head starts in the same step. Before, the engine waited forever (found by a fuzz run).
+    e = Engine("h20", num_gpu_blocks=10)
+    params = {"do_remote_prefill": True, "remote_engine_id": "P", "remote_block_ids": [0, 1, 2]}
+    for k, rid in enumerate(["x", "y", "z"]):
+        e.add_request(req(rid, 5 * 16 + 8, max_tokens=3, seed=10 + k, kv_transfer_params=dict(params)))
+    r = e.step(0.0)
+    assert r.transfers_started == ["x", "y", "z"] and e.num_free_blocks == 1
+    t, gave_back, finished = e.next_event_time(), [], []
+    for _ in range(200):
+        r = e.step(t)
+        check_invariants(e)
+        gave_back += r.preempted
+        finished += [f.request_id for f in r.finished]
+        if r.preempted:
+            assert r.num_scheduled_tokens > 0, "the head must start in the step that freed blocks"
+        if r.idle:   # as the drivers do: wait for the next event, stop when there is none
+            nxt = e.next_event_time()
+            if nxt is None:
+                break
+            t = max(t, nxt)
+        else:
+            t = r.end_time
+    assert not e.has_work(), f"stalled: waiting {[(x.id, len(x.blocks)) for x in e.waiting]}"
+    assert sorted(finished) == ["x", "y", "z"]
+    assert gave_back and gave_back[0] == "z" and e.num_preemptions == len(gave_back)
+    assert e.num_allocated_blocks() == 0
+
+
 # ---------------------------------------------------------------- property: invariants hold
 
 @settings(max_examples=25, deadline=None)

@@ -593,7 +593,9 @@ class Engine:
 
         # 2. WAITING, only if nothing was preempted this step.
         num_new = 0
-        if not result.preempted and self.waiting:
+        passes = 0 if result.preempted else 2   # the second only after a give-back
+        while passes and self.waiting:
+            passes -= 1
             for req in self._admission_order(budget):
                 if budget <= 0 or len(running) >= self.max_num_seqs:
                     break
@@ -607,6 +609,12 @@ class Engine:
                 budget -= got
                 scheduled.append(req)
                 num_new += 1
+            # Nothing runs and the head did not fit: if waiting requests hold pulled KV, only
+            # they can give blocks back. Without this, requests that each hold part of the
+            # cache and wait for more would wait forever (nothing running ever frees a block).
+            if (scheduled or running or result.transfers_started or not passes
+                    or not self._give_back_pulled(result)):
+                break
 
         if not scheduled:
             return result
@@ -1170,6 +1178,29 @@ class Engine:
         self._runs.append(run)
         self._run_of[rid] = run
         self._num_free += len(q)
+
+    def _give_back_pulled(self, result: StepResult) -> bool:
+        """The last waiting request that holds pulled KV blocks gives them back, as a preempted
+        one: it starts over (its pulled blocks stay cached, so a new pull takes only what was
+        evicted since). Called when nothing runs and the waiting head does not fit; False if no
+        waiting request holds blocks."""
+        waiting = self.waiting
+        for k in range(len(waiting) - 1, -1, -1):
+            req = waiting[k]
+            if req.blocks:
+                self._free_blocks(req)
+                req.computed = 0
+                req.preemptions += 1
+                self.num_preemptions += 1
+                result.preempted.append(req.id)
+                if k:   # behind the ones still holding blocks (see _preempt)
+                    del waiting[k]
+                    j = 0
+                    while j < len(waiting) and waiting[j].computed and waiting[j].blocks:
+                        j += 1
+                    waiting.insert(j, req)
+                return True
+        return False
 
     def _preempt(self, req: _Req, now: float) -> None:
         self._free_blocks(req)
