@@ -4,6 +4,10 @@ Replica 0 is the trace as it is. Replica r >= 1 shifts each session's arrivals b
 drawn uniformly from [-jitter, +jitter] seconds (a generator seeded with r, so every policy
 sees the same N traces): each session keeps its own turn order and gaps, while which sessions
 overlap, and so the load each decision meets, changes as it would between two real runs.
+A config with ``path_jitter_s`` (``kvtop simulate --path-jitter``) also varies each request's
+path time in replica r >= 1 (kvtop/simulate.py ``SimConfig``; seeded with r): the noise one
+live run of the same traffic has against another, where ``jitter`` asks what slightly
+different traffic would give (docs/simulator.md, "Agreement with live runs").
 Every (policy, replica) pair is one offline simulation (a ``Task``; ``kvtop sweep`` adds
 traces, knob settings and loads); they run in forked worker processes that share the trace,
 or on a Ray cluster (kvtop/ray_runner.py), and the rows are the same wherever they ran.
@@ -107,7 +111,10 @@ def run_task(task: Task, simulate: Callable[..., Any] | None = None,
     simulate = simulate or _SHARED["simulate"]
     requests = (traces or _SHARED["traces"])[task.trace]
     requests = perturb(scale_rate(requests, task.rate_scale), task.replica, task.jitter_s)
-    records = simulate(requests, task.policy, task.config)
+    cfg = task.config
+    if getattr(cfg, "path_jitter_s", 0):
+        cfg = replace(cfg, path_seed=task.replica)   # replica 0 keeps the noise-free path
+    records = simulate(requests, task.policy, cfg)
     row = seed_row(records, instances=[f"i{i}" for i in range(task.config.instances)])
     return task, {k: row[k] for k, _ in METRICS} | {"apc": row["apc"], "errors": row["errors"],
                                                      "requests": len(records)}
@@ -245,7 +252,8 @@ def paired(runs: dict[str, list[dict[str, Any]]], metric: str) -> tuple[str, lis
     return best, rows
 
 
-def format_report(runs: dict[str, list[dict[str, Any]]], repeats: int, jitter_s: float, fmt: str = "text") -> str:
+def format_report(runs: dict[str, list[dict[str, Any]]], repeats: int, jitter_s: float, fmt: str = "text",
+                  path_jitter_s: float = 0.0) -> str:
     from kvtop.seedtable import _csv, _grid
 
     summary = summarize(runs)
@@ -265,8 +273,9 @@ def format_report(runs: dict[str, list[dict[str, Any]]], repeats: int, jitter_s:
         lines.append([pol] + [cell(k, s[k]) for k, _ in METRICS]
                      + ["-" if apc is None else f"{apc[0] * 100:.1f}% ± {apc[1] * 100:.1f}"])
     table = _csv(headers, lines) if fmt == "csv" else _grid(headers, lines, fmt)
+    path = f" and each request's path time varied by up to ±{path_jitter_s / 2:g} s" if path_jitter_s else ""
     out = [f"{repeats} replicas per policy (replica 0 as traced, the others with sessions shifted "
-           f"by up to ±{jitter_s:g} s); mean ± 95% confidence interval", table]
+           f"by up to ±{jitter_s:g} s{path}); mean ± 95% confidence interval", table]
     if repeats > 1 and len(runs) > 1:
         out.append("\npaired by replica, against the best policy on each metric "
                    "(difference, 95% interval; * = significant):")

@@ -34,6 +34,7 @@ import argparse
 import gc
 import heapq
 import json
+import random
 import sys
 import time
 from collections.abc import Sequence
@@ -64,6 +65,12 @@ class SimConfig:
     max_output_tokens: int | None = None
     admission: str | None = None  # engine waiting-queue hook name (see router/admission.py)
     features: dict[str, Any] = field(default_factory=dict)  # router-level knobs (router/features.py)
+    # Run-to-run timing noise of a live path: each engine request reaches its engine u later,
+    # u uniform in +-path_jitter_s / 2 (never before it was sent), drawn from a generator
+    # seeded with path_seed; 0 (either) is the noise-free path. kvtop/repeats.py sets the seed
+    # to the replica, so replica 0 stays as traced.
+    path_jitter_s: float = 0.0
+    path_seed: int = 0
 
 
 def _engine_factory(cfg: SimConfig, trace_block_size: int):
@@ -203,21 +210,31 @@ def _simulate(requests: Sequence[Any], policy: str, cfg: SimConfig) -> list[dict
         if nxt is not None:
             push(t + (requests[nxt].think_time or 0.0), "arrive", nxt)
 
+    path_rng = random.Random(cfg.path_seed) if cfg.path_jitter_s > 0 and cfg.path_seed else None
+    half_jitter = cfg.path_jitter_s / 2
+
     def send(flow: Flow, t: float) -> None:
         """The current leg goes upstream: an engine request on its instance."""
         pipe.sent(flow)
         rid = flow.request.request_id
         k, out, hashes = meta[rid]
         leg = flow.leg
+        i = leg.instance
+        at = t
+        if path_rng is not None:
+            # the path's time this once: the engine's frontend time (the fitted mean) plus u,
+            # shifted through the arrival; the request is never ready before it was sent
+            eng = engines[i]
+            u = path_rng.uniform(-half_jitter, half_jitter)
+            at = t + max(u, -(eng.frontend_overhead_s + eng.profile.frontend_s_per_token * flow.request.input_tokens))
         if leg.kind == PREFILL:  # P prefills (one token, KV kept for a remote decode)
-            ereq = EngineRequest(rid + "#p", flow.request.input_tokens, hashes, 1, t,
+            ereq = EngineRequest(rid + "#p", flow.request.input_tokens, hashes, 1, at,
                                  kv_transfer_params={"do_remote_decode": True})
             key = rid + "#p"
         else:
-            ereq = EngineRequest(rid, flow.request.input_tokens, hashes, out, t,
+            ereq = EngineRequest(rid, flow.request.input_tokens, hashes, out, at,
                                  kv_transfer_params=kv_params.pop(rid, None))
             key = rid
-        i = leg.instance
         res = in_flight[i]
         end = res.end_time if res is not None else None
         try:
@@ -351,6 +368,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "means with 95%% confidence intervals and paired differences (kvtop/repeats.py)")
     p.add_argument("--jitter", type=float, default=2.0, metavar="S",
                    help="largest shift of a session's arrivals in a replica, seconds (default 2)")
+    p.add_argument("--path-jitter", type=float, default=0.0, metavar="S",
+                   help="with --repeats: each request also reaches its engine up to S/2 seconds "
+                        "earlier or later than the profile's frontend time says, seeded per replica: "
+                        "the run-to-run noise of a live path (measure it, docs/simulator.md; default 0)")
     p.add_argument("--workers", type=int, default=None, metavar="N",
                    help="processes for --repeats (default: one per core; with --ray, one actor per CPU "
                         "of the cluster)")
@@ -377,7 +398,8 @@ def run(args: argparse.Namespace) -> int:
     if args.from_db is not None:
         if args.trace is not None:
             raise CliError("give a trace or --from-db, not both")
-        if args.out or args.limit is not None or args.knob or args.workers is not None or args.ray:
+        if (args.out or args.limit is not None or args.knob or args.workers is not None or args.ray
+                or args.path_jitter):
             raise CliError("--from-db takes --policies, --run, --speed, --profile, --mode, --repeats, "
                            "--jitter and --format (the run's own knobs are used)")
         from kvtop.whatif import run as whatif_run
@@ -428,8 +450,12 @@ def run(args: argparse.Namespace) -> int:
             out_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise CliError(f"cannot create --out {out_dir}: {exc.strerror or exc}") from None
-    if args.repeats < 1 or (args.workers is not None and args.workers < 1) or args.jitter < 0:
-        raise CliError("--repeats and --workers must be at least 1, --jitter at least 0")
+    if args.repeats < 1 or (args.workers is not None and args.workers < 1) \
+            or not 0 <= args.jitter < float("inf") or not 0 <= args.path_jitter < float("inf"):
+        raise CliError("--repeats and --workers must be at least 1, --jitter and --path-jitter finite "
+                       "and at least 0")
+    if args.path_jitter and args.repeats < 2:
+        raise CliError("--path-jitter varies the replicas of --repeats: give --repeats 2 or more")
     if args.ray is not None and args.repeats < 2:
         raise CliError("--ray runs --repeats replicas: give --repeats 2 or more")
     if args.repeats > 1:
@@ -441,7 +467,8 @@ def run(args: argparse.Namespace) -> int:
                                   router_block_size=args.router_block_size,
                                   engine_block_size=args.engine_block_size, knobs=_policy_knobs(pol, knobs),
                                   max_output_tokens=args.max_output_tokens, features=features,
-                                  admission=args.engine_admission) for pol in policies}
+                                  admission=args.engine_admission, path_jitter_s=args.path_jitter)
+                   for pol in policies}
         t0 = time.time()
         try:
             with task_progress(len(configs) * args.repeats, "simulating") as progress:
@@ -451,7 +478,7 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(str(exc)) from None
         print(f"simulated {len(policies)} policies x {args.repeats} replicas in {time.time() - t0:.1f} s wall",
               file=sys.stderr)
-        print(format_report(runs, args.repeats, args.jitter, args.format))
+        print(format_report(runs, args.repeats, args.jitter, args.format, args.path_jitter))
         return 0
     rows, classes = [], []
     for pol in policies:

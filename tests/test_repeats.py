@@ -55,6 +55,20 @@ def test_replicas_are_the_same_in_parallel_and_paired_differences_are_signed():
     assert best in cfgs and len(diffs) == 1 and diffs[0][1] >= 0  # the others are worse, or equal
 
 
+def test_path_jitter_varies_replicas_after_the_first():
+    # session shifts off (jitter 0): what differs between replicas is the path noise alone,
+    # seeded with the replica (kvtop/repeats.py run_task), the same in workers as in one process
+    reqs = trace()
+    quiet = {"leastwork": SimConfig(instances=2, mode="closed")}
+    noisy = {"leastwork": SimConfig(instances=2, mode="closed", path_jitter_s=1.0)}
+    q = run_replicas(simulate, reqs, quiet, 3, 0.0, workers=1)["leastwork"]
+    n = run_replicas(simulate, reqs, noisy, 3, 0.0, workers=1)["leastwork"]
+    assert q[0] == q[1] == q[2]          # nothing perturbs them
+    assert n[0] == q[0]                  # replica 0 keeps the noise-free path
+    assert n[1] != q[1] and n[2] != q[2] and n[1] != n[2]
+    assert run_replicas(simulate, reqs, noisy, 3, 0.0, workers=2)["leastwork"] == n
+
+
 def test_cli_repeats_reports_intervals(tmp_path, capsys):
     import json
 
@@ -70,5 +84,8 @@ def test_cli_repeats_reports_intervals(tmp_path, capsys):
                  "--repeats", "3", "--workers", "1"]) == 0
     out = capsys.readouterr().out
     assert "3 replicas per policy" in out and "±" in out and "paired by replica" in out
+    assert main(["simulate", str(path), "--policies", "leastwork", "--instances", "2", "--repeats", "2",
+                 "--workers", "1", "--path-jitter", "0.4"]) == 0
+    assert "each request's path time varied by up to ±0.2 s" in capsys.readouterr().out
     assert main(["simulate", str(path), "--policies", "leastwork", "--repeats", "2", "--out",
                  str(tmp_path / "o")]) == 2

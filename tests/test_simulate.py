@@ -68,6 +68,32 @@ def test_deterministic():
     assert a == b
 
 
+def test_path_jitter_is_seeded_noise_that_never_reaches_an_engine_early():
+    reqs = session_trace()
+    plain = simulate(reqs, "leastwork", SimConfig(instances=3, mode="closed"))
+    # seed 0 (replica 0) and jitter 0 are the noise-free path
+    assert simulate(reqs, "leastwork", SimConfig(instances=3, mode="closed", path_jitter_s=0.5)) == plain
+    assert simulate(reqs, "leastwork", SimConfig(instances=3, mode="closed", path_seed=4)) == plain
+    noisy = SimConfig(instances=3, mode="closed", path_jitter_s=0.5, path_seed=4)
+    a, b = simulate(reqs, "leastwork", noisy), simulate(reqs, "leastwork", noisy)
+    assert a == b and a != plain
+    other = simulate(reqs, "leastwork", SimConfig(instances=3, mode="closed", path_jitter_s=0.5, path_seed=5))
+    assert other != a
+    # +-0.25 s around a frontend time of 0 (h20): a draw below 0 is clipped at the send, so a
+    # request is never ready before the router sent it, and TTFTs only grow, by at most 0.25 s
+    # each where nothing else changed (the first turns, sent at their trace arrival)
+    first = lambda recs: {r["session"]: r["ttft_ms"] for r in recs if r["turn"] == 1}
+    f0 = first(plain)
+    grew = 0
+    for seed in (1, 2, 3, 4):
+        recs = simulate(reqs, "leastwork", SimConfig(instances=3, mode="closed", path_jitter_s=0.5, path_seed=seed))
+        f1 = first(recs)
+        assert all(f0[s] - 1e-6 <= f1[s] <= f0[s] + 250 + 1e-6 for s in f0), (seed, f0, f1)
+        grew += sum(f1[s] > f0[s] + 1e-6 for s in f0)
+        assert all(r["ttft_ms"] > 0 for r in recs)
+    assert grew
+
+
 @pytest.mark.parametrize("ids,ibs,bs,n,expected", [
     ([1, 2, 3, 4], 64, 128, 256, [2, 4]),
     ([1, 2, 3, 4], 64, 128, 250, [2]),
@@ -103,6 +129,11 @@ def test_cli_prints_seed_table(tmp_path, capsys):
     (["--policies", "lmetric", "--max-output-tokens", "0"], "--max-output-tokens must be at least 1"),
     # an unusable --out was a FileExistsError/PermissionError traceback
     (["--policies", "lmetric", "--out", "{tmp}/t.jsonl"], "cannot create --out"),
+    # the path noise varies replicas: alone it would do nothing
+    (["--policies", "lmetric", "--path-jitter", "0.3"], "give --repeats 2 or more"),
+    (["--policies", "lmetric", "--repeats", "2", "--path-jitter", "-1"], "--path-jitter finite and at least 0"),
+    (["--policies", "lmetric", "--repeats", "2", "--path-jitter", "nan"], "--path-jitter finite and at least 0"),
+    (["--policies", "lmetric", "--repeats", "2", "--jitter", "inf"], "--path-jitter finite and at least 0"),
 ])
 def test_cli_errors(tmp_path, capsys, args, msg):
     path = tmp_path / "t.jsonl"
