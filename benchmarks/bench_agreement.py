@@ -29,6 +29,7 @@ import multiprocessing
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -101,10 +102,32 @@ def pooled_overhead(runs: list[Path], policies: list[str], profile: str, speed: 
     return fitted_profile(base, pooled), note
 
 
+def turn_delay(runs: list[Path], policies: list[str], requests: list[Any], speed: float) -> float:
+    """The live client's own turn-around in engine seconds: the median over every later turn of
+    (its send - the previous turn's end - its think time). The simulated closed loop sends the
+    next turn exactly its think time after the answer; live, the answer's last bytes, the
+    client's timer and the next send take a few milliseconds more each turn, which moves the
+    order of near-simultaneous arrivals (and from there, placements) as a session goes on."""
+    think = {(r.session, r.turn): r.think_time or 0.0 for r in requests}
+    gaps = []
+    for d in runs:
+        for pol in policies:
+            recs = {(r["session"], r["turn"]): r for r in read_live(d, pol)}
+            for (s, t), r in recs.items():
+                prev = recs.get((s, t - 1))
+                if prev is None or r.get("status") != "ok" or prev.get("status") != "ok" or prev.get("e2e_ms") is None:
+                    continue
+                gaps.append((r["sent_at"] - prev["sent_at"] - prev["e2e_ms"] / 1000) * speed - think.get((s, t), 0.0))
+    return statistics.median(gaps) if gaps else 0.0
+
+
 def _sim(task: tuple[str, int]) -> tuple[str, int, dict[str, float]]:
     policy, replica = task
     reqs = perturb(_STATE["requests"], replica, _STATE["jitter"])
-    recs = simulate(reqs, policy, _STATE["cfg"])
+    cfg = _STATE["cfg"]
+    if cfg.path_jitter_s:
+        cfg = replace(cfg, path_seed=replica)   # replica 0 keeps the noise-free path
+    recs = simulate(reqs, policy, cfg)
     return policy, replica, figures(recs)
 
 
@@ -114,12 +137,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace", type=Path, default=None, help="the built trace (default: the first run's meta.json)")
     p.add_argument("--policies", default="round_robin,lmetric,unified,leastwork,expected_cost")
     p.add_argument("--repeats", type=int, default=16)
-    p.add_argument("--jitter", type=float, default=2.0)
+    p.add_argument("--jitter", type=float, default=2.0,
+                   help="largest shift of a session's arrivals in a replica, engine seconds (default 2)")
+    p.add_argument("--path-jitter", type=float, default=0.0, metavar="S",
+                   help="each request's path time varies by up to +-S/2 engine seconds in a replica "
+                        "(SimConfig.path_jitter_s), the live path's own run-to-run noise (default 0)")
     p.add_argument("--workers", type=int, default=None)
     p.add_argument("--fit-overhead", action="store_true",
                    help="give the simulated engines the live path's wall-clock overhead as frontend "
                         "time, fitted on each live run's requests that ran alone (kvtop/whatif.py "
                         "fit_time; pooled over every run and arm)")
+    p.add_argument("--fit-turn-delay", action="store_true",
+                   help="add the live client's median turn-around (next send - previous end - think "
+                        "time, engine seconds) to every later turn's think time")
     p.add_argument("--json", type=Path, default=None, help="write every figure here")
     args = p.parse_args(argv)
     if not (args.live[0] / "meta.json").is_file():
@@ -135,8 +165,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.fit_overhead:
         sim_profile, fit_note = pooled_overhead(args.live, policies, profile, speed)
         print(fit_note, file=sys.stderr)
-    _STATE.update(requests=load_trace(str(trace)), jitter=args.jitter,
-                  cfg=SimConfig(instances=instances, profile=sim_profile, mode="closed"))
+    requests = load_trace(str(trace))
+    if args.fit_turn_delay:
+        delay = turn_delay(args.live, policies, requests, speed)
+        requests = [replace(r, think_time=(r.think_time or 0.0) + delay) if r.turn > 1 else r for r in requests]
+        fit_note = (fit_note + "; " if fit_note else "") + f"client turn-around {delay:.3f} engine s added to think times"
+        print(f"live client turn-around (median): {delay:.3f} engine s, added to every later turn's think time",
+              file=sys.stderr)
+    _STATE.update(requests=requests, jitter=args.jitter,
+                  cfg=SimConfig(instances=instances, profile=sim_profile, mode="closed",
+                                path_jitter_s=args.path_jitter))
     tasks = [(pol, r) for pol in policies for r in range(args.repeats)]
     t0 = time.time()
     with multiprocessing.get_context("fork").Pool(args.workers) as pool:
