@@ -33,7 +33,7 @@ from typing import Any
 from kvtop.cli import CliError
 
 #: Spec keys at the top level, and what they default to.
-_TOP = {"name": None, "metric": "ttft_p90_ms", "repeats": 3, "jitter": 2.0, "profile": "h20",
+_TOP = {"name": None, "metric": "ttft_p90_ms", "repeats": 3, "jitter": 2.0, "path_jitter": 0.0, "profile": "h20",
         "mode": "open", "limit": None, "knobs": {}, "loads": {}, "traces": {}, "policies": []}
 
 
@@ -62,6 +62,7 @@ class Spec:
     metric: str
     repeats: int
     jitter: float
+    path_jitter: float
     profile: str
     mode: str
     limit: int | None
@@ -105,8 +106,10 @@ def load_spec(path: str | Path) -> Spec:
         v = get[key]
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < lo):
             raise _fail(path, f"{key} must be an integer of at least {lo}")
-    if not isinstance(get["jitter"], (int, float)) or get["jitter"] < 0:
-        raise _fail(path, "jitter must be a number of at least 0")
+    for key in ("jitter", "path_jitter"):
+        v = get[key]
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v < float("inf"):
+            raise _fail(path, f"{key} must be a finite number of at least 0")
     if get["mode"] not in ("open", "closed"):
         raise _fail(path, "mode must be open or closed")
     from kvtop.sim.profiles import get_profile
@@ -179,7 +182,7 @@ def load_spec(path: str | Path) -> Spec:
     if len(set(labels)) != len(labels):
         raise _fail(path, "two policies give the same setting")
     return Spec(name=get["name"] or path.stem, path=path, metric=get["metric"], repeats=get["repeats"],
-                jitter=float(get["jitter"]), profile=get["profile"], mode=get["mode"], limit=get["limit"],
+                jitter=float(get["jitter"]), path_jitter=float(get["path_jitter"]), profile=get["profile"], mode=get["mode"], limit=get["limit"],
                 knobs=knobs, instances=instances, rate_scales=[float(x) for x in scales],
                 train=splits["train"], validate=splits["validate"], settings=settings, raw=raw)
 
@@ -246,7 +249,8 @@ def plan(spec: Spec) -> list[Any]:
     for n, scale in itertools.product(spec.instances, spec.rate_scales):
         for si, s in enumerate(spec.settings):
             cfg = SimConfig(instances=n, profile=spec.profile, mode=spec.mode,
-                            knobs={k: str(v) for k, v in s.knobs.items()}, features=features)
+                            knobs={k: str(v) for k, v in s.knobs.items()}, features=features,
+                            path_jitter_s=spec.path_jitter)
             for split, traces in (("train", spec.train), ("validate", spec.validate)):
                 for t in traces:
                     for r in range(spec.repeats):
@@ -327,7 +331,8 @@ def format_report(spec: Spec, ranks: list[dict[str, Any]], fmt: str = "text") ->
 
     label = dict(METRICS)[spec.metric]
     headers = ["setting", f"train {label}", "rank", f"validate {label}", "rank", "flag"]
-    out = [f"sweep {spec.name}: {len(spec.settings)} settings, {spec.repeats} replicas (jitter ±{spec.jitter:g} s), "
+    path = f", path ±{spec.path_jitter / 2:g} s" if spec.path_jitter else ""
+    out = [f"sweep {spec.name}: {len(spec.settings)} settings, {spec.repeats} replicas (jitter ±{spec.jitter:g} s{path}), "
            f"train {', '.join(t.name for t in spec.train)}; validate {', '.join(t.name for t in spec.validate)}; "
            f"lower {label} is better; ! = rank differs between train and validate"]
     for n, scale in itertools.product(spec.instances, spec.rate_scales):

@@ -77,6 +77,25 @@ def test_ranks_pick_the_best_on_train_and_flag_rank_changes(tmp_path):
     assert by["leastwork"]["train_mean"] == pytest.approx(1000.5)   # mean over replicas 0 and 1
 
 
+def test_path_jitter_reaches_the_replicas(tmp_path):
+    # replicas 1.. of a sweep carry the path noise (seeded by replica, as kvtop simulate
+    # --repeats); replica 0 stays as traced
+    spec = load_spec(small_spec(tmp_path, **{"path_jitter = 0.0 ": "path_jitter = 0.6 "}))
+    assert spec.path_jitter == 0.6
+    tasks = plan(spec)
+    assert tasks and all(t.config.path_jitter_s == 0.6 for t in tasks)
+    plain = load_spec(small_spec(tmp_path))
+    a, b = tmp_path / "a.db", tmp_path / "b.db"
+    assert main(["sweep", str(small_spec(tmp_path, **{"path_jitter = 0.0 ": "path_jitter = 0.6 "})), "--db", str(a),
+                 "--workers", "1", "--terminal-plot", "never"]) == 0
+    assert main(["sweep", str(small_spec(tmp_path)), "--db", str(b), "--workers", "1", "--terminal-plot", "never"]) == 0
+    ra, rb = rows_of(a), rows_of(b)
+    assert len(ra) == len(rb) == len(plan(plain))
+    same = [x == y for x, y in zip(ra, rb)]
+    assert all(s for s, t in zip(same, plan(plain)) if t.replica == 0)   # replica 0: no noise
+    assert not all(same)
+
+
 @pytest.mark.parametrize("edit,message", [
     (("metric = \"ttft_p90_ms\"", "metric = \"speed\""), "metric must be one of"),
     (("name = \"lmetric\"", "name = \"nope\""), "unknown policy 'nope'"),
@@ -87,6 +106,9 @@ def test_ranks_pick_the_best_on_train_and_flag_rank_changes(tmp_path):
     (("repeats = 2 ", "repeats = 0 "), "repeats must be"),
     (("instances = [2]", "instances = []"), "loads.instances"),
     (("name = \"example\"", "nme = \"x\""), "unknown key 'nme'"),
+    (("jitter = 2.0 ", "jitter = nan "), "jitter must be a finite number"),
+    (("path_jitter = 0.0 ", "path_jitter = -0.5 "), "path_jitter must be a finite number"),
+    (("path_jitter = 0.0 ", "path_jitter = inf "), "path_jitter must be a finite number"),
 ])
 def test_a_bad_spec_is_one_line_naming_the_key(tmp_path, edit, message):
     p = small_spec(tmp_path, **{edit[0]: edit[1]})
