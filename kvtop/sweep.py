@@ -213,13 +213,13 @@ def _trace_spec(spec_path: Path, split: str, k: int, entry: Any) -> TraceSpec:
 
 
 def load_traces(spec: Spec) -> dict[str, list[Any]]:
-    from kvtop.traces.loader import dense_ids, load_trace
+    from kvtop.traces.loader import dense_ids, iter_trace
 
     out: dict[str, list[Any]] = {}
     cache: dict[Path, list[Any]] = {}
     for t in spec.train + spec.validate:
         if t.path not in cache:
-            cache[t.path] = dense_ids(load_trace(t.path))   # the same results, cheaper to simulate
+            cache[t.path] = dense_ids(iter_trace(t.path))   # the same results, cheaper to simulate
         reqs = cache[t.path]
         if t.part is not None:
             order: dict[str, int] = {}
