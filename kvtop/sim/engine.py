@@ -1071,11 +1071,14 @@ class Engine:
                     # The memo's hit now ends before this block: a fresh lookup would stop
                     # there too (the blocks before it keep their hashes), and if the hash
                     # comes back the memo's "chain grew" check in _admit finds it.
+                    # Evictions take a released run from its end, so b is mostly the hit's
+                    # last block: found without a scan, cut in place (the memo owns its list).
                     hit = self._hol_hit
-                    gone = hit[hit.index(b):]
+                    k = len(hit) - 1 if hit[-1] == b else hit.index(b)
+                    gone = hit[k:]
                     self._hol_touch_free -= self._count_free(gone)
                     hol_set.difference_update(gone)
-                    self._hol_hit = hit[:len(hit) - len(gone)]
+                    del hit[k:]
             ref[b] = 1
             append(b)
 
