@@ -288,3 +288,84 @@ def format_report(runs: dict[str, list[dict[str, Any]]], repeats: int, jitter_s:
                      for pol, m, h, sig in sorted(diffs, key=lambda d: d[1])]
             out.append(f"  {label}: best {best}; " + "; ".join(parts))
     return "\n".join(out)
+
+
+#: The metrics drawn in the terminal (the agentic ones: the slow turns' TTFT, the tail's E2E).
+PLOT_METRICS = (("ttft_p90_ms", "TTFT p90 s"), ("e2e_p99_ms", "E2E p99 s"))
+
+
+def _scale(key: str) -> tuple[float, str]:
+    return (1.0, "ms") if key == "tpot_p90_ms" else (1000.0, "s")
+
+
+def terminal_plot(runs: dict[str, list[dict[str, Any]]], metrics: Sequence[tuple[str, str]] = PLOT_METRICS,
+                  width: int = 100) -> str:
+    """One forest plot per metric (plotext): each policy's mean as a dot, its 95% interval as
+    a bar through it, the policies top to bottom in the order given."""
+    import plotext as plt
+
+    summary = summarize(runs)
+    charts = []
+    for key, label in metrics:
+        scale, _ = _scale(key)
+        pols = [p for p in runs if summary[p][key] is not None]
+        if not pols:
+            continue
+        means = [summary[p][key][0] / scale for p in pols]
+        halves = [summary[p][key][1] / scale for p in pols]
+        ys = list(range(len(pols), 0, -1))
+        plt.clf()
+        plt.plotsize(width, 3 * len(pols) + 6)
+        plt.theme("clear")
+        plt.error(means, ys, xerr=halves)
+        plt.scatter(means, ys, marker="●")
+        plt.yticks(ys, pols)
+        plt.ylim(0.5, len(pols) + 0.5)
+        plt.xlim(0, max(m + h for m, h in zip(means, halves)) * 1.05 or 1.0)
+        plt.title(f"{label}: mean and 95% interval over {len(next(iter(runs.values())))} replicas")
+        charts.append(plt.build())
+    return "\n".join(charts)
+
+
+def write_svg(path: str, runs: dict[str, list[dict[str, Any]]], title: str) -> None:
+    """Every metric of the report as a horizontal bar chart: each policy's mean with its 95%
+    interval, the best in bold, a policy whose paired difference from the best is not
+    significant marked as tied with it. Plain SVG, no plotting library."""
+    from html import escape
+    from pathlib import Path
+
+    summary = summarize(runs)
+    label_w, bar_w, row_h, pad = 200, 420, 16, 8
+    parts, y = [], 34
+    for key, label in METRICS:
+        scale, unit = _scale(key)
+        pols = [p for p in runs if summary[p][key] is not None]
+        if not pols:
+            continue
+        best, diffs = paired(runs, key)
+        tied = {p for p, _, _, sig in diffs if not sig}
+        top = max(summary[p][key][0] + summary[p][key][1] for p in pols) or 1.0
+        parts.append(f'<text x="{pad}" y="{y}" font-weight="bold">{escape(label)}</text>')
+        y += 8
+        for p in pols:
+            m, h = summary[p][key]
+            note = " (best)" if p == best else " (tied with best)" if p in tied else ""
+            weight = ' font-weight="bold"' if p == best else ""
+            parts.append(f'<text x="{pad}" y="{y + row_h - 4}"{weight}>{escape(p)}</text>')
+            w = bar_w * m / top
+            x0, x1 = label_w + bar_w * max(0.0, m - h) / top, label_w + bar_w * (m + h) / top
+            parts.append(f'<rect x="{label_w}" y="{y + 2}" width="{w:.1f}" height="{row_h - 4}" '
+                         f'fill="{"#3b6ea5" if p == best or p in tied else "#9aa9b8"}">'
+                         f'<title>{escape(p)}: {m / scale:.3f} ± {h / scale:.3f} {unit}{note}</title></rect>')
+            parts.append(f'<line x1="{x0:.1f}" x2="{x1:.1f}" y1="{y + row_h / 2}" y2="{y + row_h / 2}" stroke="black"/>')
+            parts.append(f'<text x="{label_w + bar_w * (m + h) / top + 6:.1f}" y="{y + row_h - 4}" font-size="10">'
+                         f'{m / scale:.3f} ± {h / scale:.3f} {unit}{note}</text>')
+            y += row_h
+        y += 20
+    width = label_w + bar_w + 260
+    svg = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{y}" font-family="sans-serif" '
+           f'font-size="12"><rect width="100%" height="100%" fill="white"/>'
+           f'<text x="{pad}" y="15" font-size="11">{escape(title)}</text>'
+           f'<text x="{pad}" y="27" font-size="11">bars = mean, lines = 95% interval; dark = best, or not '
+           f'significantly worse (paired by replica)</text>{"".join(parts)}</svg>\n')
+    Path(path).write_text(svg)

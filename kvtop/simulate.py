@@ -34,6 +34,7 @@ import argparse
 import gc
 import heapq
 import json
+import os
 import random
 import sys
 import time
@@ -379,6 +380,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ray", default=None, metavar="ADDRESS",
                    help="run the --repeats replicas on a Ray cluster (host:port of its head, 'auto', or "
                         "'local' to start one here); needs pip install 'kvtop[ray]'. Same results as local")
+    p.add_argument("--plot", default=None, metavar="FILE.svg",
+                   help="with --repeats: draw every metric's means and 95%% intervals as an SVG chart")
+    p.add_argument("--terminal-plot", choices=("auto", "always", "never"), default="auto",
+                   help="with --repeats: forest plots of TTFT p90 and E2E p99 (means and 95%% intervals) "
+                        "after the report; auto: when stdout is a terminal")
     p.add_argument("--format", choices=("text", "md", "csv"), default="text")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="write each policy's results as DIR/<policy>.jsonl (for kvtop report)")
@@ -456,12 +462,19 @@ def run(args: argparse.Namespace) -> int:
                        "and at least 0")
     if args.path_jitter and args.repeats < 2:
         raise CliError("--path-jitter varies the replicas of --repeats: give --repeats 2 or more")
+    if args.plot and args.repeats < 2:
+        raise CliError("--plot draws the intervals of --repeats: give --repeats 2 or more "
+                       "(kvtop report --plot draws one run's TTFT CDFs)")
+    if args.plot:   # before the simulations, not after them
+        folder = Path(args.plot).resolve().parent
+        if not folder.is_dir() or not os.access(folder, os.W_OK):
+            raise CliError(f"cannot write --plot {args.plot}: {folder} is not a writable folder")
     if args.ray is not None and args.repeats < 2:
         raise CliError("--ray runs --repeats replicas: give --repeats 2 or more")
     if args.repeats > 1:
         if out_dir:
             raise CliError("--out writes one run's records; use it without --repeats")
-        from kvtop.repeats import format_report, run_replicas, task_progress
+        from kvtop.repeats import format_report, run_replicas, task_progress, terminal_plot, write_svg
 
         configs = {pol: SimConfig(instances=args.instances, profile=args.profile, mode=args.mode,
                                   router_block_size=args.router_block_size,
@@ -478,7 +491,16 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(str(exc)) from None
         print(f"simulated {len(policies)} policies x {args.repeats} replicas in {time.time() - t0:.1f} s wall",
               file=sys.stderr)
-        print(format_report(runs, args.repeats, args.jitter, args.format, args.path_jitter))
+        report = format_report(runs, args.repeats, args.jitter, args.format, args.path_jitter)
+        print(report)
+        if args.terminal_plot == "always" or (args.terminal_plot == "auto" and sys.stdout.isatty()):
+            print(terminal_plot(runs))
+        if args.plot:
+            try:
+                write_svg(args.plot, runs, f"kvtop simulate {Path(args.trace).name}: {report.splitlines()[0]}")
+            except OSError as exc:
+                raise CliError(f"cannot write --plot {args.plot}: {exc.strerror or exc}") from None
+            print(f"wrote {args.plot}", file=sys.stderr)
         return 0
     rows, classes = [], []
     for pol in policies:

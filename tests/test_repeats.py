@@ -89,3 +89,24 @@ def test_cli_repeats_reports_intervals(tmp_path, capsys):
     assert "each request's path time varied by up to ±0.2 s" in capsys.readouterr().out
     assert main(["simulate", str(path), "--policies", "leastwork", "--repeats", "2", "--out",
                  str(tmp_path / "o")]) == 2
+    # the intervals drawn: an SVG of every metric, forest plots in the terminal
+    svg = tmp_path / "r.svg"
+    capsys.readouterr()
+    assert main(["simulate", str(path), "--policies", "leastwork,round_robin", "--instances", "2",
+                 "--repeats", "3", "--workers", "1", "--plot", str(svg), "--terminal-plot", "always"]) == 0
+    out = capsys.readouterr().out
+    assert "TTFT p90 s: mean and 95% interval over 3 replicas" in out and "E2E p99 s: mean" in out
+    import xml.etree.ElementTree as ET
+    root = ET.parse(svg).getroot()
+    ns = "{http://www.w3.org/2000/svg}"
+    bars = [r for r in root.iter(ns + "rect") if r.find(ns + "title") is not None]
+    assert len(bars) == 6 * 2   # every metric, every policy, each with its mean ± half-width
+    assert len(root.findall(f".//{ns}line")) == 12   # and its interval drawn through it
+    titles = [b.find(ns + "title").text for b in bars]
+    assert all(" ± " in t for t in titles) and sum("(best)" in t for t in titles) == 6
+    assert main(["simulate", str(path), "--policies", "leastwork", "--plot", str(svg)]) == 2
+    assert "--plot draws the intervals of --repeats" in capsys.readouterr().err
+    assert main(["simulate", str(path), "--policies", "leastwork", "--repeats", "2", "--workers", "1",
+                 "--plot", str(tmp_path / "no" / "such" / "dir.svg")]) == 2
+    err = capsys.readouterr().err   # refused before any simulation ran
+    assert err.startswith("kvtop simulate: cannot write --plot") and err.count("\n") == 1
