@@ -493,7 +493,8 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         report = format_report(runs, args.repeats, args.jitter, args.format, args.path_jitter)
         print(report)
-        if args.terminal_plot == "always" or (args.terminal_plot == "auto" and sys.stdout.isatty()):
+        if args.terminal_plot == "always" or (args.terminal_plot == "auto" and args.format == "text"
+                                              and sys.stdout.isatty()):
             print(terminal_plot(runs))
         if args.plot:
             try:
