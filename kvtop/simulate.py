@@ -384,7 +384,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --repeats: draw every metric's means and 95%% intervals as an SVG chart")
     p.add_argument("--terminal-plot", choices=("auto", "always", "never"), default="auto",
                    help="with --repeats: forest plots of TTFT p90 and E2E p99 (means and 95%% intervals) "
-                        "after the report; auto: when stdout is a terminal")
+                        "after the report; auto: when stdout is a terminal and --format is text")
     p.add_argument("--format", choices=("text", "md", "csv"), default="text")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="write each policy's results as DIR/<policy>.jsonl (for kvtop report)")
