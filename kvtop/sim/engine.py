@@ -594,6 +594,7 @@ class Engine:
         # 2. WAITING, only if nothing was preempted this step.
         num_new = 0
         passes = 0 if result.preempted else 2   # the second only after a give-back
+        blocked = None
         while passes and self.waiting:
             passes -= 1
             for req in self._admission_order(budget):
@@ -601,6 +602,7 @@ class Engine:
                     break
                 got = self._admit(req, budget, now, result)
                 if got is None:
+                    blocked = req
                     break       # blocks do not fit: head-of-line blocking
                 if got == 0:
                     continue    # started a KV transfer: no budget, no running slot
@@ -612,8 +614,8 @@ class Engine:
             # Nothing runs and the head did not fit: if waiting requests hold pulled KV, only
             # they can give blocks back. Without this, requests that each hold part of the
             # cache and wait for more would wait forever (nothing running ever frees a block).
-            if (scheduled or running or result.transfers_started or not passes
-                    or not self._give_back_pulled(result)):
+            if (scheduled or running or result.transfers_started or not passes or blocked is None
+                    or not self._give_back_pulled(result, blocked)):
                 break
 
         if not scheduled:
@@ -909,6 +911,10 @@ class Engine:
                 self._count_prefix(req, hit_tokens)
             req.cached_tokens = n_full * bs
             self._note_chain(req)
+            # One pull per request, as vLLM's connector clears do_remote_prefill once it has
+            # scheduled the load: after a preemption or a give-back it computes locally (its
+            # pulled blocks stay cached), and a pull of no full block cannot repeat forever.
+            req.remote_prefill = None
             req.state = _TRANSFERRING
             req.ready_at = now + self.profile.kv_transfer_s((n_full - len(hit)) * bs)
             self.waiting.remove(req)
@@ -1182,15 +1188,17 @@ class Engine:
         self._run_of[rid] = run
         self._num_free += len(q)
 
-    def _give_back_pulled(self, result: StepResult) -> bool:
-        """The last waiting request that holds pulled KV blocks gives them back, as a preempted
-        one: it starts over (its pulled blocks stay cached, so a new pull takes only what was
-        evicted since). Called when nothing runs and the waiting head does not fit; False if no
-        waiting request holds blocks."""
+    def _give_back_pulled(self, result: StepResult, blocked: _Req) -> bool:
+        """The last waiting request other than ``blocked`` (the one that did not fit) that holds
+        pulled KV blocks gives them back, as a preempted one: it starts over as a local prefill
+        (its pulled blocks stay cached, so its lookup finds what was not evicted since). Called
+        when nothing runs and ``blocked`` does not fit; False if no other waiting request holds
+        blocks (then only a transfer in flight can change anything, and it lands later).
+        ``blocked`` never gives its own back: it would take them again at once."""
         waiting = self.waiting
         for k in range(len(waiting) - 1, -1, -1):
             req = waiting[k]
-            if req.blocks:
+            if req.blocks and req is not blocked:
                 self._free_blocks(req)
                 req.computed = 0
                 req.preemptions += 1
