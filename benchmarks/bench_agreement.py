@@ -118,7 +118,55 @@ def turn_delay(runs: list[Path], policies: list[str], requests: list[Any], speed
                 if prev is None or r.get("status") != "ok" or prev.get("status") != "ok" or prev.get("e2e_ms") is None:
                     continue
                 gaps.append((r["sent_at"] - prev["sent_at"] - prev["e2e_ms"] / 1000) * speed - think.get((s, t), 0.0))
-    return statistics.median(gaps) if gaps else 0.0
+    return max(0.0, statistics.median(gaps)) if gaps else 0.0
+
+
+def measured_noise(runs: list[Path], policies: list[str], profile: str, speed: float) -> dict[str, float]:
+    """What separates one live run of a trace from another, in engine seconds: the standard
+    deviation of the sessions' first sends across the runs (each session's deviation from its
+    mean send time), and the robust standard deviation (1.4826 x median absolute deviation) of
+    the path time of requests that ran alone on their instance, around each arm's fitted
+    overhead (kvtop/whatif.py fit_time). With the uniform widths of the same standard
+    deviations they give --jitter (half-width, sqrt(3) sd) and --path-jitter (full width,
+    sqrt(12) sd)."""
+    from kvtop.sim.profiles import get_profile
+    from kvtop.whatif import fit_time, isolated_ttft_s, load_run
+
+    devs: list[float] = []
+    for pol in policies:
+        sends: dict[str, list[float]] = {}
+        for d in runs:
+            for r in read_live(d, pol):
+                if r.get("turn") == 1:
+                    sends.setdefault(r["session"], []).append(r["sent_at"] * speed)
+        for v in sends.values():
+            if len(v) > 1:
+                m = sum(v) / len(v)
+                devs += [x - m for x in v]
+    base = get_profile(profile)
+    res: list[float] = []
+    for d in runs:
+        for pol in policies:
+            run = load_run(d / f"kvtop-{pol}.db")
+            fit = fit_time(run, base, speed)
+            if fit is None:
+                continue
+            spans: dict[str, list[tuple[float, float]]] = {}
+            for r in run.recorded:
+                spans.setdefault(r["instance"], []).append((r["arrival"], r["t_done"]))
+            for r in run.recorded:
+                if not r["stream"] or not r["ttft_ms"] or r["ttft_ms"] <= 0:
+                    continue
+                start, first = r["arrival"], r["arrival"] + r["ttft_ms"] / 1000
+                if sum(1 for a, done in spans[r["instance"]] if a < first and done > start) > 1:
+                    continue   # not alone on its instance
+                predicted = (fit.fixed_s + fit.per_100k_s * r["input_tokens"] / 1e5
+                             + isolated_ttft_s(base, r["input_tokens"], r["cached_tokens"] or 0) / speed)
+                res.append((r["ttft_ms"] / 1000 - predicted) * speed)
+    first_sd = (sum(x * x for x in devs) / len(devs)) ** 0.5 if devs else float("nan")
+    path_sd = statistics.median(abs(e) for e in res) * 1.4826 if res else float("nan")
+    return {"first_send_sd": first_sd, "path_sd": path_sd, "first_sends": len(devs), "isolated": len(res),
+            "jitter": 3 ** 0.5 * first_sd, "path_jitter": 12 ** 0.5 * path_sd}
 
 
 def _sim(task: tuple[str, int]) -> tuple[str, int, dict[str, float]]:
@@ -147,11 +195,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="give the simulated engines the live path's wall-clock overhead as frontend "
                         "time, fitted on each live run's requests that ran alone (kvtop/whatif.py "
                         "fit_time; pooled over every run and arm)")
+    p.add_argument("--measure-noise", action="store_true",
+                   help="print what separates the live runs from each other (the sessions' first "
+                        "sends, the path time of isolated requests) and the --jitter and --path-jitter "
+                        "of the same spread, then exit")
     p.add_argument("--fit-turn-delay", action="store_true",
                    help="add the live client's median turn-around (next send - previous end - think "
                         "time, engine seconds) to every later turn's think time")
     p.add_argument("--json", type=Path, default=None, help="write every figure here")
     args = p.parse_args(argv)
+    if not 0 <= args.path_jitter < float("inf") or not 0 <= args.jitter < float("inf"):
+        raise SystemExit("--jitter and --path-jitter must be finite and at least 0")
     if not (args.live[0] / "meta.json").is_file():
         raise SystemExit(f"{args.live[0]}: not a benchmarks/peers/run.py output directory (no meta.json)")
     meta = json.loads((args.live[0] / "meta.json").read_text())
@@ -159,6 +213,13 @@ def main(argv: list[str] | None = None) -> int:
     speed, instances, profile = meta["speed"], meta["instances_per_arm"], meta["profile"]
     policies = [x for x in args.policies.split(",") if x]
     live = {pol: [figures(read_live(d, pol), speed) for d in args.live] for pol in policies}
+    if args.measure_noise:
+        n = measured_noise(args.live, policies, profile, speed)
+        print(f"live run-to-run noise over {len(args.live)} runs, engine seconds: first sends sd "
+              f"{n['first_send_sd']:.3f} ({n['first_sends']} sends) -> --jitter {n['jitter']:.2f}; "
+              f"path time of isolated requests, robust sd {n['path_sd']:.3f} ({n['isolated']} requests) "
+              f"-> --path-jitter {n['path_jitter']:.2f}")
+        return 0
 
     sim_profile: Any = profile
     fit_note = None

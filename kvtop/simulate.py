@@ -35,11 +35,11 @@ import gc
 import heapq
 import json
 import os
-import random
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from hashlib import blake2b
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -68,8 +68,10 @@ class SimConfig:
     admission: str | None = None  # engine waiting-queue hook name (see router/admission.py)
     features: dict[str, Any] = field(default_factory=dict)  # router-level knobs (router/features.py)
     # Run-to-run timing noise of a live path: each engine request reaches its engine u later,
-    # u uniform in +-path_jitter_s / 2 (never before it was sent), drawn from a generator
-    # seeded with path_seed; 0 (either) is the noise-free path. kvtop/repeats.py sets the seed
+    # u uniform in +-path_jitter_s / 2 around the profile's frontend time, but never before the
+    # router sent it (with a frontend time under path_jitter_s / 2, as the built-in profiles'
+    # 0, the noise is partly or only a delay); u is a hash of path_seed and the request, the
+    # same for every policy. 0 (either) is the noise-free path. kvtop/repeats.py sets the seed
     # to the replica, so replica 0 stays as traced.
     path_jitter_s: float = 0.0
     path_seed: int = 0
@@ -212,8 +214,7 @@ def _simulate(requests: Sequence[Any], policy: str, cfg: SimConfig) -> list[dict
         if nxt is not None:
             push(t + (requests[nxt].think_time or 0.0), "arrive", nxt)
 
-    path_rng = random.Random(cfg.path_seed) if cfg.path_jitter_s > 0 and cfg.path_seed else None
-    half_jitter = cfg.path_jitter_s / 2
+    half_jitter = cfg.path_jitter_s / 2 if cfg.path_seed else 0.0
 
     def send(flow: Flow, t: float) -> None:
         """The current leg goes upstream: an engine request on its instance."""
@@ -222,21 +223,23 @@ def _simulate(requests: Sequence[Any], policy: str, cfg: SimConfig) -> list[dict
         k, out, hashes = meta[rid]
         leg = flow.leg
         i = leg.instance
+        key = rid + "#p" if leg.kind == PREFILL else rid
         at = t
-        if path_rng is not None:
+        if half_jitter:
             # the path's time this once: the engine's frontend time (the fitted mean) plus u,
-            # shifted through the arrival; the request is never ready before it was sent
+            # shifted through the arrival, never before the send; u is drawn from the replica's
+            # seed and the request, so every policy's replica r gives a request the same u
+            # (the comparison stays paired) whatever order its requests are sent in
+            d = blake2b(f"{cfg.path_seed}:{key}".encode(), digest_size=8).digest()
+            u = (int.from_bytes(d, "big") / 2.0**63 - 1.0) * half_jitter
             eng = engines[i]
-            u = path_rng.uniform(-half_jitter, half_jitter)
             at = t + max(u, -(eng.frontend_overhead_s + eng.profile.frontend_s_per_token * flow.request.input_tokens))
         if leg.kind == PREFILL:  # P prefills (one token, KV kept for a remote decode)
-            ereq = EngineRequest(rid + "#p", flow.request.input_tokens, hashes, 1, at,
+            ereq = EngineRequest(key, flow.request.input_tokens, hashes, 1, at,
                                  kv_transfer_params={"do_remote_decode": True})
-            key = rid + "#p"
         else:
             ereq = EngineRequest(rid, flow.request.input_tokens, hashes, out, at,
                                  kv_transfer_params=kv_params.pop(rid, None))
-            key = rid
         res = in_flight[i]
         end = res.end_time if res is not None else None
         try:
@@ -372,8 +375,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="largest shift of a session's arrivals in a replica, seconds (default 2)")
     p.add_argument("--path-jitter", type=float, default=0.0, metavar="S",
                    help="with --repeats: each request also reaches its engine up to S/2 seconds "
-                        "earlier or later than the profile's frontend time says, seeded per replica: "
-                        "the run-to-run noise of a live path (measure it, docs/simulator.md; default 0)")
+                        "earlier or later than the profile's frontend time says (never before it was "
+                        "sent: with the built-in profiles' frontend time of 0, only later), the same "
+                        "for every policy in a replica: the run-to-run noise of a live path (measure "
+                        "it, docs/simulator.md; default 0)")
     p.add_argument("--workers", type=int, default=None, metavar="N",
                    help="processes for --repeats (default: one per core; with --ray, one actor per CPU "
                         "of the cluster)")

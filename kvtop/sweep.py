@@ -110,6 +110,8 @@ def load_spec(path: str | Path) -> Spec:
         v = get[key]
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v < float("inf"):
             raise _fail(path, f"{key} must be a finite number of at least 0")
+    if get["path_jitter"] and get["repeats"] < 2:
+        raise _fail(path, "path_jitter varies replicas 1 and on: give repeats 2 or more")
     if get["mode"] not in ("open", "closed"):
         raise _fail(path, "mode must be open or closed")
     from kvtop.sim.profiles import get_profile

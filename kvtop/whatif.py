@@ -556,8 +556,8 @@ def run(args: Any, simulate: Any, sim_config: Any) -> int:
         raise CliError(str(exc.args[0])) from None
     if args.speed is not None and not args.speed > 0:
         raise CliError("--speed must be positive")
-    if args.repeats < 1 or args.jitter < 0:
-        raise CliError("--repeats must be at least 1, --jitter at least 0")
+    if args.repeats < 1 or not 0 <= args.jitter < float("inf"):
+        raise CliError("--repeats must be at least 1, --jitter finite and at least 0")
     policies = [p.strip() for p in (args.policies or "").split(",") if p.strip()]
     for p in policies:
         try:

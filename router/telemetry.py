@@ -249,7 +249,7 @@ class GpuSampler:
         self.reason: str | None = None
         self._nvml: Any = None
         self._handles: dict[int, Any] = {}
-        self._v2: bool | None = None  # whether nvmlDeviceGetMemoryInfo_v2 answers (None: untried)
+        self._v2: dict[int, bool] = {}  # per GPU: whether nvmlDeviceGetMemoryInfo_v2 answers
 
     def init(self) -> bool:
         try:
@@ -277,25 +277,27 @@ class GpuSampler:
                 if h is None:
                     h = self._handles[i] = nv.nvmlDeviceGetHandleByIndex(i)
                 util = nv.nvmlDeviceGetUtilizationRates(h)
-                out[i] = (float(util.gpu), *self._memory(h))
+                out[i] = (float(util.gpu), *self._memory(i, h))
             except Exception as exc:
                 out[i] = f"NVML error on GPU {i}: {exc}"
         return out
 
-    def _memory(self, h: Any) -> tuple[float, float]:
+    def _memory(self, i: int, h: Any) -> tuple[float, float]:
         """(used, total) bytes as nvidia-smi shows them: NVML's v2 call, whose "used" leaves out
         the memory the driver reserves (about 480 MiB on an H100, counted as used by the v1 call
-        on an idle GPU); the v1 call on a driver without v2."""
+        on an idle GPU); the v1 call on a driver or device (a MIG or vGPU instance) without v2,
+        decided per GPU on its first reading."""
         nv = self._nvml
-        if self._v2 is not False:
+        v2 = self._v2.get(i)
+        if v2 is not False:
             try:
                 mem = nv.nvmlDeviceGetMemoryInfo(h, version=nv.nvmlMemory_v2)
-                self._v2 = True
+                self._v2[i] = True
                 return float(mem.used), float(mem.total)
             except self._no_v2:
-                if self._v2:
-                    raise
-                self._v2 = False  # an older driver or nvidia-ml-py: v1 for good
+                if v2:
+                    raise   # it answered before: an error to show, not a silent switch
+                self._v2[i] = False  # this GPU (driver, binding) has no v2: v1 for good
         mem = nv.nvmlDeviceGetMemoryInfo(h)
         return float(mem.used), float(mem.total)
 

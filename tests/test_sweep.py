@@ -94,6 +94,9 @@ def test_path_jitter_reaches_the_replicas(tmp_path):
     same = [x == y for x, y in zip(ra, rb)]
     assert all(s for s, t in zip(same, plan(plain)) if t.replica == 0)   # replica 0: no noise
     assert not all(same)
+    one = small_spec(tmp_path, **{"path_jitter = 0.0 ": "path_jitter = 0.6 ", "repeats = 2 ": "repeats = 1 "})
+    with pytest.raises(CliError, match="path_jitter varies replicas 1 and on: give repeats 2 or more"):
+        load_spec(one)
 
 
 @pytest.mark.parametrize("edit,message", [

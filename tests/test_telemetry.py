@@ -257,6 +257,27 @@ def _fake_nvml(v2: str):
     return mod, calls
 
 
+def test_gpu_memory_v2_is_decided_per_gpu(monkeypatch):
+    # one GPU answers the v2 call, the other (a MIG or vGPU instance, say) does not: each keeps
+    # its own reading, the second falls back to v1 instead of an error forever
+    mod, calls = _fake_nvml("ok")
+    v2_of = mod.nvmlDeviceGetMemoryInfo
+
+    def memory(handle, version=None):
+        if handle == "h1" and version is not None:
+            raise mod.NVMLError_FunctionNotFound()
+        return v2_of(handle, version)
+
+    mod.nvmlDeviceGetMemoryInfo = memory
+    monkeypatch.setitem(sys.modules, "pynvml", mod)
+    g = GpuSampler()
+    assert g.init()
+    for _ in range(2):
+        got = g.sample([0, 1])
+        assert got[0] == (99.0, 3167551488.0, 85520809984.0)   # v2
+        assert got[1] == (99.0, 3670867968.0, 85520809984.0)   # v1
+
+
 @pytest.mark.parametrize("v2", ["ok", "missing", "breaks_later"])
 def test_gpu_memory_is_read_as_nvidia_smi_shows_it(monkeypatch, v2):
     mod, calls = _fake_nvml(v2)

@@ -138,6 +138,9 @@ async def test_cli_from_db_reports_and_validates(router, tmp_path, capsys):
     (["--from-db", "{db}", "--policies", "nope"], "unknown policy"),
     (["trace.jsonl", "--policies", "unified", "--speed", "3"], "go with --from-db"),
     ([], "a trace is required"),
+    # a nan jitter printed intervals of garbage and exited 0
+    (["--from-db", "{db}", "--repeats", "2", "--jitter", "nan"], "--jitter finite and at least 0"),
+    (["--from-db", "{db}", "--repeats", "2", "--path-jitter", "0.3"], "--from-db takes"),
 ])
 def test_cli_from_db_errors_are_one_line(tmp_path, capsys, argv, msg):
     db = tmp_path / "k.db"
