@@ -123,8 +123,8 @@ def turn_delay(runs: list[Path], policies: list[str], requests: list[Any], speed
 
 def measured_noise(runs: list[Path], policies: list[str], profile: str, speed: float) -> dict[str, float]:
     """What separates one live run of a trace from another, in engine seconds: the standard
-    deviation of the sessions' first sends across the runs (each session's deviation from its
-    mean send time), and the robust standard deviation (1.4826 x median absolute deviation) of
+    deviation of the sessions' first sends across the runs (pooled over sessions, each around
+    its own mean), and the robust standard deviation (1.4826 x median absolute deviation) of
     the path time of requests that ran alone on their instance, around each arm's fitted
     overhead (kvtop/whatif.py fit_time). With the uniform widths of the same standard
     deviations they give --jitter (half-width, sqrt(3) sd) and --path-jitter (full width,
@@ -133,6 +133,7 @@ def measured_noise(runs: list[Path], policies: list[str], profile: str, speed: f
     from kvtop.whatif import fit_time, isolated_ttft_s, load_run
 
     devs: list[float] = []
+    groups = 0
     for pol in policies:
         sends: dict[str, list[float]] = {}
         for d in runs:
@@ -143,6 +144,7 @@ def measured_noise(runs: list[Path], policies: list[str], profile: str, speed: f
             if len(v) > 1:
                 m = sum(v) / len(v)
                 devs += [x - m for x in v]
+                groups += 1
     base = get_profile(profile)
     res: list[float] = []
     for d in runs:
@@ -163,7 +165,8 @@ def measured_noise(runs: list[Path], policies: list[str], profile: str, speed: f
                 predicted = (fit.fixed_s + fit.per_100k_s * r["input_tokens"] / 1e5
                              + isolated_ttft_s(base, r["input_tokens"], r["cached_tokens"] or 0) / speed)
                 res.append((r["ttft_ms"] / 1000 - predicted) * speed)
-    first_sd = (sum(x * x for x in devs) / len(devs)) ** 0.5 if devs else float("nan")
+    # pooled within-session variance: one degree of freedom per session's mean (Bessel)
+    first_sd = (sum(x * x for x in devs) / (len(devs) - groups)) ** 0.5 if len(devs) > groups else float("nan")
     path_sd = statistics.median(abs(e) for e in res) * 1.4826 if res else float("nan")
     return {"first_send_sd": first_sd, "path_sd": path_sd, "first_sends": len(devs), "isolated": len(res),
             "jitter": 3 ** 0.5 * first_sd, "path_jitter": 12 ** 0.5 * path_sd}

@@ -273,7 +273,8 @@ def format_report(runs: dict[str, list[dict[str, Any]]], repeats: int, jitter_s:
         lines.append([pol] + [cell(k, s[k]) for k, _ in METRICS]
                      + ["-" if apc is None else f"{apc[0] * 100:.1f}% ± {apc[1] * 100:.1f}"])
     table = _csv(headers, lines) if fmt == "csv" else _grid(headers, lines, fmt)
-    path = f" and each request's path time varied by up to ±{path_jitter_s / 2:g} s" if path_jitter_s else ""
+    path = (f" and each request's path time varied by up to ±{path_jitter_s / 2:g} s around the profile's "
+            f"frontend time, never before its send" if path_jitter_s else "")
     out = [f"{repeats} replicas per policy (replica 0 as traced, the others with sessions shifted "
            f"by up to ±{jitter_s:g} s{path}); mean ± 95% confidence interval", table]
     if repeats > 1 and len(runs) > 1:

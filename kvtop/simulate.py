@@ -214,6 +214,8 @@ def _simulate(requests: Sequence[Any], policy: str, cfg: SimConfig) -> list[dict
         if nxt is not None:
             push(t + (requests[nxt].think_time or 0.0), "arrive", nxt)
 
+    if not 0 <= cfg.path_jitter_s < float("inf"):   # a NaN would reach the engines as NaN arrivals
+        raise ValueError(f"path_jitter_s must be finite and at least 0, not {cfg.path_jitter_s}")
     half_jitter = cfg.path_jitter_s / 2 if cfg.path_seed else 0.0
 
     def send(flow: Flow, t: float) -> None:

@@ -86,7 +86,8 @@ def test_cli_repeats_reports_intervals(tmp_path, capsys):
     assert "3 replicas per policy" in out and "±" in out and "paired by replica" in out
     assert main(["simulate", str(path), "--policies", "leastwork", "--instances", "2", "--repeats", "2",
                  "--workers", "1", "--path-jitter", "0.4"]) == 0
-    assert "each request's path time varied by up to ±0.2 s" in capsys.readouterr().out
+    assert "each request's path time varied by up to ±0.2 s around the profile's frontend time, never before its send" \
+        in capsys.readouterr().out
     assert main(["simulate", str(path), "--policies", "leastwork", "--repeats", "2", "--out",
                  str(tmp_path / "o")]) == 2
     # the intervals drawn: an SVG of every metric, forest plots in the terminal

@@ -764,7 +764,10 @@ class Engine:
                     self._register(req, n_full * self.block_size)
                     req.computed = n_full * self.block_size
                     req.state = _WAITING
-                    self.waiting.appendleft(req)
+                    if req.blocks:
+                        self.waiting.appendleft(req)
+                    else:   # pulled nothing: a plain waiting request, not ahead of the holders
+                        self._queue_behind_holders(req)
 
     def _admission_order(self, budget: int):
         waiting = self.waiting
@@ -1204,25 +1207,16 @@ class Engine:
                 req.preemptions += 1
                 self.num_preemptions += 1
                 result.preempted.append(req.id)
-                if k:   # behind the ones still holding blocks (see _preempt)
-                    del waiting[k]
-                    j = 0
-                    while j < len(waiting) and waiting[j].computed and waiting[j].blocks:
-                        j += 1
-                    waiting.insert(j, req)
+                del waiting[k]
+                self._queue_behind_holders(req)
                 return True
         return False
 
-    def _preempt(self, req: _Req, now: float) -> None:
-        self._free_blocks(req)
-        req.computed = 0
-        req.state = _WAITING
-        req.preemptions += 1
-        self.num_preemptions += 1
-        # Ahead of every plain waiting request, but behind the ones that hold KV blocks (pulled
-        # remote KV, at the front since _release_ready): vLLM drains its kv_holding_waiting
-        # queue first. Ahead of those, a preempted request that cannot fit would block them
-        # while they hold the blocks it needs, and with nothing running nothing ever frees one.
+    def _queue_behind_holders(self, req: _Req) -> None:
+        """Queue ``req`` ahead of every plain waiting request but behind the ones that hold KV
+        blocks (pulled remote KV): vLLM drains its kv_holding_waiting queue first. Ahead of those,
+        a request that cannot fit would block them while they hold the blocks it needs, and with
+        nothing running nothing would ever free one. The holders stay a prefix of the queue."""
         waiting = self.waiting
         k = 0
         while k < len(waiting) and waiting[k].computed and waiting[k].blocks:
@@ -1231,6 +1225,14 @@ class Engine:
             waiting.insert(k, req)
         else:
             waiting.appendleft(req)
+
+    def _preempt(self, req: _Req, now: float) -> None:
+        self._free_blocks(req)
+        req.computed = 0
+        req.state = _WAITING
+        req.preemptions += 1
+        self.num_preemptions += 1
+        self._queue_behind_holders(req)
 
     def _transfer_params(self, req: _Req) -> dict[str, Any]:
         n_full = min(len(req.hashes), (req.num_tokens - 1) // self.block_size, len(req.blocks))
