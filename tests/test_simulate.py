@@ -82,6 +82,13 @@ def test_path_jitter_is_seeded_noise():
     assert all(r["ttft_ms"] > 0 for r in a)
 
 
+def test_a_nan_path_jitter_is_refused():
+    # through the library too (the CLIs check it): a NaN reached the engines as NaN arrivals
+    # and simulate() never returned
+    with pytest.raises(ValueError, match="path_jitter_s must be finite"):
+        simulate(session_trace(), "leastwork", SimConfig(instances=2, path_jitter_s=float("nan"), path_seed=1))
+
+
 def test_path_jitter_gives_a_request_the_same_noise_under_every_policy(monkeypatch):
     # open loop, no router queue: each request is sent at its trace arrival, so what its engine
     # request carries beyond that is its path noise, which must not depend on the policy (the
