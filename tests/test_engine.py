@@ -531,6 +531,27 @@ def test_a_step_that_only_preempts_is_not_idle():
     assert preempted and not e.has_work(), (e.running, e.waiting)
 
 
+def _drive(e: Engine, t: float = 0.0, limit: int = 5000, on_step=None, coalesce: bool = True) -> tuple[float, int]:
+    """Step as the drivers do (again after a result that did something, else to the next event;
+    stop when there is none); check the pool after every step and hand each result to
+    ``on_step``. (end time, steps)."""
+    steps = 0
+    while e.has_work() and steps < limit:
+        r = e.step(t, coalesce=coalesce)
+        steps += 1
+        check_invariants(e)
+        if on_step is not None:
+            on_step(r)
+        if r.idle:
+            nxt = e.next_event_time()
+            if nxt is None:
+                break
+            t = max(t, nxt)
+        else:
+            t = r.end_time
+    return t, steps
+
+
 def test_waiting_requests_holding_pulled_kv_do_not_stall_each_other():
     # 10 blocks of 16 tokens. Three decode-side requests pull 3 blocks of remote KV each (their
     # prefill sent fewer blocks than the prompt has) and then wait, holding 9 blocks, each
@@ -543,43 +564,19 @@ def test_waiting_requests_holding_pulled_kv_do_not_stall_each_other():
         e.add_request(req(rid, 5 * 16 + 8, max_tokens=3, seed=10 + k, kv_transfer_params=dict(params)))
     r = e.step(0.0)
     assert r.transfers_started == ["x", "y", "z"] and e.num_free_blocks == 1
-    t, gave_back, finished = e.next_event_time(), [], []
-    for _ in range(200):
-        r = e.step(t)
-        check_invariants(e)
-        gave_back += r.preempted
-        finished += [f.request_id for f in r.finished]
+    gave_back, finished = [], []
+
+    def seen(r):
+        gave_back.extend(r.preempted)
+        finished.extend(f.request_id for f in r.finished)
         if r.preempted:
             assert r.num_scheduled_tokens > 0, "the head must start in the step that freed blocks"
-        if r.idle:   # as the drivers do: wait for the next event, stop when there is none
-            nxt = e.next_event_time()
-            if nxt is None:
-                break
-            t = max(t, nxt)
-        else:
-            t = r.end_time
+
+    _drive(e, e.next_event_time(), limit=200, on_step=seen, coalesce=False)
     assert not e.has_work(), f"stalled: waiting {[(x.id, len(x.blocks)) for x in e.waiting]}"
     assert sorted(finished) == ["x", "y", "z"]
     assert gave_back and gave_back[0] == "z" and e.num_preemptions == len(gave_back)
     assert e.num_allocated_blocks() == 0
-
-
-def _drive(e: Engine, t: float = 0.0, limit: int = 5000) -> tuple[float, int]:
-    """Step as the drivers do (again after a result that did something, else to the next event;
-    stop when there is none); check the pool after every step. (end time, steps)."""
-    steps = 0
-    while e.has_work() and steps < limit:
-        r = e.step(t, coalesce=True)
-        steps += 1
-        check_invariants(e)
-        if r.idle:
-            nxt = e.next_event_time()
-            if nxt is None:
-                break
-            t = max(t, nxt)
-        else:
-            t = r.end_time
-    return t, steps
 
 
 @pytest.mark.parametrize("fixed_s", [0.0, 0.002])
