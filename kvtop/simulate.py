@@ -413,7 +413,7 @@ def run(args: argparse.Namespace) -> int:
         if args.trace is not None:
             raise CliError("give a trace or --from-db, not both")
         if (args.out or args.limit is not None or args.knob or args.workers is not None or args.ray
-                or args.path_jitter):
+                or args.path_jitter or args.plot or args.terminal_plot == "always"):
             raise CliError("--from-db takes --policies, --run, --speed, --profile, --mode, --repeats, "
                            "--jitter and --format (the run's own knobs are used)")
         from kvtop.whatif import run as whatif_run
@@ -447,6 +447,22 @@ def run(args: argparse.Namespace) -> int:
                         ("--max-output-tokens", args.max_output_tokens)):
         if value is not None and value < 1:
             raise CliError(f"{flag} must be at least 1")
+    # flags first: a bad one is refused before a 10,000-request trace is read
+    if args.repeats < 1 or (args.workers is not None and args.workers < 1) \
+            or not 0 <= args.jitter < float("inf") or not 0 <= args.path_jitter < float("inf"):
+        raise CliError("--repeats and --workers must be at least 1, --jitter and --path-jitter finite "
+                       "and at least 0")
+    if args.path_jitter and args.repeats < 2:
+        raise CliError("--path-jitter varies the replicas of --repeats: give --repeats 2 or more")
+    if args.plot and args.repeats < 2:
+        raise CliError("--plot draws the intervals of --repeats: give --repeats 2 or more "
+                       "(kvtop report --plot draws one run's TTFT CDFs)")
+    if args.plot:   # before the simulations, not after them
+        folder = Path(args.plot).resolve().parent
+        if not folder.is_dir() or not os.access(folder, os.W_OK):
+            raise CliError(f"cannot write --plot {args.plot}: {folder} is not a writable folder")
+    if args.ray is not None and args.repeats < 2:
+        raise CliError("--ray runs --repeats replicas: give --repeats 2 or more")
     # the same results, cheaper to simulate (see dense_ids); converted as the lines are read,
     # so the trace's own ids are not all alive beside the dense ones (peak 227 MB, not 312)
     requests = dense_ids(islice(iter_trace(args.trace), args.limit))
@@ -463,21 +479,6 @@ def run(args: argparse.Namespace) -> int:
             out_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise CliError(f"cannot create --out {out_dir}: {exc.strerror or exc}") from None
-    if args.repeats < 1 or (args.workers is not None and args.workers < 1) \
-            or not 0 <= args.jitter < float("inf") or not 0 <= args.path_jitter < float("inf"):
-        raise CliError("--repeats and --workers must be at least 1, --jitter and --path-jitter finite "
-                       "and at least 0")
-    if args.path_jitter and args.repeats < 2:
-        raise CliError("--path-jitter varies the replicas of --repeats: give --repeats 2 or more")
-    if args.plot and args.repeats < 2:
-        raise CliError("--plot draws the intervals of --repeats: give --repeats 2 or more "
-                       "(kvtop report --plot draws one run's TTFT CDFs)")
-    if args.plot:   # before the simulations, not after them
-        folder = Path(args.plot).resolve().parent
-        if not folder.is_dir() or not os.access(folder, os.W_OK):
-            raise CliError(f"cannot write --plot {args.plot}: {folder} is not a writable folder")
-    if args.ray is not None and args.repeats < 2:
-        raise CliError("--ray runs --repeats replicas: give --repeats 2 or more")
     if args.repeats > 1:
         if out_dir:
             raise CliError("--out writes one run's records; use it without --repeats")

@@ -141,6 +141,7 @@ async def test_cli_from_db_reports_and_validates(router, tmp_path, capsys):
     # a nan jitter printed intervals of garbage and exited 0
     (["--from-db", "{db}", "--repeats", "2", "--jitter", "nan"], "--jitter finite and at least 0"),
     (["--from-db", "{db}", "--repeats", "2", "--path-jitter", "0.3"], "--from-db takes"),
+    (["--from-db", "{db}", "--repeats", "2", "--plot", "x.svg"], "--from-db takes"),   # was ignored
 ])
 def test_cli_from_db_errors_are_one_line(tmp_path, capsys, argv, msg):
     db = tmp_path / "k.db"

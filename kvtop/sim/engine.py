@@ -615,7 +615,7 @@ class Engine:
             # they can give blocks back. Without this, requests that each hold part of the
             # cache and wait for more would wait forever (nothing running ever frees a block).
             if (scheduled or running or result.transfers_started or not passes or blocked is None
-                    or not self._give_back_pulled(result, blocked)):
+                    or not self._give_back_pulled(result, blocked, now)):
                 break
 
         if not scheduled:
@@ -1191,7 +1191,7 @@ class Engine:
         self._run_of[rid] = run
         self._num_free += len(q)
 
-    def _give_back_pulled(self, result: StepResult, blocked: _Req) -> bool:
+    def _give_back_pulled(self, result: StepResult, blocked: _Req, now: float) -> bool:
         """The last waiting request other than ``blocked`` (the one that did not fit) that holds
         pulled KV blocks gives them back, as a preempted one: it starts over as a local prefill
         (its pulled blocks stay cached, so its lookup finds what was not evicted since). Called
@@ -1202,13 +1202,9 @@ class Engine:
         for k in range(len(waiting) - 1, -1, -1):
             req = waiting[k]
             if req.blocks and req is not blocked:
-                self._free_blocks(req)
-                req.computed = 0
-                req.preemptions += 1
-                self.num_preemptions += 1
-                result.preempted.append(req.id)
                 del waiting[k]
-                self._queue_behind_holders(req)
+                self._preempt(req, now)
+                result.preempted.append(req.id)
                 return True
         return False
 
