@@ -47,13 +47,14 @@ from typing import Any
 from kvtop.cli import CliError
 from router.blocks import regroup_block_ids
 from router.classes import route_class
-from router.cluster import Cluster
+from router.build import build_router
 from router.config import KnobError, parse_knob_args
-from router.core import NoInstance, RoutingCore
-from router.features import FEATURE_KNOBS, Features
-from router.pipeline import ERROR, OK, PREFILL, Flow, Pipeline
-from router.policies import DEFAULT_POLICY, build_policy
+from router.core import NoInstance
+from router.features import FEATURE_KNOBS
+from router.pipeline import ERROR, OK, PREFILL, Flow
+from router.policies import DEFAULT_POLICY
 from router.request import RouteRequest
+from router.settings import Settings, settings_for
 
 
 @dataclass
@@ -163,10 +164,6 @@ def _simulate(requests: Sequence[Any], policy: str, cfg: SimConfig) -> list[dict
     names = [f"i{i}" for i in range(cfg.instances)]
     sim_time = [0.0]
     clock = lambda: sim_time[0]  # noqa: E731
-    cluster = Cluster(names, block_size=cfg.router_block_size,
-                      capacity_blocks=max(1, capacity_tokens // cfg.router_block_size), clock=clock)
-    core = RoutingCore(cluster, build_policy(policy, cfg.knobs), clock=clock)
-    features = Features.build(cfg.features)
     results = _Results(policy)
 
     # event heap: (time, order, kind, payload)
@@ -178,8 +175,10 @@ def _simulate(requests: Sequence[Any], policy: str, cfg: SimConfig) -> list[dict
         seq += 1
         heapq.heappush(heap, (t, seq, kind, payload))
 
-    pipe = Pipeline(core, lambda: features, results, clock=clock,
-                    on_admit=lambda flow: push(sim_time[0], "send", flow))
+    pipe = build_router(Settings.parse(policy, {**cfg.features, **cfg.knobs}), names, results,
+                        block_size=cfg.router_block_size,
+                        capacity_blocks=max(1, capacity_tokens // cfg.router_block_size), clock=clock,
+                        on_admit=lambda flow: push(sim_time[0], "send", flow)).pipeline
 
     by_session: dict[str, list[int]] = {}
     for k, r in enumerate(requests):
@@ -360,7 +359,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int, default=None, help="first N requests of the trace")
     p.add_argument("--knob", action="append", default=[], metavar="KEY=VALUE",
                    help="policy knob applied to every policy that has it, or a router-level knob "
-                        "(offload_mode, heavy_threshold, admission, ...; router/features.py) "
+                        "(offload_mode, offload_threshold, admission, ...; router/features.py) "
                         "applied to every run (repeatable)")
     p.add_argument("--router-block-size", type=int, default=512, help="router prefix-index block (default 512)")
     p.add_argument("--engine-block-size", type=int, default=None,
@@ -397,11 +396,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="write each policy's results as DIR/<policy>.jsonl (for kvtop report)")
 
 
-def _policy_knobs(policy: str, knobs: dict[str, str]) -> dict[str, str]:
-    from router.policies import policy_class
-
-    names = set(policy_class(policy).schema.names())
-    return {k: v for k, v in knobs.items() if k in names}
+def _policy_knobs(settings: Settings, knobs: dict[str, str]) -> dict[str, str]:
+    """The knobs given that are the policy's own (the features travel separately)."""
+    return {k: v for k, v in knobs.items() if k in settings.policy_knobs and k not in FEATURE_KNOBS.names()}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -428,15 +425,10 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--policies needs at least one policy")
     try:
         knobs = parse_knob_args(args.knob)
-        features = {k: v for k, v in knobs.items() if k in FEATURE_KNOBS.names()}
-        FEATURE_KNOBS.validate(features)
-        for pol in policies:
-            build_policy(pol, _policy_knobs(pol, knobs))
-        unknown = set(knobs) - set(features) - {k for pol in policies for k in _policy_knobs(pol, knobs)}
-        if unknown:
-            raise KnobError(sorted(unknown)[0], "no chosen policy has this knob, nor is it a router-level knob")
+        settings = settings_for(policies, knobs)
     except KnobError as exc:
         raise CliError(f"{exc.field}: {exc.message}") from None
+    features = {k: v for k, v in knobs.items() if k in FEATURE_KNOBS.names()}
     try:
         get_profile(args.profile)
     except KeyError as exc:
@@ -486,7 +478,7 @@ def run(args: argparse.Namespace) -> int:
 
         configs = {pol: SimConfig(instances=args.instances, profile=args.profile, mode=args.mode,
                                   router_block_size=args.router_block_size,
-                                  engine_block_size=args.engine_block_size, knobs=_policy_knobs(pol, knobs),
+                                  engine_block_size=args.engine_block_size, knobs=_policy_knobs(settings[pol], knobs),
                                   max_output_tokens=args.max_output_tokens, features=features,
                                   admission=args.engine_admission, path_jitter_s=args.path_jitter)
                    for pol in policies}
@@ -515,7 +507,7 @@ def run(args: argparse.Namespace) -> int:
     for pol in policies:
         cfg = SimConfig(instances=args.instances, profile=args.profile, mode=args.mode,
                         router_block_size=args.router_block_size, engine_block_size=args.engine_block_size,
-                        knobs=_policy_knobs(pol, knobs), max_output_tokens=args.max_output_tokens,
+                        knobs=_policy_knobs(settings[pol], knobs), max_output_tokens=args.max_output_tokens,
                         features=features, admission=args.engine_admission)
         t0 = time.process_time()
         try:

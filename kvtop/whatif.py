@@ -479,7 +479,7 @@ def _cell(f: dict[str, Any], m: str) -> str:
 
 def format_report(run: RecordedRun, speed: float, speed_note: str, rows: list[tuple[str, dict[str, Any]]],
                   check: dict[str, Any] | None, check_policy: str | None, fmt: str = "text",
-                  replicas: int = 1, jitter_s: float = 0.0) -> str:
+                  replicas: int = 1, jitter_s: float = 0.0, features: str = "none") -> str:
     if fmt == "csv":
         import csv
         import io
@@ -499,6 +499,7 @@ def format_report(run: RecordedRun, speed: float, speed_note: str, rows: list[tu
                                                   if skipped else "") + ")")
     lines.append(f"recorded policy: {', '.join(run.policies)}; instances: {len(run.instances)}; "
                  f"time scale: engine = wall x {speed:.4g} ({speed_note}); figures in the run's wall time")
+    lines.append(f"router features, as recorded, in every arm: {features}")
     if replicas > 1:
         lines.append(f"simulated: mean ± 95% interval over {replicas} replicas (replica 0 as recorded, the "
                      f"others with each session shifted by up to ±{jitter_s:g} engine seconds)")
@@ -548,7 +549,10 @@ def run(args: Any, simulate: Any, sim_config: Any) -> int:
 
     from kvtop.repeats import perturb
     from kvtop.sim.profiles import get_profile
+    from router.config import KnobError
+    from router.features import FEATURE_KNOBS
     from router.policies import policy_class
+    from router.settings import Settings, from_recorded
 
     try:
         prof = get_profile(args.profile)
@@ -590,11 +594,21 @@ def run(args: Any, simulate: Any, sim_config: Any) -> int:
     recorded_fig = figures(rec.recorded, names)
     rows: list[tuple[str, dict[str, Any]]] = [("recorded " + "+".join(rec.policies), recorded_fig)]
     check, check_policy = None, None
+    # the run's own router features (offload, admission) run in every arm, as they did live
+    recorded_knobs = from_recorded(rec.knobs)
+    features = {k: v for k, v in recorded_knobs.items() if k in FEATURE_KNOBS.names()}
+    ran_policy = policy_class(rec.policies[0] if rec.policies else policies[0])
+    try:
+        ran = Settings.parse(ran_policy.name, {k: v for k, v in recorded_knobs.items()
+                                               if k in features or k in ran_policy.schema.names()})
+    except KnobError as exc:
+        raise CliError(f"the run's knob {exc.field} cannot be re-run: {exc.message}") from None
     for pol in policies:
         canon = policy_class(pol).name
-        knobs = {k: v for k, v in rec.knobs.items() if k in set(policy_class(pol).schema.names())}
+        knobs = {k: v for k, v in recorded_knobs.items()
+                 if k in set(policy_class(pol).schema.names()) and k not in features}
         cfg = sim_config(instances=len(names), profile=sim_profile, mode=args.mode,
-                         router_block_size=rec.block_size, knobs=knobs)
+                         router_block_size=rec.block_size, knobs=knobs, features=features)
         t0 = time.process_time()
         figs = []
         for replica in range(args.repeats):
@@ -611,5 +625,6 @@ def run(args: Any, simulate: Any, sim_config: Any) -> int:
             # the reproduction is replica 0 (the recorded arrivals); the others are the spread
             check, check_policy = validate(recorded_fig, {**figs[0], **{k: v for k, v in fig.items()
                                                                       if k.endswith("_range")}}), canon
-    print(format_report(rec, speed, note, rows, check, check_policy, args.format, args.repeats, args.jitter))
+    print(format_report(rec, speed, note, rows, check, check_policy, args.format, args.repeats, args.jitter,
+                        ran.describe_features()))
     return 0

@@ -1,11 +1,8 @@
 """Router-level features that apply under any policy: elastic P2P offload and prefill admission.
 
-Their knobs live here, next to (not inside) the policy knobs: ``kvtop route --knob``,
-``kvtop simulate --knob`` and ``PATCH /kvtop/v1/knobs`` accept both kinds in one object, and
-``split_knobs`` sends each name where it belongs. Two names exist in both places:
-``heavy_threshold`` and ``prefill_tps`` (unified_ab has them too). They mean the same thing
-there (a HEAVY request's size; one instance's prefill rate), so they are SHARED: one value,
-applied to the features and to any policy that has the knob. Setting either sets both.
+Their knobs live here, next to (not inside) the policy knobs; router/settings.py splits one
+flat knob object between the two and validates both. ``prefill_tps`` is the one name shared
+with a policy (unified_ab): one value, applied to both.
 """
 
 from __future__ import annotations
@@ -13,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from router.config import Knob, KnobError, KnobSchema
+from router.config import Knob, KnobSchema
 
 OFFLOAD_MODES = ("off", "simple", "cost")
 ADMISSION_MODES = ("off", "fifo", "pack")
@@ -22,9 +19,9 @@ FEATURE_KNOBS = KnobSchema((
     Knob("offload_mode", str, "off",
          "elastic P2P prefill offload: off | simple (load rules) | cost (seconds saved vs spent)",
          choices=OFFLOAD_MODES),
-    Knob("heavy_threshold", int, 20000,
-         "estimated new prefill tokens from which a request is HEAVY and may be offloaded "
-         "(shared with unified_ab's migration threshold)", min=0, max=10_000_000),
+    Knob("offload_threshold", int, 20000,
+         "estimated new prefill tokens on the decode instance from which a request may be "
+         "offloaded (unified_ab's heavy_threshold is another thing: input tokens)", min=0, max=10_000_000),
     Knob("p_overload_factor", float, 1.5,
          "simple: never offload to a P whose BS exceeds mean(BS) x this", min=0.0, max=100.0),
     Knob("kv_transfer_s", float, 0.1,
@@ -49,29 +46,7 @@ FEATURE_KNOBS = KnobSchema((
 ))
 
 #: Names both the features and some policies declare; one value feeds both.
-SHARED_KNOBS = ("heavy_threshold", "prefill_tps")
-
-
-def split_knobs(knobs: dict[str, Any], policy_schema: KnobSchema) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Split one ``{name: value}`` object into (policy knobs, feature knobs).
-
-    A shared name goes to both (to the policy only when it has it). An unknown name raises
-    KnobError listing both sets, so the caller can refuse the whole update.
-    """
-    if not isinstance(knobs, dict):
-        raise KnobError("knobs", "expected an object of knob names to values")
-    pol: dict[str, Any] = {}
-    feat: dict[str, Any] = {}
-    pnames, fnames = set(policy_schema.names()), set(FEATURE_KNOBS.names())
-    for name, value in knobs.items():
-        if name not in pnames and name not in fnames:
-            allowed = ", ".join(policy_schema.names() + FEATURE_KNOBS.names())
-            raise KnobError(str(name), f"unknown knob; known knobs: {allowed}")
-        if name in pnames:
-            pol[name] = value
-        if name in fnames:
-            feat[name] = value
-    return pol, feat
+SHARED_KNOBS = ("prefill_tps",)
 
 
 @dataclass(frozen=True, slots=True)

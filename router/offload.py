@@ -1,7 +1,7 @@
 """Elastic P2P prefill offload: should a HEAVY request prefill on another instance? (pure)
 
 The policy's pick is the decode instance D. For a HEAVY request (estimated new tokens on D
->= ``heavy_threshold``) the prefill instance P is the other healthy instance with the least
+>= ``offload_threshold``) the prefill instance P is the other healthy instance with the least
 pending prefill (ties: fewer requests in flight, then instance order). Offload is a
 preference, not a mandate; ``offload_mode``:
 
@@ -38,7 +38,7 @@ COST_KEEP = "cost_keep"
 PREFILL_FAILED = "prefill_failed"  # live only: P's leg failed, the request colocated on D
 
 OFFLOAD_REASONS: dict[str, str] = {
-    BELOW_THRESHOLD: "estimated new tokens below heavy_threshold; not a candidate",
+    BELOW_THRESHOLD: "estimated new tokens below offload_threshold; not a candidate",
     NO_PEER: "no other healthy instance to prefill on",
     P_MORE_LOADED: "simple: P is at least as loaded as D (pending prefill, then BS); kept",
     P_OVERLOADED: "simple: P's BS is above p_overload_factor x mean(BS); kept",
@@ -72,7 +72,7 @@ def decide_offload(d_index: int, new_tokens: int, candidates: Sequence[Candidate
                    knobs: dict[str, Any]) -> OffloadDecision:
     """Offload or keep a request the policy sent to ``d_index`` with ``new_tokens`` to prefill."""
     mode = knobs["offload_mode"]
-    if mode == "off" or new_tokens < knobs["heavy_threshold"]:
+    if mode == "off" or new_tokens < knobs["offload_threshold"]:
         return OffloadDecision(False, BELOW_THRESHOLD, None, None)
     d = next((c for c in candidates if c.index == d_index), None)
     others = [c for c in candidates if c.index != d_index]

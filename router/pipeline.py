@@ -133,7 +133,9 @@ class Pipeline:
 
     def __init__(self, core: RoutingCore, features: Callable[[], Features], sink: Sink, *,
                  clock: Callable[[], float] = time.time,
-                 on_admit: Callable[[Flow], None] | None = None):
+                 on_admit: Callable[[Flow], None] | None = None, shadows: Any = None,
+                 defer: Callable[[Callable[[], None]], Any] | None = None,
+                 background: Callable[[Callable[[], bool]], Any] | None = None):
         self.core = core
         self.features = features  # () -> the current Features (a live swap applies at once)
         self.sink = sink
@@ -143,11 +145,11 @@ class Pipeline:
         #: Shadow policies (router/shadow.py), asked after the decision row is due; ``defer``
         #: bounds how long that may wait for the attempt to end (live: 50 ms, batched; offline:
         #: no wait), so the picks run after the client's answer, off its path.
-        self.shadows: Any = None
-        self.defer: Callable[[Callable[[], None]], Any] | None = None
+        self.shadows = shadows
+        self.defer = defer
         #: Live: runs a step function (``fn() -> done``) once per turn of the event loop until it
         #: is done, so long bookkeeping never holds the loop in one piece; offline: None.
-        self.background: Callable[[Callable[[], bool]], Any] | None = None
+        self.background = background
         self._flows: dict[int, Flow] = {}  # id(ticket) -> flow, for tickets at an admission gate
 
     @property

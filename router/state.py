@@ -16,16 +16,17 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from router import features as router_features
 from router.body import MemoryReturn
+from router.build import build_router
 from router.calibration import DEFAULT_PRIOR, PrefillPrior
 from router.cluster import Cluster
-from router.config import KnobError
 from router.core import Decision, PolicySlot, RoutingCore
+from router.features import Features
 from router.kv_events import attach_index
 from router.pipeline import Outcome, Pipeline
 from router.shadow import Shadows, parse_specs
-from router.policies import DEFAULT_POLICY, build_policy, policy_class
+from router.policies import DEFAULT_POLICY
+from router.settings import Settings
 from aiohttp import web
 
 from router.parsing import BodyParser
@@ -114,27 +115,20 @@ class RouterState:
 
     def __init__(self, config: RouterConfig):
         self.config = config
-        # --knob takes policy and router-level feature knobs together (router/features.py)
-        schema = policy_class(config.policy).schema
-        policy_knobs, feature_knobs = router_features.split_knobs(config.knobs, schema)
-        self.features = router_features.Features.build(feature_knobs)
-        policy = build_policy(config.policy, {**self.features.shared_for(schema), **policy_knobs})
-        cluster = Cluster([b.name for b in config.backends], urls=[b.url for b in config.backends],
-                          block_size=config.block_size, capacity_blocks=config.capacity_blocks,
-                          prefill_prior=PrefillPrior(config.assumed_prefill_tps,
-                                                     DEFAULT_PRIOR.attention_tokens))
-        self.kv_index = attach_index(cluster, config.backends,
-                                     speculative_ttl_s=config.kv_speculative_ttl_s)
-        self.kv_subscribers: list = []  # router/kv_events.Subscriber per backend (None: no events)
-        self.core = RoutingCore(cluster, policy)
-        self.pipeline = Pipeline(self.core, lambda: self.features, self, clock=time.time,
-                                 on_admit=_wake)
+        # --knob takes policy and router-level feature knobs together (router/settings.py)
+        settings = Settings.parse(config.policy, config.knobs)
         self.shadows = Shadows(parse_specs(config.shadows), budget_ms=config.shadow_budget_ms,
                                on_drop=self._shadow_dropped)
-        self.pipeline.shadows = self.shadows
         self.deferred = _Later()
-        self.pipeline.defer = self.deferred
-        self.pipeline.background = _Steps()
+        self.router = build_router(
+            settings, [b.name for b in config.backends], self, urls=[b.url for b in config.backends],
+            block_size=config.block_size, capacity_blocks=config.capacity_blocks,
+            prefill_prior=PrefillPrior(config.assumed_prefill_tps, DEFAULT_PRIOR.attention_tokens),
+            clock=time.time, on_admit=_wake, shadows=self.shadows, defer=self.deferred,
+            background=_Steps())
+        self.kv_index = attach_index(self.cluster, config.backends,
+                                     speculative_ttl_s=config.kv_speculative_ttl_s)
+        self.kv_subscribers: list = []  # router/kv_events.Subscriber per backend (None: no events)
         self.chains = ChainEncoder()  # compact block chains in decision rows (store/chains.py)
         self.tokenizer = Tokenizer(config.tokenizer) if config.tokenizer else None
         self.parser = BodyParser(config, self.tokenizer)
@@ -155,12 +149,28 @@ class RouterState:
         self.memory = MemoryReturn()  # gives large bodies' freed memory back (router/body.py)
 
     @property
+    def core(self) -> RoutingCore:
+        return self.router.core
+
+    @property
+    def pipeline(self) -> Pipeline:
+        return self.router.pipeline
+
+    @property
     def cluster(self) -> Cluster:
-        return self.core.cluster
+        return self.router.cluster
 
     @property
     def slot(self) -> PolicySlot:
-        return self.core.slot
+        return self.router.slot
+
+    @property
+    def settings(self) -> Settings:
+        return self.router.settings
+
+    @property
+    def features(self) -> Features:
+        return self.router.settings.features
 
     # -- the pipeline's sink ---------------------------------------------------------
     def emit(self, kind: str, payload: dict[str, Any]) -> None:
@@ -215,29 +225,18 @@ class RouterState:
     # -- control --------------------------------------------------------------------
     def set_policy(self, name: str | None, knobs: dict[str, Any] | None, who: str,
                    *, merge: bool = False) -> PolicySlot:
-        """Validate completely, then swap in one assignment. Raises KnobError, changing nothing.
-
-        ``merge`` keeps the current knobs and changes only those given (PATCH semantics).
-        ``knobs`` may mix policy knobs and router-level feature knobs (router/features.py);
-        feature knobs always merge, and shared names (heavy_threshold, prefill_tps) set both.
-        """
-        current = self.slot.policy
-        name = name or current.name
-        if knobs is not None and not isinstance(knobs, dict):
-            raise KnobError("knobs", "expected an object of knob names to values")
-        schema = policy_class(name).schema
-        policy_knobs, feature_knobs = router_features.split_knobs(knobs or {}, schema)
-        features = router_features.Features.build(feature_knobs, base=self.features.knobs)
-        base = current.knobs if merge and policy_class(name).name == current.name else {}
-        new = build_policy(name, {**base, **features.shared_for(schema), **policy_knobs})
-        before = {"policy": current.name, "version": self.slot.version, "knobs": current.knobs,
-                  "features": self.features.knobs}
-        self.features = features
-        slot = self.core.swap(new)
-        after = {"policy": new.name, "version": slot.version, "knobs": new.knobs,
-                 "features": features.knobs}
-        self.record_config("policy" if new.name != current.name else "knobs", who, before, after)
-        self.pipeline.pump_all()  # a larger budget or admission=off lets waiters through now
+        """Validate completely, then swap in one step (router/build.Router.apply). Raises
+        KnobError, changing nothing. ``merge`` keeps the current knobs and changes only those
+        given (PATCH semantics); ``knobs`` may mix policy and router-level feature knobs
+        (router/settings.py); feature knobs always merge."""
+        current, old_settings = self.slot, self.settings
+        new = old_settings.update(name, knobs, merge=merge)
+        before = {"policy": current.policy.name, "version": current.version, "knobs": current.policy.knobs,
+                  "features": old_settings.features.knobs}
+        slot = self.router.apply(new)
+        after = {"policy": slot.policy.name, "version": slot.version, "knobs": slot.policy.knobs,
+                 "features": new.features.knobs}
+        self.record_config("policy" if new.policy != current.policy.name else "knobs", who, before, after)
         return slot
 
     def run_row(self, ended: bool = False) -> dict[str, Any]:

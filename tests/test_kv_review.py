@@ -288,7 +288,7 @@ def test_p2p_offload_legs_release_their_pins(ending):
     busy = c.dispatch(0, 32, 0, [1, 2])
     c.first_token(busy)  # a is decoding: a heavy request routed there is offloaded to idle b
     core = RoutingCore(c, build_policy("round_robin", {}), clock=lambda: 0.0)
-    feats = Features.build({"offload_mode": "simple", "heavy_threshold": 1000})
+    feats = Features.build({"offload_mode": "simple", "offload_threshold": 1000})
     pipe = Pipeline(core, lambda: feats, Sink(), clock=lambda: 0.0)
     toks = list(range(2000))
     flow = pipe.receive(RouteRequest("r", "s", "header", len(toks), hash_token_blocks(toks, 16),

@@ -6,7 +6,8 @@ import pytest
 
 from router.cluster import Candidate
 from router.config import KnobError
-from router.features import FEATURE_KNOBS, Features, prefill_leg_body, split_knobs
+from router.features import FEATURE_KNOBS, Features, prefill_leg_body
+from router.settings import split_knobs
 from router.offload import OFFLOAD_REASONS, decide_offload
 from router.policies import build_policy
 
@@ -22,7 +23,7 @@ def knobs(**kw):
 # (mode, D index, new tokens, candidates, knobs, offload, reason, P, why)
 CASES = [
     ("simple", 0, 19_999, [c(0, BS=3, D=5000), c(1)], {}, False, "below_threshold", None,
-     "one token under heavy_threshold: not a candidate"),
+     "one token under offload_threshold: not a candidate"),
     ("simple", 0, 20_000, [c(0, BS=3, D=5000)], {}, False, "no_peer", None,
      "single healthy instance: nowhere to prefill"),
     ("simple", 0, 30_000, [c(0, P=0, BS=1, D=5000), c(1, P=0, BS=1)], {}, False, "p_more_loaded", 1,
@@ -68,13 +69,17 @@ def test_p_is_never_d_and_ties_go_to_first_in_order():
     assert o.prefill_instance == 0 and o.offload
 
 
-def test_split_knobs_shares_common_names():
+def test_split_knobs_shares_only_prefill_tps():
     ab = build_policy("unified_ab").schema
-    pol, feat = split_knobs({"heavy_threshold": 30000, "offload_mode": "cost", "overload_factor": 1.1}, ab)
-    assert pol == {"heavy_threshold": 30000, "overload_factor": 1.1}
-    assert feat == {"heavy_threshold": 30000, "offload_mode": "cost"}
-    pol, feat = split_knobs({"heavy_threshold": 30000}, build_policy("lmetric").schema)
-    assert pol == {} and feat == {"heavy_threshold": 30000}
+    pol, feat = split_knobs({"heavy_threshold": 30000, "offload_mode": "cost", "overload_factor": 1.1,
+                             "prefill_tps": 8000, "offload_threshold": 9000}, ab)
+    assert pol == {"heavy_threshold": 30000, "overload_factor": 1.1, "prefill_tps": 8000}
+    assert feat == {"offload_mode": "cost", "prefill_tps": 8000, "offload_threshold": 9000}
+    # heavy_threshold is unified_ab's alone now: under another policy it is unknown, and the
+    # error points at the offload threshold's own name
+    with pytest.raises(KnobError) as e:
+        split_knobs({"heavy_threshold": 30000}, build_policy("lmetric").schema)
+    assert "offload_threshold" in e.value.message
     with pytest.raises(KnobError) as e:
         split_knobs({"nope": 1}, ab)
     assert e.value.field == "nope" and "offload_mode" in e.value.message

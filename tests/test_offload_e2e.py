@@ -13,8 +13,8 @@ from kvtop.sim.server import SimInstance
 from kvtop.sim.server import create_app as sim_app
 from router.app import STATE, Backend, RouterConfig, create_app
 
-HEAVY = list(range(1, 3001))  # 3000 prompt tokens; heavy_threshold is lowered to 1000 below
-KNOBS = {"offload_mode": "simple", "heavy_threshold": "1000"}
+HEAVY = list(range(1, 3001))  # 3000 prompt tokens; offload_threshold is lowered to 1000 below
+KNOBS = {"offload_mode": "simple", "offload_threshold": "1000"}
 
 
 async def sims(aiohttp_server, n, speed=50.0):
@@ -159,11 +159,15 @@ async def test_patch_knobs_takes_policy_and_feature_knobs_together(router_client
     tok = next((tmp_path / "st").glob("*.token")).read_text().strip()
     hdr = {"Authorization": f"Bearer {tok}"}
     r = await client.patch("/kvtop/v1/knobs", headers=hdr,
-                           json={"overload_factor": 1.7, "admission": "pack", "heavy_threshold": 30000})
+                           json={"overload_factor": 1.7, "admission": "pack", "heavy_threshold": 30000,
+                                 "offload_threshold": 25000})
     assert r.status == 200, await r.text()
     assert state.slot.version == 2 and state.slot.policy.knobs["overload_factor"] == 1.7
     assert state.features.admission == "pack" and state.features.offload_mode == "cost"
-    assert state.slot.policy.knobs["heavy_threshold"] == 30000 == state.features.knobs["heavy_threshold"]
+    # two thresholds, two names: unified_ab's migration threshold (input tokens) and the
+    # offload threshold (new prefill tokens) move independently
+    assert state.slot.policy.knobs["heavy_threshold"] == 30000
+    assert state.features.knobs["offload_threshold"] == 25000 and "heavy_threshold" not in state.features.knobs
     bad = await client.patch("/kvtop/v1/knobs", headers=hdr, json={"overload_factor": 1.1, "admission": "x"})
     assert bad.status == 400 and "admission" in (await bad.json())["error"]["message"]
     assert state.slot.version == 2 and state.slot.policy.knobs["overload_factor"] == 1.7  # nothing half-applied

@@ -99,7 +99,7 @@ async def live_ttfts(policy: str, trace, tmp_path, knobs: list[str]) -> list[flo
 
 
 ADMISSION = ["admission=fifo", "admission_budget_tokens=6000"]
-OFFLOAD = ["offload_mode=simple", "heavy_threshold=5000"]
+OFFLOAD = ["offload_mode=simple", "offload_threshold=5000"]
 
 
 @pytest.mark.parametrize("policy,knobs", [("leastwork", []), ("round_robin", []),
