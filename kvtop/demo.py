@@ -38,6 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shadow", default=None, metavar="P1,P2",
                    help="shadow policies the router asks on every request without applying them "
                         "(kvtop route --shadow; the Policy tab shows them)")
+    p.add_argument("--knob", action="append", default=[], metavar="KEY=VALUE",
+                   help="a policy or router-level knob for the router (kvtop route --knob; e.g. "
+                        "offload_mode=simple, admission=fifo; repeatable)")
     p.add_argument("--speed", type=float, default=10.0, metavar="X",
                    help="engine time and trace arrivals run X times faster than wall time (default 10)")
     p.add_argument("--db", default=None, metavar="FILE", help="decision log (default: a temporary file)")
@@ -135,6 +138,8 @@ def start_cluster(args: argparse.Namespace, stack: Stack, db: str) -> tuple[str,
                        if events else u]
     if args.shadow:
         route_args += ["--shadow", args.shadow]
+    for knob in args.knob:
+        route_args += ["--knob", knob]
     router = stack.start("route", route_args)
     url = f"http://127.0.0.1:{port}"
     if not wait_http(url + "/health", router, 30):
@@ -190,6 +195,14 @@ def run(args: argparse.Namespace) -> int:
             parse_specs(args.shadow)
         except ShadowError as exc:
             raise CliError(f"--shadow: {exc}") from None
+    if args.knob:  # refused here, in one line, not as the router's failure to start
+        from router.config import KnobError, parse_knob_args
+        from router.settings import Settings
+
+        try:
+            Settings.parse(args.policy, parse_knob_args(args.knob))
+        except KnobError as exc:
+            raise CliError(f"--knob {exc.field}: {exc.message}") from None
     if args.duration is not None and args.duration <= 0:
         raise CliError("--duration must be positive")
     if args.loops < 1:

@@ -284,7 +284,7 @@ class Pipeline:
         flow.t_prefill_done = self.clock()
         d.extra["t_prefill_done"] = flow.t_prefill_done
         if params is not None:
-            self.cluster.first_token(p_leg.ticket)
+            self._end_prefill(p_leg.ticket, observed=True)
             self._finish_ticket(p_leg.ticket)
         else:
             self._finish_ticket(p_leg.ticket, error=True)
@@ -298,9 +298,8 @@ class Pipeline:
         if observed and flow.t_first is None:
             flow.t_first = self.clock()
         leg = flow.leg
-        if leg is not None and leg.ticket.phase == "prefill":
-            self.cluster.first_token(leg.ticket, observed=observed)
-            self._prefill_over(leg.ticket)
+        if leg is not None:
+            self._end_prefill(leg.ticket, observed=observed)
 
     def finish(self, flow: Flow, status: str, *, http_status: int | None = None, error: str | None = None,
                output_tokens: int | None = None, cached_tokens: int | None = None,
@@ -390,6 +389,14 @@ class Pipeline:
         return self.finish(flow, CLIENT_GONE, error=f"client disconnected {where}")
 
     # -- bookkeeping -------------------------------------------------------------------
+    def _end_prefill(self, t: Ticket, *, observed: bool) -> None:
+        """A ticket's prefill is over (its first token, or P's answer): the books move it to
+        decode and its admission gate forgets it, together. (P's answer once did only the
+        first: its entry stayed admitted and held P's gate shut for good.)"""
+        if t.phase == "prefill":
+            self.cluster.first_token(t, observed=observed)
+            self._prefill_over(t)
+
     def _finish_ticket(self, t: Ticket, *, error: bool = False) -> None:
         if t.phase == "done":
             return
