@@ -49,8 +49,8 @@ from router.blocks import regroup_block_ids
 from router.classes import route_class
 from router.build import build_router
 from router.config import KnobError, parse_knob_args
-from router.core import NoInstance
 from router.features import FEATURE_KNOBS
+from router.lifecycle import Admitted, Arrived, Done, Ended, FirstToken, LegSent, PrefillAnswered, Refuse, Send
 from router.pipeline import ERROR, OK, PREFILL, Flow
 from router.policies import DEFAULT_POLICY
 from router.request import RouteRequest
@@ -112,6 +112,13 @@ class _Results:
 
     def decision(self, d) -> None:
         pass
+
+    def refused(self, r: RouteRequest, turn: int, t: float, error: str) -> None:
+        """No instance could take it (nothing was charged, so no outcome row exists)."""
+        self.records.append({"request_id": r.request_id, "session": r.session_id, "turn": turn, "arrival": t,
+                             "input_tokens": r.input_tokens, "output_tokens": 0, "status": "error",
+                             "error": error, "instance": None, "arm": self.arm,
+                             "route_class": route_class(r.input_tokens)})
 
     def outcome(self, d, o) -> None:
         r = d.request
@@ -175,10 +182,11 @@ def _simulate(requests: Sequence[Any], policy: str, cfg: SimConfig) -> list[dict
         seq += 1
         heapq.heappush(heap, (t, seq, kind, payload))
 
-    pipe = build_router(Settings.parse(policy, {**cfg.features, **cfg.knobs}), names, results,
-                        block_size=cfg.router_block_size,
-                        capacity_blocks=max(1, capacity_tokens // cfg.router_block_size), clock=clock,
-                        on_admit=lambda flow: push(sim_time[0], "send", flow)).pipeline
+    router = build_router(Settings.parse(policy, {**cfg.features, **cfg.knobs}), names, results,
+                          block_size=cfg.router_block_size,
+                          capacity_blocks=max(1, capacity_tokens // cfg.router_block_size), clock=clock,
+                          on_admit=lambda flow: push(sim_time[0], "admitted", flow))
+    life = router.lifecycle
 
     by_session: dict[str, list[int]] = {}
     for k, r in enumerate(requests):
@@ -199,8 +207,8 @@ def _simulate(requests: Sequence[Any], policy: str, cfg: SimConfig) -> list[dict
     # a generation and a cut re-schedules it (the stale event is skipped).
     in_flight: list[Any] = [None] * cfg.instances   # the engine's current StepResult
     generation = [0] * cfg.instances
-    # engine request id -> (flow, trace index, output tokens, engine block hashes)
-    upstream: dict[str, tuple[Flow, int, int, list[int]]] = {}
+    upstream: dict[str, Flow] = {}  # engine request id -> its flow
+    meta: dict[str, tuple[int, int, list[int]]] = {}  # request id -> (trace index, output tokens, engine hashes)
     kv_params: dict[str, dict] = {}
 
     def kick(i: int, t: float) -> None:
@@ -208,21 +216,29 @@ def _simulate(requests: Sequence[Any], policy: str, cfg: SimConfig) -> list[dict
             stepping[i] = True
             push(t, "step", i)
 
-    def ended(k: int, t: float) -> None:
-        nxt = next_turn.get(k)
-        if nxt is not None:
-            push(t + (requests[nxt].think_time or 0.0), "arrive", nxt)
-
     if not 0 <= cfg.path_jitter_s < float("inf"):   # a NaN would reach the engines as NaN arrivals
         raise ValueError(f"path_jitter_s must be finite and at least 0, not {cfg.path_jitter_s}")
     half_jitter = cfg.path_jitter_s / 2 if cfg.path_seed else 0.0
 
-    def send(flow: Flow, t: float) -> None:
-        """The current leg goes upstream: an engine request on its instance."""
-        pipe.sent(flow)
+    def perform(flow: Flow, act: Any, t: float) -> None:
+        """Do what the lifecycle asks (router/lifecycle.py); a Wait needs nothing: the
+        admission queue's on_admit schedules the request's ``admitted`` event."""
+        if isinstance(act, Send):
+            send(flow, act.leg, t)
+        elif isinstance(act, (Done, Refuse)):
+            k = meta.pop(flow.request.request_id)[0]
+            if isinstance(act, Refuse):  # nothing was charged and no outcome exists: say it here
+                results.refused(flow.request, requests[k].turn, t, act.message)
+                return
+            nxt = next_turn.get(k)
+            if nxt is not None:  # closed loop: the session's next turn, its think time later
+                push(t + (requests[nxt].think_time or 0.0), "arrive", nxt)
+
+    def send(flow: Flow, leg: Any, t: float) -> None:
+        """The leg goes upstream: an engine request on its instance."""
+        life.step(flow, LegSent())
         rid = flow.request.request_id
         k, out, hashes = meta[rid]
-        leg = flow.leg
         i = leg.instance
         key = rid + "#p" if leg.kind == PREFILL else rid
         at = t
@@ -246,16 +262,17 @@ def _simulate(requests: Sequence[Any], policy: str, cfg: SimConfig) -> list[dict
         try:
             engines[i].add_request(ereq)
         except EngineRejected as exc:
-            pipe.finish(flow, ERROR, error=str(exc))
-            ended(k, t)
+            # as vLLM's 400: a refused prefill leg sends D to prefill itself, a refused serve
+            # leg's error reaches the client (a 4xx is not retried), as live
+            perform(flow, life.step(flow, PrefillAnswered(None) if leg.kind == PREFILL
+                                    else Ended(ERROR, http_status=400, error=str(exc))), t)
             return
         if res is not None and res.end_time != end:   # the coalesced steps were cut
             generation[i] += 1
             push(res.end_time, "step_end", (i, res, generation[i]))
-        upstream[key] = (flow, k, out, hashes)
+        upstream[key] = flow
         kick(i, t)
 
-    meta: dict[str, tuple[int, int, list[int]]] = {}
     while heap:
         t, _, kind, payload = heapq.heappop(heap)
         sim_time[0] = t
@@ -269,24 +286,15 @@ def _simulate(requests: Sequence[Any], policy: str, cfg: SimConfig) -> list[dict
             rreq = RouteRequest(rid, r.session, "header", r.input_tokens,
                                 regroup_block_ids(r.hash_ids, tbs, cfg.router_block_size, r.input_tokens),
                                 "tokens", "completions", True, out)
-            flow = pipe.receive(rreq, t)
-            try:
-                pipe.route(flow)
-            except NoInstance as exc:
-                results.records.append({"request_id": rid, "session": r.session, "turn": r.turn, "arrival": t,
-                                        "input_tokens": r.input_tokens, "output_tokens": 0, "status": "error",
-                                        "error": str(exc), "instance": None, "arm": policy,
-                                        "route_class": route_class(r.input_tokens)})
-                continue
             ids = r.hash_ids
             # the engine reads a prompt's hashes and never changes them: the trace's own list when
             # it is already at the engine's block size (no copy of ~3,000 ids per request)
             meta[rid] = (payload, out, ids if tbs == ebs and len(ids) <= r.input_tokens // ebs
                          else regroup_block_ids(ids, tbs, ebs, r.input_tokens))
-            if pipe.admit(flow):
-                send(flow, t)
-        elif kind == "send":  # admitted by the router's admission queue
-            send(payload, t)
+            flow = life.receive(rreq, t)
+            perform(flow, life.step(flow, Arrived()), t)
+        elif kind == "admitted":  # the router's admission queue let it through
+            perform(payload, life.step(payload, Admitted()), t)
         elif kind == "step":
             i = payload
             eng = engines[i]
@@ -307,26 +315,22 @@ def _simulate(requests: Sequence[Any], policy: str, cfg: SimConfig) -> list[dict
                 continue   # re-scheduled earlier by a cut
             in_flight[i] = None
             for rid in res.first_token:
-                up = upstream.get(rid)
-                if up is not None and up[0].leg.kind != PREFILL:
-                    pipe.first_token(up[0])
+                flow = upstream.get(rid)
+                if flow is not None and flow.leg.kind != PREFILL:
+                    life.step(flow, FirstToken())
             for fin in res.finished:
-                up = upstream.pop(fin.request_id, None)
-                if up is None:
+                flow = upstream.pop(fin.request_id, None)
+                if flow is None:
                     continue
-                flow, k, _, _ = up
                 if flow.leg.kind == PREFILL:  # P is done: D pulls the KV (the engine models the transfer)
                     kv_params[flow.request.request_id] = fin.kv_transfer_params
-                    pipe.prefill_done(flow, fin.kv_transfer_params or None)
-                    if pipe.admit(flow):
-                        send(flow, t)
-                    continue
-                pipe.finish(flow, OK, output_tokens=fin.num_output_tokens, cached_tokens=fin.num_cached_tokens)
-                meta.pop(flow.request.request_id, None)
-                ended(k, t)
+                    perform(flow, life.step(flow, PrefillAnswered(fin.kv_transfer_params or None)), t)
+                else:
+                    perform(flow, life.step(flow, Ended(OK, output_tokens=fin.num_output_tokens,
+                                                        cached_tokens=fin.num_cached_tokens)), t)
             stepping[i] = False
             kick(i, t)   # an engine with no work waits for the next arrival to kick it
-    if not pipe.idle():  # a bug, not a user error: say so loudly
+    if not router.pipeline.idle():  # a bug, not a user error: say so loudly
         raise RuntimeError("simulation ended with counters not at zero")
     return results.records
 

@@ -14,6 +14,7 @@ from typing import Any
 from router.calibration import DEFAULT_PRIOR, PrefillPrior
 from router.cluster import Cluster
 from router.core import PolicySlot, RoutingCore
+from router.lifecycle import Lifecycle
 from router.pipeline import Flow, Pipeline, Sink
 from router.settings import Settings
 
@@ -26,11 +27,14 @@ class Router:
                  clock: Callable[[], float] = time.time,
                  on_admit: Callable[[Flow], None] | None = None, shadows: Any = None,
                  defer: Callable[[Callable[[], None]], Any] | None = None,
-                 background: Callable[[Callable[[], bool]], Any] | None = None):
+                 background: Callable[[Callable[[], bool]], Any] | None = None,
+                 full: Callable[[], tuple[int, ...]] = tuple):
         self.settings = settings
         self.core = RoutingCore(cluster, settings.build_policy(), clock=clock)
         self.pipeline = Pipeline(self.core, lambda: self.settings.features, sink, clock=clock,
                                  on_admit=on_admit, shadows=shadows, defer=defer, background=background)
+        #: the one order of a request's steps; the drivers only perform its actions
+        self.lifecycle = Lifecycle(self.pipeline, full=full)
 
     @property
     def cluster(self) -> Cluster:
@@ -58,10 +62,12 @@ def build_router(settings: Settings, names: Sequence[str], sink: Sink, *,
                  clock: Callable[[], float] = time.time,
                  on_admit: Callable[[Flow], None] | None = None, shadows: Any = None,
                  defer: Callable[[Callable[[], None]], Any] | None = None,
-                 background: Callable[[Callable[[], bool]], Any] | None = None) -> Router:
-    """A router over instances ``names``: the live server passes wall time, its shadow set and
-    its loop's deferral; the simulator passes virtual time and nothing else."""
+                 background: Callable[[Callable[[], bool]], Any] | None = None,
+                 full: Callable[[], tuple[int, ...]] = tuple) -> Router:
+    """A router over instances ``names``: the live server passes wall time, its shadow set,
+    its loop's deferral and which instances are at their in-flight bound (``full``); the
+    simulator passes virtual time and nothing else."""
     cluster = Cluster(list(names), urls=urls, block_size=block_size, capacity_blocks=capacity_blocks,
                       clock=clock, prefill_prior=prefill_prior)
     return Router(settings, cluster, sink, clock=clock, on_admit=on_admit, shadows=shadows,
-                  defer=defer, background=background)
+                  defer=defer, background=background, full=full)

@@ -103,7 +103,7 @@ class Flow:
 
     __slots__ = ("request", "t_recv", "decision", "legs", "waiting", "wait_since",
                  "wait_ms", "t_prefill_sent", "t_prefill_done", "t_first", "first", "done", "waiter",
-                 "held")
+                 "held", "pinned")
 
     def __init__(self, request: RouteRequest, t_recv: float):
         self.request = request
@@ -122,6 +122,7 @@ class Flow:
         #: Rows due while the request is still being counted (``Pipeline.amend``), in order:
         #: (decision, None) for a decision row, (decision, outcome) for an outcome row.
         self.held: list[tuple[Decision, Outcome | None]] = []
+        self.pinned: tuple[int, ...] = ()  # instances it must never go to (router/lifecycle.py)
 
     @property
     def leg(self) -> Leg | None:

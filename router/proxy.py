@@ -22,11 +22,12 @@ from aiohttp import web
 
 from router import limits
 from router.apis import APIS, RESPONSES, Api, ResponseStore, response_id
-from router.core import NoInstance
 from router.features import decode_leg_body, prefill_leg_body
 from router.forward import StreamScan, cached_tokens, completion_tokens, upstream_headers, usage_of
 from router.http import error_response, read_body, refusal
-from router.pipeline import (CLIENT_GONE, ERROR, OK, PREFILL, TIMEOUT, UPSTREAM_ERROR, Flow)
+from router.lifecycle import (ALL_FULL, Action, Admitted, Arrived, ClientGone, Counted, Ended, FirstToken,
+                              LegFailed, LegSent, Lifecycle, PrefillAnswered, Refuse, Wait)
+from router.pipeline import CLIENT_GONE, ERROR, OK, PREFILL, TIMEOUT, UPSTREAM_ERROR, Flow
 from router.request import BadRequest
 from router.upstream import ConnectFailed, UpstreamError
 
@@ -96,8 +97,9 @@ async def handle(request: web.Request, state, api: Api, store: ResponseStore | N
 
 async def _route(request: web.Request, state, api: Api, t_recv: float, raw: bytes,
                  store: ResponseStore | None) -> web.StreamResponse:
-    pipe = state.pipeline
-    feats = pipe.features()
+    """Perform the lifecycle's actions (router/lifecycle.py) for one request over HTTP."""
+    life = state.lifecycle
+    feats = state.features
     # A returning turn may be routed on its prefix's count and its new text's estimate while
     # the worker tokenizes that text (router/parsing.py); offload and admission plan with the
     # prefill's size before the request goes, so with either on the router waits for the count.
@@ -109,43 +111,67 @@ async def _route(request: web.Request, state, api: Api, t_recv: float, raw: byte
     if (busy := limits.admit(state)) is not None:  # again: others were admitted while this body arrived
         return busy
     state.counts["requests"] += 1
-    flow = pipe.receive(req, t_recv)
+    flow = life.receive(req, t_recv)
     if req.counting is not None:
-        req.counting.add_done_callback(lambda fut: _counted(pipe, flow, fut))
-    exclude: tuple[int, ...] = pinned
+        req.counting.add_done_callback(lambda fut: _counted(life, flow, fut))
+    act = life.step(flow, Arrived(pinned))
+    sent, sent_body = raw, body  # what this attempt sends: the client's bytes, or the decode leg's
     while True:
-        full = limits.full_instances(state)
+        if isinstance(act, Refuse):
+            return _refusal(state, act, req, pinned)
+        if act.new_attempt:
+            if flow.decision.attempt > 1:
+                state.counts["retries"] += 1
+            sent, sent_body = raw, body
         try:
-            leg = pipe.route(flow, exclude=exclude + full)
-        except NoInstance as exc:
-            first = flow.first
-            if full and first is None:
-                return limits.all_full(state)
-            state.counts["no_instance"] += 1
-            msg = str(exc) if first is None else f"{first.instance_name} failed and {exc}"
-            if pinned:
-                msg = (f"previous_response_id {req.previous_response_id} is stored on instance "
-                       f"{_pin_name(state, pinned)}, which cannot take requests now ({msg})")
-            return error_response(503 if first is None else 502, msg, headers={"Retry-After": "1"})
-        d = flow.decision
-        if d.attempt > 1:
-            state.counts["retries"] += 1
-        resp = await _attempt(request, state, flow, body, raw, api, store)
+            if isinstance(act, Wait):
+                flow.waiter = asyncio.get_running_loop().create_future()
+                try:
+                    await flow.waiter
+                finally:
+                    flow.waiter = None
+                act = life.step(flow, Admitted())
+                continue
+            if act.leg.kind == PREFILL:
+                life.step(flow, LegSent())
+                sent_body = state.parser.body(sent, sent_body)
+                params, why = await _prefill_leg(state, act.leg.instance, request, sent_body, api.path,
+                                                 req.request_id)
+                if params is not None:
+                    sent = json.dumps(decode_leg_body(sent_body, params)).encode()
+                else:
+                    log.warning("prefill leg on %s failed (%s); prefilling on %s",
+                                state.cluster.instances[act.leg.instance].name, why, flow.decision.instance_name)
+                act = life.step(flow, PrefillAnswered(params))
+                continue
+        except BaseException:
+            life.step(flow, ClientGone("before the answer began"))
+            raise
+        resp, act = await _forward(request, state, flow, sent, api, store)
         if resp is not None:
             return resp
-        pipe.retry(flow)
-        exclude = tuple(set(pinned) | {d.instance})
 
 
-def _counted(pipe, flow: Flow, fut: asyncio.Future) -> None:
+def _refusal(state, act: Refuse, req, pinned: tuple[int, ...]) -> web.Response:
+    if act.reason == ALL_FULL:
+        return limits.all_full(state)
+    state.counts["no_instance"] += 1
+    msg = act.message
+    if pinned:
+        msg = (f"previous_response_id {req.previous_response_id} is stored on instance "
+               f"{_pin_name(state, pinned)}, which cannot take requests now ({msg})")
+    return error_response(act.status, msg, headers={"Retry-After": "1"})
+
+
+def _counted(life: Lifecycle, flow: Flow, fut: asyncio.Future) -> None:
     """The worker counted a request that was routed on its estimate."""
     exc = None if fut.cancelled() else fut.exception()
     if fut.cancelled() or exc is not None:
         log.warning("request %s: counting its new text failed (%r); its records keep the estimate",
                     flow.request.request_id, exc)
-        pipe.amend(flow, None)
+        life.step(flow, Counted(None))
     else:
-        pipe.amend(flow, fut.result())
+        life.step(flow, Counted(fut.result()))
 
 
 def _pinned(state, req, store: ResponseStore | None) -> tuple[int, ...]:
@@ -165,42 +191,6 @@ def _pinned(state, req, store: ResponseStore | None) -> tuple[int, ...]:
 def _pin_name(state, pinned: tuple[int, ...]) -> str:
     free = [inst.name for i, inst in enumerate(state.cluster.instances) if i not in pinned]
     return free[0] if free else "?"
-
-
-async def _gate(state, flow: Flow) -> None:
-    """Wait at the admission gate of the current leg's instance, if it is on."""
-    if state.pipeline.admit(flow):
-        return
-    flow.waiter = asyncio.get_running_loop().create_future()
-    try:
-        await flow.waiter
-    finally:
-        flow.waiter = None
-
-
-async def _attempt(request: web.Request, state, flow: Flow, body: Any, raw: bytes,
-                   api: Api, store: ResponseStore | None) -> web.StreamResponse | None:
-    """One attempt: its legs, then the answer. None means retry elsewhere (nothing was sent)."""
-    pipe = state.pipeline
-    d = flow.decision
-    try:
-        await _gate(state, flow)
-        if flow.leg.kind == PREFILL:
-            p = flow.leg.instance
-            pipe.sent(flow)
-            body = state.parser.body(raw, body)
-            params, why = await _prefill_leg(state, p, request, body, api.path, d.request.request_id)
-            pipe.prefill_done(flow, params)
-            if params is not None:
-                raw = json.dumps(decode_leg_body(body, params)).encode()
-            else:
-                log.warning("prefill leg on %s failed (%s); prefilling on %s",
-                            state.cluster.instances[p].name, why, d.instance_name)
-                await _gate(state, flow)
-    except BaseException:
-        pipe.abandon(flow, "before the answer began")
-        raise
-    return await _forward(request, state, flow, raw, api, store, can_retry=d.attempt == 1)
 
 
 async def _prefill_leg(state, p_index: int, request, body: dict, path: str,
@@ -247,9 +237,28 @@ def _failure_status(exc: BaseException) -> str:
 
 
 async def _forward(request: web.Request, state, flow: Flow, raw: bytes, api: Api,
-                   store: ResponseStore | None, *, can_retry: bool) -> web.StreamResponse | None:
-    """The serve leg: send ``raw`` to the decision's instance and relay the answer."""
-    pipe = state.pipeline
+                   store: ResponseStore | None) -> tuple[web.StreamResponse | None, Action]:
+    """The serve leg, reported to the lifecycle as it ends: (the client's response, None), or
+    (None, the lifecycle's next action) after a failure it retries."""
+    life = state.lifecycle
+    end: dict[str, Any] = {"status": ERROR, "retry": False}  # filled in as we learn how it ends
+    try:
+        resp = await _serve_leg(request, state, flow, raw, api, store, end, can_retry=life.may_retry(flow))
+    finally:
+        status, retry = end.pop("status"), end.pop("retry")
+        if retry:
+            act = life.step(flow, LegFailed(status, end.get("error"), end.get("http_status")))
+        else:
+            life.step(flow, Ended(status, **end))
+    return (None, act) if retry else (resp, None)
+
+
+async def _serve_leg(request: web.Request, state, flow: Flow, raw: bytes, api: Api,
+                     store: ResponseStore | None, end: dict[str, Any], *,
+                     can_retry: bool) -> web.StreamResponse | None:
+    """Send ``raw`` to the decision's instance and relay the answer; ``end`` says how it ended
+    (None returned: it failed before any byte reached the client, and may be retried)."""
+    life = state.lifecycle
     d = flow.decision
     cluster = state.cluster
     inst = cluster.instances[d.instance]
@@ -259,7 +268,6 @@ async def _forward(request: web.Request, state, flow: Flow, raw: bytes, api: Api
     headers = upstream_headers(request.headers, req.request_id)
     reply_headers = {"X-Kvtop-Instance": d.instance_name, "X-Kvtop-Request-Id": req.request_id,
                      "X-Kvtop-Policy": d.slot.label}
-    end: dict[str, Any] = {"status": ERROR}  # what finish() records, filled in as we learn it
     scan: StreamScan | None = None
     resp: web.StreamResponse | None = None
     transport = request.transport
@@ -269,7 +277,7 @@ async def _forward(request: web.Request, state, flow: Flow, raw: bytes, api: Api
         async with asyncio.timeout(cfg.first_byte_timeout_s if req.stream else None):
             up = await state.upstream.request(inst.url, "POST", path, headers, raw,
                                               total_timeout=cfg.total_timeout_s,
-                                              on_sent=lambda: pipe.sent(flow))
+                                              on_sent=lambda: life.step(flow, LegSent()))
         async with up:
             end["http_status"] = up.status
             if up.status != 200:
@@ -278,6 +286,7 @@ async def _forward(request: web.Request, state, flow: Flow, raw: bytes, api: Api
                 if up.status >= 500:  # the instance failed (outlier detection counts it)
                     end["status"] = UPSTREAM_ERROR
                     if can_retry:
+                        end["retry"] = True
                         return None
                 # the client gets the backend's own status and error body
                 ctype = up.headers.get("Content-Type", "application/json")
@@ -292,7 +301,7 @@ async def _forward(request: web.Request, state, flow: Flow, raw: bytes, api: Api
                 await resp.prepare(request)
                 await resp.write_eof()
                 # the client has its answer: the bookkeeping below is off its path
-                pipe.first_token(flow, observed=False)
+                life.step(flow, FirstToken(observed=False))
                 _remember(store, api, data, d)
                 usage = usage_of(data)
                 end.update(status=OK, output_tokens=completion_tokens(usage),
@@ -305,7 +314,7 @@ async def _forward(request: web.Request, state, flow: Flow, raw: bytes, api: Api
             try:
                 async for chunk in up.iter_chunks():
                     if scan.feed(chunk):
-                        pipe.first_token(flow)
+                        life.step(flow, FirstToken())
                         _remember(store, api, scan.head, d)
                     await _write(resp, chunk, transport, cfg.client_timeout_s)
             except (UpstreamError, TimeoutError) as exc:
@@ -315,7 +324,7 @@ async def _forward(request: web.Request, state, flow: Flow, raw: bytes, api: Api
                 await resp.write_eof()
                 return resp
             if scan.finish():
-                pipe.first_token(flow)
+                life.step(flow, FirstToken())
             if not scan.first_token:
                 _remember(store, api, scan.head, d)
             _stream_done(end, scan)
@@ -330,6 +339,7 @@ async def _forward(request: web.Request, state, flow: Flow, raw: bytes, api: Api
         if isinstance(exc, ConnectFailed) and state.health is not None:
             state.health.passive_down(d.instance, exc)
         if can_retry and (resp is None or not resp.prepared):
+            end["retry"] = True
             return None
         if resp is not None and resp.prepared:
             return resp
@@ -341,8 +351,6 @@ async def _forward(request: web.Request, state, flow: Flow, raw: bytes, api: Api
         elif end["status"] != OK:
             end.update(status=CLIENT_GONE, error="client disconnected")
         raise
-    finally:
-        pipe.finish(flow, end.pop("status"), **end)
 
 
 def _remember(store: ResponseStore | None, api: Api, head: bytes, d) -> None:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from router import limits
 from router.body import MemoryReturn
 from router.build import build_router
 from router.calibration import DEFAULT_PRIOR, PrefillPrior
@@ -23,6 +24,7 @@ from router.cluster import Cluster
 from router.core import Decision, PolicySlot, RoutingCore
 from router.features import Features
 from router.kv_events import attach_index
+from router.lifecycle import Lifecycle
 from router.pipeline import Outcome, Pipeline
 from router.shadow import Shadows, parse_specs
 from router.policies import DEFAULT_POLICY
@@ -125,7 +127,7 @@ class RouterState:
             block_size=config.block_size, capacity_blocks=config.capacity_blocks,
             prefill_prior=PrefillPrior(config.assumed_prefill_tps, DEFAULT_PRIOR.attention_tokens),
             clock=time.time, on_admit=_wake, shadows=self.shadows, defer=self.deferred,
-            background=_Steps())
+            background=_Steps(), full=lambda: limits.full_instances(self))
         self.kv_index = attach_index(self.cluster, config.backends,
                                      speculative_ttl_s=config.kv_speculative_ttl_s)
         self.kv_subscribers: list = []  # router/kv_events.Subscriber per backend (None: no events)
@@ -155,6 +157,10 @@ class RouterState:
     @property
     def pipeline(self) -> Pipeline:
         return self.router.pipeline
+
+    @property
+    def lifecycle(self) -> Lifecycle:
+        return self.router.lifecycle
 
     @property
     def cluster(self) -> Cluster:

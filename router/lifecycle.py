@@ -1,0 +1,196 @@
+"""A request's life, built once: the driver says what happened, the lifecycle says what to do.
+
+Sans-I/O, as h11 is for HTTP: ``step(flow, event) -> action``. The live proxy
+(router/proxy.py) performs the actions over HTTP with wall time; the offline simulator
+(kvtop/simulate.py) performs them on simulated engines in virtual time. Neither decides
+anything about the order of the steps: routing, the admission gate, the offload's two legs,
+the retry after a failed attempt, the end and the client's departure are decided here, the
+same way for both, over the bookkeeping of router/pipeline.py (tickets, admission queue,
+decision and outcome records, each released exactly once).
+
+    events (driver -> lifecycle)            actions (lifecycle -> driver)
+    Arrived(exclude)       route it          Send(leg)     send the current leg upstream
+    Admitted               its gate opened   Wait(leg)     hold it until Admitted
+    LegSent                bytes went up     Refuse(...)   answer the client this error
+    PrefillAnswered(p)     P's KV params     Done(outcome) it is over
+    FirstToken(observed)   the answer began  None          nothing to do now
+    Ended(status, ...)     the attempt ended (an answer, or a failure the client saw)
+    LegFailed(status, ...) the serve leg failed before a byte reached the client
+    ClientGone(where)      the client left
+    Counted(request)       a request routed on its estimate was tokenized
+
+``Send``/``Wait`` carry ``new_attempt`` when they follow a routing decision (the first attempt
+or a retry), so the driver can prepare that attempt's body. ``LegFailed`` may only be
+reported while ``may_retry(flow)`` is true; the lifecycle then routes the request once more,
+away from the instance that failed (and from its pin and full instances), or refuses it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from router.core import NoInstance
+from router.pipeline import OK, Flow, Leg, Outcome, Pipeline
+from router.request import RouteRequest
+
+#: A failed attempt is retried once (on another instance) when nothing reached the client.
+MAX_ATTEMPTS = 2
+
+#: Refuse reasons: no instance could take it / every candidate is at its in-flight bound.
+NO_INSTANCE, ALL_FULL = "no_instance", "all_full"
+
+
+# -- events ------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Arrived:
+    exclude: tuple[int, ...] = ()  # instances it must never go to (a previous_response_id pin)
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class LegSent:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillAnswered:
+    params: dict[str, Any] | None  # P's kv_transfer_params; None: the prefill leg failed
+
+
+@dataclass(frozen=True, slots=True)
+class FirstToken:
+    observed: bool = True  # False: a non-streaming answer, whose first token nobody saw
+
+
+@dataclass(frozen=True, slots=True)
+class Ended:
+    status: str = OK
+    http_status: int | None = None
+    error: str | None = None
+    output_tokens: int | None = None
+    cached_tokens: int | None = None
+    stream: bool | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LegFailed:
+    status: str
+    error: str | None = None
+    http_status: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ClientGone:
+    where: str
+
+
+@dataclass(frozen=True, slots=True)
+class Counted:
+    request: RouteRequest | None  # None: counting failed, the estimate stays
+
+
+# -- actions -----------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Send:
+    leg: Leg
+    new_attempt: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    leg: Leg
+    new_attempt: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    status: int  # 503 before any attempt, 502 after a failed one
+    message: str
+    reason: str  # NO_INSTANCE | ALL_FULL
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    outcome: Outcome | None
+
+
+Event = Arrived | Admitted | LegSent | PrefillAnswered | FirstToken | Ended | LegFailed | ClientGone | Counted
+Action = Send | Wait | Refuse | Done | None
+
+
+class Lifecycle:
+    """The order of a request's steps over one Pipeline; see the module docstring."""
+
+    def __init__(self, pipeline: Pipeline, *, full: Callable[[], tuple[int, ...]] = tuple):
+        self.pipeline = pipeline
+        #: () -> instances at their in-flight bound now (live: router/limits.py); never chosen
+        self.full = full
+
+    def receive(self, req: RouteRequest, t_recv: float | None = None) -> Flow:
+        return self.pipeline.receive(req, t_recv)
+
+    def may_retry(self, flow: Flow) -> bool:
+        """Would a failure of the current attempt, before any byte reached the client, be
+        tried again elsewhere? (The driver relays the failure itself when not.)"""
+        d = flow.decision
+        return d is not None and d.attempt < MAX_ATTEMPTS
+
+    def step(self, flow: Flow, event: Event) -> Action:
+        pipe = self.pipeline
+        match event:
+            case Arrived(exclude):
+                flow.pinned = exclude
+                return self._route(flow, exclude)
+            case Admitted():
+                return Send(flow.leg)
+            case LegSent():
+                pipe.sent(flow)
+                return None
+            case PrefillAnswered(params):
+                pipe.prefill_done(flow, params)
+                return self._gate(flow, new_attempt=False)
+            case FirstToken(observed):
+                pipe.first_token(flow, observed=observed)
+                return None
+            case Ended(status, http_status, error, output_tokens, cached_tokens, stream):
+                return Done(pipe.finish(flow, status, http_status=http_status, error=error,
+                                        output_tokens=output_tokens, cached_tokens=cached_tokens,
+                                        stream=stream))
+            case LegFailed(status, error, http_status):
+                if not self.may_retry(flow):
+                    raise ValueError("LegFailed reported where no retry is allowed (see may_retry)")
+                failed = flow.decision
+                pipe.finish(flow, status, http_status=http_status, error=error)
+                pipe.retry(flow)
+                return self._route(flow, tuple(set(flow.pinned) | {failed.instance}))
+            case ClientGone(where):
+                return Done(pipe.abandon(flow, where))
+            case Counted(request):
+                pipe.amend(flow, request)
+                return None
+        raise TypeError(f"not a lifecycle event: {event!r}")
+
+    def _route(self, flow: Flow, exclude: tuple[int, ...]) -> Action:
+        full = self.full()
+        try:
+            self.pipeline.route(flow, exclude=exclude + full)
+        except NoInstance as exc:
+            first = flow.first
+            if full and first is None:
+                return Refuse(503, str(exc), ALL_FULL)
+            if first is None:
+                return Refuse(503, str(exc), NO_INSTANCE)
+            return Refuse(502, f"{first.instance_name} failed and {exc}", NO_INSTANCE)
+        return self._gate(flow, new_attempt=True)
+
+    def _gate(self, flow: Flow, *, new_attempt: bool) -> Action:
+        leg = flow.leg
+        if self.pipeline.admit(flow):
+            return Send(leg, new_attempt)
+        return Wait(leg, new_attempt)
