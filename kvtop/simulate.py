@@ -50,8 +50,9 @@ from router.classes import route_class
 from router.build import build_router
 from router.config import KnobError, parse_knob_args
 from router.features import FEATURE_KNOBS
-from router.lifecycle import Admitted, Arrived, Done, Ended, FirstToken, LegSent, PrefillAnswered, Refuse, Send
-from router.pipeline import ERROR, OK, PREFILL, Flow
+from router.lifecycle import (Admitted, Arrived, ClientGone, Done, Ended, FirstToken, LegFailed, LegSent,
+                              PrefillAnswered, Refuse, Send)
+from router.pipeline import ERROR, OK, PREFILL, UPSTREAM_ERROR, Flow
 from router.policies import DEFAULT_POLICY
 from router.request import RouteRequest
 from router.settings import Settings, settings_for
@@ -106,12 +107,14 @@ class _Results:
     """The pipeline's sink offline: one result record per outcome (the replay results format,
     so kvtop.seedtable reads it unchanged)."""
 
-    def __init__(self, arm: str):
+    def __init__(self, arm: str, decisions: list[dict[str, Any]] | None = None):
         self.arm = arm
         self.records: list[dict[str, Any]] = []
+        self.decisions = decisions
 
     def decision(self, d) -> None:
-        pass
+        if self.decisions is not None:
+            self.decisions.append(d.row("simulate"))
 
     def refused(self, r: RouteRequest, turn: int, t: float, error: str) -> None:
         """No instance could take it (nothing was charged, so no outcome row exists)."""
@@ -123,6 +126,8 @@ class _Results:
     def outcome(self, d, o) -> None:
         r = d.request
         ok = o.status == OK
+        if d.attempt > 1:  # a retry: the request's record is its last attempt's (as the log's reports)
+            self.records = [x for x in self.records if x["request_id"] != r.request_id]
         self.records.append({
             "request_id": r.request_id, "session": r.session_id, "turn": d.turn, "arrival": o.t_recv,
             "input_tokens": r.input_tokens, "output_tokens": o.output_tokens or 0, "status": o.status,
@@ -143,35 +148,41 @@ class _Results:
 GC_YOUNG_THRESHOLD = 20_000
 
 
-def simulate(requests: Sequence[Any], policy: str, cfg: SimConfig) -> list[dict[str, Any]]:
+def simulate(requests: Sequence[Any], policy: str, cfg: SimConfig, *,
+             engines: Sequence[Any] | None = None, departures: dict[int, float] | None = None,
+             decisions: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """Run ``requests`` (TraceRequest-like) through ``policy``; return result records.
 
     The router's pipeline (router/pipeline.py) routes, plans offloads, queues admission and
     keeps the books, exactly as in ``kvtop route``; only the clock is virtual and the
-    upstream calls are engine requests.
+    upstream calls are engine requests. ``engines`` replaces the model engines (one per
+    instance, the Engine interface; a test's scripted engines), and ``departures`` makes the
+    client of trace request k leave ``departures[k]`` seconds after it arrived; ``decisions``,
+    when given, receives every decision row (the decision log's shape).
     """
     young, *older = gc.get_threshold()
     gc.set_threshold(max(young, GC_YOUNG_THRESHOLD), *older)
     try:
-        return _simulate(requests, policy, cfg)
+        return _simulate(requests, policy, cfg, engines, departures or {}, decisions)
     finally:
         gc.set_threshold(young, *older)
 
 
-def _simulate(requests: Sequence[Any], policy: str, cfg: SimConfig) -> list[dict[str, Any]]:
-    from kvtop.sim.engine import EngineRejected, EngineRequest
+def _simulate(requests: Sequence[Any], policy: str, cfg: SimConfig, given: Sequence[Any] | None,
+              departures: dict[int, float], decisions: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    from kvtop.sim.engine import EngineFailed, EngineRejected, EngineRequest
 
     if not requests:
         return []
     # A built stream can mix sources (64-token Claude Code ids, 512-token Mooncake ids): each
     # line is regrouped from its own block size; engines use the finest one present.
     make_engine, ebs, capacity_tokens = _engine_factory(cfg, min(r.block_size or 16 for r in requests))
-    engines = [make_engine(i) for i in range(cfg.instances)]
+    engines = list(given) if given is not None else [make_engine(i) for i in range(cfg.instances)]
     max_len = engines[0].max_model_len
     names = [f"i{i}" for i in range(cfg.instances)]
     sim_time = [0.0]
     clock = lambda: sim_time[0]  # noqa: E731
-    results = _Results(policy)
+    results = _Results(policy, decisions)
 
     # event heap: (time, order, kind, payload)
     heap: list[tuple[float, int, str, Any]] = []
@@ -267,6 +278,15 @@ def _simulate(requests: Sequence[Any], policy: str, cfg: SimConfig) -> list[dict
             perform(flow, life.step(flow, PrefillAnswered(None) if leg.kind == PREFILL
                                     else Ended(ERROR, http_status=400, error=str(exc))), t)
             return
+        except EngineFailed as exc:  # as vLLM's 5xx: retried elsewhere where the lifecycle may
+            if leg.kind == PREFILL:
+                event: Any = PrefillAnswered(None)
+            elif life.may_retry(flow):
+                event = LegFailed(UPSTREAM_ERROR, str(exc), 500)
+            else:
+                event = Ended(UPSTREAM_ERROR, http_status=500, error=str(exc))
+            perform(flow, life.step(flow, event), t)
+            return
         if res is not None and res.end_time != end:   # the coalesced steps were cut
             generation[i] += 1
             push(res.end_time, "step_end", (i, res, generation[i]))
@@ -292,9 +312,19 @@ def _simulate(requests: Sequence[Any], policy: str, cfg: SimConfig) -> list[dict
             meta[rid] = (payload, out, ids if tbs == ebs and len(ids) <= r.input_tokens // ebs
                          else regroup_block_ids(ids, tbs, ebs, r.input_tokens))
             flow = life.receive(rreq, t)
+            if payload in departures:
+                push(t + departures[payload], "leave", flow)
             perform(flow, life.step(flow, Arrived()), t)
         elif kind == "admitted":  # the router's admission queue let it through
             perform(payload, life.step(payload, Admitted()), t)
+        elif kind == "leave":  # the client gave up: its engine requests are aborted
+            flow = payload
+            rid = flow.request.request_id
+            if rid in meta:
+                for key in (rid, rid + "#p"):
+                    if upstream.pop(key, None) is not None:
+                        engines[flow.leg.instance].abort(key, t)
+                perform(flow, life.step(flow, ClientGone("in the simulation")), t)
         elif kind == "step":
             i = payload
             eng = engines[i]

@@ -67,6 +67,12 @@ class EngineRejected(ValueError):
     """``add_request`` refused a request before queueing it."""
 
 
+class EngineFailed(RuntimeError):
+    """The engine failed a request it was sent, as a vLLM answering 5xx would: the router may
+    retry it elsewhere (router/lifecycle.py). The model engine never raises it; an engine
+    standing in for a failing one does (a scripted test engine, a failed instance)."""
+
+
 class RequestTooLong(EngineRejected):
     """Prompt plus ``max_tokens`` exceeds ``max_model_len`` (vLLM answers 400)."""
 
