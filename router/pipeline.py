@@ -1,26 +1,15 @@
-"""The routing pipeline: receive -> decide -> offload plan -> dispatch -> admit -> first token -> finish.
+"""The request pipeline's books: tickets, the admission queue, decision and outcome records.
 
-No sockets, no HTTP types, no event loop: the caller moves each request through these steps
-and the pipeline keeps the books (tickets, the admission queue, the decision and outcome
-records). ``kvtop route`` (router/proxy.py) drives it over real HTTP with wall time;
-``kvtop simulate`` (kvtop/simulate.py) drives the very same object in virtual time. Both
-inject the clock, so every latency counts from ONE receive time per request, the client's
-view: the admission wait and the offload prefill leg are inside TTFT and E2E, and are also
-recorded on their own.
+No sockets, no HTTP types, no event loop. Its methods are the steps of a request's life
+(receive, route, admit, sent, prefill_done, first_token, finish, amend, abandon); the ORDER
+of those steps, the retry and the offload's legs are router/lifecycle.py's, which both
+drivers follow: ``kvtop route`` (router/proxy.py) over real HTTP with wall time, ``kvtop
+simulate`` (kvtop/simulate.py) in virtual time. Both inject the clock, so every latency
+counts from ONE receive time per request, the client's view: the admission wait and the
+offload prefill leg are inside TTFT and E2E, and are also recorded on their own.
 
-A request's life, as the driver sees it::
-
-    flow = pipe.receive(req)                 # t_recv
-    leg = pipe.route(flow)                   # decision + offload plan + tickets (NoInstance)
-    while leg is not None:
-        if not pipe.admit(flow):             # wait for on_admit(flow) before sending
-            ...
-        pipe.sent(flow)                      # the decision row is written once
-        # prefill leg: pipe.prefill_done(flow, kv_transfer_params or None) -> the next leg
-        # serve leg: pipe.first_token(flow) ... pipe.finish(flow, status, ...)
-    pipe.abandon(flow, why)                  # the client left before the answer began
-
-Every path releases every ticket exactly once; tests assert the counters return to zero.
+Every path releases every ticket exactly once; tests assert the counters return to zero
+(tests/test_lifecycle_invariant.py, over every order of events).
 """
 
 from __future__ import annotations
