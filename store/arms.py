@@ -1,0 +1,419 @@
+"""The report contract: what ``kvtop report --db`` reads from a decision log.
+
+``arms_from_db`` gives one ``Arm`` per policy segment of a run, its requests in the replay
+results format (one record per request, its final attempt), and a ``SegmentColumns`` that
+answers every seed-table figure (kvtop/seedtable.py's ``RequestColumns``) from SQL without
+building a record per request.
+"""
+
+from __future__ import annotations
+
+import bisect
+import gc
+import json
+import math
+import sqlite3
+from collections import Counter
+from dataclasses import dataclass, field
+from fractions import Fraction
+from functools import partial
+from operator import itemgetter
+from pathlib import Path
+from typing import Any, Callable
+
+import sqlite_utils
+
+from store.logs import CANCELLED, CANCELLED_SQL, as_db, each_run, is_flat, run_filter, scope
+from store.reads import segments
+
+_RECORD_STATUS = {1: "ok", 0: "error", 2: "cancelled", None: None}
+
+
+@dataclass
+class Arm:
+    """One policy segment of a run as ``kvtop report`` sees it.
+
+    ``records`` are in the replay results format, one per request (its final attempt); on a
+    big log they are built only when first read (``kvtop report --plot``), since ``columns``
+    answers every seed-table figure from SQL. ``apc`` is the automatic prefix cache hit rate
+    and where it came from, or None.
+    """
+
+    label: str
+    apc: dict | None
+    run_id: str = ""
+    policy: str = ""
+    policy_version: int | None = None
+    start_ts: float | None = None
+    end_ts: float | None = None
+    #: requests whose final attempt has no outcome row (still in flight, or lost in a crash)
+    missing_outcomes: int = 0
+    #: requests cut off by their client (``client_gone``: a run stopped mid-way): left out of
+    #: the records and the seed table's requests and errors, counted here
+    cancelled: int = 0
+    #: the segment as a ``kvtop.seedtable.RequestColumns``; None: read ``records`` instead
+    columns: SegmentColumns | None = None
+    _records: list[dict] | None = field(default=None, repr=False)
+    _load: Callable[[], list[dict]] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def records(self) -> list[dict]:
+        if self._records is None:
+            self._records = self._load() if self._load else []
+        return self._records
+
+
+RECORD_KEYS = ("request_id", "session", "turn", "input_tokens", "output_tokens", "status", "ttft_ms",
+               "e2e_ms", "tpot_ms", "cached_tokens", "instance", "route_class", "arm")
+
+
+def arms_from_db(db_path: str | Path | sqlite_utils.Database, run_id: str | None = None) -> list[Arm]:
+    """One Arm per policy segment of the run (the latest when None), in time order.
+
+    A record is a request's final attempt (a retry replaces its first try) joined with that
+    attempt's outcome; ``status`` is ``ok`` or ``error`` (every other outcome status but
+    ``client_gone``: a request its client cut off did not fail; it is left out of the records
+    and counted in ``Arm.cancelled``).
+    ``apc``: the mean ``engine_hit_rate`` of the segment's samples when the router sampled
+    engine counters, else sum(delivered) / sum(input) over requests whose engine reported
+    cached tokens (``delivered_cached_tokens``), else None.
+
+    When every outcome of the run carries its decision's columns, each Arm's ``columns``
+    computes the seed table from aggregates and index ranks and ``records`` waits until asked;
+    older files (and outcomes without a route class) build the records at once.
+    """
+    db = as_db(db_path)
+    db, run_id = scope(db, run_id)
+    conn = db.conn
+    run_clause = run_filter(db, run_id)
+    # Few requests are retried: find them once (a plain scan; grouping would walk the
+    # request_id index in random order), then drop their superseded attempts.
+    last_attempt: dict[str, int] = {}
+    for rid, attempt in conn.execute(
+            f"SELECT request_id, attempt FROM decisions d WHERE {run_clause} AND attempt > 1", (run_id,)):
+        if attempt > last_attempt.get(rid, 0):
+            last_attempt[rid] = attempt
+    has_samples = db["samples"].exists()
+    segs = segments(db, run_id)
+    parts = [(d.conn, rid) for d, rid in each_run(db, run_id)]
+    columns = _segment_columns(conn, run_id, last_attempt, parts) if is_flat(db, run_id) else None
+    arms = []
+    for seg in segs:
+        key = (seg["policy"], seg["policy_version"])
+        load = partial(_records, conn, run_id, run_clause, seg, last_attempt)
+        arm = Arm(label=seg["label"], apc=None, run_id=run_id, policy=seg["policy"],
+                  policy_version=seg["policy_version"], start_ts=seg["start_ts"], end_ts=seg["end_ts"])
+        if columns is None:
+            arm._records, arm.missing_outcomes, arm.cancelled = load()
+            delivered = inputs = 0
+            for r in arm._records:
+                c = r["cached_tokens"]
+                if c is not None and r["input_tokens"]:
+                    delivered += c
+                    inputs += r["input_tokens"]
+        else:
+            arm.columns = columns.get(key) or SegmentColumns(conn, run_id, key)
+            arm._load = lambda load=load: load()[0]
+            arm.cancelled = columns.cancelled[key]
+            arm.missing_outcomes = (seg["decisions"] - columns.superseded_decisions[key]
+                                    - arm.columns.counts()[0] - arm.cancelled)
+            delivered, inputs = arm.columns.delivered_tokens
+        arm.apc = _apc(conn, run_id, seg, delivered, inputs, has_samples)
+        arms.append(arm)
+    return arms
+
+
+def _records(conn: sqlite3.Connection, run_id: str, run_clause: str, seg: dict,
+             last_attempt: dict[str, int]) -> tuple[list[dict], int, int]:
+    """The segment's records, how many final attempts have no outcome, and how many were
+    cut off by their client (left out of the records)."""
+    label = seg["label"]
+    cursor = conn.execute(
+        f"""SELECT d.request_id, d.attempt, d.session_id, d.turn, d.input_tokens, o.output_tokens,
+            CASE WHEN o.status = 'ok' THEN 1 WHEN o.status IN {CANCELLED_SQL} THEN 2
+                 WHEN o.status IS NULL THEN NULL ELSE 0 END, o.ttft_ms, o.e2e_ms, o.tpot_ms, o.delivered_hit_tokens, d.instance, d.route_class
+        FROM decisions d LEFT JOIN outcomes o
+          ON o.request_id = d.request_id AND o.attempt = d.attempt AND +o.run_id = d.run_id
+        WHERE {run_clause} AND d.policy = ? AND d.policy_version IS ? ORDER BY d.id""",
+        (run_id, seg["policy"], seg["policy_version"]))
+    # Fetching and building a million small objects is the whole cost here; the cyclic
+    # collector would only rescan them (none of them forms a cycle).
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        # Streamed from the cursor: no million-tuple list in between. ok is 1 or 0, and NULL
+        # when the attempt has no outcome row (status None here, dropped below).
+        records = [
+            {"request_id": rid, "session": ses, "turn": turn, "input_tokens": inp,
+             "output_tokens": out, "status": _RECORD_STATUS[ok],
+             "ttft_ms": ttft, "e2e_ms": e2e, "tpot_ms": tpot, "cached_tokens": cached, "instance": inst,
+             "route_class": rc, "arm": label}
+            for rid, att, ses, turn, inp, out, ok, ttft, e2e, tpot, cached, inst, rc in cursor
+            if rid not in last_attempt or att == last_attempt[rid]]
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    missing = len(records) - sum(map(bool, map(itemgetter("status"), records)))
+    cancelled = sum(1 for r in records if r["status"] == "cancelled")
+    if missing or cancelled:
+        records = [r for r in records if r["status"] is not None and r["status"] != "cancelled"]
+    return records, missing, cancelled
+
+
+def _apc(conn: sqlite3.Connection, run_id: str, seg: dict, delivered: int, inputs: int,
+         has_samples: bool) -> dict | None:
+    if has_samples:
+        mean, n = conn.execute(
+            "SELECT avg(engine_hit_rate), count(engine_hit_rate) FROM samples "
+            "WHERE run_id = ? AND ts BETWEEN ? AND ?", (run_id, seg["start_ts"], seg["end_ts"])).fetchone()
+        if n:
+            return {"value": mean, "source": "engine_counters"}
+    if inputs:
+        return {"value": delivered / inputs, "source": "delivered_cached_tokens"}
+    return None
+
+
+# -- the seed table straight from SQL ----------------------------------------------------
+# A segment's records are its outcomes minus the few attempts a retry superseded (and rows
+# with no status, which the records' join drops too). Counts and sums come from one grouped
+# pass per covering index, with the superseded rows subtracted; the k-th smallest value is a
+# LIMIT 1 OFFSET k walk on the index that orders the column.
+
+_SCALE = 67108864  # 2**26: a latency splits exactly into integer, 26 and 26 fraction bits
+
+
+def _exact_sum_sql(col: str) -> str:
+    """Three integer aggregates from which ``_exact_total`` rebuilds Σ col exactly: SQLite's
+    float sum() rounds in scan order, and the seed table's means must equal ``math.fsum``'s
+    on the records bit for bit. Each x splits into trunc(x), its next 26 bits and the 26
+    after: exact for 1 <= |x| < 2**37 ms, which ``_RankedValues.total`` checks on the index's
+    two ends (anything else is summed from fetched values)."""
+    whole = f"CAST({col} AS INTEGER)"
+    scaled = f"{col} * {_SCALE}.0"
+    mid = f"CAST({scaled} AS INTEGER)"
+    # mid % 2**26 is mid - whole * 2**26 for x >= 1, the only x whose split is used.
+    return (f"sum({whole}), sum({mid} % {_SCALE}), "
+            f"sum(CAST(({scaled} - {mid}) * {_SCALE}.0 AS INTEGER))")
+
+
+def _exact_total(whole: int | None, mid: int | None, low: int | None) -> Fraction:
+    return Fraction((whole or 0) * _SCALE * _SCALE + (mid or 0) * _SCALE + (low or 0), _SCALE * _SCALE)
+
+
+class _RankedValues:
+    """``seedtable.Values`` of one column over a segment's final ok attempts (of one route
+    class, or all): rank look-ups on the index, with the superseded attempts' values (few,
+    held here) stepped over."""
+
+    def __init__(self, conn: sqlite3.Connection, column: str, where: str, params: tuple,
+                 n_rows: int, total: Fraction | None, superseded: list[float]):
+        self._conn, self._column, self._params = conn, column, params
+        self._from = f"FROM outcomes WHERE {where} AND {column} IS NOT NULL ORDER BY {column}"
+        self._n_rows = n_rows  # index entries, superseded ones included
+        self._total = total
+        self._superseded = sorted(superseded)
+        self.n = n_rows - len(superseded)
+
+    def total(self) -> float:
+        if self._total is not None and self._n_rows and not (
+                1.0 <= self._rank(0) and self._rank(self._n_rows - 1) < 137438953472.0):
+            self._total = None  # values the integer split cannot hold exactly (sub-ms, absurd)
+        if self._total is None:
+            values = Counter(v for (v,) in self._conn.execute(f"SELECT {self._column} {self._from}",
+                                                              self._params))
+            values.subtract(self._superseded)
+            return math.fsum(values.elements())
+        return float(self._total - sum(map(Fraction, self._superseded), Fraction(0)))
+
+    def kth(self, k: int) -> float:
+        # The k-th of (index values - superseded) is index rank j for the least j with
+        # j = k + #{superseded <= value at j}; from j = k upward that is a fixed point, and
+        # j <= k + #superseded, so one read of that window finds it.
+        window = self._ranks(k, min(k + len(self._superseded), self._n_rows - 1))
+        j = k
+        while True:
+            value = window[j - k]
+            nxt = k + bisect.bisect_right(self._superseded, value)
+            if nxt == j:
+                return value
+            j = nxt
+
+    def _ranks(self, first: int, last: int) -> list[float]:
+        """Index ranks first..last, walking in from the nearer end of the index."""
+        params = (*self._params, last - first + 1)
+        if first <= self._n_rows - 1 - last:
+            sql = f"SELECT {self._column} {self._from} LIMIT ? OFFSET ?"
+            return [v for (v,) in self._conn.execute(sql, (*params, first))]
+        sql = f"SELECT {self._column} {self._from} DESC LIMIT ? OFFSET ?"
+        return [v for (v,) in self._conn.execute(sql, (*params, self._n_rows - 1 - last))][::-1]
+
+    def _rank(self, j: int) -> float:
+        return self._ranks(j, j)[0]
+
+
+class SegmentColumns:
+    """``kvtop.seedtable.RequestColumns`` of one policy segment, read from the decision log."""
+
+    def __init__(self, conn: sqlite3.Connection, run_id: str, segment: tuple[str, int | None]):
+        self._conn, self._run_id, self._segment = conn, run_id, segment
+        self.requests = self.ok = 0
+        self.classes: dict[str, list[int]] = {}  # class -> [ok with ttft, failed, requests]
+        self.instances: Counter[str] = Counter()
+        self.usage = [0, 0]  # Σ delivered, Σ input over ok requests that report delivered
+        self.delivered_tokens = (0, 0)  # the same over every request (the log's APC)
+        #: (column, class or None) -> [index entries, exact Σ or None, superseded values]
+        self.values: dict[tuple[str, str | None], list] = {}
+
+    def counts(self) -> tuple[int, int]:
+        return self.requests, self.ok
+
+    def ok_values(self, column: str, route_class: str | None = None) -> _RankedValues:
+        n_rows, total, superseded = self.values.get((column, route_class), (0, Fraction(0), []))
+        where = "run_id = ? AND policy IS ? AND policy_version IS ? AND status = 'ok'"
+        params: tuple = (self._run_id, *self._segment)
+        if route_class is not None:
+            where += " AND route_class = ?"
+            params += (route_class,)
+        return _RankedValues(self._conn, column, where, params, n_rows, total, superseded)
+
+    def class_counts(self) -> dict[str, tuple[int, int]]:
+        # A class whose every request a retry superseded has none left: the records lack it too.
+        return {cls: (timed, failed) for cls, (timed, failed, n) in self.classes.items() if n}
+
+    def instance_counts(self) -> dict[str, int]:
+        return {name: n for name, n in self.instances.items() if n}
+
+    def usage_tokens(self) -> tuple[int, int]:
+        return self.usage[0], self.usage[1]
+
+
+class _Columns(dict):
+    """Per segment key, its SegmentColumns; plus superseded decisions and cancelled
+    requests per segment."""
+
+    superseded_decisions: Counter
+    cancelled: Counter
+
+
+def _segment_columns(conn: sqlite3.Connection, run_id: str, last_attempt: dict[str, int],
+                     parts: list[tuple[sqlite3.Connection, str]] | None = None) -> _Columns | None:
+    """Every segment's SegmentColumns from two grouped passes over covering indexes, or
+    None when the outcomes cannot answer alone (a row without its route class, which the
+    records would then derive from the input length). ``parts``: where the passes run, each
+    (connection, its run id); on several logs each file for its own run, the sums adding up,
+    while the SegmentColumns read ranks on ``conn`` (the union) under ``run_id``."""
+    parts = parts or [(conn, run_id)]
+    out = _Columns()
+    out.superseded_decisions = Counter()
+    out.cancelled = Counter()
+    not_cancelled = f"status IS NOT NULL AND status NOT IN {CANCELLED_SQL}"
+
+    def seg(pol: str, ver: int | None) -> SegmentColumns:
+        if (pol, ver) not in out:
+            out[(pol, ver)] = SegmentColumns(conn, run_id, (pol, ver))
+        return out[(pol, ver)]
+
+    def add_values(s: SegmentColumns, key: tuple[str, str | None], n: int, total: Fraction | None) -> None:
+        entry = s.values.setdefault(key, [0, Fraction(0), []])
+        entry[0] += n
+        entry[1] = None if entry[1] is None or total is None else entry[1] + total
+
+    try:
+        # Status and class counts, TTFT sums per class (and so per segment).
+        for pol, ver, status, cls, n, n_ttft, *pieces in _each_part(parts, 
+                f"""SELECT policy, policy_version, status, route_class, count(*), count(ttft_ms),
+                {_exact_sum_sql('ttft_ms')} FROM outcomes WHERE run_id = ? AND {not_cancelled}
+                GROUP BY policy, policy_version, status, route_class"""):
+            if not cls:
+                return None
+            s = seg(pol, ver)
+            s.requests += n
+            counts = s.classes.setdefault(cls, [0, 0, 0])
+            counts[2] += n
+            if status == "ok":
+                s.ok += n
+                counts[0] += n_ttft
+                total = _exact_total(*pieces)
+                add_values(s, ("ttft_ms", cls), n_ttft, total)
+                add_values(s, ("ttft_ms", None), n_ttft, total)
+            else:
+                counts[1] += n
+        delivered: dict[tuple, list[int]] = {}
+        for pol, ver, instance, ok, n, hit, inp, n_tpot, n_e2e, *pieces in _each_part(parts, 
+                f"""SELECT policy, policy_version, instance, status = 'ok', count(*),
+                sum(CASE WHEN delivered_hit_tokens IS NOT NULL AND input_tokens THEN delivered_hit_tokens END),
+                sum(CASE WHEN delivered_hit_tokens IS NOT NULL AND input_tokens THEN input_tokens END),
+                count(tpot_ms), count(e2e_ms), {_exact_sum_sql('e2e_ms')}
+                FROM outcomes WHERE run_id = ? AND {not_cancelled}
+                GROUP BY policy, policy_version, instance, status"""):
+            s = seg(pol, ver)
+            if instance:
+                s.instances[str(instance)] += n
+            sums = delivered.setdefault((pol, ver), [0, 0])
+            sums[0] += hit or 0
+            sums[1] += inp or 0
+            if ok:
+                s.usage[0] += hit or 0
+                s.usage[1] += inp or 0
+                add_values(s, ("e2e_ms", None), n_e2e, _exact_total(*pieces))
+                add_values(s, ("tpot_ms", None), n_tpot, None)  # no TPOT mean: ranks only
+        for pol, ver, n in _each_part(parts,
+                f"""SELECT policy, policy_version, count(*) FROM outcomes
+                WHERE run_id = ? AND status IN {CANCELLED_SQL} GROUP BY policy, policy_version"""):
+            out.cancelled[(pol, ver)] += n
+    except sqlite3.OperationalError as exc:  # e.g. integer overflow on absurd latencies
+        if "overflow" not in str(exc):
+            raise
+        return None
+    if last_attempt:
+        retried = json.dumps(list(last_attempt))
+        # Through the request_id index (+run_id: the planner would walk the whole run instead).
+        for rid, attempt, pol, ver in _each_part(
+                parts, "SELECT request_id, attempt, policy, policy_version FROM decisions "
+                "WHERE request_id IN (SELECT value FROM json_each(?)) AND +run_id = ?", retried):
+            if attempt != last_attempt[rid]:
+                out.superseded_decisions[(pol, ver)] += 1
+        for (rid, attempt, pol, ver, status, cls, instance, ttft, e2e, tpot, hit,
+             inp) in _each_part(
+                parts, "SELECT request_id, attempt, policy, policy_version, status, route_class, instance, "
+                "ttft_ms, e2e_ms, tpot_ms, delivered_hit_tokens, input_tokens FROM outcomes "
+                "WHERE request_id IN (SELECT value FROM json_each(?)) AND +run_id = ? AND status IS NOT NULL",
+                retried):
+            if attempt == last_attempt[rid]:
+                continue
+            if status in CANCELLED:  # counted among the cancelled, not the requests
+                out.cancelled[(pol, ver)] -= 1
+                continue
+            s = seg(pol, ver)  # a superseded attempt: take it back out of every figure
+            s.requests -= 1
+            if instance:
+                s.instances[str(instance)] -= 1
+            counted_hit = hit is not None and bool(inp)
+            sums = delivered.setdefault((pol, ver), [0, 0])
+            if counted_hit:
+                sums[0] -= hit
+                sums[1] -= inp
+            s.classes[cls][2] -= 1
+            if status != "ok":
+                s.classes[cls][1] -= 1
+                continue
+            s.ok -= 1
+            if counted_hit:
+                s.usage[0] -= hit
+                s.usage[1] -= inp
+            for key, value in ((("ttft_ms", cls), ttft), (("ttft_ms", None), ttft),
+                               (("e2e_ms", None), e2e), (("tpot_ms", None), tpot)):
+                if value is not None:
+                    s.values[key][2].append(value)
+            if ttft is not None:
+                s.classes[cls][0] -= 1
+    for key, s in out.items():
+        s.delivered_tokens = tuple(delivered.get(key, (0, 0)))
+    return out
+
+
+
+def _each_part(parts: list[tuple[sqlite3.Connection, str]], sql: str, *before: Any):
+    """The rows of ``sql`` on each part in turn, binding ``before`` then the part's run id."""
+    for conn, run_id in parts:
+        yield from conn.execute(sql, (*before, run_id))
