@@ -15,7 +15,6 @@ import math
 import sqlite3
 from collections import Counter
 from dataclasses import dataclass, field
-from fractions import Fraction
 from functools import partial
 from operator import itemgetter
 from pathlib import Path
@@ -96,7 +95,7 @@ def arms_from_db(db_path: str | Path | sqlite_utils.Database, run_id: str | None
     has_samples = db["samples"].exists()
     segs = segments(db, run_id)
     parts = [(d.conn, rid) for d, rid in each_run(db, run_id)]
-    columns = _segment_columns(conn, run_id, last_attempt, parts) if is_flat(db, run_id) else None
+    columns = _segment_columns(parts, last_attempt) if is_flat(db, run_id) else None
     arms = []
     for seg in segs:
         key = (seg["policy"], seg["policy_version"])
@@ -112,7 +111,7 @@ def arms_from_db(db_path: str | Path | sqlite_utils.Database, run_id: str | None
                     delivered += c
                     inputs += r["input_tokens"]
         else:
-            arm.columns = columns.get(key) or SegmentColumns(conn, run_id, key)
+            arm.columns = columns.get(key) or SegmentColumns(parts, key)
             arm._load = lambda load=load: load()[0]
             arm.cancelled = columns.cancelled[key]
             arm.missing_outcomes = (seg["decisions"] - columns.superseded_decisions[key]
@@ -175,106 +174,86 @@ def _apc(conn: sqlite3.Connection, run_id: str, seg: dict, delivered: int, input
 
 # -- the seed table straight from SQL ----------------------------------------------------
 # A segment's records are its outcomes minus the few attempts a retry superseded (and rows
-# with no status, which the records' join drops too). Counts and sums come from one grouped
-# pass per covering index, with the superseded rows subtracted; the k-th smallest value is a
-# LIMIT 1 OFFSET k walk on the index that orders the column.
+# with no status, which the records' join drops too). Counts come from one grouped pass per
+# covering index, with the superseded rows subtracted. A latency column is loaded when the
+# seed table first asks for it: the index that orders it hands its values over already
+# sorted (a million floats is 8 MB), the superseded values are stepped over, and the mean
+# and percentiles are computed on the list as on the records (math.fsum, store.stats).
 
-_SCALE = 67108864  # 2**26: a latency splits exactly into integer, 26 and 26 fraction bits
-
-
-def _exact_sum_sql(col: str) -> str:
-    """Three integer aggregates from which ``_exact_total`` rebuilds Σ col exactly: SQLite's
-    float sum() rounds in scan order, and the seed table's means must equal ``math.fsum``'s
-    on the records bit for bit. Each x splits into trunc(x), its next 26 bits and the 26
-    after: exact for 1 <= |x| < 2**37 ms, which ``_RankedValues.total`` checks on the index's
-    two ends (anything else is summed from fetched values)."""
-    whole = f"CAST({col} AS INTEGER)"
-    scaled = f"{col} * {_SCALE}.0"
-    mid = f"CAST({scaled} AS INTEGER)"
-    # mid % 2**26 is mid - whole * 2**26 for x >= 1, the only x whose split is used.
-    return (f"sum({whole}), sum({mid} % {_SCALE}), "
-            f"sum(CAST(({scaled} - {mid}) * {_SCALE}.0 AS INTEGER))")
+#: The columns whose superseded values the grouped passes collect, so ``ok_values`` can drop them.
+VALUE_COLUMNS = ("ttft_ms", "e2e_ms", "tpot_ms")
 
 
-def _exact_total(whole: int | None, mid: int | None, low: int | None) -> Fraction:
-    return Fraction((whole or 0) * _SCALE * _SCALE + (mid or 0) * _SCALE + (low or 0), _SCALE * _SCALE)
+class LoadedValues:
+    """``seedtable.Values`` of one column over a segment's final ok attempts: the values, sorted."""
 
+    def __init__(self, data: list[float]):
+        self.data = data
 
-class _RankedValues:
-    """``seedtable.Values`` of one column over a segment's final ok attempts (of one route
-    class, or all): rank look-ups on the index, with the superseded attempts' values (few,
-    held here) stepped over."""
-
-    def __init__(self, conn: sqlite3.Connection, column: str, where: str, params: tuple,
-                 n_rows: int, total: Fraction | None, superseded: list[float]):
-        self._conn, self._column, self._params = conn, column, params
-        self._from = f"FROM outcomes WHERE {where} AND {column} IS NOT NULL ORDER BY {column}"
-        self._n_rows = n_rows  # index entries, superseded ones included
-        self._total = total
-        self._superseded = sorted(superseded)
-        self.n = n_rows - len(superseded)
+    @property
+    def n(self) -> int:
+        return len(self.data)
 
     def total(self) -> float:
-        if self._total is not None and self._n_rows and not (
-                1.0 <= self._rank(0) and self._rank(self._n_rows - 1) < 137438953472.0):
-            self._total = None  # values the integer split cannot hold exactly (sub-ms, absurd)
-        if self._total is None:
-            values = Counter(v for (v,) in self._conn.execute(f"SELECT {self._column} {self._from}",
-                                                              self._params))
-            values.subtract(self._superseded)
-            return math.fsum(values.elements())
-        return float(self._total - sum(map(Fraction, self._superseded), Fraction(0)))
+        return math.fsum(self.data)
 
     def kth(self, k: int) -> float:
-        # The k-th of (index values - superseded) is index rank j for the least j with
-        # j = k + #{superseded <= value at j}; from j = k upward that is a fixed point, and
-        # j <= k + #superseded, so one read of that window finds it.
-        window = self._ranks(k, min(k + len(self._superseded), self._n_rows - 1))
-        j = k
-        while True:
-            value = window[j - k]
-            nxt = k + bisect.bisect_right(self._superseded, value)
-            if nxt == j:
-                return value
-            j = nxt
+        return self.data[k]
 
-    def _ranks(self, first: int, last: int) -> list[float]:
-        """Index ranks first..last, walking in from the nearer end of the index."""
-        params = (*self._params, last - first + 1)
-        if first <= self._n_rows - 1 - last:
-            sql = f"SELECT {self._column} {self._from} LIMIT ? OFFSET ?"
-            return [v for (v,) in self._conn.execute(sql, (*params, first))]
-        sql = f"SELECT {self._column} {self._from} DESC LIMIT ? OFFSET ?"
-        return [v for (v,) in self._conn.execute(sql, (*params, self._n_rows - 1 - last))][::-1]
 
-    def _rank(self, j: int) -> float:
-        return self._ranks(j, j)[0]
+def _without(data: list[float], superseded: list[float]) -> list[float]:
+    """Sorted ``data`` minus one occurrence of each of ``superseded`` (all of them in it)."""
+    if not superseded:
+        return data
+    drop, lo = [], 0
+    for value in sorted(superseded):
+        lo = bisect.bisect_left(data, value, lo)  # the next equal one after a dropped duplicate
+        drop.append(lo)
+        lo += 1
+    out, start = [], 0
+    for i in drop:
+        out += data[start:i]
+        start = i + 1
+    out += data[start:]
+    return out
 
 
 class SegmentColumns:
     """``kvtop.seedtable.RequestColumns`` of one policy segment, read from the decision log."""
 
-    def __init__(self, conn: sqlite3.Connection, run_id: str, segment: tuple[str, int | None]):
-        self._conn, self._run_id, self._segment = conn, run_id, segment
+    def __init__(self, parts: list[tuple[sqlite3.Connection, str]], segment: tuple[str, int | None]):
+        self._parts, self._segment = parts, segment
         self.requests = self.ok = 0
         self.classes: dict[str, list[int]] = {}  # class -> [ok with ttft, failed, requests]
         self.instances: Counter[str] = Counter()
         self.usage = [0, 0]  # Σ delivered, Σ input over ok requests that report delivered
         self.delivered_tokens = (0, 0)  # the same over every request (the log's APC)
-        #: (column, class or None) -> [index entries, exact Σ or None, superseded values]
-        self.values: dict[tuple[str, str | None], list] = {}
+        #: (column, class or None) -> the values of superseded ok attempts, to step over
+        self.superseded: dict[tuple[str, str | None], list[float]] = {}
+        self._values: dict[tuple[str, str | None], LoadedValues] = {}
 
     def counts(self) -> tuple[int, int]:
         return self.requests, self.ok
 
-    def ok_values(self, column: str, route_class: str | None = None) -> _RankedValues:
-        n_rows, total, superseded = self.values.get((column, route_class), (0, Fraction(0), []))
-        where = "run_id = ? AND policy IS ? AND policy_version IS ? AND status = 'ok'"
-        params: tuple = (self._run_id, *self._segment)
-        if route_class is not None:
-            where += " AND route_class = ?"
-            params += (route_class,)
-        return _RankedValues(self._conn, column, where, params, n_rows, total, superseded)
+    def ok_values(self, column: str, route_class: str | None = None) -> LoadedValues:
+        if column not in VALUE_COLUMNS:
+            raise ValueError(f"no ok values of {column!r} in the log's seed table (one of {VALUE_COLUMNS})")
+        key = (column, route_class)
+        if key not in self._values:
+            where = "run_id = ? AND policy IS ? AND policy_version IS ? AND status = 'ok'"
+            params: tuple = tuple(self._segment)
+            if route_class is not None:
+                where += " AND route_class = ?"
+                params += (route_class,)
+            data: list[float] = []
+            for conn, run_id in self._parts:
+                data += [v for (v,) in conn.execute(
+                    f"SELECT {column} FROM outcomes WHERE {where} AND {column} IS NOT NULL ORDER BY {column}",
+                    (run_id, *params))]
+            if len(self._parts) > 1:
+                data.sort()  # the files' sorted runs, merged
+            self._values[key] = LoadedValues(_without(data, self.superseded.get(key, [])))
+        return self._values[key]
 
     def class_counts(self) -> dict[str, tuple[int, int]]:
         # A class whose every request a retry superseded has none left: the records lack it too.
@@ -295,14 +274,13 @@ class _Columns(dict):
     cancelled: Counter
 
 
-def _segment_columns(conn: sqlite3.Connection, run_id: str, last_attempt: dict[str, int],
-                     parts: list[tuple[sqlite3.Connection, str]] | None = None) -> _Columns | None:
+def _segment_columns(parts: list[tuple[sqlite3.Connection, str]],
+                     last_attempt: dict[str, int]) -> _Columns | None:
     """Every segment's SegmentColumns from two grouped passes over covering indexes, or
     None when the outcomes cannot answer alone (a row without its route class, which the
-    records would then derive from the input length). ``parts``: where the passes run, each
-    (connection, its run id); on several logs each file for its own run, the sums adding up,
-    while the SegmentColumns read ranks on ``conn`` (the union) under ``run_id``."""
-    parts = parts or [(conn, run_id)]
+    records would then derive from the input length). ``parts``: where the run's rows are,
+    each (connection, its run id); on several logs each file for its own run, the counts
+    adding up."""
     out = _Columns()
     out.superseded_decisions = Counter()
     out.cancelled = Counter()
@@ -310,61 +288,45 @@ def _segment_columns(conn: sqlite3.Connection, run_id: str, last_attempt: dict[s
 
     def seg(pol: str, ver: int | None) -> SegmentColumns:
         if (pol, ver) not in out:
-            out[(pol, ver)] = SegmentColumns(conn, run_id, (pol, ver))
+            out[(pol, ver)] = SegmentColumns(parts, (pol, ver))
         return out[(pol, ver)]
 
-    def add_values(s: SegmentColumns, key: tuple[str, str | None], n: int, total: Fraction | None) -> None:
-        entry = s.values.setdefault(key, [0, Fraction(0), []])
-        entry[0] += n
-        entry[1] = None if entry[1] is None or total is None else entry[1] + total
-
-    try:
-        # Status and class counts, TTFT sums per class (and so per segment).
-        for pol, ver, status, cls, n, n_ttft, *pieces in _each_part(parts, 
-                f"""SELECT policy, policy_version, status, route_class, count(*), count(ttft_ms),
-                {_exact_sum_sql('ttft_ms')} FROM outcomes WHERE run_id = ? AND {not_cancelled}
-                GROUP BY policy, policy_version, status, route_class"""):
-            if not cls:
-                return None
-            s = seg(pol, ver)
-            s.requests += n
-            counts = s.classes.setdefault(cls, [0, 0, 0])
-            counts[2] += n
-            if status == "ok":
-                s.ok += n
-                counts[0] += n_ttft
-                total = _exact_total(*pieces)
-                add_values(s, ("ttft_ms", cls), n_ttft, total)
-                add_values(s, ("ttft_ms", None), n_ttft, total)
-            else:
-                counts[1] += n
-        delivered: dict[tuple, list[int]] = {}
-        for pol, ver, instance, ok, n, hit, inp, n_tpot, n_e2e, *pieces in _each_part(parts, 
-                f"""SELECT policy, policy_version, instance, status = 'ok', count(*),
-                sum(CASE WHEN delivered_hit_tokens IS NOT NULL AND input_tokens THEN delivered_hit_tokens END),
-                sum(CASE WHEN delivered_hit_tokens IS NOT NULL AND input_tokens THEN input_tokens END),
-                count(tpot_ms), count(e2e_ms), {_exact_sum_sql('e2e_ms')}
-                FROM outcomes WHERE run_id = ? AND {not_cancelled}
-                GROUP BY policy, policy_version, instance, status"""):
-            s = seg(pol, ver)
-            if instance:
-                s.instances[str(instance)] += n
-            sums = delivered.setdefault((pol, ver), [0, 0])
-            sums[0] += hit or 0
-            sums[1] += inp or 0
-            if ok:
-                s.usage[0] += hit or 0
-                s.usage[1] += inp or 0
-                add_values(s, ("e2e_ms", None), n_e2e, _exact_total(*pieces))
-                add_values(s, ("tpot_ms", None), n_tpot, None)  # no TPOT mean: ranks only
-        for pol, ver, n in _each_part(parts,
-                f"""SELECT policy, policy_version, count(*) FROM outcomes
-                WHERE run_id = ? AND status IN {CANCELLED_SQL} GROUP BY policy, policy_version"""):
-            out.cancelled[(pol, ver)] += n
-    except sqlite3.OperationalError as exc:  # e.g. integer overflow on absurd latencies
-        if "overflow" not in str(exc):
-            raise
-        return None
+    # Status and class counts (and so per segment).
+    for pol, ver, status, cls, n, n_ttft in _each_part(parts,
+            f"""SELECT policy, policy_version, status, route_class, count(*), count(ttft_ms)
+            FROM outcomes WHERE run_id = ? AND {not_cancelled}
+            GROUP BY policy, policy_version, status, route_class"""):
+        if not cls:
+            return None
+        s = seg(pol, ver)
+        s.requests += n
+        counts = s.classes.setdefault(cls, [0, 0, 0])
+        counts[2] += n
+        if status == "ok":
+            s.ok += n
+            counts[0] += n_ttft
+        else:
+            counts[1] += n
+    delivered: dict[tuple, list[int]] = {}
+    for pol, ver, instance, ok, n, hit, inp in _each_part(parts,
+            f"""SELECT policy, policy_version, instance, status = 'ok', count(*),
+            sum(CASE WHEN delivered_hit_tokens IS NOT NULL AND input_tokens THEN delivered_hit_tokens END),
+            sum(CASE WHEN delivered_hit_tokens IS NOT NULL AND input_tokens THEN input_tokens END)
+            FROM outcomes WHERE run_id = ? AND {not_cancelled}
+            GROUP BY policy, policy_version, instance, status"""):
+        s = seg(pol, ver)
+        if instance:
+            s.instances[str(instance)] += n
+        sums = delivered.setdefault((pol, ver), [0, 0])
+        sums[0] += hit or 0
+        sums[1] += inp or 0
+        if ok:
+            s.usage[0] += hit or 0
+            s.usage[1] += inp or 0
+    for pol, ver, n in _each_part(parts,
+            f"""SELECT policy, policy_version, count(*) FROM outcomes
+            WHERE run_id = ? AND status IN {CANCELLED_SQL} GROUP BY policy, policy_version"""):
+        out.cancelled[(pol, ver)] += n
     if last_attempt:
         retried = json.dumps(list(last_attempt))
         # Through the request_id index (+run_id: the planner would walk the whole run instead).
@@ -404,13 +366,12 @@ def _segment_columns(conn: sqlite3.Connection, run_id: str, last_attempt: dict[s
             for key, value in ((("ttft_ms", cls), ttft), (("ttft_ms", None), ttft),
                                (("e2e_ms", None), e2e), (("tpot_ms", None), tpot)):
                 if value is not None:
-                    s.values[key][2].append(value)
+                    s.superseded.setdefault(key, []).append(value)
             if ttft is not None:
                 s.classes[cls][0] -= 1
     for key, s in out.items():
         s.delivered_tokens = tuple(delivered.get(key, (0, 0)))
     return out
-
 
 
 def _each_part(parts: list[tuple[sqlite3.Connection, str]], sql: str, *before: Any):

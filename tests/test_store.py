@@ -199,8 +199,7 @@ def test_flat_and_joined_layouts_agree_exactly(tmp_path, n, seed):
 def _random_report_run(n: int, seed: int, tiny: bool) -> list:
     """n requests for the seed table: three segments, several classes and instances, fractional
     latencies with ties, failures, and retries of ok attempts too (so the superseded values
-    sit among the ranks). ``tiny``: some sub-millisecond TTFTs, which the exact SQL sum
-    cannot split and so sums from fetched values."""
+    sit among the ranks). ``tiny``: some sub-millisecond TTFTs among them."""
     import random
     rnd = random.Random(seed)
     rows = []
@@ -221,8 +220,9 @@ def _random_report_run(n: int, seed: int, tiny: bool) -> list:
 @pytest.mark.parametrize("n, seed, tiny", [(1, 0, False), (2, 1, False), (5, 2, True), (60, 3, False),
                                            (500, 4, False), (500, 5, True)])
 def test_report_columns_equal_the_records(tmp_path, n, seed, tiny):
-    # kvtop report --db computes from SQL aggregates and index ranks; every figure must equal
-    # the records' bit for bit (means too), with superseded attempts and unanswered retries.
+    # kvtop report --db computes from SQL counts and each latency column loaded in index
+    # order; every figure must equal the records' bit for bit (means too), with superseded
+    # attempts and unanswered retries.
     from kvtop import seedtable
     arms = arms_from_db(_write(tmp_path / "r.db", {"r": (0.0, _random_report_run(n, seed, tiny))}))
     assert arms
