@@ -62,10 +62,6 @@ class Arm:
         return self._records
 
 
-RECORD_KEYS = ("request_id", "session", "turn", "input_tokens", "output_tokens", "status", "ttft_ms",
-               "e2e_ms", "tpot_ms", "cached_tokens", "instance", "route_class", "arm")
-
-
 def arms_from_db(db_path: str | Path | sqlite_utils.Database, run_id: str | None = None) -> list[Arm]:
     """One Arm per policy segment of the run (the latest when None), in time order.
 
@@ -141,7 +137,10 @@ def _records(conn: sqlite3.Connection, run_id: str, run_clause: str, seg: dict,
     gc.disable()
     try:
         # Streamed from the cursor: no million-tuple list in between. ok is 1 or 0, and NULL
-        # when the attempt has no outcome row (status None here, dropped below).
+        # when the attempt has no outcome row (status None here, dropped below). The records
+        # are store.results.RequestResult's, its RECORD_KEYS in order, built as dict literals:
+        # a RequestResult and its as_record() per request would double the cost (a test checks
+        # the keys).
         records = [
             {"request_id": rid, "session": ses, "turn": turn, "input_tokens": inp,
              "output_tokens": out, "status": _RECORD_STATUS[ok],
