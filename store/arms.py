@@ -238,6 +238,12 @@ class SegmentColumns:
         if column not in VALUE_COLUMNS:
             raise ValueError(f"no ok values of {column!r} in the log's seed table (one of {VALUE_COLUMNS})")
         key = (column, route_class)
+        if key not in self._values and column == "ttft_ms" and route_class is None:
+            # The per-class lists (class_rows reads them too) merged: one read of the column.
+            # Every ok row has a class here (_segment_columns gives up otherwise).
+            data = [v for cls in self.classes for v in self.ok_values(column, cls).data]
+            data.sort()  # sorted runs, merged
+            self._values[key] = LoadedValues(data)
         if key not in self._values:
             where = "run_id = ? AND policy IS ? AND policy_version IS ? AND status = 'ok'"
             params: tuple = tuple(self._segment)
