@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from kvtop.cli import main as kvtop_main
-    from store.queries import arms_from_db
+    from store.arms import arms_from_db
 
     tmp = args.keep or tempfile.mkdtemp(prefix="kvtop-bench-log-")
     path = os.path.join(tmp, "bench.db")

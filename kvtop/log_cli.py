@@ -104,18 +104,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import sqlite3
 
-    from store import queries
+    from store import logs
+    from store.errors import QueryError
 
     db = None
     try:
-        db = queries.open_logs((args.parent_db or []) + (args.db or []) or [DEFAULT_DB])
+        db = logs.open_logs((args.parent_db or []) + (args.db or []) or [DEFAULT_DB])
         for again, kept in getattr(db, "duplicates", ()):
             print(f"kvtop log: {again} is the same file as {kept}; read once", file=sys.stderr)
-        return _COMMANDS[args.log_cmd](queries, db, args)
-    except queries.QueryError as exc:
+        return _COMMANDS[args.log_cmd](db, args)
+    except QueryError as exc:
         raise CliError(str(exc)) from None
     except sqlite3.DatabaseError as exc:  # e.g. a file damaged past its first page
-        raise CliError(_damaged(queries, db, exc)) from None
+        raise CliError(_damaged(db, exc)) from None
     except BrokenPipeError:  # `kvtop log ... | head`: the reader has what it wanted
         # Point stdout at /dev/null so the interpreter's last flush does not fail again (the
         # recipe in Python's signal docs); exit 0 without a word.
@@ -124,8 +125,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
 
-def _damaged(queries, db, exc: Exception) -> str:
-    if db is not None and queries.is_merged(db):
+def _damaged(db, exc: Exception) -> str:
+    from store.logs import is_merged
+
+    if db is not None and is_merged(db):
         bad = db.damaged()
         where = (", ".join(bad) + (" is" if len(bad) == 1 else " are")) if bad else "one of the logs is"
         return f"{where} damaged: {exc} (PRAGMA quick_check says more)"
@@ -133,8 +136,10 @@ def _damaged(queries, db, exc: Exception) -> str:
 
 
 # -- commands -----------------------------------------------------------------------
-def _runs(queries, db, args) -> int:
-    rows = queries.runs(db)
+def _runs(db, args) -> int:
+    from store import reads
+
+    rows = reads.runs(db)
     if args.format != "table":
         _emit(rows, args.format)
         return 0
@@ -153,14 +158,16 @@ def _runs(queries, db, args) -> int:
     return 0
 
 
-def _decisions(queries, db, args) -> int:
+def _decisions(db, args) -> int:
+    from store import logs, reads
+
     if args.limit < 0:
         raise CliError("--limit must be >= 0 (0: all)")
-    rows = queries.decisions(db, run=args.run, session=args.session, instance=args.instance,
-                             reason=args.reason, policy=args.policy, route_class=args.route_class,
-                             since=args.since, until=args.until, limit=args.limit or None)
+    rows = reads.decisions(db, run=args.run, session=args.session, instance=args.instance,
+                           reason=args.reason, policy=args.policy, route_class=args.route_class,
+                           since=args.since, until=args.until, limit=args.limit or None)
     if args.format == "jsonl":
-        _emit([queries.decode_json_columns("decisions", r) for r in rows], "jsonl")
+        _emit([logs.decode_json_columns("decisions", r) for r in rows], "jsonl")
         return 0
     if args.format == "csv":
         _emit(rows, "csv")
@@ -180,8 +187,10 @@ def _decisions(queries, db, args) -> int:
     return 0
 
 
-def _summary(queries, db, args) -> int:
-    result = queries.summary(db, args.run, instances=args.instances)
+def _summary(db, args) -> int:
+    from store import summary
+
+    result = summary.summary(db, args.run, instances=args.instances)
     if args.format == "json":
         print(json.dumps(result, indent=2))
         return 0
@@ -189,10 +198,11 @@ def _summary(queries, db, args) -> int:
     return 0
 
 
-def _why(queries, db, args) -> int:
+def _why(db, args) -> int:
     from kvtop import receipt
+    from store import reads
 
-    found = queries.request_attempts(db, args.request_id, run=args.run)
+    found = reads.request_attempts(db, args.request_id, run=args.run)
     if args.format == "json":
         print(json.dumps(found, indent=2, default=str))
         return 0
@@ -209,8 +219,10 @@ def _why(queries, db, args) -> int:
     return 0
 
 
-def _shadow(queries, db, args) -> int:
-    rows = queries.shadow_summary(db, args.run)
+def _shadow(db, args) -> int:
+    from store import logs, reads
+
+    rows = reads.shadow_summary(db, args.run)
     if not rows:
         print("no shadow picks in this run (start the router with --shadow P1,P2, or PUT /kvtop/v1/shadows)")
         return 0
@@ -230,13 +242,15 @@ def _shadow(queries, db, args) -> int:
     print("\nest. prefill saved: the shadow's picks' estimated cached tokens minus the real picks', "
           "summed over disagreements (< 0: it would have prefilled more). mean score gap: the real "
           "pick's score minus the shadow's own, in the shadow's units, over disagreements.")
-    for note in queries.knob_notes(db):
+    for note in logs.knob_notes(db):
         print(f"note: {note}")
     return 0
 
 
-def _sql(queries, db, args) -> int:
-    cols, rows = queries.run_sql(db, args.query, args.param)
+def _sql(db, args) -> int:
+    from store import sandbox
+
+    cols, rows = sandbox.run_sql(db, args.query, args.param)
     dict_rows = [dict(zip(cols, r)) for r in rows]
     if args.format != "table":
         _emit(dict_rows, args.format, cols)
@@ -245,9 +259,11 @@ def _sql(queries, db, args) -> int:
     return 0
 
 
-def _export(queries, db, args) -> int:
+def _export(db, args) -> int:
+    from store import export
+
     try:
-        n = queries.export(db, args.table or args.query, args.format, args.out)
+        n = export.export(db, args.table or args.query, args.format, args.out)
     except BrokenPipeError:
         raise  # stdout's reader went away (`| head`): run() ends quietly
     except OSError as exc:
@@ -263,7 +279,7 @@ _COMMANDS = {"runs": _runs, "decisions": _decisions, "summary": _summary, "why":
 
 # -- text ---------------------------------------------------------------------------
 def format_summary(result: dict) -> str:
-    """The readable report of ``queries.summary``: one block per policy segment."""
+    """The readable report of ``store.summary.summary``: one block per policy segment."""
     lines = [f"run {result['run_id']}: {len(result['segments'])} policy segment(s)"]
     if result.get("sources"):
         n = len(result["sources"])

@@ -34,6 +34,7 @@ from typing import Any
 
 from router.classes import route_class
 from router.telemetry import ParseError, parse_prometheus
+from store.results import RequestResult
 
 RESULTS_VERSION = 1
 PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
@@ -266,7 +267,7 @@ async def replay(requests: Sequence[Any], cfg: ReplayConfig) -> ReplayResult:
               "engine_prefix_cache": engine}
     if interrupted:
         header["interrupted"] = True
-    records = sorted(runner.records, key=lambda r: r["sent_at"])
+    records = [r.as_record() for r in sorted(runner.records, key=lambda r: r.sent_at)]
     return ReplayResult(header, records, started_wall, ended_wall, interrupted)
 
 
@@ -347,7 +348,7 @@ class _Runner:
     def __init__(self, http: Any, cfg: ReplayConfig, requests: Sequence[Any],
                  tokens: Callable[[Any, int], list[int]], model: str | None):
         self.http, self.cfg, self.requests, self.tokens, self.model = http, cfg, requests, tokens, model
-        self.records: list[dict[str, Any]] = []
+        self.records: list[RequestResult] = []
         self.sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
         self.sent = self.done = self.errors = 0
         self.tasks: set[asyncio.Task] = set()
@@ -452,7 +453,7 @@ class _Runner:
         return json.dumps(body, separators=(",", ":")).encode()
 
     async def _send(self, index: int, req: Any, payload: bytes, *, acquired: bool
-                    ) -> dict[str, Any]:
+                    ) -> RequestResult:
         if self.sem and not acquired:
             await self.sem.acquire()
         try:
@@ -461,7 +462,7 @@ class _Runner:
             if self.sem:
                 self.sem.release()
 
-    async def _request(self, index: int, req: Any, payload: bytes) -> dict[str, Any]:
+    async def _request(self, index: int, req: Any, payload: bytes) -> RequestResult:
         import aiohttp
 
         cfg = self.cfg
@@ -469,28 +470,25 @@ class _Runner:
         headers = {"Content-Type": "application/json", "X-Request-Id": own_id}
         if cfg.api in ("completions", "chat"):  # messages and responses carry it in the body
             headers[cfg.session_header] = str(req.session)
-        record: dict[str, Any] = {
-            "request_id": own_id, "session": str(req.session), "turn": req.turn,
-            "arrival": req.arrival, "sent_at": None, "input_tokens": int(req.input_tokens),
-            "output_tokens": int(req.output_tokens), "status": "error", "http_status": None,
-            "error": None, "ttft_ms": None, "e2e_ms": None, "tpot_ms": None,
-            "cached_tokens": None, "instance": None,
-            "route_class": route_class(int(req.input_tokens)), "arm": cfg.arm,
-        }
+        record = RequestResult(
+            request_id=own_id, session=str(req.session), turn=req.turn,
+            arrival=req.arrival, sent_at=None, input_tokens=int(req.input_tokens),
+            output_tokens=int(req.output_tokens), status="error", http_status=None,
+            error=None, route_class=route_class(int(req.input_tokens)), arm=cfg.arm)
         self.records.append(record)  # now, so Ctrl-C still finds it
         self.sent += 1
         start = time.perf_counter()
-        record["sent_at"] = round(start - self.t0, 6)
+        record.sent_at = round(start - self.t0, 6)
         first: float | None = None
         usage: dict[str, Any] | None = None
         try:
             async with self.http.post(self.url, data=payload, headers=headers) as resp:
-                record["http_status"] = resp.status
-                record["instance"] = resp.headers.get("X-Kvtop-Instance")
-                record["request_id"] = resp.headers.get("X-Kvtop-Request-Id") or own_id
+                record.http_status = resp.status
+                record.instance = resp.headers.get("X-Kvtop-Instance")
+                record.request_id = resp.headers.get("X-Kvtop-Request-Id") or own_id
                 if resp.status != 200:
                     text = (await resp.text(errors="replace"))[:300]
-                    record["error"] = f"HTTP {resp.status}: {text.strip()}" if text.strip() \
+                    record.error = f"HTTP {resp.status}: {text.strip()}" if text.strip() \
                         else f"HTTP {resp.status}"
                 else:
                     async for line in resp.content:
@@ -516,37 +514,37 @@ class _Runner:
                         if u:
                             usage = u
                         if event.get("error"):
-                            record["error"] = _error_text(event["error"])
+                            record.error = _error_text(event["error"])
                         elif event.get("type") == "error":  # a Responses stream's error event
-                            record["error"] = _error_text(event)
-                    if record["error"] is None:
-                        record["status"] = "ok"
+                            record.error = _error_text(event)
+                    if record.error is None:
+                        record.status = "ok"
         except asyncio.CancelledError:
-            record["error"] = "cancelled"
+            record.error = "cancelled"
             raise
         except asyncio.TimeoutError:
-            record["error"] = f"timeout after {cfg.timeout:g} s"
+            record.error = f"timeout after {cfg.timeout:g} s"
         except (aiohttp.ClientError, OSError) as exc:
-            record["error"] = _why(exc)
+            record.error = _why(exc)
         finally:
             end = time.perf_counter()
-            if record["status"] == "ok":
-                record["e2e_ms"] = round((end - start) * 1000, 3)
+            if record.status == "ok":
+                record.e2e_ms = round((end - start) * 1000, 3)
                 if first is not None:
-                    record["ttft_ms"] = round((first - start) * 1000, 3)
+                    record.ttft_ms = round((first - start) * 1000, 3)
                 else:  # no text at all (e.g. empty output): the first token is the end
-                    record["ttft_ms"] = record["e2e_ms"]
+                    record.ttft_ms = record.e2e_ms
                 if usage:
                     out = usage.get("completion_tokens", usage.get("output_tokens"))
                     if out is not None:
-                        record["output_tokens"] = int(out)
+                        record.output_tokens = int(out)
                     details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
                     cached = details.get("cached_tokens", usage.get("cache_read_input_tokens"))
                     if cached is not None:
-                        record["cached_tokens"] = int(cached)
-                n = record["output_tokens"]
+                        record.cached_tokens = int(cached)
+                n = record.output_tokens
                 if n > 1:
-                    record["tpot_ms"] = round((record["e2e_ms"] - record["ttft_ms"]) / (n - 1), 3)
+                    record.tpot_ms = round((record.e2e_ms - record.ttft_ms) / (n - 1), 3)
                 self.done += 1
             else:
                 self.errors += 1

@@ -99,7 +99,7 @@ def load_results(path: str) -> Arm:
 
 
 def load_db_arms(db_paths: str | Sequence[str], run_id: str | None) -> list[Arm]:
-    """The arms of one decision log, or of several read as one (``store.queries.open_logs``)."""
+    """The arms of one decision log, or of several read as one (``store.logs.open_logs``)."""
     import sqlite3
 
     from kvtop.cli import CliError
@@ -109,22 +109,22 @@ def load_db_arms(db_paths: str | Sequence[str], run_id: str | None) -> list[Arm]
         if not os.path.exists(path):
             raise CliError(f"database not found: {path}")
     try:
-        from store.queries import arms_from_db
+        from store.arms import arms_from_db
     except ImportError:
-        raise CliError("--db needs store.queries.arms_from_db, which this build lacks; "
+        raise CliError("--db needs store.arms.arms_from_db, which this build lacks; "
                        "report from results files instead") from None
     db = None
     try:
         if len(paths) == 1:
             arms = arms_from_db(paths[0], run_id)
         else:
-            from store.queries import open_logs
+            from store.logs import open_logs
 
             db = open_logs(paths)
             for again, kept in getattr(db, "duplicates", ()):
                 print(f"kvtop report: {again} is the same file as {kept}; read once", file=sys.stderr)
             arms = arms_from_db(db, run_id)
-            from store.queries import knob_notes
+            from store.logs import knob_notes
 
             for note in knob_notes(db):
                 print(f"kvtop report: {note}", file=sys.stderr)

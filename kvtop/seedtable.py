@@ -2,7 +2,7 @@
 
 Pure functions over a ``RequestColumns`` source (counts, exact sums, k-th smallest values):
 result records (the dicts ``kvtop replay`` writes, one per request) or, for ``kvtop report
---db``, SQL over the decision log (``store.queries.SegmentColumns``), so ``kvtop report``,
+--db``, SQL over the decision log (``store.arms.SegmentColumns``), so ``kvtop report``,
 the offline simulator and tests compute every figure the same way. Latencies stay in
 milliseconds in the rows; the formatters show seconds.
 """
@@ -48,7 +48,7 @@ def mean(values: Sequence[float]) -> float | None:
 # --- column sources -----------------------------------------------------------------------
 # Every figure below is a count, a sum, or a k-th smallest value of one column over one arm's
 # requests. A source answers those three questions; records answer them from a list, the
-# decision log (store.queries) from SQL aggregates and index ranks, without a dict per request.
+# decision log (store.arms) from SQL aggregates and index ranks, without a dict per request.
 
 class Values(Protocol):
     """One column's present values over a set of requests."""

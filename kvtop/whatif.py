@@ -34,6 +34,7 @@ from typing import Any
 from kvtop.traces.loader import TraceRequest
 from store.chains import ChainDecoder
 from store.errors import CliError
+from store.recorded import read_recorded_run
 from store.stats import percentile
 
 #: Requests the speed fit uses at most (each is one short engine run).
@@ -54,56 +55,13 @@ class RecordedRun:
     total: int = 0  # first attempts in the run
 
 
-def _connect(path: str | Path) -> sqlite3.Connection:
-    p = Path(path)
-    if not p.is_file():
-        raise CliError(f"--from-db {p}: no such file")
-    try:
-        conn = sqlite3.connect(f"file:{p}?mode=ro", uri=True)
-        conn.row_factory = sqlite3.Row
-        conn.execute("SELECT 1 FROM decisions LIMIT 1")
-    except sqlite3.DatabaseError as exc:
-        raise CliError(f"--from-db {p}: not a kvtop decision log ({exc})") from None
-    cols = {r[1] for r in conn.execute("PRAGMA table_info(decisions)")}
-    if "blocks" not in cols:
-        raise CliError(f"--from-db {p}: written by a kvtop before what-if replay (no block chains "
-                       "in its decisions; schema version 1); record the run again with this kvtop")
-    return conn
-
-
 def load_run(path: str | Path, run_id: str | None = None) -> RecordedRun:
     """One run of a decision log as a trace plus its recorded results. CliError when unusable."""
-    conn = _connect(path)
-    try:
-        runs = conn.execute("SELECT run_id, started_at, policy, backends, config FROM runs "
-                            "ORDER BY started_at").fetchall()
-        if not runs:
-            raise CliError(f"--from-db {path}: no runs recorded")
-        if run_id is None:
-            run = runs[-1]
-        else:
-            match = [r for r in runs if r["run_id"] == run_id]
-            if not match:
-                known = ", ".join(r["run_id"] for r in runs[-5:])
-                raise CliError(f"--run {run_id}: not in {path} (latest runs: {known})")
-            run = match[0]
-        rid = run["run_id"]
-        config = json.loads(run["config"] or "{}")
-        backends = json.loads(run["backends"] or "[]")
-        instances = [b.get("name") for b in backends] or []
-        block_size = int(config.get("block_size") or 512)
-        rows = conn.execute(
-            "SELECT request_id, session_id, turn, policy, instance, input_tokens, route_class, "
-            "t_proxy_recv, blocks, blocks_parent, shadows FROM decisions "
-            "WHERE run_id = ? AND attempt = 1 ORDER BY id", (rid,)).fetchall()
-        outs: dict[str, sqlite3.Row] = {}
-        for o in conn.execute(
-                "SELECT request_id, attempt, instance, status, stream, ttft_ms, e2e_ms, tpot_ms, "
-                "output_tokens, delivered_hit_tokens, t_recv, t_done FROM outcomes "
-                "WHERE run_id = ? ORDER BY attempt", (rid,)):
-            outs[o["request_id"]] = o  # the last attempt's outcome is the request's
-    finally:
-        conn.close()
+    got = read_recorded_run(path, run_id)
+    rid, rows, outs = got.run_id, got.decisions, got.outcomes
+    config, backends = got.config, got.backends
+    instances = [b.get("name") for b in backends] or []
+    block_size = int(config.get("block_size") or 512)
     if not rows:
         raise CliError(f"--from-db {path}: run {rid} has no decisions")
     dec = ChainDecoder()

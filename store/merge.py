@@ -2,9 +2,9 @@
 
 Each file is ATTACHed read-only to one in-memory connection, and TEMP views named like the
 tables (``decisions``, ``outcomes``, ``runs``, ``config_events``, ``samples``) are the UNION
-ALL of every file's rows plus a ``source`` column naming the file. So every query in
-``store.queries`` runs unchanged on the union, and SQLite still answers through each file's
-own indexes: a WHERE on a view is pushed into every file's arm, and an ORDER BY over the
+ALL of every file's rows plus a ``source`` column naming the file. So every read in store/
+(logs, reads, summary, arms) runs unchanged on the union, and SQLite still answers through
+each file's own indexes: a WHERE on a view is pushed into every file's arm, and an ORDER BY over the
 union is a merge of the files' index orders, so a percentile of the merged rows is a walk of
 the merged order, never an average of per-file figures.
 
@@ -113,7 +113,7 @@ def _columns(conn: sqlite3.Connection, alias: str, table: str) -> list[str] | No
 def open_merged(paths: Sequence[str | Path], *, open_one, error: type[Exception]) -> MergedLog:
     """Attach every log in ``paths`` read-only and build the views over all their runs.
 
-    ``open_one`` opens and checks one file (``queries.open_readonly``: missing, corrupt,
+    ``open_one`` opens and checks one file (``store.logs.open_readonly``: missing, corrupt,
     locked and foreign files raise ``error`` naming the file). The same file twice (by
     device and inode) is read once and listed in ``duplicates``; a run id in two different
     files raises ``error``.
@@ -214,7 +214,7 @@ def _create_views(db: MergedLog, chosen: dict[str, list[str]] | None, label: str
 def merge_runs(db: MergedLog, runs: Sequence[str] | None, *, resolve, error: type[Exception]) -> str:
     """Narrow ``db``'s views to ``runs`` (ids or unique prefixes, each in whichever file holds
     it; None: every file's latest run) read as one run; returns its id, the chosen ids joined
-    with ``+`` in start order. ``resolve(db, run)`` is ``queries.resolve_run``."""
+    with ``+`` in start order. ``resolve(db, run)`` is ``store.logs.resolve_run``."""
     conn = db.conn
     if db.runs:  # narrowed before: look again over every run
         _with_writes(db, lambda: _create_views(db, None))

@@ -18,8 +18,10 @@ import sqlite3
 import pytest
 
 from kvtop.cli import main
-from store import queries as q
+import store.logs
+from store.logs import open_logs, open_readonly
 from store.stats import percentile
+from store.summary import summary
 from store.writer import Writer
 
 # (ts, request_id, attempt, session, policy, version, instance, reason, class, input, est, best,
@@ -125,11 +127,11 @@ def _without_run(summary: dict) -> list:
 
 def test_merged_summary_equals_one_log_of_both_routers(logs):
     a, b, both = logs
-    merged = q.summary(q.open_logs([a, b]))
+    merged = summary(open_logs([a, b]))
     assert merged["run_id"] == "20261126-100000-aaaaaa+20261126-100000-bbbbbb"
     assert merged["sources"] == [{"source": a, "run_id": "20261126-100000-aaaaaa"},
                                  {"source": b, "run_id": "20261126-100000-bbbbbb"}]
-    assert _without_run(merged) == _without_run(q.summary(q.open_readonly(both)))
+    assert _without_run(merged) == _without_run(summary(open_readonly(both)))
     seg = merged["segments"][0]
     assert seg["decisions"] == 9 and seg["statuses"] == {"ok": 7, "error": 1, "no_outcome": 1}
 
@@ -138,7 +140,7 @@ def test_merged_percentiles_are_over_the_rows_not_averaged(logs):
     a, b, _ = logs
     ttft1 = [r[-1][1] for r in ROUTER1 if r[-1] and r[-1][0] == "ok"]
     ttft2 = [r[-1][1] for r in ROUTER2 if r[-1] and r[-1][0] == "ok"]
-    got = q.summary(q.open_logs([a, b]))["segments"][0]["ttft_ms"]
+    got = summary(open_logs([a, b]))["segments"][0]["ttft_ms"]
     for p in (50, 90, 99):
         assert got[f"p{p}"] == pytest.approx(percentile(ttft1 + ttft2, p))
         # The rows are chosen so that averaging (even weighted by count) gives another number.
@@ -271,7 +273,7 @@ def test_reading_never_writes(logs, capsys):
 # -- KV drift ------------------------------------------------------------------------------
 def test_kv_drift_per_segment_and_instance(logs, capsys):
     a, b, _ = logs
-    kv = q.summary(q.open_logs([a, b]), instances=True)["segments"][0]["kv"]
+    kv = summary(open_logs([a, b]), instances=True)["segments"][0]["kv"]
     # exact: a-1 a-2 a-3 (router 1), b-1 b-3 b-4 b-5 (router 2) = 7 of 9
     assert (kv["decisions"], kv["exact"]) == (9, 7)
     # |estimate - est| over exact: a-2 +500 (over), a-3 -1000 (under); input of the exact ones:
@@ -283,7 +285,7 @@ def test_kv_drift_per_segment_and_instance(logs, capsys):
     assert (by["i0"]["exact"], by["i0"]["decisions"], by["i0"]["drift"]) == (5, 5, pytest.approx(500 / 9000))
     assert (by["i1"]["exact"], by["i1"]["decisions"], by["i1"]["under"]) == (2, 4, pytest.approx(1000 / 9000))
     # The per-instance pass adds up to the segment's own figures, computed in summary's pass.
-    segment_only = q.summary(q.open_logs([a, b]))["segments"][0]["kv"]
+    segment_only = summary(open_logs([a, b]))["segments"][0]["kv"]
     assert segment_only == {k: v for k, v in kv.items() if k != "instances"}
     rc, out, _ = _kvtop(capsys, "log", "--db", a, "--db", b, "summary", "--instances")
     assert rc == 0 and "exact 7 of 9 decisions (77.8%)" in out
@@ -297,7 +299,7 @@ def test_logs_of_older_schemas_still_merge(logs, capsys):
     _drop_columns(a, "estimate_hit_tokens", "index_source")
     rc, out, _ = _kvtop(capsys, "log", "summary", "--db", a)
     assert rc == 0 and "KV drift     n/a (this log predates index_source)" in out
-    got = q.summary(q.open_logs([a, b]))
+    got = summary(open_logs([a, b]))
     seg = got["segments"][0]
     assert seg["decisions"] == 9  # every row still counted
     kv = seg["kv"]  # router 1's rows read NULL: only router 2's exact decisions count
@@ -326,13 +328,13 @@ def test_a_version_routers_ran_with_different_knobs_is_a_segment_per_file(tmp_pa
                flat=flat)
     b = _write(tmp_path / "r2.db", {"20261126-100000-bbbbbb": (99.5, ROUTER2)},
                knobs={"overload_factor": 3.0, "cache_ratio_gate": 0.9}, flat=flat)
-    got = q.summary(q.open_logs([a, b]), instances=True)
+    got = summary(open_logs([a, b]), instances=True)
     assert [s["label"] for s in got["segments"]] == [f"unified@1 ({a})", f"unified@1 ({b})"]
 
     def figures(seg):
         return {k: v for k, v in seg.items() if k not in ("label", "policy_version")}
     for seg, path in zip(got["segments"], (a, b)):
-        alone = q.summary(q.open_logs([path]), instances=True)["segments"]
+        alone = summary(open_logs([path]), instances=True)["segments"]
         assert len(alone) == 1 and figures(seg) == figures(alone[0])
     assert got["notes"] == [f"unified@1 ran with different settings on these routers (cache_ratio_gate - ({a}), "
                             f"0.9 ({b}); overload_factor 1.5 ({a}), 3.0 ({b})): one segment per file"]
@@ -360,7 +362,7 @@ def test_instances_merge_by_backend_url_not_by_name(tmp_path, capsys):
                backends=[{"name": "i0", "url": u0}, {"name": "i1", "url": u1}])
     b = _write(tmp_path / "r2.db", {"20261126-100000-bbbbbb": (99.5, ROUTER2)},
                backends=[{"name": "i0", "url": u1}, {"name": "i1", "url": u0}])
-    kv = q.summary(q.open_logs([a, b]), instances=True)["segments"][0]["kv"]
+    kv = summary(open_logs([a, b]), instances=True)["segments"][0]["kv"]
     by = {r["instance"]: r for r in kv["instances"]}
     # u0: router 1's i0 (a-1 a-2) + router 2's i1 (b-2 b-3); u1: a-3 a-4 + b-1 b-4 b-5
     assert (by[u0]["decisions"], by[u0]["exact"]) == (4, 3)
@@ -488,7 +490,7 @@ def test_a_plain_copy_of_a_live_log_gets_a_hint(tmp_path, capsys):
 
 def test_a_locked_file_is_a_clear_error(logs, tmp_path, capsys, monkeypatch):
     a, b, _ = logs
-    monkeypatch.setattr(q, "BUSY_TIMEOUT_S", 0.1)
+    monkeypatch.setattr(store.logs, "BUSY_TIMEOUT_S", 0.1)
     holder = sqlite3.connect(b, isolation_level=None)
     holder.execute("PRAGMA locking_mode = EXCLUSIVE")
     holder.execute("BEGIN EXCLUSIVE")

@@ -172,7 +172,8 @@ def test_receipt_number_format(value, text):
 def test_cut_off_requests_are_cancelled_not_errors(tmp_path, capsys, flat):
     """Issue 20: quitting the demo mid-run turned cut-off requests into errors in
     `log summary` and `report --db` while the dashboard said 0."""
-    from store import queries
+    from store.arms import arms_from_db
+    from store.summary import summary
     from store.schema import ensure_schema
 
     path = tmp_path / "kvtop.db"
@@ -189,9 +190,9 @@ def test_cut_off_requests_are_cancelled_not_errors(tmp_path, capsys, flat):
                                "ttft_ms": 100.0 + k if st == "ok" else None,
                                "e2e_ms": 500.0 + k if st == "ok" else None} for k, st in enumerate(statuses))
     db.close()
-    seg_summary = queries.summary(str(path))["segments"][0]
+    seg_summary = summary(str(path))["segments"][0]
     assert seg_summary["errors"] == 1 and seg_summary["cancelled"] == 2
-    (arm,) = queries.arms_from_db(str(path))
+    (arm,) = arms_from_db(str(path))
     assert arm.cancelled == 2 and arm.missing_outcomes == 0
     assert sorted(r["status"] for r in arm.records) == ["error", "ok", "ok", "ok"]
     if arm.columns is not None:

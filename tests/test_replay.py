@@ -214,10 +214,11 @@ def test_cli_writes_results_file_with_header_and_engine_counters(fake, tmp_path)
     # only the two ok requests reached the cache: 128 + 256 queried, half of each hit
     assert header["engine_prefix_cache"] == {"queries": 384, "hits": 192}
     assert len(records) == 3
-    keys = {"request_id", "session", "turn", "arrival", "sent_at", "input_tokens",
+    # store.results.RequestResult's fields that replay reports, in the file's order as ever
+    keys = ["request_id", "session", "turn", "arrival", "sent_at", "input_tokens",
             "output_tokens", "status", "http_status", "error", "ttft_ms", "e2e_ms", "tpot_ms",
-            "cached_tokens", "instance", "route_class", "arm"}
-    assert all(set(r) == keys for r in records)
+            "cached_tokens", "instance", "route_class", "arm"]
+    assert all(list(r) == keys for r in records)
     bad = next(r for r in records if r["session"] == "bad")
     assert bad["status"] == "error" and bad["http_status"] == 500 and "boom" in bad["error"]
     assert bad["ttft_ms"] is None

@@ -168,7 +168,7 @@ def test_report_user_errors_are_one_line(tmp_path, capsys, make, args_tail, mess
 
 
 def test_report_db_arms_come_from_store_queries(tmp_path, capsys, monkeypatch):
-    # store.queries belongs to another module; stand in for its contract here.
+    # store.arms belongs to another module; stand in for its contract here.
     import sys
     import types
     from dataclasses import dataclass
@@ -185,7 +185,7 @@ def test_report_db_arms_come_from_store_queries(tmp_path, capsys, monkeypatch):
         calls.append((db_path, run_id))
         return [FakeArm("lmetric@1", RECORDS, {"value": 0.9, "source": "engine"}),
                 FakeArm("unified@2", [], None)]  # a segment with no outcomes: left out, said so
-    monkeypatch.setitem(sys.modules, "store.queries",
+    monkeypatch.setitem(sys.modules, "store.arms",
                         types.SimpleNamespace(arms_from_db=arms_from_db))
     db = tmp_path / "kvtop.db"
     db.write_bytes(b"")

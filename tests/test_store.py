@@ -13,7 +13,14 @@ import sqlite3
 import pytest
 
 from kvtop.cli import main
-from store import queries as q
+from store.arms import arms_from_db
+from store.errors import QueryError
+from store.export import export
+from store.logs import is_flat, open_readonly, parse_time, resolve_run
+from store.reads import decisions, segments
+from store.results import RECORD_KEYS
+from store.sandbox import run_sql
+from store.summary import summary
 from store.writer import Writer
 
 # Run r1: lmetric@1 for four requests, then a live swap to unified@2 (one request retried).
@@ -70,7 +77,7 @@ def db_path(tmp_path, request):
 
 @pytest.fixture
 def db(db_path):
-    return q.open_readonly(db_path)
+    return open_readonly(db_path)
 
 
 # -- decisions filters ------------------------------------------------------------------
@@ -93,14 +100,14 @@ def db(db_path):
 ])
 def test_decisions_filters(db, filters, expected):
     if expected is None:
-        with pytest.raises(q.QueryError):
-            q.decisions(db, **filters)
+        with pytest.raises(QueryError):
+            decisions(db, **filters)
         return
-    assert [r["request_id"] for r in q.decisions(db, **filters)] == expected
+    assert [r["request_id"] for r in decisions(db, **filters)] == expected
 
 
 def test_decision_carries_its_attempts_outcome(db):
-    first, retry = sorted(q.decisions(db, run="r1", session="s1", since=200), key=lambda r: r["attempt"])
+    first, retry = sorted(decisions(db, run="r1", session="s1", since=200), key=lambda r: r["attempt"])
     # Joined on (request_id, attempt): the first try failed upstream, the retry succeeded.
     assert (first["status"], first["ttft_ms"]) == ("upstream_error", None)
     assert (retry["status"], retry["ttft_ms"], retry["instance"]) == ("ok", 400.0, "b")
@@ -109,22 +116,22 @@ def test_decision_carries_its_attempts_outcome(db):
 
 def test_run_prefix_resolves_when_unique(tmp_path):
     path = _write(tmp_path / "p.db", {"run-abc123": (1.0, R2)})
-    assert q.resolve_run(q.open_readonly(path), "run-abc") == "run-abc123"
+    assert resolve_run(open_readonly(path), "run-abc") == "run-abc123"
 
 
 # -- segments and summary ---------------------------------------------------------------
 def test_segments_split_at_the_policy_swap(db):
-    segs = q.segments(db, "r1")
+    segs = segments(db, "r1")
     assert [(s["label"], s["decisions"], s["requests"], s["start_ts"], s["end_ts"]) for s in segs] == [
         ("lmetric@1", 4, 4, 100.0, 103.0),
         ("unified@2", 3, 2, 200.0, 202.0),  # the retry is a decision, not a request
     ]
     # No run given: the latest run (r2), one segment.
-    assert [s["label"] for s in q.segments(db)] == ["lmetric@1"] and q.segments(db)[0]["run_id"] == "r2"
+    assert [s["label"] for s in segments(db)] == ["lmetric@1"] and segments(db)[0]["run_id"] == "r2"
 
 
 def test_summary_counts_percentiles_and_regrets(db):
-    lm, un = q.summary(db, "r1")["segments"]
+    lm, un = summary(db, "r1")["segments"]
     assert lm["reasons"] == {"argmin": 3, "tie_rr": 1}
     assert lm["route_classes"] == {"WARM": 2, "MEDIUM": 2}
     assert lm["statuses"] == {"ok": 3, "error": 1} and lm["errors"] == 1
@@ -152,7 +159,7 @@ def test_summary_counts_percentiles_and_regrets(db):
 
 def test_summary_of_a_segment_without_ok_outcomes(tmp_path):
     rows = [R2[1]]  # a single timeout
-    s = q.summary(q.open_readonly(_write(tmp_path / "t.db", {"x": (1.0, rows)})))["segments"][0]
+    s = summary(open_readonly(_write(tmp_path / "t.db", {"x": (1.0, rows)})))["segments"][0]
     assert s["ttft_ms"] == {"n": 0, "p50": None, "p90": None, "p99": None}
     assert s["statuses"] == {"timeout": 1} and s["hits"]["mean_estimate_error"] is None
 
@@ -181,11 +188,11 @@ def test_flat_and_joined_layouts_agree_exactly(tmp_path, n, seed):
     # The index-walk percentiles and the outcome-only sums must equal the joined, sorted ones
     # bit for bit, at every size (1 and 2 values are the edge ranks).
     rows = _random_run(n, seed)
-    flat = q.open_readonly(_write(tmp_path / "f.db", {"r": (0.0, rows)}, flat=True))
-    joined = q.open_readonly(_write(tmp_path / "j.db", {"r": (0.0, rows)}, flat=False))
-    assert q._flat(flat, "r") and not q._flat(joined, "r")
-    assert q.summary(flat) == q.summary(joined)
-    a, b = q.arms_from_db(flat), q.arms_from_db(joined)
+    flat = open_readonly(_write(tmp_path / "f.db", {"r": (0.0, rows)}, flat=True))
+    joined = open_readonly(_write(tmp_path / "j.db", {"r": (0.0, rows)}, flat=False))
+    assert is_flat(flat, "r") and not is_flat(joined, "r")
+    assert summary(flat) == summary(joined)
+    a, b = arms_from_db(flat), arms_from_db(joined)
     assert [(x.label, x.records, x.apc, x.missing_outcomes) for x in a] == \
         [(x.label, x.records, x.apc, x.missing_outcomes) for x in b]
 
@@ -193,8 +200,7 @@ def test_flat_and_joined_layouts_agree_exactly(tmp_path, n, seed):
 def _random_report_run(n: int, seed: int, tiny: bool) -> list:
     """n requests for the seed table: three segments, several classes and instances, fractional
     latencies with ties, failures, and retries of ok attempts too (so the superseded values
-    sit among the ranks). ``tiny``: some sub-millisecond TTFTs, which the exact SQL sum
-    cannot split and so sums from fetched values."""
+    sit among the ranks). ``tiny``: some sub-millisecond TTFTs among them."""
     import random
     rnd = random.Random(seed)
     rows = []
@@ -215,10 +221,11 @@ def _random_report_run(n: int, seed: int, tiny: bool) -> list:
 @pytest.mark.parametrize("n, seed, tiny", [(1, 0, False), (2, 1, False), (5, 2, True), (60, 3, False),
                                            (500, 4, False), (500, 5, True)])
 def test_report_columns_equal_the_records(tmp_path, n, seed, tiny):
-    # kvtop report --db computes from SQL aggregates and index ranks; every figure must equal
-    # the records' bit for bit (means too), with superseded attempts and unanswered retries.
+    # kvtop report --db computes from SQL counts and each latency column loaded in index
+    # order; every figure must equal the records' bit for bit (means too), with superseded
+    # attempts and unanswered retries.
     from kvtop import seedtable
-    arms = q.arms_from_db(_write(tmp_path / "r.db", {"r": (0.0, _random_report_run(n, seed, tiny))}))
+    arms = arms_from_db(_write(tmp_path / "r.db", {"r": (0.0, _random_report_run(n, seed, tiny))}))
     assert arms
     for arm in arms:
         assert arm.columns is not None and arm._records is None  # no records built yet
@@ -227,7 +234,7 @@ def test_report_columns_equal_the_records(tmp_path, n, seed, tiny):
         assert arm.columns.delivered_tokens == (
             sum(r["cached_tokens"] for r in arm.records if r["cached_tokens"] is not None and r["input_tokens"]),
             sum(r["input_tokens"] for r in arm.records if r["cached_tokens"] is not None and r["input_tokens"]))
-    joined = q.arms_from_db(_write(tmp_path / "j.db", {"r": (0.0, _random_report_run(n, seed, tiny))}, flat=False))
+    joined = arms_from_db(_write(tmp_path / "j.db", {"r": (0.0, _random_report_run(n, seed, tiny))}, flat=False))
     assert [(a.label, a.records, a.apc, a.missing_outcomes) for a in joined] == \
         [(a.label, a.records, a.apc, a.missing_outcomes) for a in arms]
 
@@ -237,15 +244,15 @@ def test_old_rows_in_a_new_file_fall_back_to_the_join(tmp_path):
     path = tmp_path / "mixed.db"
     _write(path, {"r1": (99.0, R1)}, flat=False)
     _write(path, {"r2": (1000.0, R2)}, flat=True)
-    db = q.open_readonly(path)
-    assert not q._flat(db, "r1") and q._flat(db, "r2")
-    lm, un = q.summary(db, "r1")["segments"]
+    db = open_readonly(path)
+    assert not is_flat(db, "r1") and is_flat(db, "r2")
+    lm, un = summary(db, "r1")["segments"]
     assert lm["statuses"] == {"ok": 3, "error": 1} and un["ttft_ms"]["p50"] == 700.0
 
 
 # -- arms for kvtop report --db ------------------------------------------------------------
 def test_arms_from_db_records_are_final_attempts(db_path):
-    arms = q.arms_from_db(db_path, "r1")
+    arms = arms_from_db(db_path, "r1")
     assert [a.label for a in arms] == ["lmetric@1", "unified@2"]
     lm, un = arms
     assert [r["request_id"] for r in lm.records] == ["q1", "q2", "q3", "q4"]
@@ -256,19 +263,20 @@ def test_arms_from_db_records_are_final_attempts(db_path):
                              "output_tokens": 40, "status": "ok", "ttft_ms": 400.0, "e2e_ms": 4000.0,
                              "tpot_ms": 5.0, "cached_tokens": 0, "instance": "b", "route_class": "WARM",
                              "arm": "unified@2"}
-    assert set(lm.records[0]) == set(q.RECORD_KEYS)
+    # store.results.RequestResult's core fields, in its order (built by hand for speed: checked here)
+    assert list(lm.records[0]) == list(RECORD_KEYS)
     # No samples: APC = delivered / input over requests that report it: (0+800)/(1000+2000).
     assert lm.apc == {"value": pytest.approx(800 / 3000), "source": "delivered_cached_tokens"}
     assert un.apc == {"value": 0.0, "source": "delivered_cached_tokens"}
     # Default: the latest run.
-    assert [len(a.records) for a in q.arms_from_db(db_path)] == [2]
+    assert [len(a.records) for a in arms_from_db(db_path)] == [2]
 
 
 def test_arms_apc_prefers_engine_counters(tmp_path):
     samples = [{"run_id": "r1", "ts": 101.0, "instance": "a", "engine_hit_rate": 0.4},
                {"run_id": "r1", "ts": 102.0, "instance": "b", "engine_hit_rate": 0.6},
                {"run_id": "r1", "ts": 102.5, "instance": "b", "engine_hit_rate": None}]  # not reported
-    arms = q.arms_from_db(_write(tmp_path / "s.db", {"r1": (99.0, R1)}, samples))
+    arms = arms_from_db(_write(tmp_path / "s.db", {"r1": (99.0, R1)}, samples))
     # Samples fall inside lmetric@1's time range only; unified@2 falls back to delivered.
     assert arms[0].apc == {"value": pytest.approx(0.5), "source": "engine_counters"}
     assert arms[1].apc["source"] == "delivered_cached_tokens"
@@ -277,16 +285,16 @@ def test_arms_apc_prefers_engine_counters(tmp_path):
 def test_decisions_without_outcomes_are_counted_not_dropped(tmp_path):
     rows = R2 + [(1003.0, "p3", 1, "t1", 3, "lmetric", 1, "a", "argmin", "WARM", 700, 600, 600, None)]
     path = _write(tmp_path / "n.db", {"r2": (1000.0, rows)})
-    seg = q.summary(q.open_readonly(path))["segments"][0]
+    seg = summary(open_readonly(path))["segments"][0]
     assert seg["statuses"] == {"ok": 1, "timeout": 1, "no_outcome": 1} and seg["errors"] == 1
     assert seg["hits"]["routing_regret"] == 100 + 0  # p2 500-400, p3 600-600: decisions count
-    (arm,) = q.arms_from_db(path)
+    (arm,) = arms_from_db(path)
     assert [r["request_id"] for r in arm.records] == ["p1", "p2"] and arm.missing_outcomes == 1
 
 
 def test_arms_unknown_run_is_a_lookup_error(db_path):
     with pytest.raises(LookupError, match="no run"):  # what kvtop report --db catches
-        q.arms_from_db(db_path, "nope")
+        arms_from_db(db_path, "nope")
 
 
 # -- read-only guarantee and bad files ------------------------------------------------------
@@ -305,24 +313,24 @@ def _digest(path) -> str:
 ])
 def test_run_sql_refuses_writes_and_reports_errors(db_path, sql, message):
     before = _digest(db_path)
-    with pytest.raises(q.QueryError, match=message):
-        q.run_sql(q.open_readonly(db_path), sql)
+    with pytest.raises(QueryError, match=message):
+        run_sql(open_readonly(db_path), sql)
     assert _digest(db_path) == before
 
 
 def test_readonly_connection_cannot_write(db_path):
     before = _digest(db_path)
-    db = q.open_readonly(db_path)
+    db = open_readonly(db_path)
     with pytest.raises(sqlite3.OperationalError):  # the connection itself, no checks in between
         db.conn.execute("UPDATE runs SET port = 1")
     assert _digest(db_path) == before
 
 
 def test_run_sql_reads(db):
-    cols, rows = q.run_sql(db, "-- by reason\nSELECT reason, count(*) AS n FROM decisions "
+    cols, rows = run_sql(db, "-- by reason\nSELECT reason, count(*) AS n FROM decisions "
                                "WHERE run_id = ? GROUP BY reason ORDER BY n DESC, reason", ["r1"])
     assert cols == ["reason", "n"] and rows[0] == ("argmin", 3)
-    assert q.run_sql(db, "PRAGMA table_info(runs)")[1][0][1] == "run_id"
+    assert run_sql(db, "PRAGMA table_info(runs)")[1][0][1] == "run_id"
 
 
 @pytest.mark.parametrize("content, message", [
@@ -336,8 +344,8 @@ def test_bad_files_are_clear_errors(tmp_path, content, message):
         sqlite3.connect(path).execute("CREATE TABLE t (a)").connection.commit()
     elif content is not None:
         path.write_bytes(content)
-    with pytest.raises(q.QueryError, match=message):
-        q.open_readonly(path)
+    with pytest.raises(QueryError, match=message):
+        open_readonly(path)
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -345,26 +353,26 @@ def test_bad_files_are_clear_errors(tmp_path, content, message):
     ("1700000000", 1.7e9), ("2024-01-01T00:00:00+00:00", 1704067200.0),
 ])
 def test_parse_time(text, expected):
-    assert q.parse_time(text, now=1000.0) == expected
+    assert parse_time(text, now=1000.0) == expected
 
 
 def test_parse_time_rejects_garbage():
-    with pytest.raises(q.QueryError, match="cannot read time"):
-        q.parse_time("yesterday-ish")
+    with pytest.raises(QueryError, match="cannot read time"):
+        parse_time("yesterday-ish")
 
 
 # -- export --------------------------------------------------------------------------
 def test_export_table_and_query(db, tmp_path):
     out = tmp_path / "o.csv"
-    assert q.export(db, "outcomes", "csv", out) == 9
+    assert export(db, "outcomes", "csv", out) == 9
     lines = out.read_text().splitlines()
     assert lines[0].startswith("id,run_id,ts,request_id") and len(lines) == 10
     out2 = tmp_path / "o.jsonl"
-    assert q.export(db, "SELECT request_id, status FROM outcomes WHERE status != 'ok' ORDER BY id",
+    assert export(db, "SELECT request_id, status FROM outcomes WHERE status != 'ok' ORDER BY id",
                     "jsonl", out2) == 3  # q4 error, q5 upstream_error, p2 timeout
     assert json.loads(out2.read_text().splitlines()[0]) == {"request_id": "q4", "status": "error"}
-    with pytest.raises(q.QueryError, match="no table"):
-        q.export(db, "nope", "csv", tmp_path / "n.csv")
+    with pytest.raises(QueryError, match="no table"):
+        export(db, "nope", "csv", tmp_path / "n.csv")
 
 
 # -- the CLI ---------------------------------------------------------------------------
