@@ -53,6 +53,8 @@ class RecordedRun:
     shadows: list[str]  # shadow policies recorded in the run
     skipped: dict[str, int] = field(default_factory=dict)  # why requests could not be re-run
     total: int = 0  # first attempts in the run
+    #: policy and knob changes made while it ran (ts, kind, who): not replayed
+    changes: list[tuple[float, str, str]] = field(default_factory=list)
 
 
 def load_run(path: str | Path, run_id: str | None = None) -> RecordedRun:
@@ -122,7 +124,7 @@ def load_run(path: str | Path, run_id: str | None = None) -> RecordedRun:
                          "arm": "recorded"})
     return RecordedRun(run_id=rid, policies=policies, knobs=dict(config.get("knobs") or {}),
                        instances=instances, block_size=block_size, requests=requests, recorded=recorded,
-                       shadows=shadows, skipped=skipped, total=len(rows))
+                       shadows=shadows, skipped=skipped, total=len(rows), changes=list(got.changes))
 
 
 #: The block size of the chains handed to the simulator (see FineChains).
@@ -458,6 +460,11 @@ def format_report(run: RecordedRun, speed: float, speed_note: str, rows: list[tu
     lines.append(f"recorded policy: {', '.join(run.policies)}; instances: {len(run.instances)}; "
                  f"time scale: engine = wall x {speed:.4g} ({speed_note}); figures in the run's wall time")
     lines.append(f"router features, as recorded, in every arm: {features}")
+    if run.changes:
+        who = ", ".join(sorted({w for _, _, w in run.changes}))
+        lines.append(f"note: the run's policy or knobs changed {len(run.changes)} time(s) while it ran ({who}); "
+                     "every arm re-runs its STARTING settings, so figures after the first change "
+                     "compare different setups")
     if replicas > 1:
         lines.append(f"simulated: mean ± 95% interval over {replicas} replicas (replica 0 as recorded, the "
                      f"others with each session shifted by up to ±{jitter_s:g} engine seconds)")

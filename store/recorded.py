@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,9 @@ class RecordedRows:
     #: per request, its last attempt's outcome: request_id, attempt, instance, status, stream,
     #: ttft_ms, e2e_ms, tpot_ms, output_tokens, delivered_hit_tokens, t_recv, t_done
     outcomes: dict[str, sqlite3.Row]
+    #: the run's policy and knob changes made while it ran (config_events): (ts, kind, who);
+    #: what-if replays the starting settings and says these were not replayed
+    changes: list[tuple[float, str, str]] = field(default_factory=list)
 
 
 def _connect(path: str | Path) -> sqlite3.Connection:
@@ -81,6 +84,12 @@ def read_recorded_run(path: str | Path, run_id: str | None = None) -> RecordedRo
                 "output_tokens, delivered_hit_tokens, t_recv, t_done FROM outcomes "
                 "WHERE run_id = ? ORDER BY attempt", (rid,)):
             outs[o["request_id"]] = o  # the last attempt's outcome is the request's
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        changes = [] if "config_events" not in tables else [
+            (r["ts"], r["kind"], r["who"]) for r in conn.execute(
+                "SELECT ts, kind, who FROM config_events WHERE run_id = ? AND kind IN ('policy', 'knobs') "
+                "ORDER BY ts", (rid,))]
     finally:
         conn.close()
-    return RecordedRows(run_id=rid, config=config, backends=backends, decisions=rows, outcomes=outs)
+    return RecordedRows(run_id=rid, config=config, backends=backends, decisions=rows, outcomes=outs,
+                        changes=changes)

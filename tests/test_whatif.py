@@ -162,3 +162,31 @@ def test_cli_from_db_errors_are_one_line(tmp_path, capsys, argv, msg):
     assert main(["simulate", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and msg in err[0], err
+
+
+async def test_from_db_reruns_the_recorded_features_and_says_so(router, tmp_path, capsys, monkeypatch):
+    """A run recorded with offload and admission on is re-simulated with both on (it was
+    re-run with both off and validated as if it were the same setup), and a knob changed
+    while the run went is named as not replayed."""
+    import kvtop.simulate as sim_mod
+
+    c = await router(2, db=True, knobs={"offload_mode": "simple", "admission": "fifo",
+                                        "offload_threshold": "3000"})
+    db = await _record(c)
+    st = c.server.app[STATE]
+    st.set_policy(None, {"admission_budget_tokens": 9000}, "test", merge=True)
+    st.writer.flush()
+    seen = []
+    real = sim_mod.simulate
+
+    def spy(requests, policy, cfg, **kw):
+        seen.append(cfg)
+        return real(requests, policy, cfg, **kw)
+
+    monkeypatch.setattr(sim_mod, "simulate", spy)
+    assert main(["simulate", "--from-db", db, "--speed", "1000", "--profile", "h20"]) == 0
+    out = capsys.readouterr().out
+    assert seen and all(cfg.features.get("offload_mode") == "simple" and cfg.features.get("admission") == "fifo"
+                        and str(cfg.features.get("offload_threshold")) == "3000" for cfg in seen)
+    assert "router features, as recorded, in every arm: offload simple (threshold 3000), admission fifo" in out
+    assert "changed 1 time(s) while it ran (test)" in out
