@@ -2,8 +2,9 @@
 
 Builds a synthetic run (agentic sessions, several policy segments, retries, errors, NULL
 delivered hits) in a temp dir, then times what operators and ``kvtop report --db`` run:
-``kvtop log summary``, ``kvtop report --db`` (seed table from SQL aggregates and index
-ranks), ``arms_from_db`` with its records built (what ``--plot`` reads) and filtered
+``kvtop log summary``, ``kvtop report --db`` (seed table from SQL counts and the latency
+columns loaded in index order), ``arms_from_db`` with its records built (what ``--plot``
+reads) and filtered
 ``kvtop log decisions``.
 Generation time is not the figure. Target: <= 2 s each.
 

@@ -48,7 +48,7 @@ def mean(values: Sequence[float]) -> float | None:
 # --- column sources -----------------------------------------------------------------------
 # Every figure below is a count, a sum, or a k-th smallest value of one column over one arm's
 # requests. A source answers those three questions; records answer them from a list, the
-# decision log (store.arms) from SQL aggregates and index ranks, without a dict per request.
+# decision log (store.arms) from SQL counts and latency columns, without a dict per request.
 
 class Values(Protocol):
     """One column's present values over a set of requests."""

@@ -74,7 +74,8 @@ def arms_from_db(db_path: str | Path | sqlite_utils.Database, run_id: str | None
     cached tokens (``delivered_cached_tokens``), else None.
 
     When every outcome of the run carries its decision's columns, each Arm's ``columns``
-    computes the seed table from aggregates and index ranks and ``records`` waits until asked;
+    computes the seed table from grouped counts and the latency columns, loaded in index
+    order when first asked, and ``records`` waits until asked;
     older files (and outcomes without a route class) build the records at once.
     """
     db = as_db(db_path)

@@ -161,13 +161,14 @@ INDEXES: list[tuple[str, list[str]]] = [
     ("decisions", ["policy", "policy_version"]),
     ("outcomes", ["request_id"]),
     ("outcomes", ["run_id", "ts"]),
-    # A segment's ok latencies in order: exact percentiles by walking the index, no sort.
-    # The trailing hit columns make it cover the summary's per-segment sums too.
+    # A segment's ok latencies in order: percentiles by walking the index (log summary) or
+    # the column loaded already sorted (report --db). The trailing hit columns make it cover
+    # the summary's per-segment sums too.
     ("outcomes", ["run_id", "policy", "policy_version", "status", "ttft_ms",
                   "delivered_hit_tokens", "est_hit_tokens"]),
     ("outcomes", ["run_id", "policy", "policy_version", "status", "e2e_ms"]),
-    # kvtop report --db: TPOT ranks; counts and TTFT sums and ranks per route class; requests,
-    # delivered hits, E2E sums and TPOT counts per instance. Each a covering pass, no sort.
+    # kvtop report --db: TPOT in order; counts and TTFT in order per route class; requests
+    # and delivered hits per instance. Each a covering pass, no sort.
     ("outcomes", ["run_id", "policy", "policy_version", "status", "tpot_ms"]),
     ("outcomes", ["run_id", "policy", "policy_version", "status", "route_class", "ttft_ms"]),
     ("outcomes", ["run_id", "policy", "policy_version", "instance", "status",
