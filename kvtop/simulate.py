@@ -56,6 +56,7 @@ from router.pipeline import ERROR, OK, PREFILL, UPSTREAM_ERROR, Flow
 from router.policies import DEFAULT_POLICY
 from router.request import RouteRequest
 from router.settings import Settings, settings_for
+from store.results import RequestResult
 
 
 @dataclass
@@ -118,26 +119,25 @@ class _Results:
 
     def refused(self, r: RouteRequest, turn: int, t: float, error: str) -> None:
         """No instance could take it (nothing was charged, so no outcome row exists)."""
-        self.records.append({"request_id": r.request_id, "session": r.session_id, "turn": turn, "arrival": t,
-                             "input_tokens": r.input_tokens, "output_tokens": 0, "status": "error",
-                             "error": error, "instance": None, "arm": self.arm,
-                             "route_class": route_class(r.input_tokens)})
+        self.records.append(RequestResult(
+            request_id=r.request_id, session=r.session_id, turn=turn, arrival=t, input_tokens=r.input_tokens,
+            output_tokens=0, status="error", error=error, route_class=route_class(r.input_tokens),
+            arm=self.arm).as_record())
 
     def outcome(self, d, o) -> None:
         r = d.request
         ok = o.status == OK
         if d.attempt > 1:  # a retry: the request's record is its last attempt's (as the log's reports)
             self.records = [x for x in self.records if x["request_id"] != r.request_id]
-        self.records.append({
-            "request_id": r.request_id, "session": r.session_id, "turn": d.turn, "arrival": o.t_recv,
-            "input_tokens": r.input_tokens, "output_tokens": o.output_tokens or 0, "status": o.status,
-            "error": o.error, "ttft_ms": o.ttft_ms, "e2e_ms": o.e2e_ms if ok else None,
-            "tpot_ms": o.tpot_ms, "cached_tokens": o.delivered_hit_tokens, "instance": d.instance_name,
-            "route_class": d.extra.get("route_class", r.route_class),
-            "prefill_instance": d.extra.get("prefill_instance") if d.extra.get("offload") else None,
-            "admission_wait_ms": o.admission_wait_ms, "prefill_leg_ms": o.prefill_leg_ms,
-            "arm": self.arm,
-        })
+        self.records.append(RequestResult(
+            request_id=r.request_id, session=r.session_id, turn=d.turn, arrival=o.t_recv,
+            input_tokens=r.input_tokens, output_tokens=o.output_tokens or 0, status=o.status,
+            error=o.error, ttft_ms=o.ttft_ms, e2e_ms=o.e2e_ms if ok else None,
+            tpot_ms=o.tpot_ms, cached_tokens=o.delivered_hit_tokens, instance=d.instance_name,
+            route_class=d.extra.get("route_class", r.route_class),
+            prefill_instance=d.extra.get("prefill_instance") if d.extra.get("offload") else None,
+            admission_wait_ms=o.admission_wait_ms, prefill_leg_ms=o.prefill_leg_ms,
+            arm=self.arm).as_record())
 
 
 #: The cyclic GC's first threshold while a simulation runs. A run allocates millions of

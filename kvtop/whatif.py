@@ -35,6 +35,7 @@ from kvtop.traces.loader import TraceRequest
 from store.chains import ChainDecoder
 from store.errors import CliError
 from store.recorded import read_recorded_run
+from store.results import RequestResult
 from store.stats import percentile
 
 #: Requests the speed fit uses at most (each is one short engine run).
@@ -115,13 +116,12 @@ def load_run(path: str | Path, run_id: str | None = None) -> RecordedRun:
                                      hash_ids=fine.chain(sess, row["request_id"], chain, row["input_tokens"]),
                                      block_size=FINE_BLOCK, think_time=think,
                                      source=f"db:{rid}"))
-        recorded.append({"request_id": row["request_id"], "session": sess, "turn": row["turn"], "arrival": t,
-                         "input_tokens": row["input_tokens"], "output_tokens": o["output_tokens"],
-                         "status": "ok", "ttft_ms": o["ttft_ms"], "e2e_ms": o["e2e_ms"], "tpot_ms": o["tpot_ms"],
-                         "cached_tokens": o["delivered_hit_tokens"], "instance": o["instance"],
-                         "route_class": row["route_class"], "stream": o["stream"],
-                         "t_done": last_done[sess],
-                         "arm": "recorded"})
+        recorded.append(RequestResult(
+            request_id=row["request_id"], session=sess, turn=row["turn"], arrival=t,
+            input_tokens=row["input_tokens"], output_tokens=o["output_tokens"], status="ok",
+            ttft_ms=o["ttft_ms"], e2e_ms=o["e2e_ms"], tpot_ms=o["tpot_ms"],
+            cached_tokens=o["delivered_hit_tokens"], instance=o["instance"], route_class=row["route_class"],
+            stream=o["stream"], t_done=last_done[sess], arm="recorded").as_record())
     return RecordedRun(run_id=rid, policies=policies, knobs=dict(config.get("knobs") or {}),
                        instances=instances, block_size=block_size, requests=requests, recorded=recorded,
                        shadows=shadows, skipped=skipped, total=len(rows), changes=list(got.changes))
