@@ -196,6 +196,9 @@ class Control:
                        "assumed_prefill_tps": tps, "block_size": cfg.block_size,
                        "viewers": len(self.broadcaster.viewers),
                        "decision_log": st.writer.health() if st.writer is not None else None},
+            # background work down or dead lately (router/supervise.py) and a decision log
+            # losing rows: empty when all is well; the dashboard's header shows it
+            "degraded": st.degraded(), "tasks": st.supervisor.snapshot(),
             "instances": instances, "totals": tot, "affinity": self.affinity(now),
             "requests": dict(st.counts), "decisions_by_reason": dict(m.reasons),
             "outcomes_by_status": dict(st.outcome_counts),

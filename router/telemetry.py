@@ -488,6 +488,21 @@ class RouterCollector:
         for status, n in sorted(m.outcomes.items()):
             family.add_metric([status], n)
         yield family
+        sup = getattr(st, "supervisor", None)
+        if sup is not None:
+            deaths = CounterMetricFamily("kvtop_background_task_deaths_total", "times a background task "
+                                         "(KV subscriber, health probe, telemetry, writer, parser worker) died; "
+                                         "each was logged and restarted (router/supervise.py)", labels=["task", "kind"])
+            down = GaugeMetricFamily("kvtop_background_task_degraded", "1 while the task is down or died in "
+                                     "the last minute (the state's degraded list)", labels=["task", "kind"])
+            bad = {d["task"] for d in st.degraded()}
+            for h in sup.tasks.values():
+                deaths.add_metric([h.name, h.kind], h.deaths)
+                down.add_metric([h.name, h.kind], int(h.name in bad))
+            if st.writer is not None:
+                down.add_metric(["decision-log", "writer"], int("decision-log" in bad))
+            yield deaths
+            yield down
         writer = st.writer.health() if st.writer is not None else None
         if writer is not None:
             for kind, name, doc, key in (
@@ -635,6 +650,10 @@ class Telemetry:
             await asyncio.get_running_loop().run_in_executor(None, self.gpu.init)
         else:
             self.gpu.reason = "NVML not used: no backend is mapped with @gpu=N"
+        sup = getattr(self.state, "supervisor", None)
+        if sup is not None:  # the poller catches each round's errors; this catches the rest
+            return sup.spawn("telemetry", self.run, kind="telemetry",
+                             fallback="restarted; engine figures go stale meanwhile")
         return asyncio.get_running_loop().create_task(self.run(), name="kvtop-telemetry")
 
     async def stop(self, task: asyncio.Task) -> None:

@@ -55,6 +55,9 @@ class Writer:
         self.rows_failed = 0
         self.rows_dropped = 0
         self.batches = 0
+        self.thread_deaths = 0  # write windows that failed outside SQLite (the thread went on)
+        self._in_hand: tuple[list, list] | None = None
+        self._stop_seen = False
         self.last_error: str | None = None
         self.last_problem_at = 0.0  # monotonic time of the last drop or failed write
         self._written_enqueued_at: float | None = None  # enqueue time of the newest row written
@@ -108,6 +111,7 @@ class Writer:
         recent = self.last_problem_at and now - self.last_problem_at < DEGRADED_WINDOW_S
         return {"rows_written": self.rows_written, "rows_queued": queued, "rows_dropped": self.rows_dropped,
                 "rows_failed": self.rows_failed, "max_queued": self.max_queued, "batches": self.batches,
+                "thread_deaths": self.thread_deaths,
                 "last_error": self.last_error, "lag_s": round(lag, 3),
                 "degraded": bool(recent) or lag > DEGRADED_LAG_S}
 
@@ -136,49 +140,80 @@ class Writer:
         self._ready.set()
         stopping = False
         while not stopping:
-            batch: list = []
-            markers: list[threading.Event] = []
             try:
-                item = self._queue.get(timeout=self.flush_interval)
+                stopping = self._step(conn)
+            except Exception as exc:  # noqa: BLE001 - the thread must outlive any one batch
+                self._step_died(exc, conn)
+                stopping = self._stop_seen
+        conn.close()
+
+    def _step(self, conn: sqlite3.Connection) -> bool:
+        """One window: take what is queued, write it, wake the flush waiters. True: stop."""
+        stopping = False
+        batch: list = []
+        markers: list[threading.Event] = []
+        self._in_hand = (batch, markers)
+        try:
+            item = self._queue.get(timeout=self.flush_interval)
+        except queue.Empty:
+            return False
+        deadline = time.monotonic() + self.flush_interval
+        # One wake per window, not one per row: rows queued meanwhile are drained below
+        # without blocking. (A blocking get per row woke this thread on every put, and each
+        # wake took the GIL from the event loop in the middle of a request.)
+        if self._queue.qsize() < self.max_batch and not self._urgent.is_set():
+            self._urgent.wait(max(0.0, deadline - time.monotonic()))
+        self._urgent.clear()
+        while True:
+            if item is _STOP:
+                stopping = self._stop_seen = True
+            elif isinstance(item, threading.Event):
+                markers.append(item)
+                break  # write what came before the marker, then wake the waiter
+            else:
+                batch.append(item)
+            if stopping or len(batch) >= self.max_batch:
+                break
+            try:
+                item = self._queue.get_nowait()
             except queue.Empty:
-                continue
-            deadline = time.monotonic() + self.flush_interval
-            # One wake per window, not one per row: rows queued meanwhile are drained below
-            # without blocking. (A blocking get per row woke this thread on every put, and each
-            # wake took the GIL from the event loop in the middle of a request.)
-            if self._queue.qsize() < self.max_batch and not self._urgent.is_set():
-                self._urgent.wait(max(0.0, deadline - time.monotonic()))
-            self._urgent.clear()
+                break
+        if stopping:
+            # Drain whatever is still queued behind the stop request.
             while True:
-                if item is _STOP:
-                    stopping = True
-                elif isinstance(item, threading.Event):
-                    markers.append(item)
-                    break  # write what came before the marker, then wake the waiter
-                else:
-                    batch.append(item)
-                if stopping or len(batch) >= self.max_batch:
-                    break
                 try:
                     item = self._queue.get_nowait()
                 except queue.Empty:
                     break
-            if stopping:
-                # Drain whatever is still queued behind the stop request.
-                while True:
-                    try:
-                        item = self._queue.get_nowait()
-                    except queue.Empty:
-                        break
-                    if isinstance(item, threading.Event):
-                        markers.append(item)
-                    elif item is not _STOP:
-                        batch.append(item)
-            if batch:
-                self._write(conn, batch)
-            for m in markers:
-                m.set()
-        conn.close()
+                if isinstance(item, threading.Event):
+                    markers.append(item)
+                elif item is not _STOP:
+                    batch.append(item)
+        if batch:
+            self._write(conn, batch)
+        for m in markers:
+            m.set()
+        self._in_hand = None
+        return stopping
+
+    def _step_died(self, exc: BaseException, conn: sqlite3.Connection) -> None:
+        """A window failed outside SQLite (a bug, a row that cannot be encoded): its rows are
+        counted as failed, logged, its flush waiters woken, and the thread goes on."""
+        if conn.in_transaction:
+            try:
+                conn.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass
+        batch, markers = self._in_hand or ([], [])
+        self._in_hand = None
+        self.thread_deaths += 1
+        self.rows_failed += len(batch)
+        self.last_problem_at = time.monotonic()
+        self.last_error = f"writer loop failed: {exc.__class__.__name__}: {exc}"[:300]
+        log.error("decision log: a write window failed (%s); %d rows lost, the writer goes on",
+                  self.last_error, len(batch), exc_info=True)
+        for m in markers:
+            m.set()
 
     def _insert(self, conn: sqlite3.Connection, table: str, rows: list[tuple]) -> None:
         """Many rows per statement. executemany steps SQLite once per row and gives the GIL
