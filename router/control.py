@@ -155,15 +155,27 @@ class Control:
         tot = {"num_requests": 0, "pending_prefill_tokens": 0, "decode_requests": 0, "decode_tokens": 0,
                "routed_total": 0, "input_tokens_total": 0, "est_hit_tokens_total": 0, "errors_total": 0,
                "request_rate": 0.0, "healthy_instances": 0}
+        cal = st.cluster.calibration
+        backlog_total = 0.0
         for i, s in enumerate(st.cluster.instances):
             it = self.tel.instances[i]
             rates = self.tel.instance_rates(i, now)
+            # backlog seconds at the prefill rate the router measures (router/calibration.py:
+            # the instance's own first tokens, shrunk toward the fleet's while it has few),
+            # the assumed rate only before any instance has a sample; "backlog_source" says which
+            if cal.measured:
+                rate, source = cal.tps(i), ("measured" if cal.samples(i) else "fleet")
+            else:
+                rate, source = tps, "assumed"
+            backlog_s = s.pending_prefill_tokens / rate if rate > 0 else None
+            backlog_total += backlog_s or 0.0
             errors = {"requests_total": s.errors_total, "scrape": it.scrape_error,
                       "scrape_total": it.scrape_errors_total, "gpu": it.gpu_error}
             instances.append({
                 "name": s.name, "url": s.url, "healthy": s.healthy,
                 "num_requests": s.num_requests, "pending_prefill_tokens": s.pending_prefill_tokens,
-                "backlog_s": s.pending_prefill_tokens / tps if tps > 0 else None,
+                "backlog_s": backlog_s, "backlog_source": source,
+                "backlog_prefill_tps": round(rate, 1) if rate > 0 else None,
                 "decode_requests": s.decode_requests, "decode_tokens": s.ongoing_decode_tokens,
                 "ongoing_tokens": s.ongoing_tokens, "routed_total": s.routed_total,
                 "input_tokens_total": s.input_tokens_total, "est_hit_tokens_total": s.est_hit_tokens_total,
@@ -183,7 +195,7 @@ class Control:
             tot["request_rate"] += rates["request_rate"] or 0.0
             tot["healthy_instances"] += s.healthy
         tot["est_hit_rate"] = tot["est_hit_tokens_total"] / tot["input_tokens_total"] if tot["input_tokens_total"] else None
-        tot["backlog_s"] = tot["pending_prefill_tokens"] / tps if tps > 0 else None
+        tot["backlog_s"] = backlog_total  # the instances' own backlog seconds, added up
         tot["in_flight"] = st.cluster.in_flight
         m = self.tel.metrics
         return {
