@@ -110,6 +110,9 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
                           ssl_ca_file=cfg.backend_ca_file)
     state.kv_subscribers = await kv_events.start_subscribers(
         state.cluster, cfg.backends, capacity_tokens=cfg.capacity_tokens, supervisor=state.supervisor)
+    warning = control.token_warning(state)
+    if warning:
+        log.warning("%s", warning)
     try:
         yield
     finally:

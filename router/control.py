@@ -207,17 +207,46 @@ class Control:
                        "readonly": cfg.control_readonly, "draining": st.draining,
                        "assumed_prefill_tps": tps, "block_size": cfg.block_size,
                        "viewers": len(self.broadcaster.viewers),
-                       "decision_log": st.writer.health() if st.writer is not None else None},
+                       "decision_log": st.writer.health() if st.writer is not None else None,
+                       "tokenizer": cfg.tokenizer, "token_warning": token_warning(st)},
             # background work down or dead lately (router/supervise.py) and a decision log
             # losing rows: empty when all is well; the dashboard's header shows it
             "degraded": st.degraded(), "tasks": st.supervisor.snapshot(),
             "instances": instances, "totals": tot, "affinity": self.affinity(now),
             "requests": dict(st.counts), "decisions_by_reason": dict(m.reasons),
+            # exact hits need KV events and the engine's tokens: how many decisions had both
+            "decisions_by_index_source": _by_first(m.sources),
+            "decisions_by_token_source": _by_second(m.sources),
             "outcomes_by_status": dict(st.outcome_counts),
             "shadows": st.shadows.summary(),
             "hit_tokens": {"input": m.input_tokens, "estimated": m.est_hit_tokens, "best": m.best_hit_tokens,
                            "delivered": m.delivered_hit_tokens},
         }
+
+
+def token_warning(st) -> str | None:
+    """Why KV events that flow cannot make text prompts exact, or None when they can."""
+    followed = [b.name for b in st.config.backends if getattr(b, "kv_events", None)]
+    if not followed or st.tokenizer is not None:
+        return None
+    return (f"KV events are followed ({', '.join(followed)}) but there is no --tokenizer: text and chat "
+            f"prompts are counted from a 4-characters-a-token approximation that cannot match the "
+            f"engines' token ids, so their hits come from the estimate (index_source=estimate, "
+            f"token_source=text_approx); pass --tokenizer with the model's tokenizer to make them exact")
+
+
+def _by_first(pairs: dict[tuple[str, str], int]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for (a, _), n in pairs.items():
+        out[a] = out.get(a, 0) + n
+    return out
+
+
+def _by_second(pairs: dict[tuple[str, str], int]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for (_, b), n in pairs.items():
+        out[b] = out.get(b, 0) + n
+    return out
 
 
 def _write_private(path: Path, text: str) -> None:

@@ -280,3 +280,36 @@ def test_a_writer_window_that_fails_outside_sqlite_is_counted_and_the_writer_goe
         assert w.flush(5) and w.health()["rows_written"] == 1  # the thread went on
     finally:
         w.close()
+
+
+# -- exact for real traffic: where tokens cannot match, say so ----------------------------------------
+async def test_kv_events_without_a_tokenizer_warn_and_show_that_text_routes_on_the_estimate(
+        router_client, fake_backends, tmp_path, caplog):
+    fakes = await fake_backends(1)
+    pub = FakePublisher()
+    cfg = RouterConfig(backends=[Backend("i0", fakes[0][1], kv_events=pub.endpoint, kv_replay=pub.replay_endpoint)],
+                       policy="leastwork", block_size=BS, db=None, state_dir=str(tmp_path / "state"))
+    with caplog.at_level(logging.WARNING, logger="kvtop.route"):
+        client = await router_client(create_app(cfg))
+    state = client.server.app[STATE]
+    try:
+        assert any("no --tokenizer" in r.getMessage() for r in caplog.records)  # the startup warning
+        sub = state.kv_subscribers[0]
+        await connected(sub, pub)
+        await wait_for(lambda: sub.state == EXACT)
+        r = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi " * 50}],
+                                                              "max_tokens": 1})
+        assert r.status == 200
+        assert state.ring[-1]["index_source"] == "estimate" and state.ring[-1]["token_source"] == "text_approx"
+        r = await client.post("/v1/completions", json={"prompt": list(range(40)), "max_tokens": 1})
+        assert r.status == 200 and state.ring[-1]["index_source"] == "exact"
+        snap = await (await client.get("/kvtop/v1/state")).json()
+        assert snap["instances"][0]["index_source"] == "exact"  # its events flow...
+        assert "no --tokenizer" in snap["router"]["token_warning"]  # ...but text cannot use them
+        assert snap["decisions_by_index_source"] == {"estimate": 1, "exact": 1}
+        assert snap["decisions_by_token_source"] == {"text_approx": 1, "tokens": 1}
+        metrics = await (await client.get("/metrics")).text()
+        assert _metric(metrics, "kvtop_decisions_by_source_total", index_source="estimate",
+                       token_source="text_approx") == 1
+    finally:
+        await pub.close()
