@@ -101,6 +101,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     cfg = state.config
     if cfg.db:
         state.writer = Writer(cfg.db).start()
+        state.writer.run_id = state.run_id  # for the writer's own log_drop rows
         state.writer.put("runs", state.run_row())
         state.record_config("run", "router", None, {"policy": state.slot.policy.name,
                                                     "version": state.slot.version,
