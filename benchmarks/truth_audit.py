@@ -15,8 +15,8 @@ Then kvtop's views (decision and outcome rows, ``/kvtop/v1/state``, ``/metrics``
 summary``) are compared with that truth and with the client's own observations, and one table
 is printed: figure, kvtop, truth, error. docs/truth.md keeps it.
 
-    python benchmarks/truth_audit.py                  # the table in docs/truth.md
-    python benchmarks/truth_audit.py --turns 3        # quicker
+    python benchmarks/truth_audit.py                  # the table in docs/truth.md (about a minute)
+    python benchmarks/truth_audit.py --turns 2 --speed 20   # quicker
 
 Everything runs in this process on 127.0.0.1 and stops by itself. No ``--tokenizer``: the
 simulator's tokenizer has no Hugging Face files, so text prompts are counted by the router's
@@ -207,6 +207,27 @@ async def completions(c: Client, turns: int, sid: str, seed: int) -> None:
         ids = ids + [(seed + t * 7 + k) % 30_000 for k in range(300)]
 
 
+async def burst(c: Client, n: int, tokens: int, seed: int) -> None:
+    """Cold prompts at once (token ids: nothing cached), so a backlog forms and drains."""
+    await asyncio.gather(*(c.post("backlog_burst", "/v1/completions",
+                                  {"model": "sim-model", "prompt": [(seed + k * 101 + j * 7) % 30_000 for j in range(tokens)],
+                                   "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}},
+                                  headers={"X-Session-ID": f"burst-{seed}-{k}"})
+                           for k in range(n)))
+
+
+async def watch_backlog(url: str, stop: asyncio.Event) -> list[tuple[float, dict]]:
+    """The state's per-instance backlog while a burst runs: (monotonic time, state)."""
+    seen = []
+    async with aiohttp.ClientSession() as http:
+        while not stop.is_set():
+            t = time.monotonic()
+            snap = await (await http.get(url + "/kvtop/v1/state")).json()
+            seen.append((t, snap))
+            await asyncio.sleep(0.005)
+    return seen
+
+
 # -- the run ----------------------------------------------------------------------------------------------
 def _free_port() -> int:
     with socket.socket() as s:
@@ -262,6 +283,19 @@ async def audit(turns: int = 6, *, speed: float = 20.0, blocks: int = 4000, tmp:
         # The clients run on their own loop (a thread): on the router's loop their timings would
         # include waiting behind the router's and the engines' work, not only the answer's.
         sent = await asyncio.to_thread(asyncio.run, clients())
+
+        async def bursts() -> list[Sent]:
+            async with aiohttp.ClientSession() as http:
+                c = Client(url, http)
+                await burst(c, 16, 6000, 7)
+                return c.sent
+
+        stop = asyncio.Event()
+        watcher = asyncio.ensure_future(watch_backlog(url, stop))
+        burst_sent = await asyncio.to_thread(asyncio.run, bursts())
+        stop.set()
+        backlog_seen = await watcher
+        sent = sent + burst_sent
         await asyncio.sleep(0.5)  # the last outcomes are recorded, the telemetry poller runs
         async with aiohttp.ClientSession() as http:
             snap = await (await http.get(url + "/kvtop/v1/state")).json()
@@ -286,7 +320,7 @@ async def audit(turns: int = 6, *, speed: float = 20.0, blocks: int = 4000, tmp:
     from store import queries
 
     summary = queries.summary(db, None)
-    return {"sent": sent, "truth": truth, "decisions": decisions, "outcomes": outcomes, "state": snap,
+    return {"sent": sent, "backlog_seen": backlog_seen, "truth": truth, "decisions": decisions, "outcomes": outcomes, "state": snap,
             "metrics": metrics, "summary": summary, "summary_text": format_summary(summary), "db": db}
 
 
@@ -336,6 +370,7 @@ def compare(a: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     if diffs:
         rows.append(("logged TTFT vs the client's (|difference|, ms)", f"p50 {statistics.median(diffs):.1f}",
                      "0", f"max {diffs[-1]:.1f} ms"))
+    rows += backlog_rows(a)
     st, m, summ = a["state"], a["metrics"], a["summary"]
     n_dec = len(dec)
     segs = summ["segments"]
@@ -366,6 +401,29 @@ def compare(a: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     return rows
 
 
+def backlog_rows(a: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    """At the moment the burst's backlog peaked in the state, each instance's backlog seconds
+    against the time its engine then took to drain it: until the last first token of the burst
+    requests it held (the client's clock)."""
+    seen = a.get("backlog_seen") or []
+    burst = [(s, a["decisions"].get(s.request_id)) for s in a["sent"] if s.shape == "backlog_burst" and s.status == 200]
+    if not seen or not burst:
+        return []
+    t_peak, snap = max(seen, key=lambda x: x[1]["totals"]["pending_prefill_tokens"])
+    out = []
+    for inst in snap["instances"]:
+        mine = [s for s, d in burst if d is not None and d["instance"] == inst["name"] and s.ttft_s is not None]
+        if not mine or not inst["pending_prefill_tokens"]:
+            continue
+        drained = max(s.t_sent + s.ttft_s for s in mine) - t_peak
+        shown = inst["backlog_s"]
+        out.append((f"backlog seconds at the peak, {inst['name']} ({inst['pending_prefill_tokens']:,} tokens, "
+                    f"rate {inst.get('backlog_source', 'assumed')} {inst.get('backlog_prefill_tps') or 0:,.0f}/s)",
+                    f"{shown:.3f} s", f"{drained:.3f} s drained",
+                    f"{100 * (shown - drained) / drained:+.0f}%" if drained > 0 else "n/a"))
+    return out
+
+
 def format_table(rows: list[tuple[str, str, str, str]]) -> str:
     head = ("figure", "kvtop", "truth", "error")
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(4)]
@@ -377,7 +435,9 @@ def format_table(rows: list[tuple[str, str, str, str]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--turns", type=int, default=6, help="turns per session (default 6)")
-    p.add_argument("--speed", type=float, default=20.0, help="the simulated engines' --speed (default 20)")
+    p.add_argument("--speed", type=float, default=1.0,
+                   help="the simulated engines' --speed (default 1: engine time is wall time, so the backlog "
+                        "and TTFT figures mean what they would on the profile's GPU)")
     args = p.parse_args(argv)
     if args.turns < 1 or args.speed <= 0:
         p.error("--turns must be >= 1 and --speed > 0")
