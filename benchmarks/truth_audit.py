@@ -319,8 +319,11 @@ async def audit(turns: int = 6, *, speed: float = 20.0, blocks: int = 4000, tmp:
     from kvtop.log_cli import format_summary
     from store import queries
 
+    from kvtop.report import load_db_arms, render
+
     summary = queries.summary(db, None)
-    return {"sent": sent, "backlog_seen": backlog_seen, "truth": truth, "decisions": decisions, "outcomes": outcomes, "state": snap,
+    report_csv = render(load_db_arms(db, None), "csv")
+    return {"report_csv": report_csv, "sent": sent, "backlog_seen": backlog_seen, "truth": truth, "decisions": decisions, "outcomes": outcomes, "state": snap,
             "metrics": metrics, "summary": summary, "summary_text": format_summary(summary), "db": db}
 
 
@@ -396,6 +399,15 @@ def compare(a: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     rows.append(("in flight after the run: " + " / ".join(infl), " / ".join(str(v) for v in infl.values()), "0",
                  "equal" if set(infl.values()) == {0} else "DIFFER"))
     delivered = sum(p[1]["cached_tokens"] for p in full)
+    report = _report_row(a.get("report_csv", ""))
+    if report:
+        prompt = sum(p[1]["prompt_tokens"] for p in full)
+        rows.append(("kvtop report --db: requests / ok", f"{report['requests']} / {report['ok']}",
+                     f"{len(sent)} / {len(ok)}", "equal" if (int(report["requests"]), int(report["ok"])) ==
+                     (len(sent), len(ok)) else "DIFFER"))
+        apc = float(report["apc"])
+        rows.append(("kvtop report --db: APC (cached share of prompt tokens)", f"{apc:.3f}",
+                     f"{delivered / max(1, prompt):.3f}", f"{100 * (apc * prompt / max(1, delivered) - 1):+.1f}%"))
     rows.append(("cached tokens: state hit_tokens.delivered", f"{st['hit_tokens']['delivered']:,}", f"{delivered:,}",
                  f"{st['hit_tokens']['delivered'] - delivered:+,}"))
     return rows
@@ -422,6 +434,16 @@ def backlog_rows(a: dict[str, Any]) -> list[tuple[str, str, str, str]]:
                     f"{shown:.3f} s", f"{drained:.3f} s drained",
                     f"{100 * (shown - drained) / drained:+.0f}%" if drained > 0 else "n/a"))
     return out
+
+
+def _report_row(text: str) -> dict[str, str] | None:
+    """The first arm of ``kvtop report``'s CSV (its first table)."""
+    import csv
+    import io
+
+    lines = text.strip().split("\n\n")[0] if text else ""
+    got = list(csv.DictReader(io.StringIO(lines)))
+    return got[0] if got else None
 
 
 def format_table(rows: list[tuple[str, str, str, str]]) -> str:
