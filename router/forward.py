@@ -234,8 +234,8 @@ class StreamScan:
     @property
     def held_bytes(self) -> int:
         """Bytes the scan holds between chunks beyond the 4 KB head: bounded, whatever the
-        stream (the first-token carry, at most _TAIL_BYTES, and a usage object at most
-        _USAGE_MAX_BYTES)."""
+        stream (the first-token carry, at most _TAIL_BYTES; chunks not yet scanned, under
+        _TAIL_BYTES plus the last chunk; a usage object, at most _USAGE_MAX_BYTES)."""
         return (len(self._carry) + len(self._key_carry) + len(self._line) + self._unscanned_bytes
                 + (len(self._cap) if self._cap is not None else 0))
 
