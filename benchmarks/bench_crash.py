@@ -64,7 +64,8 @@ def one_run(args: argparse.Namespace, backend_url: str, tmp: str, k: int) -> dic
     db = str(Path(tmp) / f"crash-{k}.db")
     proc = subprocess.Popen([sys.executable, "-m", "kvtop", "route", "--host", "127.0.0.1", "--port", str(port),
                              "--backend", backend_url, "--policy", "lmetric", "--db", db, "--state-dir", tmp,
-                             "--health-interval", "0"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             "--health-interval", "0"], stdout=subprocess.DEVNULL,
+                            stderr=open(Path(tmp) / f"crash-{k}.stderr", "wb"))
     try:
         bo.wait_ready(f"http://127.0.0.1:{port}/v1/models", proc)
         answered, errors = asyncio.run(load(f"http://127.0.0.1:{port}", args.seconds, args.concurrency))
@@ -80,6 +81,9 @@ def one_run(args: argparse.Namespace, backend_url: str, tmp: str, k: int) -> dic
     logged = {r[0] for r in conn.execute("SELECT request_id FROM decisions")}
     outcomes = conn.execute("SELECT count(*) FROM outcomes").fetchone()[0]
     conn.close()
+    # what the router told its operator (store/writer.py warns when its full queue drops rows)
+    said = [ln for ln in (Path(tmp) / f"crash-{k}.stderr").read_text(errors="replace").splitlines()
+            if "decision log:" in ln]
     lost = [t for rid, t in answered.items() if rid not in logged]
     # what the kill took: rows still queued or being written. A row the full queue dropped
     # earlier is counted by the router (/metrics) and is not part of the kill's window.
@@ -90,7 +94,7 @@ def one_run(args: argparse.Namespace, backend_url: str, tmp: str, k: int) -> dic
             "lost_decisions": len(lost), "lost_share": len(lost) / max(1, len(answered)),
             "lost_at_kill": len(at_kill),
             "loss_window_s": window, "outcome_rows": outcomes, "dropped_before_kill": log["rows_dropped"],
-            "queued_at_kill": log["rows_queued"]}
+            "queued_at_kill": log["rows_queued"], "drop_warnings": len(said)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,11 +117,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"lost {r['lost_decisions']} decisions ({r['lost_share']:.2%}), {r['lost_at_kill']} of them to the kill "
                   f"(window {r['loss_window_s']:.2f} s); "
                   f"{r['dropped_before_kill']} rows dropped by the full queue during the run, "
-                  f"{r['queued_at_kill']} queued just before the kill",
+                  f"{r['queued_at_kill']} queued just before the kill; "
+                  f"{r['drop_warnings']} decision-log warnings on the router's stderr",
                   flush=True)
     finally:
         stop_process(backend)
-        for f in Path(tmp).glob("crash-*.db*"):
+        for f in [*Path(tmp).glob("crash-*.db*"), *Path(tmp).glob("crash-*.stderr")]:
             f.unlink()
     print(f"\nworst of {len(rows)}: lost {max(r['lost_at_kill'] for r in rows)} decisions to the kill, "
           f"window {max(r['loss_window_s'] for r in rows):.2f} s; integrity "

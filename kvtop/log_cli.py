@@ -288,6 +288,8 @@ def format_summary(result: dict) -> str:
                      + ", ".join(f"{s['source']} (run {s['run_id']})" for s in result["sources"]))
     for note in result.get("notes", ()):
         lines.append(f"  note: {note}")
+    for gap in result.get("incomplete", ()):
+        lines.append("  INCOMPLETE: " + _gap_text(gap))
     if not result["segments"]:
         lines.append("  no decisions in this run")
     for s in result["segments"]:
@@ -323,6 +325,18 @@ def format_summary(result: dict) -> str:
         if "kv" in s:
             lines += _kv_lines(s["kv"], result.get("predate_index_source") or [])
     return "\n".join(lines)
+
+
+def _gap_text(gap: dict) -> str:
+    """One span the log is known to miss rows in (store/summary.py ``log_gaps``)."""
+    if gap["kind"] == "dropped":
+        tables = ", ".join(f"{k:,} {t}" for t, k in gap["by_table"].items())
+        return (f"{gap['rows']:,} rows dropped between {_fmt_ts(gap['from'])} and {_fmt_ts(gap['to'])} "
+                f"({_fmt_span(gap['from'], gap['to'])}; {tables}): the writer's queue was full, "
+                f"figures over that span miss them")
+    return (f"run {gap['run_id']} has no recorded end (still running, or killed): after a kill the rows "
+            f"still queued are lost, so requests answered shortly before its last decision "
+            f"({_fmt_ts(gap.get('from'))}) may have no row (docs/reliability.md bounds how many)")
 
 
 def _kv_lines(kv: dict, older: Sequence[str] = ()) -> list[str]:

@@ -263,7 +263,12 @@ def plan(spec: Spec) -> list[Any]:
 
 def rank(spec: Spec, tasks: list[Any], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per load and setting: train and validate score (mean, 95% half-width over replicas of
-    the metric averaged over the split's traces), ranks, best on train, rank changed."""
+    the metric averaged over the split's traces), ranks, best on train, and what the noise
+    allows to say: ``rank_moved`` (the ranks differ), ``rank_changed`` (they differ because of
+    a swap that is significant on both splits: some other setting is better on one split and
+    worse on the other, each by a paired difference across replicas whose 95% interval
+    excludes zero), ``train_ties`` / ``validate_ties`` (the settings it cannot be told apart
+    from on that split) and ``wide`` (an interval wider than its mean)."""
     from kvtop.repeats import interval
 
     metric = spec.metric
@@ -274,23 +279,53 @@ def rank(spec: Spec, tasks: list[Any], rows: list[dict[str, Any]]) -> list[dict[
     out = []
     for n, scale in itertools.product(spec.instances, spec.rate_scales):
         load_rows = []
+        replicas: dict[tuple[int, str], list[float]] = {}
         for si, s in enumerate(spec.settings):
             entry = {"instances": n, "rate_scale": scale, "setting": s.label, "policy": s.policy,
                      "knobs": json.dumps(s.knobs, sort_keys=True)}
             for split in ("train", "validate"):
                 per_replica = [sum(vs) / len(vs) for _, vs in sorted(cell[(si, split, n, scale)].items())]
+                replicas[(si, split)] = per_replica
                 m, h = interval(per_replica)
                 entry[f"{split}_mean"], entry[f"{split}_half"] = m, h
+            entry["wide"] = int(any(entry[f"{sp}_half"] > abs(entry[f"{sp}_mean"]) for sp in ("train", "validate")
+                                    if math.isfinite(entry[f"{sp}_mean"])))
             load_rows.append(entry)
         for split in ("train", "validate"):
             order = sorted(range(len(load_rows)), key=lambda k: (load_rows[k][f"{split}_mean"], k))
             for pos, k in enumerate(order):
                 load_rows[k][f"{split}_rank"] = pos + 1
-        for e in load_rows:
+        # -1 / +1: i significantly better / worse than j on the split; 0: cannot tell
+        sign = {(i, j, sp): _paired_sign(replicas[(i, sp)], replicas[(j, sp)])
+                for i in range(len(load_rows)) for j in range(len(load_rows)) if i != j
+                for sp in ("train", "validate")}
+        for i, e in enumerate(load_rows):
+            others = [j for j in range(len(load_rows)) if j != i]
             e["best_on_train"] = int(e["train_rank"] == 1)
-            e["rank_changed"] = int(e["train_rank"] != e["validate_rank"])
+            e["rank_moved"] = int(e["train_rank"] != e["validate_rank"])
+            e["rank_changed"] = int(e["rank_moved"] and any(
+                sign[(i, j, "train")] and sign[(i, j, "train")] == -sign[(i, j, "validate")] for j in others))
+            for sp in ("train", "validate"):
+                e[f"{sp}_ties"] = json.dumps([load_rows[j]["setting"] for j in others if not sign[(i, j, sp)]])
         out.extend(load_rows)
     return out
+
+
+def _paired_sign(a: list[float], b: list[float]) -> int:
+    """-1 when ``a`` is lower than ``b`` (better), +1 when higher, by a paired difference across
+    replicas whose 95% interval excludes zero; 0 when the replicas cannot tell them apart (one
+    replica never can)."""
+    from kvtop.repeats import interval
+
+    diffs = [x - y for x, y in zip(a, b)]
+    if len(diffs) < 2 or not all(math.isfinite(d) for d in diffs):
+        return 0
+    m, h = interval(diffs)
+    if m - h > 0:
+        return 1
+    if m + h < 0:
+        return -1
+    return 0
 
 
 def write_db(path: str, spec: Spec, tasks: list[Any], rows: list[dict[str, Any]], ranks: list[dict[str, Any]],
@@ -324,7 +359,8 @@ def write_db(path: str, spec: Spec, tasks: list[Any], rows: list[dict[str, Any]]
 def _fmt(metric: str, m: float, h: float) -> str:
     if math.isinf(m):
         return "-"
-    return f"{m:.1f} ± {h:.1f}" if metric == "tpot_p90_ms" else f"{m / 1000:.3f} ± {h / 1000:.3f}"
+    wide = " (wide)" if h > abs(m) else ""  # an interval wider than its mean says little
+    return (f"{m:.1f} ± {h:.1f}" if metric == "tpot_p90_ms" else f"{m / 1000:.3f} ± {h / 1000:.3f}") + wide
 
 
 def format_report(spec: Spec, ranks: list[dict[str, Any]], fmt: str = "text") -> str:
@@ -336,20 +372,28 @@ def format_report(spec: Spec, ranks: list[dict[str, Any]], fmt: str = "text") ->
     path = f", path ±{spec.path_jitter / 2:g} s" if spec.path_jitter else ""
     out = [f"sweep {spec.name}: {len(spec.settings)} settings, {spec.repeats} replicas (jitter ±{spec.jitter:g} s{path}), "
            f"train {', '.join(t.name for t in spec.train)}; validate {', '.join(t.name for t in spec.validate)}; "
-           f"lower {label} is better; ! = rank differs between train and validate"]
+           f"lower {label} is better; ! = rank changes between train and validate (a paired difference "
+           f"significant on both), ~ = ranks differ within the noise; (wide) = interval wider than the mean"]
     for n, scale in itertools.product(spec.instances, spec.rate_scales):
         rows = sorted((r for r in ranks if r["instances"] == n and r["rate_scale"] == scale),
                       key=lambda r: r["train_rank"])
         lines = [[r["setting"], _fmt(spec.metric, r["train_mean"], r["train_half"]), str(r["train_rank"]),
                   _fmt(spec.metric, r["validate_mean"], r["validate_half"]), str(r["validate_rank"]),
-                  "!" if r["rank_changed"] else ""] for r in rows]
+                  "!" if r["rank_changed"] else ("~" if r["rank_moved"] else "")] for r in rows]
         out.append(f"\n{n} instances, arrival rate x{scale:g}")
         out.append(_csv(headers, lines) if fmt == "csv" else _grid(headers, lines, fmt))
         best = rows[0]
         verdict = ("also best on validate" if best["validate_rank"] == 1
                    else f"rank {best['validate_rank']} of {len(rows)} on validate")
         changed = sum(r["rank_changed"] for r in rows)
-        out.append(f"best on train: {best['setting']} ({verdict}); {changed} of {len(rows)} settings change rank")
+        noise = sum(r["rank_moved"] and not r["rank_changed"] for r in rows)
+        tie_set = set(json.loads(best["train_ties"]))
+        ties = [r["setting"] for r in rows if r["setting"] in tie_set]  # in train-rank order
+        tied = (f"; indistinguishable from it on train: {', '.join(ties)}" if ties else "")
+        caveat = " (its train interval is wider than its mean)" if best["train_half"] > abs(best["train_mean"]) else ""
+        out.append(f"best on train: {best['setting']}{caveat} ({verdict}){tied}; {changed} of {len(rows)} settings "
+                   f"change rank significantly" + (f", {noise} more within the noise" if noise else "")
+                   + ("" if spec.repeats >= 2 else " (one replica: no difference can be called significant)"))
     return "\n".join(out)
 
 

@@ -66,10 +66,13 @@ async def health(request: web.Request) -> web.Response:
     healthy = sum(1 for s in insts if s.healthy)
     status = "ok" if healthy == len(insts) else ("degraded" if healthy else "unavailable")
     log_health = state.writer.health() if state.writer is not None else None
-    if log_health is not None and log_health["degraded"] and status == "ok":
-        status = "degraded"  # routing goes on; the decision log is losing rows or lagging
+    degraded = state.degraded()
+    if degraded and status == "ok":
+        # routing goes on; a background task died lately or the decision log is losing rows
+        status = "degraded"
     body = {"status": status, "healthy_instances": healthy, "instances": len(insts),
-            "policy": state.slot.label, "draining": state.draining, "decision_log": log_health}
+            "policy": state.slot.label, "draining": state.draining, "decision_log": log_health,
+            "degraded": degraded}
     return web.json_response(body, status=200 if healthy and not state.draining else 503)
 
 
@@ -98,6 +101,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     cfg = state.config
     if cfg.db:
         state.writer = Writer(cfg.db).start()
+        state.writer.run_id = state.run_id  # for the writer's own log_drop rows
         state.writer.put("runs", state.run_row())
         state.record_config("run", "router", None, {"policy": state.slot.policy.name,
                                                     "version": state.slot.version,
@@ -106,7 +110,10 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     state.upstream = Pool(connect_timeout=cfg.connect_timeout_s, read_timeout=cfg.read_timeout_s,
                           ssl_ca_file=cfg.backend_ca_file)
     state.kv_subscribers = await kv_events.start_subscribers(
-        state.cluster, cfg.backends, capacity_tokens=cfg.capacity_tokens)
+        state.cluster, cfg.backends, capacity_tokens=cfg.capacity_tokens, supervisor=state.supervisor)
+    warning = control.token_warning(state)
+    if warning:
+        log.warning("%s", warning)
     try:
         yield
     finally:

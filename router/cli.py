@@ -17,6 +17,8 @@ else approximated as 4 characters per token (each decision records which).
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import asyncio
 import logging
 import signal
@@ -109,7 +111,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="the model's tokenizer directory (tokenizer.json + tokenizer_config.json with its "
                         "chat template) or a tokenizer.json: text and chat prompts are rendered and "
-                        "tokenized as vLLM does, off the event loop (docs/apis.md); default: the "
+                        "tokenized as vLLM does, off the event loop (docs/apis.md); 'auto': find the "
+                        "tokenizer of the model the backends serve (the directory the engine loaded, "
+                        "else the Hugging Face cache); a directory without tokenizer.json: search it "
+                        "the same way; the one used is printed at start. Default: the "
                         "4-characters-a-token approximation")
     p.add_argument("--max-input-tokens", type=int, default=1_000_000,
                    help="reject prompts longer than this with a 400 (default 1,000,000)")
@@ -217,8 +222,52 @@ def setup_logging() -> None:
     logger.propagate = False
 
 
+async def backend_models(backends: list[Backend], timeout: float = 3.0,
+                         ca_file: str | None = None) -> list[dict]:
+    """The ``data`` of the first backend's ``GET /v1/models`` that answers ([] when none does)."""
+    pool = Pool(connect_timeout=timeout, read_timeout=timeout, ssl_ca_file=ca_file)
+    try:
+        for b in backends:
+            try:
+                async with asyncio.timeout(timeout):
+                    r = await pool.request(b.url, "GET", "/v1/models", (), b"")
+                    async with r:
+                        body = await r.read(limit=4 * 1024 * 1024)
+                if r.status == 200:
+                    data = json.loads(body).get("data")
+                    if isinstance(data, list):
+                        return [m for m in data if isinstance(m, dict)]
+            except (UpstreamError, TimeoutError, OSError, ValueError, AttributeError):
+                continue
+        return []
+    finally:
+        pool.close()
+
+
+async def resolve_tokenizer(config: RouterConfig) -> None:
+    """``--tokenizer auto`` or a directory to search: the tokenizer found, printed; none found
+    is a warning and the approximation (router/tokenizer_find.py)."""
+    from router.tokenizer_find import find_tokenizer
+
+    spec = config.tokenizer
+    if spec is None or not (spec == "auto" or (os.path.isdir(spec)
+                                               and not os.path.isfile(os.path.join(spec, "tokenizer.json")))):
+        return
+    models = await backend_models(config.backends, ca_file=config.backend_ca_file)
+    found = find_tokenizer(models, None if spec == "auto" else spec)
+    names = ", ".join(str(m.get("id")) for m in models) or "none answered /v1/models"
+    if found is None:
+        log.warning("--tokenizer %s: no tokenizer found for the backends' model(s) (%s); text prompts are "
+                    "counted with the 4-characters-a-token approximation", spec, names)
+        config.tokenizer = None
+        return
+    config.tokenizer = found[0]
+    print(f"kvtop route: tokenizer {found[0]} (found in {found[1]})", flush=True)
+
+
 async def serve(config: RouterConfig, *, allow_unreachable: bool = False, drain_timeout: float = 30.0,
                 ready: asyncio.Event | None = None) -> int:
+    await resolve_tokenizer(config)
     try:
         app = create_app(config)
         ssl_context = tls_context(config.tls_cert, config.tls_key)

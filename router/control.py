@@ -155,15 +155,27 @@ class Control:
         tot = {"num_requests": 0, "pending_prefill_tokens": 0, "decode_requests": 0, "decode_tokens": 0,
                "routed_total": 0, "input_tokens_total": 0, "est_hit_tokens_total": 0, "errors_total": 0,
                "request_rate": 0.0, "healthy_instances": 0}
+        cal = st.cluster.calibration
+        backlog_total = 0.0
         for i, s in enumerate(st.cluster.instances):
             it = self.tel.instances[i]
             rates = self.tel.instance_rates(i, now)
+            # backlog seconds at the prefill rate the router measures (router/calibration.py:
+            # the instance's own first tokens, shrunk toward the fleet's while it has few),
+            # the assumed rate only before any instance has a sample; "backlog_source" says which
+            if cal.measured:
+                rate, source = cal.tps(i), ("measured" if cal.samples(i) else "fleet")
+            else:
+                rate, source = tps, "assumed"
+            backlog_s = s.pending_prefill_tokens / rate if rate > 0 else None
+            backlog_total += backlog_s or 0.0
             errors = {"requests_total": s.errors_total, "scrape": it.scrape_error,
                       "scrape_total": it.scrape_errors_total, "gpu": it.gpu_error}
             instances.append({
                 "name": s.name, "url": s.url, "healthy": s.healthy,
                 "num_requests": s.num_requests, "pending_prefill_tokens": s.pending_prefill_tokens,
-                "backlog_s": s.pending_prefill_tokens / tps if tps > 0 else None,
+                "backlog_s": backlog_s, "backlog_source": source,
+                "backlog_prefill_tps": round(rate, 1) if rate > 0 else None,
                 "decode_requests": s.decode_requests, "decode_tokens": s.ongoing_decode_tokens,
                 "ongoing_tokens": s.ongoing_tokens, "routed_total": s.routed_total,
                 "input_tokens_total": s.input_tokens_total, "est_hit_tokens_total": s.est_hit_tokens_total,
@@ -183,7 +195,7 @@ class Control:
             tot["request_rate"] += rates["request_rate"] or 0.0
             tot["healthy_instances"] += s.healthy
         tot["est_hit_rate"] = tot["est_hit_tokens_total"] / tot["input_tokens_total"] if tot["input_tokens_total"] else None
-        tot["backlog_s"] = tot["pending_prefill_tokens"] / tps if tps > 0 else None
+        tot["backlog_s"] = backlog_total  # the instances' own backlog seconds, added up
         tot["in_flight"] = st.cluster.in_flight
         m = self.tel.metrics
         return {
@@ -195,14 +207,46 @@ class Control:
                        "readonly": cfg.control_readonly, "draining": st.draining,
                        "assumed_prefill_tps": tps, "block_size": cfg.block_size,
                        "viewers": len(self.broadcaster.viewers),
-                       "decision_log": st.writer.health() if st.writer is not None else None},
+                       "decision_log": st.writer.health() if st.writer is not None else None,
+                       "tokenizer": cfg.tokenizer, "token_warning": token_warning(st)},
+            # background work down or dead lately (router/supervise.py) and a decision log
+            # losing rows: empty when all is well; the dashboard's header shows it
+            "degraded": st.degraded(), "tasks": st.supervisor.snapshot(),
             "instances": instances, "totals": tot, "affinity": self.affinity(now),
             "requests": dict(st.counts), "decisions_by_reason": dict(m.reasons),
+            # exact hits need KV events and the engine's tokens: how many decisions had both
+            "decisions_by_index_source": _by_first(m.sources),
+            "decisions_by_token_source": _by_second(m.sources),
             "outcomes_by_status": dict(st.outcome_counts),
             "shadows": st.shadows.summary(),
             "hit_tokens": {"input": m.input_tokens, "estimated": m.est_hit_tokens, "best": m.best_hit_tokens,
                            "delivered": m.delivered_hit_tokens},
         }
+
+
+def token_warning(st) -> str | None:
+    """Why KV events that flow cannot make text prompts exact, or None when they can."""
+    followed = [b.name for b in st.config.backends if getattr(b, "kv_events", None)]
+    if not followed or st.tokenizer is not None:
+        return None
+    return (f"KV events are followed ({', '.join(followed)}) but there is no --tokenizer: text and chat "
+            f"prompts are counted from a 4-characters-a-token approximation that cannot match the "
+            f"engines' token ids, so their hits come from the estimate (index_source=estimate, "
+            f"token_source=text_approx); pass --tokenizer with the model's tokenizer to make them exact")
+
+
+def _by_first(pairs: dict[tuple[str, str], int]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for (a, _), n in pairs.items():
+        out[a] = out.get(a, 0) + n
+    return out
+
+
+def _by_second(pairs: dict[tuple[str, str], int]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for (_, b), n in pairs.items():
+        out[b] = out.get(b, 0) + n
+    return out
 
 
 def _write_private(path: Path, text: str) -> None:

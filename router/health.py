@@ -240,8 +240,14 @@ class HealthChecker:
 
     # -- lifecycle ---------------------------------------------------------------------
     async def run(self) -> AsyncIterator[None]:
-        tasks = [asyncio.create_task(self._watch(i), name=f"kvtop-health-{i}")
-                 for i in range(len(self.probes))]
+        sup = getattr(self.state, "supervisor", None)
+        if sup is not None:  # a probe loop that dies is logged, shown and started again
+            tasks = [sup.spawn(f"health-probe-{i}", lambda i=i: self._watch(i), kind="health-probe",
+                               fallback="restarted; the instance keeps its last health meanwhile")
+                     for i in range(len(self.probes))]
+        else:
+            tasks = [asyncio.create_task(self._watch(i), name=f"kvtop-health-{i}")
+                     for i in range(len(self.probes))]
         try:
             yield
         finally:

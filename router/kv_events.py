@@ -50,6 +50,7 @@ from typing import Any
 import msgpack
 
 from router.exact_index import CLEARED, REMOVED, STORED, ExactIndex
+from router.supervise import Supervisor
 
 log = logging.getLogger("kvtop.kv_events")
 
@@ -165,6 +166,8 @@ class SubscriberStats:
     batches: int = 0  # batches applied
     events: int = 0  # events applied
     bad_messages: int = 0  # frames that were not [topic,] seq, payload, or payloads that were not batches
+    unapplied: int = 0  # batches that decoded but the index could not apply (an array for a hash, ...)
+    task_deaths: int = 0  # times the subscriber's task died and was restarted (router/supervise.py)
     gaps: int = 0  # sequence gaps seen
     missed_batches: int = 0  # batches those gaps skipped
     replays: int = 0  # replay requests made
@@ -187,7 +190,8 @@ class Subscriber:
                  resync_tokens: int = 265_000, replay_timeout_s: float = 2.0,
                  slice_s: float = 0.002, max_busy_share: float = 0.5, rcv_hwm: int = 10_000,
                  max_message_bytes: int = 64 * 1024 * 1024,
-                 on_state: Callable[[int, str], None] | None = None, clock=time.time):
+                 on_state: Callable[[int, str], None] | None = None, clock=time.time,
+                 supervisor: Supervisor | None = None):
         self.index = index
         self.instance = instance
         self.endpoint = endpoint
@@ -201,6 +205,7 @@ class Subscriber:
         self.max_message_bytes = max_message_bytes
         self.on_state = on_state
         self.clock = clock
+        self.supervisor = supervisor if supervisor is not None else Supervisor()
         self.stats = SubscriberStats()
         self.expected: int | None = None  # the next sequence number this index needs
         self._replay_floor: int | None = None  # after a replay from here, lower seqs up to expected are repeats
@@ -212,6 +217,7 @@ class Subscriber:
         self._ctx = None
         self._sock = None
         self._sync = None
+        self._monitor = None
         self._tasks: list[asyncio.Task] = []
 
     # -- lifecycle --------------------------------------------------------------------
@@ -228,13 +234,19 @@ class Subscriber:
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
         sock.setsockopt(zmq.SUBSCRIBE, self.topic)
         sock.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:5557 as well as IPv4 endpoints
-        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sock.connect(self.endpoint)
         self._sock = sock
         self._sync = zmq.Socket.shadow(sock.underlying)
-        loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._run(), name=f"kv-events-{self.instance}"),
-                       loop.create_task(self._watch(monitor), name=f"kv-monitor-{self.instance}")]
+        # Supervised (router/supervise.py): a task that dies is logged, counted and shown, the
+        # instance routes on the estimate, and the task starts again.
+        sup = self.supervisor
+        self._tasks = [
+            sup.spawn(f"kv-events-{self.instance}", self._run, kind="kv-subscriber",
+                      fallback="the estimate serves the instance until its events resync",
+                      on_death=self._task_died),
+            sup.spawn(f"kv-monitor-{self.instance}", self._watch, kind="kv-subscriber",
+                      fallback="restarted; a dropped connection shows as a gap meanwhile")]
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -271,7 +283,7 @@ class Subscriber:
             return RESYNC
         return EXACT if self._consistent else WAITING
 
-    def _update(self, reason: str | None = None) -> None:
+    def _update(self, reason: str | None = None, level: int = logging.INFO) -> None:
         st = self.stats
         state = self.state
         if reason is not None:
@@ -282,17 +294,42 @@ class Subscriber:
         if state != st.state:
             st.state = state
             if state not in (EXACT, WAITING, STOPPED):
-                log.info("KV events of instance %d: %s (%s)", self.instance, state, st.reason)
+                log.log(level, "KV events of instance %d: %s (%s)", self.instance, state, st.reason)
             if self.on_state is not None:
                 self.on_state(self.instance, state)
 
-    def _start_resync(self, why: str) -> None:
+    def _start_resync(self, why: str, level: int = logging.INFO) -> None:
         if not self._resyncing:
             self.stats.resyncs += 1
             self.index.mark_turnover(self.instance)
         self._resyncing = True
         self._consistent = False
-        self._update(why)
+        self._update(why, level)
+
+    def _unapplied(self, exc: Exception) -> None:
+        """A batch decoded but the index could not apply it (a hash that is an array or a map,
+        ...): what it did apply is not known to be right, so the instance resyncs like after a
+        garbage batch, and one warning says why (the state's ``reason`` keeps it)."""
+        st = self.stats
+        st.bad_messages += 1
+        st.unapplied += 1
+        self._start_resync(f"batch {st.last_seq} could not be applied ({exc.__class__.__name__}: "
+                           f"{str(exc)[:120]}); the estimate serves until the events resync",
+                           logging.WARNING)
+
+    def _handle_safely(self, frames: list[bytes]) -> int | None:
+        try:
+            return self.handle(frames)
+        except Exception as exc:  # noqa: BLE001 - one bad batch must not end the subscriber
+            self._unapplied(exc)
+            return None
+
+    def _task_died(self, exc: BaseException) -> None:
+        """The supervisor's on_death for the receive loop: no longer exact, until a resync."""
+        self.stats.task_deaths += 1
+        self._replaying = False
+        self._start_resync(f"subscriber task died ({exc.__class__.__name__}: {str(exc)[:120]}); "
+                           f"restarted, the estimate serves until the events resync", logging.WARNING)
 
     # -- the loop ----------------------------------------------------------------------
     async def _run(self) -> None:
@@ -308,7 +345,7 @@ class Subscriber:
             t0 = time.perf_counter()
             deadline = t0 + self.slice_s
             while True:
-                gap = self.handle(frames)
+                gap = self._handle_safely(frames)
                 if gap is not None:
                     self.stats.busy_s += time.perf_counter() - t0
                     await self._recover(gap, frames)
@@ -421,7 +458,7 @@ class Subscriber:
         # Nothing could fill it: apply what came, route on the estimate until consistent.
         self.expected = seq
         self._start_resync(why)
-        self.handle(frames)
+        self._handle_safely(frames)
 
     async def _replay(self, start: int) -> bool:
         """Ask the replay endpoint for batches from ``start`` and apply them. True when the
@@ -461,7 +498,10 @@ class Subscriber:
                     continue
                 if seq > self.expected:  # the engine's buffer no longer reaches back this far
                     break
-                self._apply(seq, body[-1])
+                try:
+                    self._apply(seq, body[-1])
+                except Exception as exc:  # noqa: BLE001 - as on the live socket
+                    self._unapplied(exc)
                 st.replayed_batches += 1
                 if time.perf_counter() - t0 >= self.slice_s:  # a long replay yields too
                     await asyncio.sleep(0)
@@ -482,10 +522,15 @@ class Subscriber:
         self._update()
         return False
 
-    async def _watch(self, monitor) -> None:
+    async def _watch(self) -> None:
         """The publisher's connection dropped: the next batch says whether it restarted."""
+        import zmq
         from zmq.utils.monitor import parse_monitor_message
 
+        monitor = self._monitor
+        if monitor is None:  # restarted by the supervisor: the last one was closed
+            self._sock.disable_monitor()
+            monitor = self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         try:
             while True:
                 msg = parse_monitor_message(await monitor.recv_multipart())
@@ -494,6 +539,7 @@ class Subscriber:
                     self._update("publisher connection dropped")
         finally:
             monitor.close(linger=0)
+            self._monitor = None
 
     def snapshot(self) -> dict[str, Any]:
         st = self.stats
@@ -504,6 +550,7 @@ class Subscriber:
                 "missed_batches": st.missed_batches, "replays": st.replays,
                 "replayed_batches": st.replayed_batches, "resyncs": st.resyncs,
                 "restarts": st.restarts, "bad_messages": st.bad_messages,
+                "unapplied": st.unapplied, "task_deaths": st.task_deaths,
                 "duplicates": st.duplicates, "last_received": st.last_received,
                 "busy_s": round(st.busy_s, 4), "throttled_s": round(st.throttled_s, 4),
                 "engine_block_size": ib.engine_block_size, "engine_blocks": len(ib.nodes),

@@ -182,6 +182,8 @@ class BodyParser:
         self._handoff = Handoff()
         self.offloaded = 0
         self.tokenized = 0
+        #: router/supervise.py's Supervisor: a worker process that dies is reported to it
+        self.supervisor = None
 
     async def parse(self, raw: bytes, endpoint: str, headers: Any, *,
                     early: bool = False) -> tuple[Any | None, RouteRequest]:
@@ -228,6 +230,9 @@ class BodyParser:
             # the worker died (killed, out of memory) or could not start: a new one next time
             if isinstance(exc, BrokenProcessPool) and self._pool is not None and self._pool.broken:
                 self._pool = None
+                if self.supervisor is not None:
+                    self.supervisor.died("parser-worker", exc, kind="parser-worker",
+                                         fallback="a new worker starts on next use", running=True)
             if burst:   # a body the loop can parse: parse it here rather than fail it
                 log.warning("the body parser's worker failed (%s); parsing on the loop", exc)
                 return await self._parse_here(raw, endpoint, headers)

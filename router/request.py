@@ -170,17 +170,17 @@ def _anthropic_prompt(body: dict) -> Prompt:
     for k, m in enumerate(messages):
         if not isinstance(m, dict) or _ANTHROPIC_ROLES.get(m.get("role")) is None:
             raise BadRequest(f"messages[{k}] must be an object with role user or assistant", "messages")
-        if _ANTHROPIC_ROLES[m["role"]] == "system":
-            c = m.get("content")
-            system_parts += [c] if isinstance(c, str) else _text_of_blocks(c if isinstance(c, list) else [], f"messages[{k}]")
+    leading, messages = _place_inline_system(messages, bool(system_parts))
+    system_text = "\n\n".join(t for t in ("".join(system_parts), leading) if t)
     out: list[dict] = []
-    if system_parts:
-        out.append({"role": "system", "content": "".join(system_parts)})
+    if system_text:
+        out.append({"role": "system", "content": system_text})
     for k, m in enumerate(messages):
         role = _ANTHROPIC_ROLES[m["role"]]
-        if role == "system":
-            continue
         content = m.get("content")
+        if role == "system":  # an inline system turn, kept where the client put it
+            out.append({"role": "system", "content": content})
+            continue
         if isinstance(content, str):
             out.append({"role": role, "content": content})
             continue
@@ -234,6 +234,109 @@ def _anthropic_prompt(body: dict) -> Prompt:
                 "name": t["name"], "description": t.get("description"), "parameters": t.get("input_schema")}})
     return Prompt("messages", messages=out, tools=chat_tools or None,
                   template_kwargs=_template_kwargs(body))
+
+
+def _system_message_text(m: dict, k: int) -> str:
+    c = m.get("content")
+    if isinstance(c, str):
+        return "" if c.startswith(_BILLING_HEADER) else c
+    return "".join(_text_of_blocks(c if isinstance(c, list) else [], f"messages[{k}]"))
+
+
+def _place_inline_system(messages: list, has_system: bool) -> tuple[str, list[dict]]:
+    """Claude Code's ``system`` messages inside ``messages``, placed as vLLM places them
+    (vllm/entrypoints/anthropic/inline_system.py, "preserve", what it probes for templates that
+    mark system turns, ChatML and Qwen's among them): those leading the list join the system
+    prompt; the others stay system turns where the client put them, except that one between an
+    assistant's tool_use and the user turn answering it waits until after that turn. Without a
+    system prompt they are folded into the neighbouring user turn instead. Either way only the
+    end of the conversation changes from turn to turn, so each request renders as an extension
+    of the previous one and the router's blocks are the engine's blocks. (Hoisting them all
+    into the system prompt, as before, changed the prompt's head on every turn.)
+
+    Returns the text to add to the system prompt and the messages, inline system messages
+    as ``{"role": "system", "content": text}``."""
+    if all(_ANTHROPIC_ROLES[m["role"]] != "system" for m in messages):
+        return "", messages
+    lead = 0
+    while lead < len(messages) and _ANTHROPIC_ROLES[messages[lead]["role"]] == "system":
+        lead += 1
+    leading = "\n\n".join(t for t in (_system_message_text(m, k) for k, m in enumerate(messages[:lead])) if t)
+    rest: list[tuple[int, dict]] = []
+    held: list[tuple[int, dict]] = []
+    awaiting = False
+    for k in range(lead, len(messages)):
+        m = messages[k]
+        role = _ANTHROPIC_ROLES[m["role"]]
+        if role == "system":
+            (held if awaiting else rest).append((k, m))
+            continue
+        if role == "assistant":
+            rest += held
+            held.clear()
+        rest.append((k, m))
+        if role == "user":
+            rest += held
+            held.clear()
+        c = m.get("content")
+        awaiting = role == "assistant" and isinstance(c, list) and any(
+            isinstance(b, dict) and b.get("type") == "tool_use" for b in c)
+    rest += held
+    if has_system or leading:  # preserve
+        return leading, [{"role": "system", "content": t} if _ANTHROPIC_ROLES[m["role"]] == "system" else m
+                         for k, m in rest
+                         if _ANTHROPIC_ROLES[m["role"]] != "system" or (t := _system_message_text(m, k))]
+    out: list[dict] = []  # fold
+    pending: list[str] = []
+    for k, m in rest:
+        if _ANTHROPIC_ROLES[m["role"]] == "system":
+            text = _system_message_text(m, k)
+            if not text:
+                continue
+            if out and _ANTHROPIC_ROLES[out[-1]["role"]] == "user" and not pending:
+                out[-1] = _fold_into_user(out[-1], text, at_end=True)
+            else:
+                pending.append(text)
+            continue
+        if pending:
+            text = "\n\n".join(pending)
+            pending.clear()
+            if _ANTHROPIC_ROLES[m["role"]] == "user":
+                m = _fold_into_user(m, text, at_end=False)
+            else:
+                out.append({"role": "user", "content": text})
+        out.append(m)
+    if pending:
+        out.append({"role": "user", "content": "\n\n".join(pending)})
+    return leading, out
+
+
+def _fold_into_user(m: dict, text: str, *, at_end: bool) -> dict:
+    """``text`` joined onto one end of a user turn's own text (after its tool results when it
+    has nothing else, into the last one's text), without adding a turn."""
+    def join(a: str, b: str) -> str:
+        return "\n\n".join(t for t in (a, b) if t)
+
+    def add(content: Any) -> Any:
+        if content is None or isinstance(content, str):
+            return join(content or "", text) if at_end else join(text, content or "")
+        items = list(content)
+        end = -1 if at_end else 0
+        if items and isinstance(items[end], dict) and items[end].get("type") == "text":
+            old = items[end].get("text") or ""
+            items[end] = {**items[end], "text": join(old, text) if at_end else join(text, old)}
+        else:
+            items.insert(len(items) if at_end else 0, {"type": "text", "text": text})
+        return items
+
+    c = m.get("content")
+    if isinstance(c, list) and c and at_end and all(isinstance(b, dict) and b.get("type") == "tool_result" for b in c):
+        return {**m, "content": [*c[:-1], {**c[-1], "content": add(c[-1].get("content"))}]}
+    if isinstance(c, list):
+        results = [b for b in c if isinstance(b, dict) and b.get("type") == "tool_result"]
+        own = [b for b in c if not (isinstance(b, dict) and b.get("type") == "tool_result")]
+        return {**m, "content": results + add(own)}
+    return {**m, "content": add(c)}
 
 
 def _tool_result_text(content: Any) -> str:

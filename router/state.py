@@ -27,6 +27,7 @@ from router.kv_events import attach_index
 from router.lifecycle import Lifecycle
 from router.pipeline import Outcome, Pipeline
 from router.shadow import Shadows, parse_specs
+from router.supervise import Supervisor
 from router.policies import DEFAULT_POLICY
 from router.settings import Settings
 from aiohttp import web
@@ -134,6 +135,9 @@ class RouterState:
         self.chains = ChainEncoder()  # compact block chains in decision rows (store/chains.py)
         self.tokenizer = Tokenizer(config.tokenizer) if config.tokenizer else None
         self.parser = BodyParser(config, self.tokenizer)
+        #: every background task's deaths (router/supervise.py); ``degraded()`` shows them
+        self.supervisor = Supervisor()
+        self.parser.supervisor = self.supervisor
         self.run_id = config.run_id
         self.started_at = time.time()
         self.writer: Writer | None = None
@@ -165,6 +169,20 @@ class RouterState:
     @property
     def cluster(self) -> Cluster:
         return self.router.cluster
+
+    def degraded(self) -> list[dict[str, Any]]:
+        """Background work that is down or died lately (router/supervise.py), and a decision
+        log losing rows: what /health, the state snapshot (``degraded``), /metrics and the
+        dashboard's header show. Empty when all is well."""
+        out = self.supervisor.degraded()
+        w = self.writer.health() if self.writer is not None else None
+        if w is not None and w["degraded"]:
+            out.append({"task": "decision-log", "kind": "writer", "deaths": w.get("thread_deaths", 0),
+                        "restarts": w.get("thread_deaths", 0), "running": True,
+                        "last_error": w["last_error"] or (f"{w['rows_dropped']} rows dropped"
+                                                          if w["rows_dropped"] else f"lag {w['lag_s']} s"),
+                        "since": None, "fallback": "routing goes on; decision rows are being lost or late"})
+        return out
 
     @property
     def slot(self) -> PolicySlot:

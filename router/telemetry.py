@@ -330,6 +330,8 @@ class RouterMetrics:
         self.decisions: dict[tuple[str, str], int] = {}
         self.reasons: dict[str, int] = {}
         self.outcomes: dict[str, int] = {}
+        #: decisions by (index_source, token_source): exact hits need both KV events and tokens
+        self.sources: dict[tuple[str, str], int] = {}
         self.ttft = Histogram("kvtop_ttft_seconds", "time to first token through the router",
                               buckets=LATENCY_BUCKETS_S, registry=self.registry)
         self.e2e = Histogram("kvtop_e2e_seconds", "end-to-end request latency through the router",
@@ -347,6 +349,8 @@ class RouterMetrics:
             key = (policy, ev.get("reason", ""))
             self.decisions[key] = self.decisions.get(key, 0) + 1
             self.reasons[key[1]] = self.reasons.get(key[1], 0) + 1
+            src = (str(ev.get("index_source", "")), str(ev.get("token_source", "")))
+            self.sources[src] = self.sources.get(src, 0) + 1
             self.decision_latency.observe((ev.get("decision_us") or 0.0) / 1e6)
             self.input_tokens += ev.get("input_tokens") or 0
             self.est_hit_tokens += ev.get("est_hit") or 0
@@ -484,10 +488,31 @@ class RouterCollector:
         for (policy, reason), n in sorted(m.decisions.items()):
             family.add_metric([policy, reason], n)
         yield family
+        family = CounterMetricFamily("kvtop_decisions_by_source_total", "routing decisions by where the chosen "
+                                     "hit came from (index_source: exact or estimate) and how the prompt was "
+                                     "counted (token_source)", labels=["index_source", "token_source"])
+        for (index_source, token_source), n in sorted(m.sources.items()):
+            family.add_metric([index_source, token_source], n)
+        yield family
         family = CounterMetricFamily("kvtop_outcomes_total", "finished request attempts by status", labels=["status"])
         for status, n in sorted(m.outcomes.items()):
             family.add_metric([status], n)
         yield family
+        sup = getattr(st, "supervisor", None)
+        if sup is not None:
+            deaths = CounterMetricFamily("kvtop_background_task_deaths_total", "times a background task "
+                                         "(KV subscriber, health probe, telemetry, writer, parser worker) died; "
+                                         "each was logged and restarted (router/supervise.py)", labels=["task", "kind"])
+            down = GaugeMetricFamily("kvtop_background_task_degraded", "1 while the task is down or died in "
+                                     "the last minute (the state's degraded list)", labels=["task", "kind"])
+            bad = {d["task"] for d in st.degraded()}
+            for h in sup.tasks.values():
+                deaths.add_metric([h.name, h.kind], h.deaths)
+                down.add_metric([h.name, h.kind], int(h.name in bad))
+            if st.writer is not None:
+                down.add_metric(["decision-log", "writer"], int("decision-log" in bad))
+            yield deaths
+            yield down
         writer = st.writer.health() if st.writer is not None else None
         if writer is not None:
             for kind, name, doc, key in (
@@ -635,6 +660,10 @@ class Telemetry:
             await asyncio.get_running_loop().run_in_executor(None, self.gpu.init)
         else:
             self.gpu.reason = "NVML not used: no backend is mapped with @gpu=N"
+        sup = getattr(self.state, "supervisor", None)
+        if sup is not None:  # the poller catches each round's errors; this catches the rest
+            return sup.spawn("telemetry", self.run, kind="telemetry",
+                             fallback="restarted; engine figures go stale meanwhile")
         return asyncio.get_running_loop().create_task(self.run(), name="kvtop-telemetry")
 
     async def stop(self, task: asyncio.Task) -> None:

@@ -233,11 +233,35 @@ def summary(db: sqlite_utils.Database | str | Path, run_id: str | None = None, *
         for seg in segs:
             seg["kv"]["instances"] = kv.get((seg["policy"], seg["policy_version"]), {}).get("instances", [])
     segs.sort(key=lambda s: (s["start_ts"], s["policy_version"] or 0))
-    out = {"run_id": run_id, "segments": segs}
+    out = {"run_id": run_id, "segments": segs, "incomplete": log_gaps(db, run_id)}
     if is_merged(db):
         out["sources"] = [{"source": source, "run_id": r} for source, r in db.runs]
         out["notes"] = knob_notes(db)
         out["predate_index_source"] = db.lacking("decisions", "index_source")
+    return out
+
+
+def log_gaps(db: sqlite_utils.Database, run_id: str) -> list[dict]:
+    """Where the run's log is known to miss rows: spans in which the router's writer dropped
+    rows because its queue was full (``config_events`` kind ``log_drop``, store/writer.py), and
+    a run that never ended cleanly (no ``ended_at``: killed, rows still queued were lost)."""
+    out: list[dict] = []
+    for d, rid in each_run(db, run_id):
+        if "config_events" in d.table_names():
+            for ts, after in d.conn.execute(
+                    "SELECT ts, after FROM config_events WHERE run_id = ? AND kind = 'log_drop' ORDER BY ts", (rid,)):
+                try:
+                    a = json.loads(after) if isinstance(after, str) else (after or {})
+                except ValueError:
+                    a = {}
+                out.append({"kind": "dropped", "run_id": rid, "from": a.get("from", ts), "to": a.get("to", ts),
+                            "rows": a.get("rows_dropped"), "by_table": a.get("by_table") or {}})
+        if "runs" in d.table_names():
+            row = d.conn.execute("SELECT ended_at FROM runs WHERE run_id = ?", (rid,)).fetchone()
+            last = d.conn.execute("SELECT max(ts) FROM decisions WHERE run_id = ?", (rid,)).fetchone()
+            if row is not None and row[0] is None:
+                out.append({"kind": "unclean_end", "run_id": rid, "from": last[0] if last else None, "to": None,
+                            "rows": None, "by_table": {}})
     return out
 
 

@@ -14,6 +14,11 @@ the batch being written: ``max_queued`` rows, about ``max_queued / rows per seco
 traffic (docs/reliability.md has the measured figures). ``runs`` and ``config_events`` rows
 are never dropped. ``health()`` says how the writer is doing (written, queued, dropped,
 failed, the last error, and its lag in seconds).
+
+A drop is loud: the first one of each ``DROP_LOG_INTERVAL_S`` logs a warning with the count
+since the last, and each such span is written to the log itself as a ``config_events`` row
+(kind ``log_drop``: from, to, rows) so that ``kvtop log summary`` says which span of the run
+is incomplete.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ _KEEP = frozenset(("runs", "config_events"))
 #: A writer that dropped or failed rows this recently, or lags this much, is "degraded".
 DEGRADED_WINDOW_S = 60.0
 DEGRADED_LAG_S = 5.0
+#: While rows are being dropped, one warning (and one ``log_drop`` row) per this many seconds.
+DROP_LOG_INTERVAL_S = 10.0
 
 
 class Writer:
@@ -55,6 +62,15 @@ class Writer:
         self.rows_failed = 0
         self.rows_dropped = 0
         self.batches = 0
+        self.thread_deaths = 0  # write windows that failed outside SQLite (the thread went on)
+        self._in_hand: tuple[list, list] | None = None
+        self._stop_seen = False
+        #: the run whose ``log_drop`` rows this writer adds (router/app.py sets it)
+        self.run_id: str | None = None
+        #: drops not yet reported: [first (wall), last (wall), rows, rows by table, first (monotonic)]
+        self._drop_span: list | None = None
+        self._drop_lock = threading.Lock()
+        self._drop_logged_at = float("-inf")  # monotonic time of the last drop warning
         self.last_error: str | None = None
         self.last_problem_at = 0.0  # monotonic time of the last drop or failed write
         self._written_enqueued_at: float | None = None  # enqueue time of the newest row written
@@ -82,6 +98,7 @@ class Writer:
         """Write everything queued so far, then stop the thread."""
         if self._thread is None:
             return
+        self._report_drops(force=True)  # drops since the last report: logged and recorded too
         self._queue.put(_STOP)
         self._urgent.set()
         self._thread.join(timeout)
@@ -94,9 +111,47 @@ class Writer:
         if self._queue.qsize() >= self.max_queued and table not in _KEEP:
             self.rows_dropped += 1
             self.last_problem_at = now
+            self._dropped(table, now)
             return False
         self._queue.put((table, row, now))
         return True
+
+    def _dropped(self, table: str, now: float) -> None:
+        with self._drop_lock:
+            span = self._drop_span
+            if span is None:
+                wall = time.time()
+                span = self._drop_span = [wall, wall, 0, {}, now]
+                if now - self._drop_logged_at >= DROP_LOG_INTERVAL_S:
+                    self._drop_logged_at = now
+                    log.warning("decision log: the queue is full (%d rows, the writer %.1f s behind): new decision "
+                                "and outcome rows are being dropped; a count follows every %.0f s",
+                                self.max_queued, self._lag(now), DROP_LOG_INTERVAL_S)
+            span[1] = time.time()
+            span[2] += 1
+            span[3][table] = span[3].get(table, 0) + 1
+
+    def _report_drops(self, force: bool = False) -> None:
+        """From the writer's thread, once per interval (and at close): the span's drops as a
+        warning and a ``log_drop`` row, which the same thread then writes."""
+        with self._drop_lock:
+            span = self._drop_span
+            if span is None or not (force or time.monotonic() - span[4] >= DROP_LOG_INTERVAL_S):
+                return
+            self._drop_span = None
+        t0, t1, n, by_table, _ = span
+        log.warning("decision log: %d rows dropped between %s and %s (%s): the log misses them "
+                    "(see /health; kvtop log summary names the span)", n,
+                    time.strftime("%H:%M:%S", time.localtime(t0)), time.strftime("%H:%M:%S", time.localtime(t1)),
+                    ", ".join(f"{t} {k}" for t, k in by_table.items()))
+        self._queue.put(("config_events", {
+            "run_id": self.run_id, "ts": t1, "kind": "log_drop", "who": "writer", "policy_version": None,
+            "before": None, "after": {"from": t0, "to": t1, "rows_dropped": n, "by_table": by_table}},
+            time.monotonic()))
+
+    def _lag(self, now: float) -> float:
+        w = self._written_enqueued_at
+        return max(0.0, now - w) if w is not None and self._queue.qsize() else 0.0
 
     def health(self) -> dict[str, Any]:
         """The writer's state for /health, /metrics and the control API."""
@@ -108,6 +163,7 @@ class Writer:
         recent = self.last_problem_at and now - self.last_problem_at < DEGRADED_WINDOW_S
         return {"rows_written": self.rows_written, "rows_queued": queued, "rows_dropped": self.rows_dropped,
                 "rows_failed": self.rows_failed, "max_queued": self.max_queued, "batches": self.batches,
+                "thread_deaths": self.thread_deaths,
                 "last_error": self.last_error, "lag_s": round(lag, 3),
                 "degraded": bool(recent) or lag > DEGRADED_LAG_S}
 
@@ -136,49 +192,82 @@ class Writer:
         self._ready.set()
         stopping = False
         while not stopping:
-            batch: list = []
-            markers: list[threading.Event] = []
             try:
-                item = self._queue.get(timeout=self.flush_interval)
+                stopping = self._step(conn)
+            except Exception as exc:  # noqa: BLE001 - the thread must outlive any one batch
+                self._step_died(exc, conn)
+                stopping = self._stop_seen
+        conn.close()
+
+    def _step(self, conn: sqlite3.Connection) -> bool:
+        """One window: take what is queued, write it, wake the flush waiters. True: stop."""
+        stopping = False
+        if self._drop_span is not None:
+            self._report_drops()
+        batch: list = []
+        markers: list[threading.Event] = []
+        self._in_hand = (batch, markers)
+        try:
+            item = self._queue.get(timeout=self.flush_interval)
+        except queue.Empty:
+            return False
+        deadline = time.monotonic() + self.flush_interval
+        # One wake per window, not one per row: rows queued meanwhile are drained below
+        # without blocking. (A blocking get per row woke this thread on every put, and each
+        # wake took the GIL from the event loop in the middle of a request.)
+        if self._queue.qsize() < self.max_batch and not self._urgent.is_set():
+            self._urgent.wait(max(0.0, deadline - time.monotonic()))
+        self._urgent.clear()
+        while True:
+            if item is _STOP:
+                stopping = self._stop_seen = True
+            elif isinstance(item, threading.Event):
+                markers.append(item)
+                break  # write what came before the marker, then wake the waiter
+            else:
+                batch.append(item)
+            if stopping or len(batch) >= self.max_batch:
+                break
+            try:
+                item = self._queue.get_nowait()
             except queue.Empty:
-                continue
-            deadline = time.monotonic() + self.flush_interval
-            # One wake per window, not one per row: rows queued meanwhile are drained below
-            # without blocking. (A blocking get per row woke this thread on every put, and each
-            # wake took the GIL from the event loop in the middle of a request.)
-            if self._queue.qsize() < self.max_batch and not self._urgent.is_set():
-                self._urgent.wait(max(0.0, deadline - time.monotonic()))
-            self._urgent.clear()
+                break
+        if stopping:
+            # Drain whatever is still queued behind the stop request.
             while True:
-                if item is _STOP:
-                    stopping = True
-                elif isinstance(item, threading.Event):
-                    markers.append(item)
-                    break  # write what came before the marker, then wake the waiter
-                else:
-                    batch.append(item)
-                if stopping or len(batch) >= self.max_batch:
-                    break
                 try:
                     item = self._queue.get_nowait()
                 except queue.Empty:
                     break
-            if stopping:
-                # Drain whatever is still queued behind the stop request.
-                while True:
-                    try:
-                        item = self._queue.get_nowait()
-                    except queue.Empty:
-                        break
-                    if isinstance(item, threading.Event):
-                        markers.append(item)
-                    elif item is not _STOP:
-                        batch.append(item)
-            if batch:
-                self._write(conn, batch)
-            for m in markers:
-                m.set()
-        conn.close()
+                if isinstance(item, threading.Event):
+                    markers.append(item)
+                elif item is not _STOP:
+                    batch.append(item)
+        if batch:
+            self._write(conn, batch)
+        for m in markers:
+            m.set()
+        self._in_hand = None
+        return stopping
+
+    def _step_died(self, exc: BaseException, conn: sqlite3.Connection) -> None:
+        """A window failed outside SQLite (a bug, a row that cannot be encoded): its rows are
+        counted as failed, logged, its flush waiters woken, and the thread goes on."""
+        if conn.in_transaction:
+            try:
+                conn.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass
+        batch, markers = self._in_hand or ([], [])
+        self._in_hand = None
+        self.thread_deaths += 1
+        self.rows_failed += len(batch)
+        self.last_problem_at = time.monotonic()
+        self.last_error = f"writer loop failed: {exc.__class__.__name__}: {exc}"[:300]
+        log.error("decision log: a write window failed (%s); %d rows lost, the writer goes on",
+                  self.last_error, len(batch), exc_info=True)
+        for m in markers:
+            m.set()
 
     def _insert(self, conn: sqlite3.Connection, table: str, rows: list[tuple]) -> None:
         """Many rows per statement. executemany steps SQLite once per row and gives the GIL

@@ -106,7 +106,28 @@ async def test_backlog_seconds_uses_assumed_prefill_rate(router):
     s = await (await c.get("/kvtop/v1/state")).json()
     st.cluster.instances[0].pending_prefill_tokens = 0
     assert s["instances"][0]["backlog_s"] == pytest.approx(2.5)
+    assert s["instances"][0]["backlog_source"] == "assumed"
     assert s["router"]["assumed_prefill_tps"] == 1000.0
+
+
+async def test_backlog_seconds_use_the_measured_prefill_rate_once_there_is_one(router):
+    """The issue's case: an assumed 5,000 tokens/s against a measured 30,000 made backlog
+    seconds 6x too high. Once first tokens have been timed, the measured rate divides."""
+    c = await router(2)
+    st = c.server.app[STATE]
+    cal = st.cluster.calibration
+    for k in range(20):  # instance 0 prefills 30,000 tokens in 1 s, again and again
+        cal.observe(0, 30_000, 0, dispatched=100.0 + 2 * k, first_token=101.0 + 2 * k)
+    st.cluster.instances[0].pending_prefill_tokens = 46_781
+    st.cluster.instances[1].pending_prefill_tokens = 0
+    s = await (await c.get("/kvtop/v1/state")).json()
+    st.cluster.instances[0].pending_prefill_tokens = 0
+    i0, i1 = s["instances"]
+    assert i0["backlog_source"] == "measured" and i0["backlog_prefill_tps"] == pytest.approx(cal.tps(0), rel=1e-3)
+    assert i0["backlog_s"] == pytest.approx(46_781 / cal.tps(0))
+    assert 1.5 < i0["backlog_s"] < 2.0  # about 1.6 s (the prior still weighs a little), not 9.36 s
+    assert i1["backlog_source"] == "fleet"  # no sample of its own yet: the fleet's rate
+    assert s["totals"]["backlog_s"] == pytest.approx(i0["backlog_s"] + i1["backlog_s"])
 
 
 async def test_policies_lists_schemas_and_marks_current(router):

@@ -23,9 +23,9 @@ def test_outcome_row_repeats_the_decision_row_and_fits_the_schema():
     assert set(out) <= set(TABLES["outcomes"]), set(out) - set(TABLES["outcomes"])
 
 
-def test_stream_scan_keeps_a_bounded_tail_and_finds_the_final_usage():
-    """Thousands of token events: the tail stays near 16 KB and usage/[DONE] are still found."""
-    from router.forward import _TAIL_BYTES, StreamScan
+def test_stream_scan_holds_bounded_bytes_and_finds_the_final_usage():
+    """Thousands of token events: the scan holds a few bytes and usage/[DONE] are still found."""
+    from router.forward import _TAIL_BYTES, _USAGE_MAX_BYTES, StreamScan
 
     scan = StreamScan()
     ev = b'data: {"choices":[{"index":0,"text":"tok"}]}\n\n'
@@ -34,10 +34,10 @@ def test_stream_scan_keeps_a_bounded_tail_and_finds_the_final_usage():
         assert not scan.feed(ev)
     scan.feed(b'data: {"choices":[],"usage":{"prompt_tokens":9,"completion_tokens":5001}}\n\n')
     scan.feed(b"data: [DONE]\n\n")
-    assert sum(map(len, scan._chunks)) <= 2 * _TAIL_BYTES + len(ev)
+    assert scan.held_bytes <= 2 * _TAIL_BYTES
     assert scan.usage() == {"prompt_tokens": 9, "completion_tokens": 5001}
     assert scan.saw_done and scan.data_events == 5002
     big = StreamScan()
     big.feed(b"data: " + b"x" * 100_000 + b"\n\n")
     big.feed(b"data: [DONE]\n\n")
-    assert len(big._chunks) <= 2 and big.saw_done
+    assert big.held_bytes <= 2 * _TAIL_BYTES + _USAGE_MAX_BYTES and big.saw_done

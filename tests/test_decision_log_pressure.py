@@ -3,6 +3,7 @@ that costs rows but never routing, and says so on /health and /metrics."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 
 import pytest
@@ -22,7 +23,11 @@ def test_a_full_queue_drops_and_counts_but_keeps_run_rows(tmp_path):
     w.start()
     w.close()
     db = sqlite_utils.Database(str(tmp_path / "log.db"))
-    assert db["decisions"].count == 10 and db["runs"].count == 1 and db["config_events"].count == 1
+    assert db["decisions"].count == 10 and db["runs"].count == 1
+    # the drops are in the log too: the span they fell in, for kvtop log summary
+    assert [r["kind"] for r in db["config_events"].rows] == ["run", "log_drop"]
+    drop = json.loads(list(db["config_events"].rows_where("kind = 'log_drop'"))[0]["after"])
+    assert drop["rows_dropped"] == 5 and drop["by_table"] == {"decisions": 5} and drop["from"] <= drop["to"]
 
 
 @pytest.fixture
@@ -68,3 +73,34 @@ async def test_a_full_disk_loses_rows_not_routing_and_says_so(router_client, fak
     assert failed and float(failed[0].split()[-1]) > 0
     async with client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1}) as r:
         assert r.status == 200  # still routing
+
+
+def test_a_drop_is_loud_logged_once_per_interval_and_named_by_log_summary(tmp_path, caplog):
+    """The crash run's lost rows were silent: a full queue now warns once when it starts dropping
+    and once per interval with the count, and ``kvtop log summary`` names the incomplete span."""
+    import logging
+
+    from kvtop.log_cli import format_summary
+    from store import summary as store_summary
+
+    path = str(tmp_path / "log.db")
+    w = Writer(path, max_queued=10)  # not started: the queue fills
+    w.run_id = "r"
+    w.put("runs", {"run_id": "r", "started_at": 1.0})
+    with caplog.at_level(logging.WARNING, logger="kvtop.store"):
+        for k in range(40):
+            w.put("decisions", {"run_id": "r", "request_id": f"q{k}", "ts": 100.0 + k, "attempt": 1,
+                                "policy": "lmetric", "policy_version": 1})
+        started = [r for r in caplog.records if "being dropped" in r.getMessage()]
+        assert len(started) == 1  # one line for 31 drops, not 31
+        assert w.health()["rows_dropped"] == 31 and w.health()["degraded"]
+        w.start()
+        w.close()
+    counted = [r for r in caplog.records if "rows dropped between" in r.getMessage()]
+    assert len(counted) == 1 and "31 rows dropped" in counted[0].getMessage()
+    result = store_summary.summary(path, "r")
+    gaps = result["incomplete"]
+    assert [g["kind"] for g in gaps] == ["dropped", "unclean_end"]
+    assert gaps[0]["rows"] == 31 and gaps[0]["by_table"] == {"decisions": 31}
+    text = format_summary(result)
+    assert "INCOMPLETE: 31 rows dropped between" in text and "has no recorded end" in text

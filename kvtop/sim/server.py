@@ -21,7 +21,7 @@ from aiohttp import web
 
 from kvtop.sim.engine import Engine, EngineRejected, EngineRequest, FinishedRequest
 from kvtop.sim.metrics import CONTENT_TYPE, SimMetrics
-from kvtop.sim import apis
+from kvtop.sim import apis, truth
 from kvtop.sim.tokenizer import filler_text, render_chat, token_strs, tokenize
 from router.blocks import hash_token_blocks
 
@@ -602,6 +602,7 @@ def create_app(instance: SimInstance) -> web.Application:
     for path in ("/model_info", "/get_model_info"):
         r.add_get(path, model_info)
     apis.setup(app, instance)  # /v1/messages and /v1/responses
+    truth.install(app, instance)  # GET /kvtop/sim/truth: the engine's account of each request
     return app
 
 
