@@ -28,9 +28,12 @@ import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from router.upstream import ConnectFailed, UpstreamError
+
+if TYPE_CHECKING:  # typing only: router/state.py imports this module
+    from router.state import RouterState
 
 log = logging.getLogger("kvtop.route")
 
@@ -67,7 +70,7 @@ def backoff_s(failures: int, interval_s: float, cap_s: float) -> float:
 
 
 class HealthChecker:
-    def __init__(self, state: Any):
+    def __init__(self, state: RouterState):
         self.state = state
         cfg = state.config
         self.interval_s = cfg.health_interval_s
@@ -259,7 +262,7 @@ class HealthChecker:
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def setup(app, state: Any) -> HealthChecker:
+def setup(app, state: RouterState) -> HealthChecker:
     """Called by create_app: the checker, started and stopped with the app."""
     checker = HealthChecker(state)
     state.health = checker

@@ -11,12 +11,15 @@ from __future__ import annotations
 import argparse
 import resource
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from router.http import error_response
 from store.errors import CliError
+
+if TYPE_CHECKING:  # typing only: router/state.py imports this module
+    from router.state import RouterState
 
 RETRY_AFTER_S = "1"
 
@@ -36,12 +39,12 @@ OUTLIER_EJECTION_S = 10.0
 FIRST_BYTE_TIMEOUT_S = 30.0
 
 
-def _too_many(state: Any, message: str) -> web.Response:
+def _too_many(state: RouterState, message: str) -> web.Response:
     state.counts["rejected"] = state.counts.get("rejected", 0) + 1
     return error_response(429, message, err_type="RateLimitError", headers={"Retry-After": RETRY_AFTER_S})
 
 
-def admit(state: Any) -> web.Response | None:
+def admit(state: RouterState) -> web.Response | None:
     """A 429 when the router already holds ``max_inflight`` requests, else None.
 
     ``in_flight`` counts every dispatched ticket, and a request is dispatched before it waits in
@@ -52,7 +55,7 @@ def admit(state: Any) -> web.Response | None:
     return None
 
 
-def body_room(state: Any, declared: int) -> web.Response | None:
+def body_room(state: RouterState, declared: int) -> web.Response | None:
     """A 503 when the bodies the router holds (request bodies from arrival to the answer's end)
     would pass ``max_buffered_bytes`` with this one; None when it fits."""
     if over_body_room(state, declared):
@@ -61,19 +64,19 @@ def body_room(state: Any, declared: int) -> web.Response | None:
     return None
 
 
-def over_body_room(state: Any, more: int, *, own: int = 0) -> bool:
+def over_body_room(state: RouterState, more: int, *, own: int = 0) -> bool:
     """Would ``more`` bytes pass ``max_buffered_bytes``? ``own``: bytes of the same body already
     counted. One body alone always fits (``--max-body-mb`` bounds it)."""
     limit = state.config.max_buffered_bytes
     return bool(limit) and state.body_bytes + more > limit and state.body_bytes - own > 0
 
 
-def body_room_message(state: Any) -> str:
+def body_room_message(state: RouterState) -> str:
     return (f"the router already holds {state.body_bytes:,} bytes of request bodies "
             f"(--max-buffered-mb {state.config.max_buffered_bytes // (1024 * 1024)}); retry later")
 
 
-def full_instances(state: Any) -> tuple[int, ...]:
+def full_instances(state: RouterState) -> tuple[int, ...]:
     """Indices of instances at ``max_inflight_per_instance``: excluded from this pick."""
     limit = state.config.max_inflight_per_instance
     if not limit:
@@ -81,7 +84,7 @@ def full_instances(state: Any) -> tuple[int, ...]:
     return tuple(s.index for s in state.cluster.instances if s.num_requests >= limit)
 
 
-def all_full(state: Any) -> web.Response:
+def all_full(state: RouterState) -> web.Response:
     limit = state.config.max_inflight_per_instance
     return _too_many(state, f"every healthy instance holds its limit of {limit} requests; retry later")
 

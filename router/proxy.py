@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -30,6 +30,9 @@ from router.lifecycle import (ALL_FULL, Action, Admitted, Arrived, ClientGone, C
 from router.pipeline import CLIENT_GONE, ERROR, OK, PREFILL, TIMEOUT, UPSTREAM_ERROR, Flow
 from router.request import BadRequest
 from router.upstream import ConnectFailed, UpstreamError
+
+if TYPE_CHECKING:  # typing only: router/state.py imports this module's app
+    from router.state import RouterState
 
 log = logging.getLogger("kvtop.route")
 
@@ -58,7 +61,7 @@ def handlers(state_key) -> dict[str, Any]:
     return {api.path: bind(api) for api in APIS.values()}
 
 
-async def handle(request: web.Request, state, api: Api, store: ResponseStore | None = None) -> web.StreamResponse:
+async def handle(request: web.Request, state: RouterState, api: Api, store: ResponseStore | None = None) -> web.StreamResponse:
     """Refuse early (before reading the body), parse, then route and forward."""
     pipe = state.pipeline
     t_recv = pipe.clock()  # ONE receive time: every latency of this request counts from here
@@ -95,7 +98,7 @@ async def handle(request: web.Request, state, api: Api, store: ResponseStore | N
         state.memory.body_done(held, state.body_bytes)
 
 
-async def _route(request: web.Request, state, api: Api, t_recv: float, raw: bytes,
+async def _route(request: web.Request, state: RouterState, api: Api, t_recv: float, raw: bytes,
                  store: ResponseStore | None) -> web.StreamResponse:
     """Perform the lifecycle's actions (router/lifecycle.py) for one request over HTTP."""
     life = state.lifecycle
@@ -152,7 +155,7 @@ async def _route(request: web.Request, state, api: Api, t_recv: float, raw: byte
             return resp
 
 
-def _refusal(state, act: Refuse, req, pinned: tuple[int, ...]) -> web.Response:
+def _refusal(state: RouterState, act: Refuse, req, pinned: tuple[int, ...]) -> web.Response:
     if act.reason == ALL_FULL:
         return limits.all_full(state)
     state.counts["no_instance"] += 1
@@ -174,7 +177,7 @@ def _counted(life: Lifecycle, flow: Flow, fut: asyncio.Future) -> None:
         life.step(flow, Counted(fut.result()))
 
 
-def _pinned(state, req, store: ResponseStore | None) -> tuple[int, ...]:
+def _pinned(state: RouterState, req, store: ResponseStore | None) -> tuple[int, ...]:
     """Every instance but the one holding ``previous_response_id`` (none when unknown); the
     request also takes that response's session, so the chain counts as one session."""
     if not req.previous_response_id or store is None:
@@ -188,12 +191,12 @@ def _pinned(state, req, store: ResponseStore | None) -> tuple[int, ...]:
     return tuple(i for i in range(len(state.cluster.instances)) if i != instance)
 
 
-def _pin_name(state, pinned: tuple[int, ...]) -> str:
+def _pin_name(state: RouterState, pinned: tuple[int, ...]) -> str:
     free = [inst.name for i, inst in enumerate(state.cluster.instances) if i not in pinned]
     return free[0] if free else "?"
 
 
-async def _prefill_leg(state, p_index: int, request, body: dict, path: str,
+async def _prefill_leg(state: RouterState, p_index: int, request, body: dict, path: str,
                        request_id: str) -> tuple[dict | None, str | None]:
     """POST the prefill-only request to P; return (its kv_transfer_params, None) or (None, why)."""
     inst = state.cluster.instances[p_index]
@@ -236,7 +239,7 @@ def _failure_status(exc: BaseException) -> str:
     return TIMEOUT if isinstance(exc, TimeoutError) else UPSTREAM_ERROR
 
 
-async def _forward(request: web.Request, state, flow: Flow, raw: bytes, api: Api,
+async def _forward(request: web.Request, state: RouterState, flow: Flow, raw: bytes, api: Api,
                    store: ResponseStore | None) -> tuple[web.StreamResponse | None, Action]:
     """The serve leg, reported to the lifecycle as it ends: (the client's response, None), or
     (None, the lifecycle's next action) after a failure it retries."""
@@ -253,7 +256,7 @@ async def _forward(request: web.Request, state, flow: Flow, raw: bytes, api: Api
     return (None, act) if retry else (resp, None)
 
 
-async def _serve_leg(request: web.Request, state, flow: Flow, raw: bytes, api: Api,
+async def _serve_leg(request: web.Request, state: RouterState, flow: Flow, raw: bytes, api: Api,
                      store: ResponseStore | None, end: dict[str, Any], *,
                      can_retry: bool) -> web.StreamResponse | None:
     """Send ``raw`` to the decision's instance and relay the answer; ``end`` says how it ended

@@ -19,7 +19,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
@@ -27,6 +27,9 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+
+if TYPE_CHECKING:  # typing only: router/state.py imports this module
+    from router.state import RouterState
 
 log = logging.getLogger(__name__)
 
@@ -539,7 +542,7 @@ class RouterCollector:
 class Telemetry:
     """Scrapes, samples and keeps windows for every instance of one router."""
 
-    def __init__(self, state: Any, *, scrape_interval_s: float = 1.0, scrape_timeout_s: float = 0.8,
+    def __init__(self, state: RouterState, *, scrape_interval_s: float = 1.0, scrape_timeout_s: float = 0.8,
                  sample_every_s: float = 5.0, gpu_sampler: GpuSampler | None = None):
         self.state = state
         self.scrape_interval_s = scrape_interval_s
@@ -704,7 +707,7 @@ async def metrics_handler(request: web.Request) -> web.Response:
                         headers={"Content-Type": content_type})
 
 
-def setup(app: web.Application, state: Any) -> Telemetry:
+def setup(app: web.Application, state: RouterState) -> Telemetry:
     """Create the telemetry service, feed it events, serve ``GET /metrics``, run the poller."""
     cfg = state.config
     tel = Telemetry(state, scrape_interval_s=getattr(cfg, "scrape_interval_s", 1.0))
