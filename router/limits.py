@@ -76,14 +76,6 @@ def body_room_message(state: RouterState) -> str:
             f"(--max-buffered-mb {state.config.max_buffered_bytes // (1024 * 1024)}); retry later")
 
 
-def full_instances(state: RouterState) -> tuple[int, ...]:
-    """Indices of instances at ``max_inflight_per_instance``: excluded from this pick."""
-    limit = state.config.max_inflight_per_instance
-    if not limit:
-        return ()
-    return tuple(s.index for s in state.cluster.instances if s.num_requests >= limit)
-
-
 def all_full(state: RouterState) -> web.Response:
     limit = state.config.max_inflight_per_instance
     return _too_many(state, f"every healthy instance holds its limit of {limit} requests; retry later")

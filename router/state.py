@@ -16,7 +16,6 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from router import limits
 from router.body import MemoryReturn
 from router.build import build_router
 from router.calibration import DEFAULT_PRIOR, PrefillPrior
@@ -128,7 +127,7 @@ class RouterState:
             block_size=config.block_size, capacity_blocks=config.capacity_blocks,
             prefill_prior=PrefillPrior(config.assumed_prefill_tps, DEFAULT_PRIOR.attention_tokens),
             clock=time.time, on_admit=_wake, shadows=self.shadows, defer=self.deferred,
-            background=_Steps(), full=lambda: limits.full_instances(self))
+            background=_Steps(), full=self.full_instances)
         self.kv_index = attach_index(self.cluster, config.backends,
                                      speculative_ttl_s=config.kv_speculative_ttl_s)
         self.kv_subscribers: list = []  # router/kv_events.Subscriber per backend (None: no events)
@@ -153,6 +152,14 @@ class RouterState:
         self.draining = False
         self.body_bytes = 0  # request body bytes held now (router/limits.py body_room)
         self.memory = MemoryReturn()  # gives large bodies' freed memory back (router/body.py)
+
+    def full_instances(self) -> tuple[int, ...]:
+        """Indices of instances at ``max_inflight_per_instance``: the lifecycle excludes them
+        from a pick, and refuses a request when every candidate is full (router/limits.py)."""
+        limit = self.config.max_inflight_per_instance
+        if not limit:
+            return ()
+        return tuple(s.index for s in self.cluster.instances if s.num_requests >= limit)
 
     @property
     def core(self) -> RoutingCore:
