@@ -36,10 +36,10 @@ log = logging.getLogger("kvtop.route")
 _WRITE_HIGH_WATER = 64 * 1024
 
 
-def handlers(state_key) -> dict[str, Any]:
+def handlers(state_key, store: ResponseStore | None = None) -> dict[str, Any]:
     """The data-plane handlers by path, bound to the app key holding the RouterState. They
     share one ResponseStore (response id -> instance) for ``previous_response_id``."""
-    store = ResponseStore()
+    store = store if store is not None else ResponseStore()
 
     def bind(api: Api):
         async def handler(request: web.Request) -> web.StreamResponse:
@@ -126,7 +126,10 @@ async def _route(request: web.Request, state, api: Api, t_recv: float, raw: byte
             if pinned:
                 msg = (f"previous_response_id {req.previous_response_id} is stored on instance "
                        f"{_pin_name(state, pinned)}, which cannot take requests now ({msg})")
-            return error_response(503 if first is None else 502, msg, headers={"Retry-After": "1"})
+            # x-should-retry: false, so that a client shows this at once (Claude Code retries an
+            # overloaded answer for minutes; router/apis.py answers this one as api_error)
+            return error_response(503 if first is None else 502, msg,
+                                  headers={"Retry-After": "1", "x-should-retry": "false"})
         d = flow.decision
         if d.attempt > 1:
             state.counts["retries"] += 1

@@ -138,8 +138,9 @@ async def _run(request: web.Request, tokens: list[int], max_tokens: int, kv_para
                 continue
             if on_tokens is None and s.finished is not None:
                 break
-            try:
-                await asyncio.wait_for(event.wait(), 0.5)
+            try:  # not wait_for: on 3.11 it swallows a cancel that meets the event (a background cancel)
+                async with asyncio.timeout(0.5):
+                    await event.wait()
             except TimeoutError:
                 if not background and (request.transport is None or request.transport.is_closing()):
                     raise ConnectionResetError("client went away") from None
