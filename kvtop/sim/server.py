@@ -366,6 +366,9 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     tools = body.get("tools") if chat and isinstance(body.get("tools"), list) else None
     if chat and len(prompts) != 1:
         raise BadRequest("chat requests carry one conversation")
+    if chat and inst.output_lengths is not None and body.get("max_tokens") is None \
+            and body.get("max_completion_tokens") is None:
+        max_tokens = max(1, inst.engine.max_model_len - len(prompts[0]))  # vLLM's: the rest of the context
     if kv_params and kv_params.get("do_remote_decode"):
         max_tokens = 1
     for p in prompts:
