@@ -201,3 +201,27 @@ async def test_no_instance_is_an_error_claude_code_shows(router_client, tmp_path
     assert err.value.response.headers["x-should-retry"] == "false"
     assert client.server.state.counts["requests"] == 1  # not retried
     await sdk.close()
+
+
+async def test_count_tokens_is_exact_with_a_tokenizer(aiohttp_server, router_client, tmp_path):
+    """With --tokenizer, count_tokens is the model's own count (its chat template and tokenizer,
+    as vLLM renders the request), the same the router routes the request on."""
+    from test_tokenize import _bench
+    from router.request import Tokenizer, parse_request
+
+    tok_dir = _bench().build_tokenizer(tmp_path / "tok", vocab=2000, corpus_bytes=400_000)
+    inst = SimInstance(Engine("h20"), model="sim-model", speed=500.0)
+    server = await aiohttp_server(create_app(inst), host="127.0.0.1")
+    cfg = RouterConfig(backends=[Backend("i0", str(server.make_url("")).rstrip("/"))], tokenizer=str(tok_dir),
+                       db=str(tmp_path / "kvtop.db"), state_dir=str(tmp_path / "state"))
+    client = await router_client(router_app(cfg))
+    sdk = _anthropic(client.server.url)
+    body = {"system": "you are terse", "messages": [{"role": "user", "content": "count these words, please"}],
+            "tools": TOOLS_ANTHROPIC}
+    count = await sdk.messages.count_tokens(model="sim-model", **body)
+    expected = parse_request({**body, "max_tokens": 1}, "messages", tokenizer=Tokenizer(str(tok_dir))).input_tokens
+    assert count.input_tokens == expected
+    await sdk.messages.create(model="sim-model", max_tokens=3, **body)
+    decision = rows(client.server.app[STATE], "decisions")[0]
+    assert decision["token_source"] == "tokenizer" and decision["input_tokens"] == count.input_tokens
+    await sdk.close()

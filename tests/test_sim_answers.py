@@ -108,3 +108,13 @@ def test_engine_stop_at_is_a_natural_stop():
     assert (done["a"].finish_reason, done["a"].num_output_tokens) == ("stop", 7)
     assert (done["b"].finish_reason, done["b"].num_output_tokens) == ("length", 5)
     assert e.request_success["stop"] == 1 and e.request_success["length"] == 1
+
+
+@pytest.mark.parametrize("api", ["chat", "messages", "responses"])
+def test_replay_asks_every_api_for_the_traces_exact_length(api):
+    """kvtop replay sends ignore_eos on every API, so a trace's output length is met exactly on a
+    simulator whose answers otherwise end early (vLLM honours it on all three)."""
+    from kvtop.replay import agent_body
+
+    body = agent_body(api, list(range(3000)), "s1", 77)
+    assert body["ignore_eos"] is True and 77 in (body.get("max_tokens"), body.get("max_output_tokens"))
