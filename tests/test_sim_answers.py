@@ -113,7 +113,8 @@ def test_engine_stop_at_is_a_natural_stop():
 @pytest.mark.parametrize("api", ["chat", "messages", "responses"])
 def test_replay_asks_every_api_for_the_traces_exact_length(api):
     """kvtop replay sends ignore_eos on every API, so a trace's output length is met exactly on a
-    simulator whose answers otherwise end early (vLLM honours it on all three)."""
+    simulator whose answers otherwise end early (vLLM's chat honours it; a server that does not
+    know the field ignores it)."""
     from kvtop.replay import agent_body
 
     body = agent_body(api, list(range(3000)), "s1", 77)
