@@ -34,6 +34,8 @@ RESPONSE_STORE = web.AppKey("kvtop_response_store", ResponseStore)
 #: A relayed answer to retrieve / delete / cancel is at most this big.
 _MAX_ANSWER_BYTES = 16 * 1024 * 1024
 _TIMEOUT_S = 30.0
+#: The catch-all route, registered last (unknown() skips it when it looks for other methods).
+_CATCH_ALL = "/{tail:.*}"
 
 
 def setup(app: web.Application, state_key, store: ResponseStore) -> None:
@@ -52,8 +54,7 @@ def setup(app: web.Application, state_key, store: ResponseStore) -> None:
     r.add_delete("/v1/responses/{response_id}", response_op)
     r.add_post("/v1/responses/{response_id}/cancel", response_op)
     r.add_get("/", root)  # aiohttp answers HEAD on a GET route
-    r.add_route("*", "/v1/messages/{tail:.*}", unknown)
-    r.add_route("*", "/{tail:.*}", unknown)
+    r.add_route("*", _CATCH_ALL, unknown)
 
 
 async def root(request: web.Request) -> web.Response:
@@ -63,15 +64,19 @@ async def root(request: web.Request) -> web.Response:
 
 
 async def unknown(request: web.Request) -> web.Response:
-    """404 (or 405 on a known path) in the shape of the path's API family."""
+    """404 in the shape of the path's API family; 405 (with ``Allow``) where another route
+    serves the path with other methods."""
     path = request.path
-    known = {"/v1/messages": "POST", "/v1/responses": "POST", "/v1/chat/completions": "POST",
-             "/v1/completions": "POST", "/v1/messages/count_tokens": "POST", "/v1/models": "GET",
-             "/health": "GET", "/metrics": "GET"}
-    allowed = known.get(path.rstrip("/") or "/")
-    if allowed is not None and request.method != allowed:
+    allowed: set[str] = set()
+    for resource in request.app.router.resources():
+        if resource.canonical == "/{tail}":  # _CATCH_ALL itself
+            continue
+        match, methods = await resource.resolve(request)
+        if match is None and methods:
+            allowed |= methods
+    if allowed:
         status, message = 405, f"method {request.method} not allowed on {path}"
-        headers = {"Allow": allowed}
+        headers = {"Allow": ",".join(sorted(allowed))}
     else:
         status, message, headers = 404, f"no route for {request.method} {path}", None
     if path == "/v1/messages" or path.startswith("/v1/messages/"):

@@ -12,7 +12,8 @@ pointing at a closed loopback port (NO_PROXY: loopback), so that only loopback i
 
 The simulated answers here are 128 tokens each (``--output-len 128``) to keep the run to about a
 minute; whether an answer is a tool call is still the simulator's seeded draw, so each turn runs
-the agent's tool loop for one to four requests.
+the agent's tool loop for one to four requests. ``KVTOP_AGENTS_OUTPUT_LEN=sample`` runs it with
+kvtop sim's default answer lengths (the bundled trace's; turns then take 5-40 s).
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ def fleet(tmp_path_factory):
     base = free_port_run(6)  # 2 HTTP ports, then 2 x (KV events, replay)
     env = {**os.environ, "NO_PROXY": "127.0.0.1,localhost"}
     sim = subprocess.Popen([sys.executable, "-m", "kvtop", "sim", "--instances", "2", "--port-base", str(base),
-                            "--speed", "1", "--output-len", "128", "--duration", "600"],
+                            "--speed", "1", "--output-len", os.environ.get("KVTOP_AGENTS_OUTPUT_LEN", "128"),
+                            "--duration", "900"],
                            stdout=subprocess.PIPE, stderr=open(tmp / "sim.err", "w"), text=True, env=env)
     procs = [sim]
     try:
@@ -137,6 +139,7 @@ def _turn(argv: list[str], cwd: Path, env: dict[str, str], label: str) -> str:
     except subprocess.TimeoutExpired as exc:
         raise AssertionError(f"{label}: no exit within {TURN_LIMIT_S} s\n{exc.stdout}\n{exc.stderr}") from None
     took = time.monotonic() - t0
+    print(f"{label}: exit {r.returncode} in {took:.1f} s")
     assert r.returncode == 0, f"{label}: exit {r.returncode} after {took:.1f} s\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
     assert took < TURN_LIMIT_S
     return r.stdout
