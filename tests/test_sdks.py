@@ -151,6 +151,9 @@ async def test_openai_chat_and_completions(fleet):
     assert deltas[-1].finish_reason == "tool_calls"
     assert "".join(d.delta.tool_calls[0].function.arguments or "" for d in deltas if d.delta.tool_calls) \
         == '{"command":[]}'
+    # no max_tokens: the answer ends by itself (vLLM's default lets it run to the context's end)
+    free = await client.chat.completions.create(model="sim-model", messages=msgs, user="u1")
+    assert free.choices[0].finish_reason == "stop" and free.usage.completion_tokens > 16
     s = await client.chat.completions.create(model="sim-model", messages=msgs, max_tokens=50, user="u1",
                                              stop=[" engine"])
     assert s.choices[0].finish_reason == "stop" and "engine" not in s.choices[0].message.content
@@ -158,7 +161,7 @@ async def test_openai_chat_and_completions(fleet):
                                            extra_body={"ignore_eos": True})
     assert done.choices[0].finish_reason == "length" and done.usage.completion_tokens == 7
     outcomes = rows(state, "outcomes")
-    assert len(outcomes) == 6 and {o["status"] for o in outcomes} == {"ok"}
+    assert len(outcomes) == 7 and {o["status"] for o in outcomes} == {"ok"}
     await client.close()
 
 

@@ -3,7 +3,10 @@
 
 Each instance serves vLLM's OpenAI API (/v1/completions, /v1/chat/completions, streaming or
 not), /metrics with vLLM's names, /tokenize, /v1/completions/render, /health, /v1/models,
-/version, /load and the probes peer routers use (/server_info, /model_info). Its engine
+/version, /load and the probes peer routers use (/server_info, /model_info), and Anthropic's
+/v1/messages and OpenAI's /v1/responses (retrieve, delete and cancel too). Answers end like a
+model's: lengths drawn from the bundled agentic trace (--output-len), a natural stop, stop
+strings, ignore_eos, and tool calls where the request offers tools (docs/simulator.md). Its engine
 follows the vLLM v1 step loop and a fitted step-time model (docs/simulator.md). It publishes
 vLLM's KV events (ZMQ, with a replay endpoint) unless --no-kv-events: instance i on
 KV_BASE+2i and KV_BASE+2i+1, KV_BASE being --kv-events-port-base or, by default, the port
