@@ -19,11 +19,12 @@ import asyncio
 import logging
 import uuid
 
+import orjson
 from aiohttp import web
 
 from router.apis import MESSAGES, ResponseStore
 from router.forward import upstream_headers
-from router.http import error_response, read_body, refusal
+from router.http import error_response, parse_json, read_body, refusal
 from router.request import BadRequest
 from router.upstream import UpstreamError
 
@@ -90,13 +91,9 @@ async def _count_tokens(request: web.Request, state) -> web.Response:
         raw = await read_body(request, state.config.client_timeout_s)
         if not isinstance(raw, (bytes, bytearray)):
             raw = b"".join(raw.parts)
-        from router.http import parse_json
-
         body = parse_json(raw)
         if isinstance(body, dict) and "max_tokens" not in body:
             body = {**body, "max_tokens": 1}  # count_tokens bodies carry none; the parser wants one
-        import orjson
-
         _, req = await state.parser.parse(orjson.dumps(body), "messages", {}, early=False)
     except BadRequest as exc:
         return MESSAGES.reshape(refusal(exc))
@@ -129,7 +126,7 @@ async def _response_op(request: web.Request, state, store: ResponseStore) -> web
                     data = await up.read(limit=_MAX_ANSWER_BYTES)
         except (UpstreamError, TimeoutError, OSError) as exc:
             log.info("response %s: %s %s on %s failed: %s", rid, request.method, path, inst.name, exc)
-            last = error_response(502, f"instance {inst.name} holding response {rid} did not answer: {exc}")
+            last = error_response(502, f"instance {inst.name} did not answer for response {rid}: {exc}")
             continue
         out = web.Response(body=data, status=up.status,
                            content_type=(up.headers.get("Content-Type") or "application/json").split(";")[0])
