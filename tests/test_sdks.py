@@ -228,3 +228,26 @@ async def test_count_tokens_is_exact_with_a_tokenizer(aiohttp_server, router_cli
     decision = rows(client.server.app[STATE], "decisions")[0]
     assert decision["token_source"] == "tokenizer" and decision["input_tokens"] == count.input_tokens
     await sdk.close()
+
+
+async def test_a_response_is_asked_for_where_it_is_stored(aiohttp_server, router_client, tmp_path):
+    """Retrieve goes to the instance that stored the response, as previous_response_id does: with
+    that instance gone the answer is a 502 naming it, not the other instance's 404."""
+    servers, urls = [], []
+    for _ in range(2):
+        inst = SimInstance(Engine("h20"), model="sim-model", speed=500.0)
+        server = await aiohttp_server(create_app(inst), host="127.0.0.1")
+        servers.append(server)
+        urls.append(str(server.make_url("")).rstrip("/"))
+    cfg = RouterConfig(backends=[Backend(f"i{k}", u) for k, u in enumerate(urls)],
+                       db=str(tmp_path / "kvtop.db"), state_dir=str(tmp_path / "state"))
+    client = await router_client(router_app(cfg))
+    sdk = _openai(client.server.url)
+    r = await sdk.responses.create(model="sim-model", input="hello there", max_output_tokens=3)
+    holder = rows(client.server.app[STATE], "decisions")[0]["instance"]
+    assert (await sdk.responses.retrieve(r.id)).id == r.id
+    await servers[int(holder[1:])].close()
+    with pytest.raises(openai.APIStatusError) as err:
+        await sdk.responses.retrieve(r.id)
+    assert err.value.status_code == 502 and holder in err.value.message
+    await sdk.close()
