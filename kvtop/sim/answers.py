@@ -153,7 +153,7 @@ def plan(lengths: OutputLengths | None, tokens: list[int], max_tokens: int, *,
         # the call's own tokens are part of the answer: the text before it is what is left
         text_tokens = max(0, natural - count_tokens(call.name + call.arguments) - 4)
         stop_at = max(natural, 1)
-    stop_string = text_end = None
+    stop_string = None
     if stop:
         scan = filler_text(0, min(text_tokens, _STOP_SCAN_PIECES))
         hits = [(scan.find(s), s) for s in stop if s and scan.find(s) >= 0]

@@ -23,7 +23,7 @@ from kvtop.sim.engine import Engine, EngineRejected, EngineRequest, FinishedRequ
 from kvtop.sim.metrics import CONTENT_TYPE, SimMetrics
 from kvtop.sim import apis
 from kvtop.sim.answers import RUN_TO_MAX, Answer, OutputLengths, plan
-from kvtop.sim.tokenizer import filler_text, render_chat, token_strs, tokenize
+from kvtop.sim.tokenizer import render_chat, token_strs, tokenize
 from router.blocks import hash_token_blocks
 
 SIM_VERSION = "0.11.0+kvtop.sim"
