@@ -78,7 +78,7 @@ async def client(base: str, k: int, args, stop_at: float, out: dict) -> None:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=args.request_timeout)) as http:
         while time.monotonic() < stop_at:
             turn += 1
-            body = {"prompt": prompt + [turn], "max_tokens": args.max_tokens, "stream": True}
+            body = {"prompt": prompt + [turn], "max_tokens": args.max_tokens, "ignore_eos": True, "stream": True}
             t0 = time.perf_counter()
             first = None
             try:

@@ -171,7 +171,7 @@ async def _drive_streams(port: int, streams: int, tokens: int, rounds: int) -> i
     total = 0
     async with aiohttp.ClientSession() as session:
         async def one(k: int) -> int:
-            body = {"prompt": f"stream {k} " + "word " * 500, "max_tokens": tokens, "stream": True,
+            body = {"prompt": f"stream {k} " + "word " * 500, "max_tokens": tokens, "ignore_eos": True, "stream": True,
                     "stream_options": {"include_usage": True}}
             async with session.post(url, json=body) as resp:
                 assert resp.status == 200, await resp.text()

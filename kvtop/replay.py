@@ -610,7 +610,7 @@ def agent_body(api: str, ids: Sequence[int], session: str, max_tokens: int) -> d
                                                             "input": {"command": turns[k]}}]})
             msgs.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_{k}",
                                                       "content": turns[k + 1]}]})
-        return {"max_tokens": max_tokens, "stream": True,
+        return {"max_tokens": max_tokens, "stream": True, "ignore_eos": True,  # the trace's length, exactly
                 "system": [{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}],
                 "tools": [{"name": t["name"], "description": t["description"], "input_schema": t["schema"]}
                           for t in tools],
@@ -622,7 +622,8 @@ def agent_body(api: str, ids: Sequence[int], session: str, max_tokens: int) -> d
             items.append({"type": "function_call", "call_id": f"call_{k}", "name": f"tool_{k % max(1, len(tools))}",
                           "arguments": json.dumps({"command": turns[k]})})
             items.append({"type": "function_call_output", "call_id": f"call_{k}", "output": turns[k + 1]})
-        return {"max_output_tokens": max_tokens, "stream": True, "instructions": system, "input": items,
+        return {"max_output_tokens": max_tokens, "stream": True, "ignore_eos": True, "instructions": system,
+                "input": items,
                 "tools": [{"type": "function", "name": t["name"], "description": t["description"],
                            "parameters": t["schema"]} for t in tools],
                 "prompt_cache_key": session}

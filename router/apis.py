@@ -68,14 +68,14 @@ class Api:
     def error_body(self, status: int, message: str, *, param: str | None = None,
                    err_type: str | None = None) -> dict[str, Any]:
         if self.anthropic:
-            return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error"),
+            return {"type": "error", "error": {"type": err_type or _ANTHROPIC_TYPES.get(status, "api_error"),
                                                "message": message}}
         return error_body(status, message, param=param, err_type=err_type)
 
     def error_response(self, status: int, message: str, *, param: str | None = None,
-                       headers: dict[str, str] | None = None) -> web.Response:
-        return web.json_response(self.error_body(status, message, param=param), status=status,
-                                 headers=headers)
+                       headers: dict[str, str] | None = None, err_type: str | None = None) -> web.Response:
+        return web.json_response(self.error_body(status, message, param=param, err_type=err_type),
+                                 status=status, headers=headers)
 
     def stream_error(self, status: int, message: str) -> bytes:
         """An error event that ends a stream the upstream broke off. The blank line first ends
@@ -102,7 +102,11 @@ class Api:
             return resp  # not one of ours (our errors carry the status as their code)
         headers = {k: v for k, v in resp.headers.items()
                    if k.lower() not in ("content-type", "content-length")}
-        out = self.error_response(resp.status, str(message), headers=headers)
+        # no instance can take it (x-should-retry: false): not "overloaded", which Claude Code
+        # retries silently for minutes (measured: 9 attempts in 150 s), but an error it shows
+        final = resp.headers.get("x-should-retry") == "false"
+        out = self.error_response(resp.status, str(message), headers=headers,
+                                  err_type="api_error" if final else None)
         if not resp.keep_alive and resp.keep_alive is not None:
             out.force_close()
         return out

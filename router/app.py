@@ -20,7 +20,8 @@ from aiohttp.web_protocol import RequestHandler
 
 from router import health as backend_health
 from router import kv_events
-from router import proxy
+from router import passthrough, proxy
+from router.apis import ResponseStore
 from router.http import error_response, json_errors
 from router import control
 from router.state import STATE, DEFAULT_CAPACITY_TOKENS, Backend, RouterConfig, RouterState  # noqa: F401 (re-exported)
@@ -86,13 +87,15 @@ def create_app(config: RouterConfig) -> web.Application:
                                         "max_headers": MAX_HEADERS, "lingering_time": LINGERING_S})
     app[STATE] = state
     state.app = app
-    for path, handler in proxy.handlers(STATE).items():  # completions, chat, messages, responses
+    responses = ResponseStore()  # response id -> instance, for the data plane and passthrough
+    for path, handler in proxy.handlers(STATE, responses).items():  # completions, chat, messages, responses
         app.router.add_post(path, handler)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.cleanup_ctx.append(_resources)
     backend_health.setup(app, state)
     control.setup(app)
+    passthrough.setup(app, STATE, responses)  # count_tokens, /v1/responses/{id}, /, unknown paths: last
     return app
 
 

@@ -40,10 +40,10 @@ log = logging.getLogger("kvtop.route")
 _WRITE_HIGH_WATER = 64 * 1024
 
 
-def handlers(state_key) -> dict[str, Any]:
+def handlers(state_key, store: ResponseStore | None = None) -> dict[str, Any]:
     """The data-plane handlers by path, bound to the app key holding the RouterState. They
     share one ResponseStore (response id -> instance) for ``previous_response_id``."""
-    store = ResponseStore()
+    store = store if store is not None else ResponseStore()
 
     def bind(api: Api):
         async def handler(request: web.Request) -> web.StreamResponse:
@@ -163,7 +163,9 @@ def _refusal(state: RouterState, act: Refuse, req, pinned: tuple[int, ...]) -> w
     if pinned:
         msg = (f"previous_response_id {req.previous_response_id} is stored on instance "
                f"{_pin_name(state, pinned)}, which cannot take requests now ({msg})")
-    return error_response(act.status, msg, headers={"Retry-After": "1"})
+    # x-should-retry: false, so that a client shows this at once (Claude Code retries an
+    # overloaded answer for minutes; router/apis.py answers this one as api_error)
+    return error_response(act.status, msg, headers={"Retry-After": "1", "x-should-retry": "false"})
 
 
 def _counted(life: Lifecycle, flow: Flow, fut: asyncio.Future) -> None:

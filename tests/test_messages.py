@@ -139,7 +139,10 @@ async def test_no_instance_and_upstream_errors(router_client, fake_backends, tmp
     client, _ = await start_router(router_client, [dead], tmp_path)
     r = await client.post("/v1/messages", json=claude_code_body(1))
     assert r.status in (502, 503)
-    _anthropic_error(await r.json(), "api_error" if r.status == 502 else "overloaded_error")
+    # no instance can take it: an error Claude Code shows at once, not an overloaded one it
+    # retries silently for minutes
+    _anthropic_error(await r.json(), "api_error")
+    assert r.headers["x-should-retry"] == "false"
     # the instance's own error is relayed as it is (vLLM answers /v1/messages in Anthropic's shape)
     fakes = await fake_backends(1)
     fakes[0][0].fail_status = 400

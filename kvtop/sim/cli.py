@@ -3,7 +3,10 @@
 
 Each instance serves vLLM's OpenAI API (/v1/completions, /v1/chat/completions, streaming or
 not), /metrics with vLLM's names, /tokenize, /v1/completions/render, /health, /v1/models,
-/version, /load and the probes peer routers use (/server_info, /model_info). Its engine
+/version, /load and the probes peer routers use (/server_info, /model_info), and Anthropic's
+/v1/messages and OpenAI's /v1/responses (retrieve, delete and cancel too). Answers end like a
+model's: lengths drawn from the bundled agentic trace (--output-len), a natural stop, stop
+strings, ignore_eos, and tool calls where the request offers tools (docs/simulator.md). Its engine
 follows the vLLM v1 step loop and a fitted step-time model (docs/simulator.md). It publishes
 vLLM's KV events (ZMQ, with a replay endpoint) unless --no-kv-events: instance i on
 KV_BASE+2i and KV_BASE+2i+1, KV_BASE being --kv-events-port-base or, by default, the port
@@ -85,6 +88,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="coalesce streamed tokens into at most one SSE event per M wall ms "
                              "(default 0: one event per engine step, as vLLM sends one per "
                              "token; 20 or more saves CPU in fast runs)")
+    parser.add_argument("--output-len", default="sample", metavar="SPEC",
+                        help="how long answers are: 'sample' (default: drawn from the bundled "
+                             "agentic trace's output lengths), a trace file (its output lengths), "
+                             "or N tokens; an answer ends naturally (stop / end_turn) at its drawn "
+                             "length unless max_tokens comes first or the request sets ignore_eos; "
+                             "requests offering tools get tool calls (docs/simulator.md)")
+    parser.add_argument("--output-seed", type=int, default=0, metavar="N",
+                        help="seed of the answer lengths and tool calls (default 0; the same prompt "
+                             "gets the same answer on every instance)")
     parser.add_argument("--max-model-len", type=int, default=None, metavar="L",
                         help="context limit in tokens (default: the profile's)")
     parser.add_argument("--num-gpu-blocks", type=int, default=None, metavar="B",
@@ -158,6 +170,12 @@ def build_instances(args: argparse.Namespace):
     except KeyError as exc:
         raise CliError(str(exc.args[0])) from None
     model = args.model or profile.model
+    from kvtop.sim.answers import OutputLengths, OutputLengthsError
+
+    try:
+        lengths = OutputLengths(getattr(args, "output_len", "sample"), getattr(args, "output_seed", 0))
+    except OutputLengthsError as exc:
+        raise CliError(str(exc)) from None
     instances = []
     off = getattr(args, "instance_offset", 0)
     for i in range(args.instances):
@@ -169,7 +187,7 @@ def build_instances(args: argparse.Namespace):
                         admission=_admission_hook(args))
         instances.append(SimInstance(engine, model=model, host=args.host, port=port,
                                      speed=args.speed, stream_interval_ms=args.stream_interval_ms,
-                                     engine_label=str(off + i)))
+                                     engine_label=str(off + i), output_lengths=lengths))
         kv_base = kv_events_port_base(args)
         if kv_base is not None:
             from kvtop.sim.kv_publisher import KvEventPublisher
@@ -290,7 +308,9 @@ def _child_argv(args: argparse.Namespace, i: int) -> list[str]:
     argv = ["sim", "--instances", "1", "--port-base", str(args.port_base + i), "--host", args.host,
             "--profile", str(args.profile), "--speed", repr(args.speed),
             "--stream-interval-ms", repr(args.stream_interval_ms), "--prefix-metrics", args.prefix_metrics,
-            "--instance-offset", str(i), "--no-route-line"]
+            "--instance-offset", str(i), "--no-route-line",
+            "--output-len", str(getattr(args, "output_len", "sample")),
+            "--output-seed", str(getattr(args, "output_seed", 0))]
     for flag in ("max_model_len", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens", "model",
                  "kv_events_port_base", "duration"):
         v = getattr(args, flag, None)

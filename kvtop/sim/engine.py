@@ -23,7 +23,8 @@ What it follows (vllm/v1/core/sched/scheduler.py, kv_cache_manager.py, block_poo
   evicts its hash; a hit on a free block takes it out of the queue.
 * A token is sampled at the end of the step that computes a request's last pending token:
   the first token ends the last prefill chunk, then one token per decode step; the request
-  finishes at ``max_tokens`` (the simulated model never emits EOS).
+  finishes at ``max_tokens`` (``length``), or at ``stop_at`` if that comes first (``stop``:
+  the model's natural end, EOS or a stop string, which the HTTP layer decides up front).
 
 * Time: a request enters the scheduler ``profile.frontend_s(prompt tokens)`` after it
   arrives (HTTP, parsing, hashing; the engine keeps stepping meanwhile) and is QUEUED at the
@@ -91,6 +92,8 @@ class EngineRequest:
     ``kv_transfer_params``: ``{"do_remote_decode": True}`` makes this a prefill-only request
     (P side of vLLM's disaggregated two-step); the params a P side returned, with
     ``"do_remote_prefill": True``, make this a decode-side request that first pulls the KV.
+    ``stop_at``: the answer ends naturally (finish reason ``stop``) after this many output
+    tokens when that is fewer than ``max_tokens``; None: it runs to ``max_tokens``.
     """
 
     request_id: str
@@ -99,6 +102,7 @@ class EngineRequest:
     max_tokens: int
     arrival_time: float
     kv_transfer_params: dict[str, Any] | None = None
+    stop_at: int | None = None
 
 
 class WaitingView(NamedTuple):
@@ -121,7 +125,7 @@ class FinishedRequest:
     """A request that left the engine, with its timeline in engine seconds."""
 
     request_id: str
-    finish_reason: str       # "length" or "abort"
+    finish_reason: str       # "length", "stop" or "abort"
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int   # prefix hit (local + pulled remote KV) at its first scheduling
@@ -271,7 +275,7 @@ class _Req:
     __slots__ = ("id", "prompt", "hashes", "max_tokens", "arrival", "num_tokens", "computed",
                  "output", "blocks", "registered", "state", "cached_tokens", "queued_time",
                  "scheduled_time", "first_token_time", "preemptions", "counted", "remote_decode",
-                 "remote_prefill", "ready_at")
+                 "remote_prefill", "ready_at", "stops")
 
     def __init__(self, r: EngineRequest, ready_at: float):
         self.id = r.request_id
@@ -295,6 +299,7 @@ class _Req:
         self.remote_decode = bool(params.get("do_remote_decode"))
         self.remote_prefill: dict | None = dict(params) if params.get("do_remote_prefill") else None
         self.ready_at = ready_at
+        self.stops = False           # max_tokens is the natural end (stop_at), not the cap
 
 
 class Engine:
@@ -385,7 +390,7 @@ class Engine:
         self.preempted_prefix_hits = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
-        self.request_success: dict[str, int] = {"length": 0, "abort": 0}
+        self.request_success: dict[str, int] = {"length": 0, "stop": 0, "abort": 0}
         self.num_steps = 0
         self.busy_time = 0.0
         self._busy_window_s = busy_window_s
@@ -423,6 +428,8 @@ class Engine:
         req = _Req(request, request.arrival_time + self.frontend_overhead_s
                    + self.profile.frontend_s_per_token * request.num_prompt_tokens)
         req.max_tokens = max_tokens
+        if request.stop_at is not None and 0 < request.stop_at < max_tokens:
+            req.max_tokens, req.stops = request.stop_at, True
         if self._stretch is not None:
             self._cut(req.ready_at)
         self._requests[req.id] = req
@@ -661,7 +668,7 @@ class Engine:
                 req.state = _DONE
                 params = self._transfer_params(req) if req.remote_decode else None
                 self._free_blocks(req)
-                result.finished.append(self._finish(req, "length", end, params))
+                result.finished.append(self._finish(req, "stop" if req.stops else "length", end, params))
         if any_finished:
             self.running = [r for r in self.running if r.state == _RUNNING]
         elif (coalesce and not attn_sum and len(scheduled) == len(running) and not result.first_token

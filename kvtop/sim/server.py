@@ -22,7 +22,8 @@ from aiohttp import web
 from kvtop.sim.engine import Engine, EngineRejected, EngineRequest, FinishedRequest
 from kvtop.sim.metrics import CONTENT_TYPE, SimMetrics
 from kvtop.sim import apis, truth
-from kvtop.sim.tokenizer import filler_text, render_chat, token_strs, tokenize
+from kvtop.sim.answers import RUN_TO_MAX, Answer, OutputLengths, plan
+from kvtop.sim.tokenizer import render_chat, token_strs, tokenize
 from router.blocks import hash_token_blocks
 
 SIM_VERSION = "0.11.0+kvtop.sim"
@@ -49,7 +50,7 @@ class _Stream:
     """One engine request as its HTTP handler waits on it."""
 
     __slots__ = ("request_id", "index", "prompt_tokens", "max_tokens", "arrival", "output",
-                 "last_token_time", "finished", "event")
+                 "last_token_time", "finished", "event", "answer")
 
     def __init__(self, request_id: str, index: int, prompt_tokens: int, max_tokens: int,
                  arrival: float, event: asyncio.Event):
@@ -62,13 +63,15 @@ class _Stream:
         self.last_token_time: float | None = None
         self.finished: FinishedRequest | None = None
         self.event = event
+        self.answer: Answer = RUN_TO_MAX
 
 
 class SimInstance:
     """One simulated vLLM: an engine, its driver task, its metrics and its HTTP identity."""
 
     def __init__(self, engine: Engine, *, model: str, host: str = "127.0.0.1", port: int = 8100,
-                 speed: float = 1.0, stream_interval_ms: float = 0.0, engine_label: str = "0"):
+                 speed: float = 1.0, stream_interval_ms: float = 0.0, engine_label: str = "0",
+                 output_lengths: OutputLengths | None = None):
         if speed <= 0:
             raise ValueError("speed must be positive")
         self.engine = engine
@@ -87,6 +90,8 @@ class SimInstance:
         self._w0 = 0.0
         self._v0 = 0.0
         self.kv_publisher = None  # kvtop/sim/kv_publisher.KvEventPublisher when KV events are on
+        # where answers end (kvtop/sim/answers.py); None: every answer runs to max_tokens
+        self.output_lengths = output_lengths
 
     # ---------------------------------------------------------------- clock and driver
 
@@ -181,15 +186,19 @@ class SimInstance:
     # ---------------------------------------------------------------- requests
 
     def submit(self, request_id: str, index: int, tokens: list[int], max_tokens: int,
-               kv_transfer_params: dict | None, event: asyncio.Event) -> _Stream:
-        """Queue one prompt on the engine; raises EngineRejected (answered as 400)."""
+               kv_transfer_params: dict | None, event: asyncio.Event,
+               answer: Answer = RUN_TO_MAX) -> _Stream:
+        """Queue one prompt on the engine, to end where ``answer`` says (kvtop/sim/answers.py);
+        raises EngineRejected (answered as 400)."""
         arrival = self.engine_clock()
         hashes = hash_token_blocks(tokens, self.engine.block_size)
         if self.kv_publisher is not None:
             self.kv_publisher.remember(request_id, tokens, hashes)
         self.engine.add_request(EngineRequest(request_id, len(tokens), hashes, max_tokens, arrival,
-                                              kv_transfer_params=kv_transfer_params))
+                                              kv_transfer_params=kv_transfer_params,
+                                              stop_at=answer.stop_at))
         s = _Stream(request_id, index, len(tokens), max_tokens, arrival, event)
+        s.answer = answer
         self._streams[request_id] = s
         assert self._wake is not None
         self._wake.set()
@@ -320,6 +329,18 @@ def _check_sampling(body: dict) -> tuple[bool, bool, dict | None]:
     return stream, include_usage, params
 
 
+def stop_strings(body: dict, key: str = "stop") -> list[str]:
+    """The request's stop strings (a string or a list of them); BadRequest otherwise."""
+    stop = body.get(key)
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, list) and all(isinstance(x, str) for x in stop):
+        return stop
+    raise BadRequest(f"'{key}' must be a string or a list of strings", key)
+
+
 # -------------------------------------------------------------------- generation
 
 def _usage(streams: list[_Stream]) -> dict:
@@ -341,8 +362,13 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     prompts = _prompts_of(body, chat, inst.engine.max_model_len)
     max_tokens = _max_tokens_of(body, chat)
     stream, include_usage, kv_params = _check_sampling(body)
+    stop = stop_strings(body)
+    tools = body.get("tools") if chat and isinstance(body.get("tools"), list) else None
     if chat and len(prompts) != 1:
         raise BadRequest("chat requests carry one conversation")
+    if chat and inst.output_lengths is not None and body.get("max_tokens") is None \
+            and body.get("max_completion_tokens") is None:
+        max_tokens = max(1, inst.engine.max_model_len - len(prompts[0]))  # vLLM's: the rest of the context
     if kv_params and kv_params.get("do_remote_decode"):
         max_tokens = 1
     for p in prompts:
@@ -362,7 +388,10 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         try:
             for i, tokens in enumerate(prompts):
                 rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-                streams.append(inst.submit(rid, i, tokens, max_tokens, kv_params, event))
+                answer = plan(inst.output_lengths, tokens, max_tokens, ignore_eos=bool(body.get("ignore_eos")),
+                              stop=stop, tools=tools, tool_choice=body.get("tool_choice"),
+                              messages=body.get("messages") if chat else None)
+                streams.append(inst.submit(rid, i, tokens, max_tokens, kv_params, event, answer))
         except EngineRejected as exc:
             raise BadRequest(str(exc), "input_tokens") from None
         if stream:
@@ -388,17 +417,20 @@ def _full_response(inst: SimInstance, chat: bool, base_id: str, created: int,
                    streams: list[_Stream]) -> dict:
     choices = []
     for s in streams:
-        text = filler_text(0, s.output)
-        reason = s.finished.finish_reason if s.finished else "length"
+        answer = s.answer
+        text = answer.text(0, s.output)
+        reason = answer.finish(s.finished.finish_reason if s.finished else None)
         if chat:
+            calls = [_chat_call(answer)] if reason == "tool_calls" else []
             choices.append({"index": s.index,
-                            "message": {"role": "assistant", "content": text, "refusal": None,
-                                        "annotations": None, "audio": None, "function_call": None,
-                                        "tool_calls": [], "reasoning_content": None},
-                            "logprobs": None, "finish_reason": reason, "stop_reason": None})
+                            "message": {"role": "assistant", "content": text if text or not calls else None,
+                                        "refusal": None, "annotations": None, "audio": None,
+                                        "function_call": None, "tool_calls": calls,
+                                        "reasoning_content": None},
+                            "logprobs": None, "finish_reason": reason, "stop_reason": answer.stop_string})
         else:
-            choices.append({"index": s.index, "text": text, "logprobs": None,
-                            "finish_reason": reason, "stop_reason": None, "prompt_logprobs": None})
+            choices.append({"index": s.index, "text": text, "logprobs": None, "finish_reason": reason,
+                            "stop_reason": answer.stop_string, "prompt_logprobs": None})
     params = None
     if len(streams) == 1 and streams[0].finished is not None:
         params = inst.transfer_params(streams[0].finished)
@@ -443,17 +475,30 @@ async def _stream_response(request: web.Request, inst: SimInstance, chat: bool, 
         for k, s in enumerate(streams):
             if closed[k] or (s.output <= sent[k] and s.finished is None):
                 continue
-            text = filler_text(sent[k], s.output - sent[k])
+            answer = s.answer
+            text = answer.text(sent[k], s.output - sent[k])
             sent[k] = s.output
-            reason = s.finished.finish_reason if s.finished is not None else None
+            reason = answer.finish(s.finished.finish_reason) if s.finished is not None else None
             closed[k] = reason is not None
-            if chat:
+            stop_reason = answer.stop_string if reason is not None else None
+            if chat and reason == "tool_calls":
+                call = _chat_call(answer)
+                if text:
+                    out.append(chunk([{"index": s.index, "delta": {"content": text}, "logprobs": None,
+                                       "finish_reason": None}]))
+                head = {**call, "function": {"name": call["function"]["name"], "arguments": ""}}
+                out.append(chunk([{"index": s.index, "delta": {"tool_calls": [{"index": 0, **head}]},
+                                   "logprobs": None, "finish_reason": None}]))
+                args = {"index": 0, "function": {"arguments": call["function"]["arguments"]}}
+                c = {"index": s.index, "delta": {"tool_calls": [args]}, "logprobs": None,
+                     "finish_reason": reason, "stop_reason": None}
+            elif chat:
                 delta = {"content": text} if text else {}
                 c = {"index": s.index, "delta": delta, "logprobs": None, "finish_reason": reason,
-                     "stop_reason": None}
+                     "stop_reason": stop_reason}
             else:
                 c = {"index": s.index, "text": text, "logprobs": None, "finish_reason": reason,
-                     "stop_reason": None}
+                     "stop_reason": stop_reason}
             out.append(chunk([c]))
         if out:
             await resp.write(b"".join(out))   # ConnectionResetError aborts via the finally
@@ -465,6 +510,13 @@ async def _stream_response(request: web.Request, inst: SimInstance, chat: bool, 
     await resp.write(tail + b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp
+
+
+def _chat_call(answer: Answer) -> dict:
+    call = answer.tool_call
+    assert call is not None
+    return {"id": call.call_id, "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments}}
 
 
 # -------------------------------------------------------------------- handlers
