@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from rich.markup import escape
 from rich.text import Text
 from textual import on
 from textual.app import ComposeResult
@@ -12,7 +12,7 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.validation import Function, Integer, Number
-from textual.widgets import Button, DataTable, Input, Label, OptionList, Static
+from textual.widgets import Button, DataTable, Input, Label, OptionList, Select, Static
 from textual.widgets.option_list import Option
 
 from kvtop import receipt
@@ -129,7 +129,7 @@ class SessionScreen(ModalScreen[None]):
 class HelpScreen(ModalScreen[None]):
     BINDINGS = [Binding("escape,q,question_mark", "dismiss", "close", id="kvtop.help.close")]
 
-    def __init__(self, text: str):
+    def __init__(self, text: Text | str):
         super().__init__()
         self.text = text
 
@@ -139,23 +139,42 @@ class HelpScreen(ModalScreen[None]):
 
 
 class ConfirmScreen(ModalScreen[bool]):
-    """Shows what will change; Enter/y applies, Esc/n cancels."""
+    """Shows what will change; Enter/y applies, Esc/n cancels.
+
+    ``diff`` is a list of (name, before, after), or a function returning one: then the dialog is
+    redrawn from the latest snapshot on every refresh while it is open (``refresh_live``).
+    """
 
     BINDINGS = [Binding("y", "yes", "apply", id="kvtop.confirm.yes"),
                 Binding("escape,n", "no", "cancel", id="kvtop.confirm.no")]
 
-    def __init__(self, title: str, diff: list[tuple[str, Any, Any]]):
+    def __init__(self, title: str, diff: list[tuple[str, Any, Any]] | Callable[[], list[tuple[str, Any, Any]]]):
         super().__init__()
         self.title_text = title
-        self.diff = diff
+        self._diff = diff
+
+    @property
+    def diff(self) -> list[tuple[str, Any, Any]]:
+        return self._diff() if callable(self._diff) else self._diff
+
+    def diff_text(self) -> Text:
+        text = Text()
+        text.append(self.title_text, style="bold")
+        text.append("\n")
+        for name, before, after in self.diff:
+            text.append(f"\n  {name}: ")
+            text.append(str(before), style="bold")
+            text.append(" → ")
+            text.append(f" {after} ", style="bold reverse")
+        return text
+
+    def refresh_live(self) -> None:
+        if callable(self._diff):
+            self.query_one("#confirm-diff", Static).update(self.diff_text())
 
     def compose(self) -> ComposeResult:
-        lines = [f"[b]{escape(self.title_text)}[/b]", ""]
-        for name, before, after in self.diff:
-            lines.append(f"  {escape(str(name))}: [b]{escape(str(before))}[/b] → "
-                         f"[b reverse] {escape(str(after))} [/b reverse]")
         with Vertical(id="confirm", classes="dialog"):
-            yield Static("\n".join(lines), id="confirm-diff")
+            yield Static(self.diff_text(), id="confirm-diff")
             with Horizontal(classes="buttons"):
                 yield Button("Apply (y)", variant="warning", id="yes")
                 yield Button("Cancel (n)", id="no")
@@ -184,13 +203,18 @@ class PolicyPicker(ModalScreen[str | None]):
         self.title_text = title
 
     def compose(self) -> ComposeResult:
+        from kvtop.tui.model import doc_summary
+
         opts = []
         for p in self.policies:
-            doc = (p.get("doc") or "").strip().splitlines()
             mark = " (current)" if p["name"] == self.current else ""
-            opts.append(Option(f"{p['name']}{mark}  [dim]{escape(doc[0][:70]) if doc else ''}[/dim]", id=p["name"]))
+            prompt = Text(f"{p.get('label') or p['name']}{mark}", style="bold")
+            summary = doc_summary(p.get("doc"))  # the whole first paragraph, wrapped: never cut mid-formula
+            if summary:
+                prompt.append("\n  " + summary, style="dim")
+            opts.append(Option(prompt, id=p["name"]))
         with Vertical(id="picker", classes="dialog"):
-            yield Static(f"[b]{escape(self.title_text)}[/b]  (Enter picks, Esc cancels)")
+            yield Static(Text.assemble((self.title_text, "bold"), "  (Enter picks, Esc cancels)"))
             yield OptionList(*opts, id="picker-list")
 
     def on_mount(self) -> None:
@@ -228,28 +252,71 @@ class KnobForm(ModalScreen[dict[str, Any] | None]):
     BINDINGS = [Binding("escape", "dismiss(None)", "cancel", id="kvtop.knobs.cancel"),
                 Binding("ctrl+s", "submit", "apply", id="kvtop.knobs.apply")]
 
-    def __init__(self, policy: str, schema: list[dict[str, Any]], current: dict[str, Any]):
+    def __init__(self, policy: str, schema: list[dict[str, Any]], current: dict[str, Any],
+                 live: Callable[[], tuple[str, dict[str, Any]]] | None = None):
         super().__init__()
         self.policy = policy
         self.schema = schema
-        self.current = current
+        self.current = dict(current)
+        #: (the router's policy name, its knobs) now: the form follows it while open
+        self._live = live
+        self._shown: dict[str, str] = {}  # what each field was filled with (edited fields are kept)
+
+    def _now_label(self, k: dict[str, Any]) -> Text:
+        name = k["name"]
+        text = Text()
+        text.append(name, style="bold")
+        if k.get("router"):
+            text.append("  (router-level)")
+        text.append("  now ")
+        text.append(str(self.current.get(name, k.get("default"))), style="bold")
+        text.append(f"  default {k.get('default')}  range {k.get('range') or '-'}")
+        return text
+
+    def refresh_live(self) -> None:
+        """Redraw "now" from the latest snapshot; a field the user has not edited follows it."""
+        if self._live is None:
+            return
+        policy, current = self._live()
+        for k in self.schema:
+            name = k["name"]
+            new = current.get(name, k.get("default"))
+            if new == self.current.get(name, k.get("default")):
+                continue
+            self.current[name] = new
+            self.query_one(f"#knob-label-{name}", Label).update(self._now_label(k))
+            field = self.query_one(f"#knob-{name}")
+            if isinstance(field, Select):
+                if field.value == self._shown.get(name):
+                    field.value = str(new)
+                    self._shown[name] = str(new)
+            elif isinstance(field, Input) and field.value == self._shown.get(name):
+                field.value = str(new)
+                self._shown[name] = str(new)
+        if policy != self.policy:
+            self.show_error(f"the router now runs {policy}: these are {self.policy}'s knobs "
+                            "(Esc, then k for the new policy's)")
 
     def compose(self) -> ComposeResult:
         with Vertical(id="knobs", classes="dialog"):
-            yield Static(f"[b]Knobs of {self.policy}[/b]  (Tab moves, ctrl+s or Apply, Esc cancels)")
+            yield Static(Text.assemble((f"Knobs of {self.policy}", "bold"), "  (Tab moves, ctrl+s or Apply, Esc cancels)"))
             with VerticalScroll(id="knob-fields"):
                 if not self.schema:
                     yield Static("this policy has no knobs")
                 for k in self.schema:
                     name = k["name"]
-                    where = "  (router-level)" if k.get("router") else ""
-                    yield Label(f"[b]{name}[/b]{where}  now [b]{escape(str(self.current.get(name, k.get('default'))))}[/b]  "
-                                f"default {escape(str(k.get('default')))}  range {escape(str(k.get('range') or '-'))}",
-                                classes="knob-label")
-                    yield Input(str(self.current.get(name, k.get("default"))), id=f"knob-{name}",
-                                validators=self._validators(k), classes="knob-input")
+                    value = str(self.current.get(name, k.get("default")))
+                    self._shown[name] = value
+                    yield Label(self._now_label(k), id=f"knob-label-{name}", classes="knob-label")
+                    if k.get("choices"):
+                        # a closed set: pick one, nothing to mistype
+                        choices = [str(c) for c in k["choices"]]
+                        yield Select([(c, c) for c in choices], value=value if value in choices else Select.BLANK,
+                                     allow_blank=value not in choices, id=f"knob-{name}", classes="knob-input")
+                    else:
+                        yield Input(value, id=f"knob-{name}", validators=self._validators(k), classes="knob-input")
                     if k.get("doc"):
-                        yield Static(f"[dim]{escape(k['doc'])}[/dim]", classes="knob-doc")
+                        yield Static(Text(str(k["doc"]), style="dim"), classes="knob-doc")
             yield Static("", id="knob-error")
             with Horizontal(classes="buttons"):
                 yield Button("Apply", variant="warning", id="apply")
@@ -257,7 +324,7 @@ class KnobForm(ModalScreen[dict[str, Any] | None]):
 
     def on_mount(self) -> None:
         # The first keys typed after `k` edit the first knob instead of going nowhere.
-        first = self.query(".knob-input").first(Input) if self.query(".knob-input") else None
+        first = self.query(".knob-input").first() if self.query(".knob-input") else None
         (first or self.query_one("#apply", Button)).focus()
 
     @staticmethod
@@ -279,7 +346,15 @@ class KnobForm(ModalScreen[dict[str, Any] | None]):
         errors: list[str] = []
         for k in self.schema:
             name = k["name"]
-            inp = self.query_one(f"#knob-{name}", Input)
+            field = self.query_one(f"#knob-{name}")
+            if isinstance(field, Select):
+                if field.value is Select.BLANK:
+                    continue
+                value = parse_knob(k, str(field.value))
+                if value != self.current.get(name, k.get("default")):
+                    out[name] = value
+                continue
+            inp = field if isinstance(field, Input) else self.query_one(f"#knob-{name}", Input)
             result = inp.validate(inp.value)
             if result is not None and not result.is_valid:
                 errors.append(f"{name}: " + "; ".join(result.failure_descriptions))

@@ -19,7 +19,7 @@ from textual_plotext import PlotextPlot
 
 from kvtop.receipt import fmt_num
 from kvtop.tui.axis import set_y_ticks
-from kvtop.tui.model import (DRIFT_COLUMN, FLEET_MIN, GPU_BUSY_PCT, INSTANCE_COLUMNS, LOW_HIT_RATE,
+from kvtop.tui.model import (MISSING, DRIFT_COLUMN, FLEET_MIN, GPU_BUSY_PCT, INSTANCE_COLUMNS, LOW_HIT_RATE,
                              MEASURED_TPS_COLUMN, SHARE_COLUMN, THRESHOLDS, column_legend, config_change_text,
                              decision_matches,
                              doc_summary, drift_of, fit_id, fleet_strips, fmt_drift, fmt_duration, fmt_int,
@@ -171,8 +171,8 @@ class OverviewTab(TabPane):
         lv = THRESHOLDS["kv"].level(v["kv"])
         cells["kv"] = ((v["kv"], lv), self._levelled(fmt_pct(v["kv"]), lv))
         if why:
-            cells["gpu_util"] = (why, Text("n/a", style="dim"))
-            cells["gpu_mem"] = (why, Text("n/a", style="dim"))
+            cells["gpu_util"] = (why, Text(MISSING, style="dim"))
+            cells["gpu_mem"] = (why, Text(MISSING, style="dim"))
             self._gpu_na = why
         else:
             busy = is_number(v["gpu_util"]) and v["gpu_util"] >= GPU_BUSY_PCT
@@ -182,6 +182,14 @@ class OverviewTab(TabPane):
         spark = sparkline([x for _, x in list(ring)[-12:]]) if ring else ""
         cells["trend"] = (spark, spark)
         self._sort_values[v["name"]] = v
+        stale = app.stale_s
+        if stale is not None:
+            # The router is unreachable: every figure is the last snapshot's. Grey, and the
+            # health cell says how old, so no row reads as live "up".
+            for key, (cmp, rend) in list(cells.items()):
+                cells[key] = ((cmp, "stale"), Text(rend.plain if isinstance(rend, Text) else str(rend), style="dim"))
+            label = f"stale {int(stale)}s" if stale < 1000 else "stale"
+            cells["health"] = (("stale", label), Text(label, style="bold dim"))
         return cells
 
     def draw_instances(self) -> None:
@@ -329,27 +337,20 @@ class OverviewTab(TabPane):
         app._update_static("#fleet", t)
 
     def draw_totals(self) -> None:
+        """Under the table: the reasons, the condensed rows' sum, health notes and the sort. The
+        fleet's totals are the health line under the header (``#health``), on every tab."""
         app: Any = self.app
         snap = app.collected.snapshot or {}
-        tot = snap.get("totals", {})
-        n = len(snap.get("instances", []))
-        line = Text()
-        line.append(f"in flight {tot.get('in_flight', 0)}  ", style="bold")
-        line.append(f"backlog {fmt_int(tot.get('pending_prefill_tokens'))} tok / {fmt_secs(tot.get('backlog_s'))} s  ")
-        line.append(f"decode {tot.get('decode_requests', 0)} req  ")
-        hit = tot.get("est_hit_rate")  # None until the router has seen input: no rate, not "n/a%"
-        line.append(f"est hit {fmt_pct(hit)}%  " if hit is not None else "est hit –  ")
-        line.append(f"routed {fmt_int(tot.get('routed_total'))}  errors {tot.get('errors_total', 0)}  ")
-        line.append(f"healthy {tot.get('healthy_instances', 0)}/{n}")
+        line = Text(no_wrap=True, overflow="ellipsis")
         reasons = snap.get("decisions_by_reason") or {}
         if reasons:
             top = sorted(reasons.items(), key=lambda kv: -kv[1])[:5]
-            line.append("\nreasons " + "  ".join(f"{k} {v}" for k, v in top), style="dim")
+            line.append("reasons " + "  ".join(f"{k} {v}" for k, v in top), style="dim")
         if self._hidden:
             hidden = self._hidden
             down = sum(1 for i in hidden if not i.get("healthy"))
             busy = sum(1 for i in hidden if i.get("num_requests"))
-            line.append(f"\n+{len(hidden)} more instances (condensed; z shows every row): "
+            line.append(f"{chr(10) if line.plain else ''}+{len(hidden)} more instances (condensed; z shows every row): "
                         f"{busy} busy, {sum(int(i.get('num_requests') or 0) for i in hidden)} requests, backlog "
                         f"{fmt_int(sum(float(i.get('pending_prefill_tokens') or 0) for i in hidden))} tok"
                         + (f", {down} down" if down else ""), style="bold" if not down else
@@ -359,13 +360,13 @@ class OverviewTab(TabPane):
             sort += f"  filter: {app.filters['overview']}"
         if self._health_notes:
             notes = sorted(self._health_notes.values(), key=natural_key)
-            line.append("\n" + "; ".join(notes[:4]) + (f"; {len(notes) - 4} more" if len(notes) > 4 else ""),
+            line.append((chr(10) if line.plain else "") + "; ".join(notes[:4]) + (f"; {len(notes) - 4} more" if len(notes) > 4 else ""),
                         style=f"bold {app._color('error')}")
         if self._gpu_na:
-            sort += f"  GPU n/a: {self._gpu_na}"
+            sort += f"  GPU –: {self._gpu_na}"
         if app.collected.dropped:
             sort += f"  events dropped by the router for this viewer: {app.collected.dropped}"
-        line.append(sort, style="dim")
+        line.append(sort if line.plain else sort.lstrip("\n"), style="dim")
         app._update_static("#totals", line)
 
 
@@ -557,11 +558,16 @@ class PolicyTab(TabPane):
         yield Static(id="config-log")
 
     def draw(self) -> None:
+        """Everything from the latest snapshot (policy, knobs, shadows) and the policies answer
+        for the latest version (schemas, docs): called on every applied update while visible."""
         app: Any = self.app
         body = app.policies_body
-        cur = body.get("current") or {}
-        self.query_one("#policy-name", Static).update(
-            Text(f"policy {cur.get('policy', '?')}{app.on_router()}", style="bold"))
+        cur = app.current_policy()
+        stale = app.stale_label()
+        name = Text(f"policy {cur.get('policy', '?')}{app.on_router()}", style="bold" if not stale else "bold dim")
+        if stale:
+            name.append(f"  ({stale}: the router is unreachable)", style="bold")
+        app._update_static("#policy-name", name)
         head = Text()
         schema = app._control_schema(cur.get("name"))
         doc = next((p.get("doc", "") for p in body.get("policies", []) if p["name"] == cur.get("name")), "")
@@ -575,28 +581,34 @@ class PolicyTab(TabPane):
         if app.last_error:
             head.append(f"last error: {app.last_error}", style=f"bold {app._color('error')}")
         head.rstrip()
-        self.query_one("#policy-head", Static).update(head)
+        app._update_static("#policy-head", head)
         table = self.query_one("#knob-table", DataTable)
         knobs = app._current_knobs()
-        keep = {k["name"] for k in schema}
-        for key in [k for k in table.rows if k.value not in keep]:
-            table.remove_row(key)
+        order = [k["name"] for k in schema]
+        if [str(k.value) for k in table.rows] != order[:len(table.rows)] or len(table.rows) > len(order):
+            # another policy: its own knobs first, then the router's, as the docs say (rows
+            # appended after a switch landed below the router's ten)
+            table.clear()
         for k in schema:
             doc = ("router: " if k.get("router") else "") + str(k.get("doc") or "")
             # Text, not str: DataTable reads a str cell as markup ("[0, 1]" in a range or doc).
             cells = [Text(str(v)) for v in (k["name"], knobs.get(k["name"], k.get("default")), k.get("default"),
                                             k.get("range") or "-", doc)]
+            if stale:
+                cells[1].stylize("dim")
             if k["name"] in table.rows:
                 for col, val in zip(("knob", "value", "default", "range", "doc"), cells):
-                    if str(table.get_cell(k["name"], col)) != val.plain:
+                    old = table.get_cell(k["name"], col)
+                    if str(old) != val.plain or getattr(old, "style", None) != val.style or (
+                            getattr(old, "spans", None) != val.spans):
                         table.update_cell(k["name"], col, val)
             else:
                 table.add_row(*cells, key=k["name"])
-        self.query_one("#shadow-panel", Static).update(self.shadow_text())
+        app._update_static("#shadow-panel", self.shadow_text())
         lines = [config_change_text(ev) for ev in list(app.collected.config_events)[-6:]]
         log = Text("recent changes\n", style="bold")
-        log.append("\n".join(lines) or "no policy or knob changes since attach")
-        self.query_one("#config-log", Static).update(log)
+        log.append("\n".join(lines) or "no policy, knob or shadow changes since attach")
+        app._update_static("#config-log", log)
 
     def shadow_text(self) -> Text:
         """The shadow panel: per shadow policy, agreement with the active one, where they
@@ -605,17 +617,24 @@ class PolicyTab(TabPane):
         sh = app._shadows()
         rows = [r for r in sh.get("shadows") or [] if isinstance(r, dict) and isinstance(r.get("policy"), str)]
         out = Text("shadow policies", style="bold")
+        stale = app.stale_label()
+        if stale:
+            out.append(f"  ({stale})", style="bold")
         if not rows and not sh.get("dropped"):
-            out.append("  none (kvtop route --shadow P1,P2, or PUT /kvtop/v1/shadows)\n", style="dim")
+            out.append("  none" + ("  (S adds one)" if app.control_enabled else
+                                   "  (kvtop route --shadow P1,P2, or PUT /kvtop/v1/shadows)"), style="dim")
             return out
-        if rows and app.control_enabled:
-            out.append("  S promotes one to active", style="dim")
+        if app.control_enabled:
+            out.append("  S: add, remove, promote", style="dim")
         out.append("\n")
         for r in rows:
             picks = r.get("picks") if is_number(r.get("picks")) else 0
             agree = r.get("agreement")
             out.append(f"  {r['policy']:<16}", style="bold")
-            out.append(f"agrees {fmt_pct(agree) + '%' if is_number(agree) else '–'} of {fmt_num(picks)}")
+            out.append(f"agrees {fmt_pct(agree) + '%' if is_number(agree) else '–'} of {fmt_num(picks)}",
+                       style="dim" if stale else "")
+            if is_number(r.get("since")):
+                out.append(time.strftime(" since %H:%M:%S", time.localtime(float(r["since"]))), style="dim")
             by_class = r.get("disagree_by_class") if isinstance(r.get("disagree_by_class"), dict) else {}
             if by_class:
                 top = sorted(by_class.items(), key=lambda kv: -kv[1] if is_number(kv[1]) else 0)[:4]
