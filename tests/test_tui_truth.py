@@ -403,3 +403,60 @@ async def test_policy_tab_lists_the_policys_own_knobs_first_after_a_switch(live_
         assert await wait_for(pilot, app, lambda: str(table.get_row_at(0)[0]) == "overload_factor")
         first = [str(table.get_row_at(i)[0]) for i in range(3)]
         assert first == ["overload_factor", "cache_ratio_gate", "lmetric_decode_weight"]
+
+
+# -- an instance's detail; the column chooser -----------------------------------------------------
+
+async def test_enter_on_an_instance_opens_its_detail_and_it_follows_the_snapshot():
+    from kvtop.tui.screens import InstanceScreen, ReceiptScreen
+
+    app, feed = make_app(n=4, steps=3, decisions=40)
+    async with app.run_test(size=(140, 42)) as pilot:
+        await settle(pilot, app)
+        table = app.query_one("#instances")
+        table.focus()
+        name = str(table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value)
+        await pilot.press("enter")
+        await pilot.pause()
+        assert isinstance(app.screen, InstanceScreen) and app.screen.instance == name
+        head = lambda: _text(app.screen, "#instance-head")  # noqa: E731
+        for word in ("health", "load", "engine", "KV index", "GPU", "errors", name):
+            assert word in head(), word
+        routed_here = sum(1 for _, ev in app.collected.decisions if ev.get("instance") == name)
+        assert app.screen.query_one("#instance-decisions").row_count == min(15, routed_here) > 0
+        snap = syn.snapshot(4, 10.0)
+        inst = next(i for i in snap["instances"] if i["name"] == name)
+        inst["pending_prefill_tokens"] = 987_654
+        feed.push("state", snap)
+        await settle(pilot, app)
+        assert "988k" in head() or "987,654" in head()  # redrawn from the latest snapshot
+        await pilot.press("enter")  # a decision's receipt from the detail
+        await pilot.pause()
+        assert isinstance(app.screen, ReceiptScreen)
+
+
+async def test_column_chooser_hides_a_column_and_saves_it(tmp_path):
+    from kvtop.tui.config import load_config
+
+    path = tmp_path / "attach.toml"
+    path.write_text('theme = "kvtop-dark"\n[keys]\nkvtop.sort = "o"\n')
+    app, _ = make_app(config_file=path)
+    async with app.run_test(size=(140, 42)) as pilot:
+        await settle(pilot, app)
+        await pilot.press("C")
+        await pilot.pause()
+        lst = app.screen.query_one("#column-list")
+        lst.deselect("gpu_mem")
+        lst.deselect("trend")
+        await pilot.press("enter")
+        await pilot.pause()
+        await settle(pilot, app)
+        keys = [str(c.key.value) for c in app.query_one("#instances").ordered_columns]
+        assert "gpu_mem" not in keys and "trend" not in keys and "backlog_tokens" in keys
+        assert app.query_one("#instances").row_count == 4
+    saved = load_config(path)
+    assert saved["hidden_columns"] == ["gpu_mem", "trend"] and saved["keys"] == {"kvtop.sort": "o"}
+    app2, _ = make_app(hidden_columns=saved["hidden_columns"])  # the next attach starts with it
+    async with app2.run_test(size=(140, 42)) as pilot:
+        await settle(pilot, app2)
+        assert "gpu_mem" not in [str(c.key.value) for c in app2.query_one("#instances").ordered_columns]

@@ -124,6 +124,7 @@ class KvtopApp(App):
         # attach URL URL ...: which router the policy and knob actions act on
         Binding("R", "next_router", "next router", show=False, id="kvtop.next_router"),
         Binding("z", "compact", "condense", show=False, id="kvtop.compact"),
+        Binding("C", "columns", "columns", show=False, id="kvtop.columns"),
         Binding("1", "tab('overview')", "overview", show=False, id="kvtop.tab.overview"),
         Binding("2", "tab('charts')", "charts", show=False, id="kvtop.tab.charts"),
         Binding("3", "tab('sessions')", "sessions", show=False, id="kvtop.tab.sessions"),
@@ -135,8 +136,11 @@ class KvtopApp(App):
                  hz: float = 4.0, theme: str | None = None, max_decisions: int = 500,
                  clock: Callable[[], float] = time.time, apply_timer: bool = True,
                  poll_sessions_s: float = 2.0, connect_grace_s: float = 3.0, speed: float | None = None,
-                 keymap: dict[str, str] | None = None, config_file: Any = None):
+                 keymap: dict[str, str] | None = None, config_file: Any = None,
+                 hidden_columns: list[str] | None = None):
         super().__init__()
+        #: instance-table columns the chooser hid (``C``), saved to the config file
+        self.hidden_columns: set[str] = set(hidden_columns or ())
         #: attach.toml (kvtop/tui/config.py): a theme switched from the palette is saved there
         self.config_file = config_file
         self._config_write_failed = False
@@ -208,8 +212,7 @@ class KvtopApp(App):
 
     def on_mount(self) -> None:
         t = self.query_one("#instances", DataTable)
-        for key, label, width in INSTANCE_COLUMNS:
-            t.add_column(label, key=key, width=max(width, len(label) + 1))  # room for the sort arrow
+        self.query_one(OverviewTab).build_columns()
         d = self.query_one("#decision-table", DataTable)
         router = [("router", "router")] if self.multi else []  # attach URL URL ...
         for key, label in [("time", "time"), *router, ("session", "session"), ("class", "class"), ("instance", "inst"),
@@ -827,6 +830,39 @@ class KvtopApp(App):
         self._load_policies()
         self.notify(f"policy and knob changes now act{self.on_router()}", timeout=3)
         self.apply(force=True)
+
+    def action_columns(self) -> None:
+        """Choose the instance table's columns; the choice is saved to the config file."""
+        from kvtop.tui.screens import ColumnChooser
+
+        tab = self.query_one(OverviewTab)
+        choices = [(key, label, column_legend(key) or "") for key, label, _ in INSTANCE_COLUMNS + tab._optional
+                   if key != "name"]
+
+        def chosen(hidden: set[str] | None) -> None:
+            if hidden is None or hidden == self.hidden_columns:
+                return
+            self.hidden_columns = set(hidden)
+            tab.build_columns()
+            self._applied_snapshot = -1
+            self.apply(force=True)
+            tab.sort_instances()
+            self._save_config("hidden_columns", sorted(self.hidden_columns))
+
+        self.push_screen(ColumnChooser(choices, self.hidden_columns), chosen)
+
+    def _save_config(self, key: str, value: Any) -> None:
+        if self.config_file is None or self._config_write_failed:
+            return
+        from kvtop.tui.config import save_setting
+
+        try:
+            save_setting(self.config_file, key, value)
+        except (OSError, ValueError) as exc:
+            self._config_write_failed = True  # notify once, then carry on without saving
+            self.notify(f"cannot save {key} to {self.config_file}: {exc}", severity="warning", timeout=8)
+            return
+        self.notify(f"saved to {self.config_file}", timeout=3)
 
     def compact_active(self, instances: int) -> bool:
         """Whether the overview shows only the rows that fit (automatic from COMPACT_MIN)."""

@@ -113,7 +113,8 @@ def run(args: argparse.Namespace) -> int:
     feed = RouterFeed(target.url, target.token, hz=hz, token_loader=token_loader)
     app = KvtopApp(feed, url=target.url, readonly=readonly,
                    can_control=bool(target.token), hz=hz, theme=theme,
-                   max_decisions=max_decisions, keymap=config.get("keys"), config_file=config_file)
+                   max_decisions=max_decisions, keymap=config.get("keys"), config_file=config_file,
+                   hidden_columns=config.get("hidden_columns"))
     app.run()
     return 0
 
@@ -169,7 +170,7 @@ def run_several(args: argparse.Namespace, urls: list[str], *, hz: float, max_dec
     feeds = [RouterFeed(t.url, t.token, hz=hz, token_loader=loader(t.url)) for t in targets]
     app = KvtopApp(MultiFeed(feeds, can_control=control), url=targets[0].url, readonly=bool(args.readonly),
                    hz=hz, theme=theme, max_decisions=max_decisions, keymap=config.get("keys"),
-                   config_file=config_file)
+                   config_file=config_file, hidden_columns=config.get("hidden_columns"))
     app.run()
     return 0
 

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rich.text import Text
-from textual import on
+from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
@@ -393,3 +393,195 @@ class KnobForm(ModalScreen[dict[str, Any] | None]):
     @on(Input.Submitted)
     def submitted(self) -> None:
         self.action_submit()
+
+
+class InstanceScreen(ModalScreen[None]):
+    """One instance, as k9s describes a pod: its load, health and why, KV-cache and KV-event
+    state, GPU, errors, the sessions bound to it and the last decisions routed to it. Drawn
+    again from the latest snapshot on every refresh (``refresh_live``); Enter on a decision
+    opens its receipt."""
+
+    BINDINGS = [Binding("escape,q", "dismiss", "close", id="kvtop.instance.close")]
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.instance = name
+        self._sessions: list[dict[str, Any]] = []
+        self._decisions: dict[str, dict[str, Any]] = {}
+        self._drawn_seq = -1
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll(id="instance-detail", classes="dialog"):
+            yield Static(id="instance-head")
+            yield Static(Text("last decisions routed here (Enter: its receipt)", style="bold"))
+            yield DataTable(id="instance-decisions", cursor_type="row", zebra_stripes=True)
+            yield Static(id="instance-sessions")
+            yield Static(Text("Esc closes", style="dim"))
+
+    def on_mount(self) -> None:
+        table = self.query_one("#instance-decisions", DataTable)
+        for key in ("time", "session", "class", "reason", "input", "est. hit"):
+            table.add_column(key, key=key)
+        self.refresh_live()
+        self._load_sessions()
+        table.focus()
+
+    @work(exclusive=True, group="instance-sessions")
+    async def _load_sessions(self) -> None:
+        from kvtop.tui.feed import ControlError
+
+        app: Any = self.app
+        try:
+            body = await app.feed.sessions(500)
+        except ControlError as exc:
+            self.query_one("#instance-sessions", Static).update(Text(f"sessions: {exc.message}", style="dim"))
+            return
+        rows = body.get("sessions") if isinstance(body, dict) else None
+        self._sessions = [s for s in rows or [] if isinstance(s, dict)
+                          and str(s.get("instance", "")).split(" (")[0] == self.instance]
+        self._draw_sessions()
+
+    def _draw_sessions(self) -> None:
+        from kvtop.tui.model import fit_id, fmt_duration, fmt_int, fmt_pct
+
+        t = Text()
+        t.append(f"sessions bound here ({len(self._sessions)} of the 500 largest)\n", style="bold")
+        for s in sorted(self._sessions, key=lambda s: -(s.get("tokens") or 0))[:12]:
+            t.append(f"  {fit_id(str(s.get('session')), 40):<40}  {s.get('turns', 0):>3} turns  "
+                     f"{fmt_int(s.get('tokens')):>8} tok  last hit {fmt_pct(s.get('est_hit_rate'))}%  "
+                     f"idle {fmt_duration(s.get('idle_s'))}\n")
+        if not self._sessions:
+            t.append("  none\n", style="dim")
+        t.rstrip()
+        self.query_one("#instance-sessions", Static).update(t)
+
+    def head_text(self) -> Text:
+        from kvtop.tui.model import (drift_of, fmt_drift, fmt_int, fmt_pct, fmt_secs, gpu_cells,
+                                     health_state, is_number)
+
+        app: Any = self.app
+        snap = app.collected.snapshot or {}
+        inst = next((i for i in snap.get("instances", []) if i.get("name") == self.instance), None)
+        t = Text()
+        t.append(f"instance {self.instance}", style="bold")
+        stale = app.stale_label()
+        if stale:
+            t.append(f"  ({stale}: the router is unreachable)", style="bold")
+        if inst is None:
+            t.append("\n  not in the router's latest snapshot (removed, or renamed)", style="bold")
+            return t
+        t.append(f"  {inst.get('url') or ''}\n", style="dim")
+        state, why = health_state(inst)
+        t.append("health   ")
+        t.append({"up": "● up", "down": "✖ DOWN", "ejected": "⏏ ejected"}[state],
+                 style="bold" if state == "up" else f"bold reverse {app._color('error')}")
+        if why:
+            t.append(f"  {why}")
+        h = inst.get("health") or {}
+        if is_number(h.get("ejections")):
+            t.append(f"  ejections {fmt_int(h['ejections'])}")
+        t.append("\nload     ")
+        t.append(f"{fmt_int(inst.get('num_requests'))} in flight  backlog {fmt_int(inst.get('pending_prefill_tokens'))} "
+                 f"tok / {fmt_secs(inst.get('backlog_s'))} s  decoding {fmt_int(inst.get('decode_requests'))} req "
+                 f"{fmt_int(inst.get('decode_tokens'))} tok  routed {fmt_int(inst.get('routed_total'))}")
+        if is_number(inst.get("prefill_tps_measured")):
+            t.append(f"  measured prefill {fmt_int(inst['prefill_tps_measured'])} tok/s")
+        eng = inst.get("engine") or {}
+        t.append("\nengine   ")
+        t.append(f"KV {fmt_pct(eng.get('kv_usage'))}%  running {fmt_int(eng.get('running'))}  waiting "
+                 f"{fmt_int(eng.get('waiting'))}  prefix hit {fmt_pct(eng.get('prefix_hit_rate_recent'))}% recent, "
+                 f"{fmt_pct(eng.get('prefix_hit_rate'))}% since start  router est. hit "
+                 f"{fmt_pct(inst.get('est_hit_rate_recent'))}%")
+        if eng.get("error"):
+            t.append(f"  scrape error: {eng['error']}", style=f"bold {app._color('error')}")
+        kv = inst.get("kv_events") if isinstance(inst.get("kv_events"), dict) else None
+        t.append("\nKV index ")
+        if kv is None:
+            t.append(f"{inst.get('index_source') or 'estimate'} (no KV events: the router's own estimate)")
+        else:
+            share, source = drift_of(inst)
+            t.append(f"{fmt_drift(share, source)}  blocks pinned {fmt_int(kv.get('pinned_blocks'))} queued "
+                     f"{fmt_int(kv.get('queued_blocks'))} free {fmt_int(kv.get('free_blocks'))}  events "
+                     f"{fmt_int(kv.get('events'))}  gaps {fmt_int(kv.get('gaps'))}  resyncs {fmt_int(kv.get('resyncs'))}")
+            if kv.get("reason"):
+                t.append(f"  ({kv['reason']})")
+        util, mem, why_gpu = gpu_cells(inst.get("gpu"))
+        gpu = inst.get("gpu") or {}
+        t.append("\nGPU      ")
+        t.append(f"– ({why_gpu})" if why_gpu else f"{util}% busy  memory {mem}"
+                 + (f"  (GPU {gpu['index']})" if gpu.get("index") is not None else ""))
+        errs = inst.get("errors") or {}
+        t.append("\nerrors   ")
+        t.append(f"{fmt_int(errs.get('requests_total'))} failed requests since the router started")
+        if errs.get("scrape"):
+            t.append(f"  metrics scrape: {errs['scrape']}")
+        if errs.get("gpu"):
+            t.append(f"  GPU: {errs['gpu']}")
+        return t
+
+    def refresh_live(self) -> None:
+        from kvtop.tui.model import fit_id, fmt_int
+
+        import time
+
+        app: Any = self.app
+        self.query_one("#instance-head", Static).update(self.head_text())
+        seq = app.collected.decision_seq
+        if seq == self._drawn_seq:
+            return
+        self._drawn_seq = seq
+        table = self.query_one("#instance-decisions", DataTable)
+        rows = [(s, ev) for s, ev in app.collected.decisions if ev.get("instance") == self.instance][-15:]
+        keep = {f"d{s}" for s, _ in rows}
+        for key in [k for k in table.rows if k.value not in keep]:
+            table.remove_row(key)
+            self._decisions.pop(str(key.value), None)
+        for s, ev in rows:
+            key = f"d{s}"
+            if key in table.rows:
+                continue
+            inp, hit = ev.get("input_tokens") or 0, ev.get("est_hit") or 0
+            table.add_row(time.strftime("%H:%M:%S", time.localtime(float(ev.get("ts") or 0))),
+                          Text(fit_id(str(ev.get("session") or ""), 24)), Text(str(ev.get("class") or "")),
+                          Text(str(ev.get("reason") or "")), fmt_int(inp),
+                          f"{100 * hit / inp:.0f}% {fmt_int(hit)}" if inp else fmt_int(hit), key=key)
+            self._decisions[key] = ev
+
+    @on(DataTable.RowSelected, "#instance-decisions")
+    def _open_receipt(self, event: DataTable.RowSelected) -> None:
+        ev = self._decisions.get(str(event.row_key.value))
+        if ev is not None:
+            self.app.push_screen(ReceiptScreen(ev))
+
+
+class ColumnChooser(ModalScreen[set | None]):
+    """Which instance-table columns to show (space toggles, Enter keeps, Esc cancels). Returns
+    the set of hidden column keys; the app saves it to the config file."""
+
+    BINDINGS = [Binding("escape", "dismiss(None)", "cancel", id="kvtop.columns.cancel"),
+                Binding("enter", "done", "keep", id="kvtop.columns.keep", priority=True)]
+
+    def __init__(self, columns: list[tuple[str, str, str]], hidden: set[str]):
+        super().__init__()
+        self.columns = columns
+        self.hidden = set(hidden)
+
+    def compose(self) -> ComposeResult:
+        from textual.widgets import SelectionList
+
+        with Vertical(id="columns", classes="dialog"):
+            yield Static(Text.assemble(("Instance table columns", "bold"),
+                                       "  (space shows or hides, Enter keeps, Esc cancels; saved to the config file)"))
+            yield SelectionList(*[(Text.assemble((label, "bold"), "  ", (legend, "dim")), key, key not in self.hidden)
+                                  for key, label, legend in self.columns], id="column-list")
+
+    def on_mount(self) -> None:
+        from textual.widgets import SelectionList
+
+        self.query_one(SelectionList).focus()
+
+    def action_done(self) -> None:
+        from textual.widgets import SelectionList
+
+        shown = set(self.query_one(SelectionList).selected)
+        self.dismiss({key for key, _, _ in self.columns if key not in shown})

@@ -219,10 +219,11 @@ class OverviewTab(TabPane):
                 # The data has it (a router that measures prefill rates, KV events, several
                 # routers): one more column, at the end.
                 key, label, width = col
-                table.add_column(label, key=key, width=max(width, len(label) + 1), default="–")
                 self._optional.append(col)
+                if key not in app.hidden_columns:
+                    table.add_column(label, key=key, width=max(width, len(label) + 1), default="–")
                 self._cells.clear()  # every row gets the new cell
-        columns = [k for k, _, _ in INSTANCE_COLUMNS] + [k for k, _, _ in self._optional]
+        columns = self.visible_columns()
         computed = {}
         for inst in insts:
             cells = self._instance_cells(inst, prev_values.get(inst["name"]))
@@ -258,6 +259,28 @@ class OverviewTab(TabPane):
             self._cells[name] = cells
         if sort_changed:
             self.sort_instances()
+
+    def visible_columns(self) -> list[str]:
+        """The column keys on screen: every column but those the chooser hid (the name stays)."""
+        app: Any = self.app
+        return [k for k, _, _ in INSTANCE_COLUMNS + self._optional if k == "name" or k not in app.hidden_columns]
+
+    def build_columns(self) -> None:
+        """(Re)make the table's columns from the chooser's choice; every row is drawn again."""
+        app: Any = self.app
+        table = self.query_one("#instances", DataTable)
+        table.clear(columns=True)
+        self._cells.clear()
+        for key, label, width in INSTANCE_COLUMNS + self._optional:
+            if key == "name" or key not in app.hidden_columns:
+                table.add_column(label, key=key, width=max(width, len(label) + 1), default="–")
+
+    @on(DataTable.RowSelected, "#instances")
+    def open_instance(self, event: DataTable.RowSelected) -> None:
+        """Enter on an instance: its detail (load, health, KV, GPU, errors, sessions, decisions)."""
+        from kvtop.tui.screens import InstanceScreen
+
+        self.app.push_screen(InstanceScreen(str(event.row_key.value)))
 
     def compact_rows(self) -> int:
         """How many instance rows fit (the table takes at most 60% of the tab), header and the
