@@ -160,6 +160,7 @@ async def test_a_disconnected_view_is_grey_with_its_age_and_the_banner_says_why_
         assert "since" in banner and "(12s)" in banner and "nothing listens at 127.0.0.1:8000" in banner
         assert "every figure below is stale" in banner
         assert _text(app, "#health").startswith("stale 12s:")
+        assert app.query_one("#tabs").region.y == 2  # the banner sits above the footer: nothing moved
         # back: live again, nothing greyed
         feed.push("_status", {"connected": True, "error": None})
         feed.push("state", syn.snapshot(4, 4.0))
