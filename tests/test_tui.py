@@ -522,7 +522,9 @@ async def test_receipt_times_and_numbers_read_as_a_person_would():
         assert "received 22:13:19.995 · decided +4.2 ms" in head
         assert "admission_wait_ms 3.2 ms" in head and "1699999999" not in head
         terms = app.screen.query_one("#receipt-terms")
-        row = [str(c) for c in terms.get_row_at(0)]
+        rows = [[str(c) for c in terms.get_row_at(r)] for r in range(terms.row_count)]
+        assert rows[0][:2] == ["▶", ev["instance"]]  # the chosen candidate first
+        row = next(r for r in rows if r[1] == "vllm-0")
         assert row[1:] == ["vllm-0", row[2], "11,776", "1,536", row[5], row[6], "16,613"]
         assert "e+" not in " ".join(str(c) for r in range(terms.row_count) for c in terms.get_row_at(r))
         assert "fallback would have scored" in str(app.screen.query_one("#receipt-note").render())

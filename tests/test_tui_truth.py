@@ -461,3 +461,25 @@ async def test_column_chooser_hides_a_column_and_saves_it(tmp_path):
     async with app2.run_test(size=(140, 42)) as pilot:
         await settle(pilot, app2)
         assert "gpu_mem" not in [str(c.key.value) for c in app2.query_one("#instances").ordered_columns]
+
+
+async def test_receipt_at_80x24_scrolls_keeps_the_chosen_row_first_and_explains_its_terms():
+    from kvtop.tui.screens import ReceiptScreen
+
+    app, feed = make_app(n=64, steps=2, decisions=0)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot, app)
+        ev = syn.decision(7, 64)
+        app.push_screen(ReceiptScreen(ev))
+        await pilot.pause()
+        table = app.screen.query_one("#receipt-terms")
+        first = table.get_row_at(0)
+        assert str(first[0]) == "▶" and str(first[1]) == ev["instance"]  # 64 candidates: the chosen one first
+        legend = str(app.screen.query_one("#receipt-legend").render())
+        for term in ("P prefill backlog tokens", "BS requests in flight", "D decoding context tokens"):
+            assert term in legend
+        scroll = app.screen.query_one("#receipt")
+        assert scroll.max_scroll_y > 0 and scroll.scroll_y == 0
+        await pilot.press("pagedown")
+        await pilot.pause()
+        assert scroll.scroll_y > 0  # PageDown scrolls at 80x24

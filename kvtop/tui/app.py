@@ -288,6 +288,9 @@ class KvtopApp(App):
         run = r.get("run_id")
         if run is not None and self._run_id is not None and run != self._run_id:
             self._run_id = run
+            # the change log is history: say where the old run's changes end
+            self.collected.config_events.append({"kind": "restart", "ts": time.time(), "who": "attach",
+                                                 "after": {"run_id": run, "policy": r.get("policy")}})
             self._forget_router("new run")
             return
         self._run_id = run if run is not None else self._run_id

@@ -574,6 +574,9 @@ def config_change_text(ev: dict[str, Any]) -> str:
         return head + f"{after.get('instance', '?')} {state}"
     if kind == "shadow":
         return head + shadow_change_text(ev.get("before"), ev.get("after"))
+    if kind == "restart":  # added by the dashboard when the run id changes under it
+        return f"{when} ── the router restarted (run {after.get('run_id', '?')}, {after.get('policy', '?')}): " \
+               "the changes above were the old run's"
     return head + f"{kind} {ev.get('before')!s:.60} → {ev.get('after')!s:.60}"
 
 

@@ -18,15 +18,28 @@ from textual.widgets.option_list import Option
 from kvtop import receipt
 
 
+#: What a receipt's term columns mean (the policies' score terms; docs/policies.md has the formulas).
+TERM_HELP = {
+    "hit": "est. cached prefix tokens there", "new": "tokens it would prefill there", "P": "prefill backlog tokens",
+    "BS": "requests in flight", "D": "decoding context tokens", "tps": "its prefill rate, tok/s",
+    "wait_s": "queue wait before its prefill", "own_s": "its own prefill time", "interf_s": "slowdown of the decodes there",
+    "queue_s": "returning turns it holds up", "evict_s": "cache of returning sessions it evicts",
+    "score": "the policy's score (lowest wins)", "cost": "expected seconds added (lowest wins)",
+}
+
+
 class ReceiptScreen(ModalScreen[None]):
-    """Why one request went where it did: every candidate's terms, the chosen one marked.
+    """Why one request went where it did: every candidate's terms, the chosen one first and marked.
 
     The text is ``kvtop.receipt``'s, the same as ``kvtop log why`` prints: one number
     format, times as local clock plus milliseconds from the router's receipt of the request.
+    It scrolls (PageDown, the arrows) where the terminal is small.
     """
 
     BINDINGS = [Binding("escape,q,enter", "dismiss", "close", id="kvtop.receipt.close"),
-                Binding("c", "copy_id", "copy request id", id="kvtop.receipt.copy")]
+                Binding("c", "copy_id", "copy request id", id="kvtop.receipt.copy"),
+                Binding("pagedown", "page(1)", "page down", show=False, id="kvtop.receipt.page_down"),
+                Binding("pageup", "page(-1)", "page up", show=False, id="kvtop.receipt.page_up")]
 
     def __init__(self, ev: dict[str, Any]):
         super().__init__()
@@ -36,13 +49,20 @@ class ReceiptScreen(ModalScreen[None]):
         head = Text()
         for n, line in enumerate(receipt.head_lines(self.ev)):
             head.append(("\n" if n else "") + line, style="bold" if line.startswith("→") else "")
-        note = "▶ marks the chosen instance · c copies the request id · Esc closes"
+        note = "▶ the chosen instance (first row) · c copies the request id · PgDn/PgUp scroll · Esc closes"
         if self.ev.get("reason") == "affinity_stick":
             note = "the session's instance passed the affinity gate; score is what the fallback would have scored · " + note
-        with Vertical(id="receipt", classes="dialog"):
+        cols, _ = receipt.candidates(self.ev.get("terms"), self.ev.get("instance"))
+        legend = Text()
+        for c in cols:
+            if c in TERM_HELP:
+                legend.append(f"{c}", style="bold")
+                legend.append(f" {TERM_HELP[c]}  ")
+        with VerticalScroll(id="receipt", classes="dialog"):
+            yield Static(Text(note, style="dim"), id="receipt-note")
             yield Static(head, id="receipt-head")
             yield DataTable(id="receipt-terms", cursor_type="row", zebra_stripes=True)
-            yield Static(Text(note, style="dim"), id="receipt-note")
+            yield Static(legend, id="receipt-legend")
 
     def on_mount(self) -> None:
         table = self.query_one(DataTable)
@@ -50,12 +70,22 @@ class ReceiptScreen(ModalScreen[None]):
         table.add_column("", key="_mark")
         for c in cols:
             table.add_column(c, key=c)
-        for n, (chosen, cells) in enumerate(rows):
+        # the chosen row first: with 64 candidates the marker no longer scrolls out of sight
+        order = [r for r in rows if r[0]] + [r for r in rows if not r[0]]
+        for n, (chosen, cells) in enumerate(order):
             style = "bold" if chosen else ""
             row: list[Any] = [Text("▶", style="bold") if chosen else ""]
             row += [Text(v, style=style, justify="left" if i == 0 else "right") for i, v in enumerate(cells)]
             table.add_row(*row, key=f"c{n}")
-        table.focus()
+        # the dialog, not the table, takes the keys: it opens at its head and PageDown scrolls it
+        self.query_one("#receipt", VerticalScroll).focus()
+
+    def action_page(self, step: int) -> None:
+        scroll = self.query_one("#receipt", VerticalScroll)
+        if step > 0:
+            scroll.scroll_page_down(animate=False)
+        else:
+            scroll.scroll_page_up(animate=False)
 
     def action_copy_id(self) -> None:
         rid = str(self.ev.get("request_id") or "")
@@ -424,7 +454,7 @@ class InstanceScreen(ModalScreen[None]):
             table.add_column(key, key=key)
         self.refresh_live()
         self._load_sessions()
-        table.focus()
+        table.focus(scroll_visible=False)  # the detail opens at its head; Enter acts on the decisions
 
     @work(exclusive=True, group="instance-sessions")
     async def _load_sessions(self) -> None:

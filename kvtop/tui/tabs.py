@@ -627,11 +627,21 @@ class PolicyTab(TabPane):
                         table.update_cell(k["name"], col, val)
             else:
                 table.add_row(*cells, key=k["name"])
-        app._update_static("#shadow-panel", self.shadow_text())
-        lines = [config_change_text(ev) for ev in list(app.collected.config_events)[-6:]]
-        log = Text("recent changes\n", style="bold")
+        shadows = self.shadow_text()
+        app._update_static("#shadow-panel", shadows)
+        # The knob table gets what the rest leaves: at 80x24 the shadows and the change log stay
+        # on screen (the table scrolls), at 140x42 no blank lines sit between them.
+        from textual.widgets import TabbedContent
+
+        height = max(10, app.query_one(TabbedContent).size.height - 2)  # the pane's share of the screen
+        head_h = self.query_one("#policy-head").size.height
+        log_n = max(2, min(6, (height - 1 - head_h - len(shadows.plain.splitlines()) - 1 - 6)))
+        lines = [config_change_text(ev) for ev in list(app.collected.config_events)[-log_n:]]
+        log = Text("recent changes\n", style="bold", no_wrap=True, overflow="ellipsis")
         log.append("\n".join(lines) or "no policy, knob or shadow changes since attach")
         app._update_static("#config-log", log)
+        room = height - 1 - head_h - len(shadows.plain.splitlines()) - len(log.plain.splitlines())
+        table.styles.max_height = max(4, room)
 
     def shadow_text(self) -> Text:
         """The shadow panel: per shadow policy, agreement with the active one, where they
@@ -639,7 +649,7 @@ class PolicyTab(TabPane):
         app: Any = self.app
         sh = app._shadows()
         rows = [r for r in sh.get("shadows") or [] if isinstance(r, dict) and isinstance(r.get("policy"), str)]
-        out = Text("shadow policies", style="bold")
+        out = Text("shadow policies", style="bold", no_wrap=True, overflow="ellipsis")
         stale = app.stale_label()
         if stale:
             out.append(f"  ({stale})", style="bold")
