@@ -26,9 +26,9 @@ def utc(monkeypatch):
 async def _router(aiohttp_server, backends, tmp_path, *, token="tok", port=None, **cfg_kw):
     from router.app import Backend, RouterConfig, create_app
 
+    cfg_kw.setdefault("db", None)
     cfg = RouterConfig(backends=[Backend(f"i{k}", url) for k, (_, url) in enumerate(backends)],
-                       db=None, control_token=token, state_dir=str(tmp_path / "state"), scrape_interval_s=0.2,
-                       **cfg_kw)
+                       control_token=token, state_dir=str(tmp_path / "state"), scrape_interval_s=0.2, **cfg_kw)
     app = create_app(cfg)
     server = await aiohttp_server(app, host="127.0.0.1", **({"port": port} if port else {}))
     return server, app
@@ -483,3 +483,31 @@ async def test_receipt_at_80x24_scrolls_keeps_the_chosen_row_first_and_explains_
         await pilot.press("pagedown")
         await pilot.pause()
         assert scroll.scroll_y > 0  # PageDown scrolls at 80x24
+
+
+# -- kvtop log runs / log shadow ----------------------------------------------------------------
+
+async def test_log_runs_lists_policy_changes_made_without_traffic(aiohttp_server, fake_backends, tmp_path, capsys):
+    """A switch made while no request came is a policy of the run too (it was left out)."""
+    from router.app import STATE
+    from kvtop.cli import main
+
+    backends = await fake_backends(2)
+    db = tmp_path / "k.db"
+    server, rapp = await _router(aiohttp_server, backends, tmp_path, policy="unified", db=str(db))
+    st = rapp[STATE]
+    st.set_policy("lmetric", {}, "test")       # no request in between: no decision row for either
+    st.set_policy(None, {"heavy_threshold": 30000}, "test", merge=True)
+    await server.close()
+    rc = await asyncio.to_thread(main, ["log", "--db", str(db), "runs"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "unified@1 (no traffic) -> lmetric@2 (no traffic) -> lmetric@3 (no traffic)" in out
+
+
+def test_log_shadow_score_gaps_read_in_one_format():
+    from kvtop.log_cli import _gap
+
+    cells = [_gap(g) for g in (5571.0, 14280.4, 0.0123, None)]
+    assert cells == ["5,571.0", "14,280.4", "0.0123", "-"]
+    assert not any("e+" in c or "e-" in c for c in cells)

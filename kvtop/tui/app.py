@@ -702,9 +702,10 @@ class KvtopApp(App):
         cur = self.current_policy().get("name")
         shadowed = {r["policy"] for r in rows}
         choices: list[dict[str, Any]] = []
-        for r in rows:
+        for r in rows:  # promotions first: S then Enter promotes, as S did before add and remove
             choices.append({"name": f"promote:{r['policy']}", "label": f"promote {r['policy']} to active",
                             "doc": self.shadow_effect(r)})
+        for r in rows:
             choices.append({"name": f"remove:{r['policy']}", "label": f"remove shadow {r['policy']}",
                             "doc": "stop asking it; its counts end"})
         for p in self.policies_body.get("policies", []):
