@@ -511,3 +511,33 @@ def test_log_shadow_score_gaps_read_in_one_format():
     cells = [_gap(g) for g in (5571.0, 14280.4, 0.0123, None)]
     assert cells == ["5,571.0", "14,280.4", "0.0123", "-"]
     assert not any("e+" in c or "e-" in c for c in cells)
+
+
+# -- the SVG plots of simulate --repeats and sweep -----------------------------------------------
+
+def test_svg_plots_have_an_axis_mark_cut_intervals_and_no_text_over_text(tmp_path):
+    import xml.etree.ElementTree as ET
+
+    from kvtop.repeats import svg_ticks, write_svg
+
+    assert svg_ticks(3.7) == [0.0, 1.0, 2.0, 3.0, 4.0] and svg_ticks(14280) == [0, 5000, 10000, 15000]
+    from kvtop.repeats import METRICS
+
+    metric = lambda m: {key: (10.0 if key == "tpot_p90_ms" else m) for key, _ in METRICS} | {"apc": 0.5}  # noqa: E731
+    # a wide spread: leastwork's interval reaches below 0 and is cut at the axis
+    runs = {"leastwork": [metric(v) for v in (100.0, 3000.0, 50.0)], "lmetric": [metric(v) for v in (900.0, 1000.0, 950.0)]}
+    path = tmp_path / "r.svg"
+    write_svg(str(path), runs, "simulate: a title long enough to reach the first chart if it were there")
+    root = ET.parse(path).getroot()
+    ns = "{http://www.w3.org/2000/svg}"
+    texts = [(float(t.get("x")), float(t.get("y")), t.text or "") for t in root.iter(ns + "text")]
+    rows = sorted({y for _, y, _ in texts})
+    # lines of text at the left margin are at least a line apart: no title drawn over another
+    left = sorted(y for x, y, _ in texts if x < 20)
+    assert all(b - a >= 12 for a, b in zip(left, left[1:])), left
+    assert any(t == "s" for _, _, t in texts)  # the axis names its unit
+    assert any(t.strip() in ("0", "0.0") for _, _, t in texts)  # and starts at 0
+    titles = [r.find(ns + "title").text for r in root.iter(ns + "rect") if r.find(ns + "title") is not None]
+    assert any("cut at the axis" in t for t in titles if t.startswith("leastwork"))
+    assert not any("cut at the axis" in t for t in titles if t.startswith("lmetric"))
+    assert rows
