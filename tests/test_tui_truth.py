@@ -541,3 +541,20 @@ def test_svg_plots_have_an_axis_mark_cut_intervals_and_no_text_over_text(tmp_pat
     assert any("cut at the axis" in t for t in titles if t.startswith("leastwork"))
     assert not any("cut at the axis" in t for t in titles if t.startswith("lmetric"))
     assert rows
+
+
+async def test_chart_legends_tell_series_apart_by_glyph():
+    app, _ = make_app(n=4)
+    async with app.run_test(size=(140, 42)) as pilot:
+        await settle(pilot, app)
+        await pilot.press("2")
+        await settle(pilot, app)
+        legend = [line for line in app.query_one("#chart-backlog").plt.build().splitlines() if "vllm-" in line]
+        import re
+
+        plain = [re.sub(r"\x1b\[[0-9;]*m", "", line) for line in legend]
+        glyphs = set()
+        for line in plain:
+            for m in re.finditer(r"(\S+) vllm-\d", line):
+                glyphs.add(m.group(1)[-2:])
+        assert len(glyphs) >= 4, plain  # four instances, four glyphs

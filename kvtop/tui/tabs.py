@@ -29,6 +29,10 @@ from kvtop.tui.screens import ReceiptScreen, SessionScreen
 from kvtop.tui.widgets import LiveTable
 
 
+#: One marker per series, so a legend entry is told apart by its glyph, not its colour alone.
+MARKERS = ("braille", "•", "+", "x", "*", "o", "#", "=")
+
+
 def chart_now(app: Any) -> float:
     """The charts' "now": the latest snapshot's time, else the app's clock."""
     now = app.clock()
@@ -49,10 +53,10 @@ def draw_backlog(app: Any, backlog: PlotextPlot) -> None:
     plt.title(f"prefill backlog tokens per instance (last {w}s; [ ] window)")
     ranked = sorted(c.backlog.items(), key=lambda kv: -(kv[1][-1][1] if kv[1] else 0))
     plotted: list[float] = []
-    for name, ring in ranked[:8]:  # more lines than this is noise; the table has every instance
+    for k, (name, ring) in enumerate(ranked[:8]):  # more lines is noise; the table has every instance
         pts = [(ts - now, v) for ts, v in ring if now - w <= ts <= now]  # plotext raises on a series
         if pts:                                                           # wholly outside xlim
-            plt.plot([p[0] for p in pts], [p[1] for p in pts], label=name, marker="braille")
+            plt.plot([p[0] for p in pts], [p[1] for p in pts], label=name, marker=MARKERS[k % len(MARKERS)])
             plotted += [p[1] for p in pts]
     set_y_ticks(plt, plotted, "count", rows=backlog.size.height, integer=True)
     plt.xlim(-w, 0)
@@ -416,8 +420,8 @@ class ChartsTab(TabPane):
         plt.title("TTFT p50 / p90")  # the tick labels carry the unit, ms or s
         xs, p50, p90 = c.ttft_series(w, now)
         if xs:
-            plt.plot(xs, p50, label="p50", marker="braille")
-            plt.plot(xs, p90, label="p90", marker="braille")
+            plt.plot(xs, p50, label="p50", marker=MARKERS[0])
+            plt.plot(xs, p90, label="p90", marker=MARKERS[2])
         set_y_ticks(plt, p50 + p90, "ms", rows=ttft.size.height)
         plt.xlim(-w, 0)
         ttft.refresh()
@@ -426,10 +430,10 @@ class ChartsTab(TabPane):
         plt.clear_data()
         plt.clear_figure()
         plt.title("prefix hit % (router est / engine)")
-        for label, ring in (("est", c.hit_rate), ("engine", c.engine_hit_rate)):
+        for (label, ring), marker in zip((("est", c.hit_rate), ("engine", c.engine_hit_rate)), (MARKERS[0], MARKERS[3])):
             pts = [(ts - now, v) for ts, v in ring if now - w <= ts <= now]
             if pts:
-                plt.plot([p[0] for p in pts], [p[1] for p in pts], label=label, marker="braille")
+                plt.plot([p[0] for p in pts], [p[1] for p in pts], label=label, marker=marker)
         plt.xlim(-w, 0)
         set_y_ticks(plt, [], "%", rows=hit.size.height, lo=0, hi=100)
         hit.refresh()
