@@ -186,9 +186,12 @@ def run_one(width: int, height: int, n: int, keep: Path | None) -> dict:
 
         def palette(command: str) -> None:
             s.keys("C-p", pause=0.6)
+            s.wait("the command palette", lambda t: "Search for commands" in t or "🔎" in t, timeout=10)
             s.keys(command, pause=1.0)
             s.keys("Enter", pause=0.8)
-            s.keys("y", pause=1.5)
+            s.check(f"confirm {command}", s.wait("the confirmation", lambda t: "Apply (y)" in t), modal=True)
+            s.keys("y", pause=0.5)
+            s.wait("the confirmation to close", lambda t: "Apply (y)" not in t, timeout=10)
 
         palette("Switch policy to lmetric")
         s.check("policy switch", s.wait("lmetric@2 in the header", lambda t: "lmetric@2" in t.splitlines()[0]))

@@ -850,6 +850,28 @@ def test_snapshot_overview_80x24(snap_compare):
     assert snap_compare(app, terminal_size=(80, 24), run_before=run_before)
 
 
+def _view_app(view, n):
+    """The overview, a receipt or the Policy tab (issue 35: each at 80x24 and 140x42)."""
+    from kvtop.tui.screens import ReceiptScreen
+
+    app, run_tab = _snap_app("policy" if view == "policy" else "overview", n=n)
+
+    async def run_before(pilot):
+        await run_tab(pilot)
+        if view == "receipt":
+            app.push_screen(ReceiptScreen(syn.decision(7, n)))
+            await pilot.pause()
+
+    return app, run_before
+
+
+@pytest.mark.parametrize("size", [(80, 24), (140, 42)])
+@pytest.mark.parametrize("view, n", [("overview", 4), ("overview", 64), ("receipt", 4), ("policy", 4)])
+def test_snapshot_views_at_both_sizes(snap_compare, view, n, size):
+    app, run_before = _view_app(view, n)
+    assert snap_compare(app, terminal_size=size, run_before=run_before)
+
+
 def test_snapshot_colour_blind_theme(snap_compare):
     app, run_before = _snap_app("overview", theme="kvtop-cb")
     assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
