@@ -558,3 +558,26 @@ async def test_chart_legends_tell_series_apart_by_glyph():
             for m in re.finditer(r"(\S+) vllm-\d", line):
                 glyphs.add(m.group(1)[-2:])
         assert len(glyphs) >= 4, plain  # four instances, four glyphs
+
+
+@pytest.mark.parametrize("screen", ["instance", "knobs", "promote"])
+async def test_a_refresh_while_a_dialog_is_opening_does_not_crash(screen):
+    """The refresh can run between a dialog's compose and its mount (it crashed the instance
+    detail: "More values provided than there are columns")."""
+    from kvtop.tui.screens import ConfirmScreen, InstanceScreen, KnobForm
+
+    app, feed = make_app(n=4, steps=2, decisions=10)
+    async with app.run_test(size=(140, 42)) as pilot:
+        await settle(pilot, app)
+        dialog = {"instance": lambda: InstanceScreen("vllm-0"),
+                  "knobs": lambda: KnobForm("unified", app._control_schema("unified"), app._current_knobs(),
+                                            live=lambda: ("unified", app._current_knobs())),
+                  "promote": lambda: ConfirmScreen("x", lambda: [("a", 1, 2)])}[screen]()
+        dialog.refresh_live()  # before it is mounted
+        app.push_screen(dialog)
+        dialog.refresh_live()  # while it mounts
+        app.apply(force=True)
+        await pilot.pause()
+        app.apply(force=True)
+        await pilot.pause()
+        assert app.screen is dialog and app.is_running

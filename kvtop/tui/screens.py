@@ -199,8 +199,9 @@ class ConfirmScreen(ModalScreen[bool]):
         return text
 
     def refresh_live(self) -> None:
-        if callable(self._diff):
-            self.query_one("#confirm-diff", Static).update(self.diff_text())
+        if callable(self._diff) and self.is_mounted:
+            for widget in self.query("#confirm-diff"):
+                widget.update(self.diff_text())
 
     def compose(self) -> ComposeResult:
         with Vertical(id="confirm", classes="dialog"):
@@ -305,7 +306,7 @@ class KnobForm(ModalScreen[dict[str, Any] | None]):
 
     def refresh_live(self) -> None:
         """Redraw "now" from the latest snapshot; a field the user has not edited follows it."""
-        if self._live is None:
+        if self._live is None or not self.is_mounted or not self.query("#knob-fields"):
             return
         policy, current = self._live()
         for k in self.schema:
@@ -439,6 +440,7 @@ class InstanceScreen(ModalScreen[None]):
         self._sessions: list[dict[str, Any]] = []
         self._decisions: dict[str, dict[str, Any]] = {}
         self._drawn_seq = -1
+        self._ready = False  # the app's refresh can come before on_mount made the table's columns
 
     def compose(self) -> ComposeResult:
         with VerticalScroll(id="instance-detail", classes="dialog"):
@@ -452,6 +454,7 @@ class InstanceScreen(ModalScreen[None]):
         table = self.query_one("#instance-decisions", DataTable)
         for key in ("time", "session", "class", "reason", "input", "est. hit"):
             table.add_column(key, key=key)
+        self._ready = True
         self.refresh_live()
         self._load_sessions()
         table.focus(scroll_visible=False)  # the detail opens at its head; Enter acts on the decisions
@@ -554,6 +557,8 @@ class InstanceScreen(ModalScreen[None]):
 
         import time
 
+        if not self._ready:
+            return
         app: Any = self.app
         self.query_one("#instance-head", Static).update(self.head_text())
         seq = app.collected.decision_seq
