@@ -581,3 +581,43 @@ async def test_a_refresh_while_a_dialog_is_opening_does_not_crash(screen):
         app.apply(force=True)
         await pilot.pause()
         assert app.screen is dialog and app.is_running
+
+
+@pytest.mark.parametrize("degraded, shown", [
+    (None, None),                                                      # absent: none
+    ([{"task": "kv-events", "error": "boom"}, "scraper"], "⚠ 2 tasks down: kv-events, scraper"),
+])
+async def test_header_carries_the_routers_dead_background_tasks(degraded, shown):
+    feed = FakeFeed(policies=copy.deepcopy(syn.POLICIES))
+    snap = syn.snapshot(4, 0.0)
+    if degraded is not None:
+        snap["degraded"] = degraded
+    feed.push("state", snap)
+    app, _ = make_app(feed)
+    async with app.run_test(size=(140, 42)) as pilot:
+        await settle(pilot, app)
+        top = _text(app, "#topbar")
+        assert (shown in top) if shown else ("tasks down" not in top and "task down" not in top)
+
+
+async def test_enum_knobs_are_a_choice_not_free_text():
+    from textual.widgets import Select
+
+    from kvtop.tui.screens import KnobForm
+
+    policies = copy.deepcopy(syn.POLICIES)
+    policies["features"] = [{"name": "offload_mode", "type": "str", "default": "off", "choices": ["off", "simple", "cost"],
+                             "range": "one of off, simple, cost", "doc": "offload HEAVY prefills"}]
+    feed = FakeFeed(policies=policies)
+    feed.push("state", syn.snapshot(4, 0.0))
+    app, _ = make_app(feed)
+    async with app.run_test(size=(140, 42)) as pilot:
+        await settle(pilot, app)
+        await pilot.press("k")
+        await pilot.pause()
+        form = app.screen
+        assert isinstance(form, KnobForm)
+        field = form.query_one("#knob-offload_mode")
+        assert isinstance(field, Select) and field.value == "off"
+        field.value = "cost"
+        assert form.changed() == ({"offload_mode": "cost"}, [])

@@ -286,11 +286,16 @@ class KvtopApp(App):
         version or run than the policies answer on hand, fetch it again (once per change)."""
         r = (self.collected.snapshot or {}).get("router") or {}
         run = r.get("run_id")
-        if run is not None and self._run_id is not None and run != self._run_id:
+        if self.multi:
+            # several routers: the snapshot's router section is the selected one's (R moves it);
+            # a run is that router's, named by its URL
+            run = (r.get("url"), run) if run is not None else None
+        if run is not None and self._run_id is not None and run != self._run_id and (
+                not self.multi or run[0] == self._run_id[0]):
             self._run_id = run
             # the change log is history: say where the old run's changes end
             self.collected.config_events.append({"kind": "restart", "ts": time.time(), "who": "attach",
-                                                 "after": {"run_id": run, "policy": r.get("policy")}})
+                                                 "after": {"run_id": r.get("run_id"), "policy": r.get("policy")}})
             self._forget_router("new run")
             return
         self._run_id = run if run is not None else self._run_id
