@@ -177,6 +177,7 @@ class KvtopApp(App):
         self._policies_asked: str | None = None  # ... and the one last asked for
         self._run_id: Any = None
         self._applied_stale: Any = None
+        self._health_key: Any = None
         # what the screen shows now, so only changes are drawn
         self._applied_snapshot = 0
         self._applied_decision = 0
@@ -553,6 +554,10 @@ class KvtopApp(App):
             self._update_static("#health", Text("fleet: waiting for the router's first snapshot", style="dim"))
             return
         stale = self.stale_label()
+        key = (self.collected.snapshot_seq, stale, self._theme_seq)
+        if key == self._health_key:
+            return  # nothing new: the line is drawn once a snapshot (256 instances: once, not per frame)
+        self._health_key = key
         line = health_line(snap)
         bad = any(not i.get("healthy") for i in snap.get("instances", []))
         t = Text(no_wrap=True, overflow="ellipsis")
