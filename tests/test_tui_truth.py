@@ -621,3 +621,33 @@ async def test_enum_knobs_are_a_choice_not_free_text():
         assert isinstance(field, Select) and field.value == "off"
         field.value = "cost"
         assert form.changed() == ({"offload_mode": "cost"}, [])
+
+
+async def test_sessions_and_charts_grey_out_when_stale():
+    app, feed = make_app(n=4, steps=3, decisions=10)
+    async with app.run_test(size=(140, 42)) as pilot:
+        await settle(pilot, app)
+        await pilot.press("3")
+        app._fetch_sessions()
+        await wait_group(app, "sessions")
+        await settle(pilot, app)
+        table = app.query_one("#session-table")
+
+        def text_colour():
+            seg = next(seg for seg in table.render_line(3) if seg.text.strip())  # a data row's first text
+            return seg.style.color
+
+        live_colour = text_colour()
+        feed.push("_status", {"connected": False, "error": "connection refused", "retry_in_s": 1.0})
+        await settle(pilot, app)
+        await pilot.pause()
+        assert app.screen.has_class("-stale")
+        assert _text(app, "#affinity").startswith("stale ")
+        assert text_colour() != live_colour  # greyed
+        await pilot.press("2")
+        await settle(pilot, app)
+        assert "stale" in app.query_one("#chart-backlog").plt.build()
+        feed.push("_status", {"connected": True, "error": None})
+        feed.push("state", syn.snapshot(4, 9.0))
+        await settle(pilot, app)
+        assert not app.screen.has_class("-stale")

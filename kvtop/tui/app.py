@@ -428,6 +428,9 @@ class KvtopApp(App):
         stale = self.stale_label()
         if stale != self._applied_stale:
             # stale (greyed, with its age) or live again: every figure on screen is redrawn
+            if (stale is None) != (self._applied_stale is None):
+                self.screen.set_class(stale is not None, "-stale")  # the CSS greys the session table
+                self._charts_at = 0.0
             self._applied_stale = stale
             self._applied_snapshot = -1
             self._applied_affinity = -1

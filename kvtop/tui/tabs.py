@@ -50,7 +50,8 @@ def draw_backlog(app: Any, backlog: PlotextPlot) -> None:
     plt = backlog.plt
     plt.clear_data()
     plt.clear_figure()
-    plt.title(f"prefill backlog tokens per instance (last {w}s; [ ] window)")
+    stale = app.stale_label()
+    plt.title(f"prefill backlog tokens per instance (last {w}s; [ ] window)" + (f" · {stale}" if stale else ""))
     ranked = sorted(c.backlog.items(), key=lambda kv: -(kv[1][-1][1] if kv[1] else 0))
     plotted: list[float] = []
     for k, (name, ring) in enumerate(ranked[:8]):  # more lines is noise; the table has every instance
@@ -456,8 +457,11 @@ class SessionsTab(TabPane):
         per = aff.get("per_instance") or {}
         total = max(1, sum(per.values()))
         t = Text()
+        stale = app.stale_label()
+        if stale:
+            t.append(f"{stale}: ", style="bold")
         t.append(f"sessions {fmt_int(aff.get('sessions', 0))}  moved {aff.get('moved_sessions', 0)} "
-                 f"({aff.get('moves', 0)} moves)\n", style="bold")
+                 f"({aff.get('moves', 0)} moves)\n", style="bold" if not stale else "bold dim")
         parts = [f"{k} {n} ({100 * n / total:.0f}%)" for k, n in per.items()]
         t.append("per instance: " + "  ".join(parts[:16]) + (" …" if len(parts) > 16 else ""))
         app._update_static("#affinity", t)
