@@ -7,11 +7,13 @@ a replay of the bundled sample trace, and the dashboard attached to it.
 
 The instances publish vLLM's KV events and the router follows them, so its hits are what each
 engine holds and the dashboard's drift column shows how far its own estimate would have been
-(--no-kv-events: the estimate alone). Everything listens on 127.0.0.1 on free ports. Quitting (q or ctrl+c) stops every process
-the demo started, by pid, and nothing else. The decision log is kept (in the state dir,
-~/.local/state/kvtop/demo/, unless --db names a file) and its path printed on the way out;
-the router's locator goes to the state dir too, so `kvtop attach` in a second terminal
-finds the demo. Latencies are wall-clock time at --speed: the engines run that much faster.
+(--no-kv-events: the estimate alone). Everything listens on 127.0.0.1, on free ports or from
+--port-base. Quitting (q or ctrl+c) stops every process the demo started, by pid, and nothing
+else. The decision log is kept (in the state dir, ~/.local/state/kvtop/demo/ or --state-dir,
+unless --db names a file) and its path printed on the way out; the router's locator goes to
+the state dir too, so `kvtop attach` (with the same --state-dir) in a second terminal finds the
+demo. The dashboard opens at once and says "connecting" while the cluster starts. Latencies are
+wall-clock time at --speed: the engines run that much faster.
 """
 
 from __future__ import annotations
@@ -53,6 +55,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with the dashboard, replay the trace up to K times (default 3)")
     p.add_argument("--loop", action="store_true",
                    help="with the dashboard, replay the trace again and again until you quit")
+    p.add_argument("--port-base", type=int, default=None, metavar="PORT",
+                   help="instances listen on PORT..PORT+N-1, their KV events on the 2N ports after them "
+                        "(none with --no-kv-events), the router on the next one (default: a free run of ports)")
+    p.add_argument("--state-dir", default=None, metavar="DIR",
+                   help="where the router's locator and the kept decision logs go "
+                        "(default ~/.local/state/kvtop; kvtop attach --state-dir DIR finds it)")
     p.add_argument("--no-kv-events", action="store_true",
                    help="the simulated instances publish no KV events, so the router routes on its "
                         "own estimate of their caches (default: it follows their events, exact)")
@@ -65,12 +73,17 @@ class Stack:
         self.workdir = workdir
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.lock = threading.Lock()
+        self.closed = False  # after stop, nothing more starts (the cluster starts behind the dashboard)
 
     def start(self, name: str, args: list[str]) -> subprocess.Popen:
-        log = open(self.workdir / f"{name}.log", "ab")
-        proc = subprocess.Popen([sys.executable, "-m", "kvtop", *args], stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        from kvtop.cli import CliError
+
         with self.lock:
+            if self.closed:
+                raise CliError("the demo is stopping")
+            log = open(self.workdir / f"{name}.log", "ab")
+            proc = subprocess.Popen([sys.executable, "-m", "kvtop", *args], stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
             self.procs.append((name, proc))
         return proc
 
@@ -83,6 +96,7 @@ class Stack:
 
     def stop(self, grace_s: float = 5.0) -> None:
         with self.lock:
+            self.closed = True
             procs = list(reversed(self.procs))
             self.procs.clear()
         # Each verb shuts down cleanly on SIGINT. One at a time, newest first: the replay, then
@@ -112,25 +126,37 @@ def wait_http(url: str, proc: subprocess.Popen, timeout_s: float, ok=(200, 503))
     return False
 
 
-def start_cluster(args: argparse.Namespace, stack: Stack, db: str) -> tuple[str, str | None, list[str]]:
+def port_plan(args: argparse.Namespace) -> tuple[int, int, int]:
+    """(instance base, KV-event base, router port): HTTP on base..base+n-1; with events,
+    instance i publishes on kv + 2i and replays on kv + 2i + 1; the router on the port after."""
+    n = args.instances
+    events = not getattr(args, "no_kv_events", False)
+    span = 3 * n if events else n
+    base = args.port_base if getattr(args, "port_base", None) is not None else free_port_run(span + 1)
+    return base, base + n, base + span
+
+
+def state_dir_of(args: argparse.Namespace) -> Path:
+    from kvtop.tui.feed import default_state_dir
+
+    return Path(args.state_dir).expanduser() if getattr(args, "state_dir", None) else default_state_dir()
+
+
+def start_cluster(args: argparse.Namespace, stack: Stack, db: str,
+                  plan: tuple[int, int, int] | None = None) -> tuple[str, str | None, list[str]]:
     """Start sim and router; returns (router URL, token, instance URLs)."""
     from kvtop.cli import CliError
 
     n = args.instances
     events = not getattr(args, "no_kv_events", False)
-    # HTTP on base..base+n-1; with events, instance i publishes on kv + 2i and replays on kv + 2i + 1
-    base = free_port_run(3 * n if events else n)
-    kv = base + n
+    base, kv, port = plan or port_plan(args)
     sim = stack.start("sim", ["sim", "--instances", str(n), "--port-base", str(base), "--speed", f"{args.speed:g}",
                               *(["--kv-events-port-base", str(kv)] if events else ["--no-kv-events"])])
     urls = [f"http://127.0.0.1:{base + i}" for i in range(n)]
     for u in urls:
         if not wait_http(u + "/health", sim, 30):
             raise CliError(f"kvtop sim did not come up: {stack.log_tail('sim') or 'no output'}")
-    port = free_port_run(1)
-    from kvtop.tui.feed import default_state_dir
-
-    state_dir = default_state_dir()  # where `kvtop attach` looks: a second terminal finds the demo
+    state_dir = state_dir_of(args)  # where `kvtop attach` looks: a second terminal finds the demo
     route_args = ["route", "--port", str(port), "--policy", args.policy, "--db", db, "--state-dir", str(state_dir)]
     for i, u in enumerate(urls):
         # the router's hits then come from what each engine reports it holds (docs/kv-events.md)
@@ -207,6 +233,16 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--duration must be positive")
     if args.loops < 1:
         raise CliError("--loops must be at least 1")
+    if args.port_base is not None:
+        span = (3 * args.instances if not args.no_kv_events else args.instances) + 1
+        if not 1024 <= args.port_base <= 65535 - span:
+            raise CliError(f"--port-base must leave {span} ports below 65536 and be at least 1024, "
+                           f"got {args.port_base}")
+    if args.state_dir is not None:
+        try:
+            state_dir_of(args).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CliError(f"--state-dir {args.state_dir}: {exc.strerror or exc}") from None
     trace = trace_path(args)
     if not args.headless and not (sys.stdout.isatty() and sys.stdin.isatty()):
         # No terminal to draw on (a pipe, a CI log): give the numbers instead of escape codes.
@@ -219,16 +255,16 @@ def run(args: argparse.Namespace) -> int:
     # processes it started are stopped too instead of outliving it.
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _interrupt)
-    db = args.db or str(demo_db_path())
+    db = args.db or str(demo_db_path(state_dir_of(args)))
     with tempfile.TemporaryDirectory(prefix="kvtop-demo-") as tmp:
         workdir = Path(tmp)
         stack = Stack(workdir)
         print(f"kvtop demo: starting {args.instances} simulated instances and the router ...", file=sys.stderr)
         try:
-            url, token, _ = start_cluster(args, stack, db)
             if args.headless:
+                url, token, _ = start_cluster(args, stack, db)
                 return _headless(args, stack, trace, url, workdir, db)
-            return _with_tui(args, stack, trace, url, token, workdir, db)
+            return _with_tui(args, stack, trace, workdir, db)
         finally:
             stack.stop()
             if Path(db).is_file():
@@ -236,11 +272,11 @@ def run(args: argparse.Namespace) -> int:
                       f"  kvtop log --db {db} why REQUEST_ID", file=sys.stderr)
 
 
-def demo_db_path() -> Path:
+def demo_db_path(state_dir: Path | None = None) -> Path:
     """A new decision-log file for this demo in the state dir: kept after the demo ends."""
     from kvtop.tui.feed import default_state_dir
 
-    folder = default_state_dir() / "demo"
+    folder = (state_dir or default_state_dir()) / "demo"
     folder.mkdir(parents=True, exist_ok=True)
     return folder / f"kvtop-demo-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.db"
 
@@ -286,13 +322,32 @@ def _headless(args: argparse.Namespace, stack: Stack, trace: str, url: str, work
     return 0
 
 
-def _with_tui(args: argparse.Namespace, stack: Stack, trace: str, url: str, token: str | None,
-              workdir: Path, db: str) -> int:
-    from kvtop.tui.app import KvtopApp
+def _with_tui(args: argparse.Namespace, stack: Stack, trace: str, workdir: Path, db: str) -> int:
+    """The dashboard first (its first frame says "connecting"), the cluster behind it."""
+    from kvtop.cli import CliError
+    from kvtop.tui.app import KvtopApp, theme_names
+    from kvtop.tui.config import ConfigError, config_path, load_config
     from kvtop.tui.feed import RouterFeed
 
+    plan = port_plan(args)
+    url = f"http://127.0.0.1:{plan[2]}"
+    locator = state_dir_of(args) / f"router-{plan[2]}.json"
+
+    def token_loader() -> str | None:
+        # the router writes its token once it is up: read when a change first needs it
+        info = json.loads(locator.read_text())
+        return Path(info["token_file"]).read_text().strip() if info.get("token_file") else None
+
+    config_file = config_path()
+    try:
+        config = load_config(config_file, themes=theme_names())
+    except ConfigError:
+        config = {}  # kvtop attach reports a bad file; the demo runs on the defaults
     stop = threading.Event()
-    app = KvtopApp(RouterFeed(url, token), url=url, can_control=bool(token), speed=args.speed)
+    failed: list[str] = []
+    app = KvtopApp(RouterFeed(url, None, token_loader=token_loader), url=url, can_control=True, speed=args.speed,
+                   theme=config.get("theme"), hidden_columns=config.get("hidden_columns"),
+                   config_file=config_file, connect_grace_s=120.0)
 
     def tell(note: str, message: str | None = None) -> None:
         def show() -> None:
@@ -305,6 +360,18 @@ def _with_tui(args: argparse.Namespace, stack: Stack, trace: str, url: str, toke
             pass
 
     def loop_replay() -> None:
+        try:
+            start_cluster(args, stack, db, plan)
+        except CliError as exc:
+            if stop.is_set():
+                return  # quit while starting: not a failure
+            failed.append(exc.args[0] if exc.args else str(exc))
+            try:
+                app.call_from_thread(app.exit, 2)
+            except RuntimeError:
+                pass
+            return
+        tell("replay 1" + ("" if args.loop else f"/{args.loops}"))
         k = 0
         while args.loop or k < args.loops:
             if stop.is_set():
@@ -321,7 +388,7 @@ def _with_tui(args: argparse.Namespace, stack: Stack, trace: str, url: str, toke
              f"The trace has been replayed {args.loops} times and nothing more is sent. Quit with q; "
              "kvtop demo --loop replays until you quit.")
 
-    app.note = "replay 1" + ("" if args.loop else f"/{args.loops}")
+    app.note = f"starting {args.instances} instances and the router"
     threading.Thread(target=loop_replay, name="kvtop-demo-replay", daemon=True).start()
     if args.duration:
         app.call_later(lambda: app.set_timer(args.duration, app.exit))
@@ -329,6 +396,8 @@ def _with_tui(args: argparse.Namespace, stack: Stack, trace: str, url: str, toke
         app.run()
     finally:
         stop.set()
+    if failed:
+        raise CliError(failed[0])
     return 0
 
 

@@ -136,11 +136,27 @@ def _damaged(db, exc: Exception) -> str:
 
 
 # -- commands -----------------------------------------------------------------------
+def _run_policies(run: dict, changes: list[tuple[float, str]]) -> str:
+    """The run's policies in version order: the ones that routed, and the ones set without
+    traffic, marked (a change made while idle was missing from the list)."""
+    routed = set(run["policies"])
+    labels = set(routed) | {label for _, label in changes}
+
+    def version(label: str) -> tuple[int, str]:
+        head, _, v = label.rpartition("@")
+        return (int(v), head) if v.isdigit() else (0, label)
+
+    return " -> ".join(label if label in routed else f"{label} (no traffic)" for label in sorted(labels, key=version))
+
+
 def _runs(db, args) -> int:
     from store import reads
 
     rows = reads.runs(db)
+    changes = reads.policy_changes(db)
     if args.format != "table":
+        for r in rows:
+            r["policies_set"] = [label for _, label in changes.get(r["run_id"], [])]
         _emit(rows, args.format)
         return 0
     table = [{
@@ -148,7 +164,7 @@ def _runs(db, args) -> int:
         "started": _fmt_ts(r["started_at"] or r["first_ts"]),
         "span": _fmt_span(r["first_ts"], r["last_ts"]),
         "decisions": r["decisions"],
-        "policies": " -> ".join(r["policies"]) or r.get("policy") or "",
+        "policies": _run_policies(r, changes.get(r["run_id"], [])) or r.get("policy") or "",
         **({"source": _tail(r["source"], 200)} if "source" in r else {}),
     } for r in rows]
     if not table:
@@ -236,7 +252,7 @@ def _shadow(db, args) -> int:
         out.append({"segment": r["segment"], "shadow": r["shadow"], "picks": r["picks"],
                     "agreement": _pct(r["agree"], r["picks"]), "disagree by class": classes or "-",
                     "est. prefill saved": f"{r['saved_prefill_tokens'] or 0:+,} tok",
-                    "mean score gap": "-" if gap is None else f"{gap:.4g}",
+                    "mean score gap": _gap(gap),
                     "pick us": "-" if r["pick_us_mean"] is None else f"{r['pick_us_mean']:.1f}"})
     print(_table(out))
     print("\nest. prefill saved: the shadow's picks' estimated cached tokens minus the real picks', "
@@ -245,6 +261,14 @@ def _shadow(db, args) -> int:
     for note in logs.knob_notes(db):
         print(f"note: {note}")
     return 0
+
+
+def _gap(gap: float | None) -> str:
+    """A score gap in one format down the column: grouped digits, the same decimals whatever
+    the size (``5,571.0`` and ``14,280.0``, not ``5571`` beside ``1.428e+04``)."""
+    if gap is None:
+        return "-"
+    return f"{gap:,.1f}" if abs(gap) >= 1 else f"{gap:,.4f}"
 
 
 def _sql(db, args) -> int:

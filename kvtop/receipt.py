@@ -130,17 +130,22 @@ def candidates(terms: Any, chosen: Any) -> tuple[list[str], list[tuple[bool, lis
     return cols, [(t.get("instance") == chosen, [fmt_num(t.get(c)) for c in cols]) for t in rows]
 
 
+#: How the input was counted (a decision's token_source), in words.
+TOKEN_SOURCES = {"tokens": "sent as token ids", "tokenizer": "counted by the model's tokenizer",
+                 "text_approx": "estimated from the text"}
+
+
 def head_lines(ev: dict[str, Any]) -> list[str]:
     """The receipt's head as plain lines: request, session, the pick and its reason, hits."""
     lines = [f"request {ev.get('request_id', '?')}  attempt {ev.get('attempt', '?')}  policy {ev.get('policy', '?')}"
              + (f"  run {ev['run_id']}" if ev.get("run_id") else ""),
              f"session {ev.get('session', '?')}  turn {ev.get('turn', '?')}  class {ev.get('class', '?')}  "
              f"input {fmt_num(ev.get('input_tokens'))} tok"
-             + (f" ({ev['token_source']})" if ev.get("token_source") else ""),
+             + (f" ({TOKEN_SOURCES.get(ev['token_source'], ev['token_source'])})" if ev.get("token_source") else ""),
              f"→ {ev.get('instance', '?')}  reason {reason_text(ev.get('reason', '?'))}",
              f"est hit {fmt_num(ev.get('est_hit'))} tok ({source_text(ev)})  "
              f"best {fmt_num(ev.get('best_hit'))} on {ev.get('best_hit_instance') or '–'}  "
-             f"new prefill {fmt_num(ev.get('new_prefill'))}  decided in {fmt_num(ev.get('decision_us'))} µs"]
+             f"new prefill {fmt_num(ev.get('new_prefill'))}  policy ran {fmt_num(ev.get('decision_us'))} µs"]
     if ev.get("migrated_from"):
         lines.append(f"migrated from {ev['migrated_from']}")
     shadow = shadow_text(ev.get("shadow"))

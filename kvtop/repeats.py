@@ -328,16 +328,51 @@ def terminal_plot(runs: dict[str, list[dict[str, Any]]], metrics: Sequence[tuple
     return "\n".join(charts)
 
 
+def svg_ticks(top: float) -> list[float]:
+    """Round tick values from 0 to at least ``top`` (1, 2 or 5 times a power of ten apart)."""
+    import math
+
+    if not top > 0:
+        return [0.0, 1.0]
+    raw = top / 4
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(k * mag for k in (1, 2, 5, 10) if k * mag >= raw)
+    return [k * step for k in range(int(math.ceil(top / step - 1e-9)) + 1)]
+
+
+def svg_axis(x0: float, width: float, ticks: list[float], scale: float, unit: str, y: float) -> list[str]:
+    """An x axis under a chart's rows: a baseline, a tick and a label per value, the unit at the end.
+    Drawn as paths, so the <line> elements stay the intervals."""
+    from html import escape
+
+    top = ticks[-1] or 1.0
+    parts = [f'<path d="M{x0:.1f} {y:.1f} H{x0 + width:.1f}" stroke="#555"/>']
+    for t in ticks:
+        x = x0 + width * t / top
+        parts.append(f'<path d="M{x:.1f} {y:.1f} v4" stroke="#555"/>')
+        parts.append(f'<text x="{x:.1f}" y="{y + 15:.1f}" font-size="10" text-anchor="middle">'
+                     f'{t / scale:g}</text>')
+    parts.append(f'<text x="{x0 + width + 8:.1f}" y="{y + 15:.1f}" font-size="10">{escape(unit)}</text>')
+    return parts
+
+
+def svg_clipped_marker(x: float, y: float) -> str:
+    """A left-pointing mark where an interval runs below 0 and is cut at the axis."""
+    return f'<path d="M{x + 5:.1f} {y - 4:.1f} L{x:.1f} {y:.1f} L{x + 5:.1f} {y + 4:.1f}" fill="none" stroke="#c0392b"/>'
+
+
 def write_svg(path: str, runs: dict[str, list[dict[str, Any]]], title: str) -> None:
-    """Every metric of the report as a horizontal bar chart: each policy's mean with its 95%
-    interval, the best in bold, a policy whose paired difference from the best is not
-    significant marked as tied with it. Plain SVG, no plotting library."""
+    """Every metric of the report as a horizontal bar chart with an x axis: each policy's mean
+    with its 95% interval, the best in bold, a policy whose paired difference from the best is
+    not significant marked as tied with it; an interval that reaches below 0 is cut at the axis
+    and marked (◂). Plain SVG, no plotting library."""
     from html import escape
     from pathlib import Path
 
     summary = summarize(runs)
     label_w, bar_w, row_h, pad = 200, 420, 16, 8
-    parts, y = [], 34
+    # the title and its key on two lines of their own, the first chart below them
+    parts, y = [], 58
     for key, label in METRICS:
         scale, unit = _scale(key)
         pols = [p for p in runs if summary[p][key] is not None]
@@ -345,28 +380,34 @@ def write_svg(path: str, runs: dict[str, list[dict[str, Any]]], title: str) -> N
             continue
         best, diffs = paired(runs, key)
         tied = {p for p, _, _, sig in diffs if not sig}
-        top = max(summary[p][key][0] + summary[p][key][1] for p in pols) or 1.0
+        ticks = svg_ticks(max(summary[p][key][0] + summary[p][key][1] for p in pols))
+        top = ticks[-1] or 1.0
         parts.append(f'<text x="{pad}" y="{y}" font-weight="bold">{escape(label)}</text>')
         y += 8
         for p in pols:
             m, h = summary[p][key]
             note = " (best)" if p == best else " (tied with best)" if p in tied else ""
+            clipped = m - h < 0
             weight = ' font-weight="bold"' if p == best else ""
             parts.append(f'<text x="{pad}" y="{y + row_h - 4}"{weight}>{escape(p)}</text>')
             w = bar_w * m / top
             x0, x1 = label_w + bar_w * max(0.0, m - h) / top, label_w + bar_w * (m + h) / top
             parts.append(f'<rect x="{label_w}" y="{y + 2}" width="{w:.1f}" height="{row_h - 4}" '
                          f'fill="{"#3b6ea5" if p == best or p in tied else "#9aa9b8"}">'
-                         f'<title>{escape(p)}: {m / scale:.3f} ± {h / scale:.3f} {unit}{note}</title></rect>')
+                         f'<title>{escape(p)}: {m / scale:.3f} ± {h / scale:.3f} {unit}{note}'
+                         f'{" (the interval reaches below 0: cut at the axis)" if clipped else ""}</title></rect>')
             parts.append(f'<line x1="{x0:.1f}" x2="{x1:.1f}" y1="{y + row_h / 2}" y2="{y + row_h / 2}" stroke="black"/>')
-            parts.append(f'<text x="{label_w + bar_w * (m + h) / top + 6:.1f}" y="{y + row_h - 4}" font-size="10">'
+            if clipped:
+                parts.append(svg_clipped_marker(label_w, y + row_h / 2))
+            parts.append(f'<text x="{x1 + 6:.1f}" y="{y + row_h - 4}" font-size="10">'
                          f'{m / scale:.3f} ± {h / scale:.3f} {unit}{note}</text>')
             y += row_h
-        y += 20
+        parts += svg_axis(label_w, bar_w, ticks, scale, unit, y + 4)
+        y += 46
     width = label_w + bar_w + 260
     svg = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{y}" font-family="sans-serif" '
            f'font-size="12"><rect width="100%" height="100%" fill="white"/>'
-           f'<text x="{pad}" y="15" font-size="11">{escape(title)}</text>'
-           f'<text x="{pad}" y="27" font-size="11">bars = mean, lines = 95% interval; dark = best, or not '
-           f'significantly worse (paired by replica)</text>{"".join(parts)}</svg>\n')
+           f'<text x="{pad}" y="16" font-size="12" font-weight="bold">{escape(title)}</text>'
+           f'<text x="{pad}" y="34" font-size="11">bars = mean, lines = 95% interval (◂: cut at 0); dark = best, '
+           f'or not significantly worse (paired by replica)</text>{"".join(parts)}</svg>\n')
     Path(path).write_text(svg)

@@ -419,22 +419,25 @@ def terminal_plot(spec: Spec, ranks: list[dict[str, Any]], width: int = 100) -> 
 
 
 def write_svg(path: str, spec: Spec, ranks: list[dict[str, Any]]) -> None:
-    """A horizontal bar chart per load: each setting's train and validate score with its 95%
-    interval, best-on-train in bold, rank changes marked. Plain SVG, no plotting library."""
+    """A horizontal bar chart per load, with an x axis: each setting's train and validate score
+    with its 95% interval, best-on-train in bold, rank changes marked; an interval that reaches
+    below 0 is cut at the axis and marked (◂). Plain SVG, no plotting library."""
     from html import escape
 
-    from kvtop.repeats import METRICS
+    from kvtop.repeats import METRICS, svg_axis, svg_clipped_marker, svg_ticks
 
     scale_s = 1.0 if spec.metric == "tpot_p90_ms" else 1000.0
     unit = "ms" if spec.metric == "tpot_p90_ms" else "s"
     label_w, bar_w, row_h, pad = 330, 420, 16, 8
     colours = {"train": "#3b6ea5", "validate": "#e08a2c"}
-    parts, y = [], 30
+    # title, then its key with the legend on a line of their own: nothing drawn over anything
+    parts, y = [], 62
     for n, scale in itertools.product(spec.instances, spec.rate_scales):
         rows = sorted((r for r in ranks if r["instances"] == n and r["rate_scale"] == scale),
                       key=lambda r: r["train_rank"])
-        top = max((r[f"{s}_mean"] + r[f"{s}_half"] for r in rows for s in colours
-                   if not math.isinf(r[f"{s}_mean"])), default=1.0) or 1.0
+        ticks = svg_ticks(max((r[f"{s}_mean"] + r[f"{s}_half"] for r in rows for s in colours
+                               if not math.isinf(r[f"{s}_mean"])), default=1.0))
+        top = ticks[-1] or 1.0
         parts.append(f'<text x="{pad}" y="{y}" font-weight="bold">{escape(dict(METRICS)[spec.metric])} ({unit}), '
                      f'{n} instances, arrival rate x{scale:g}</text>')
         y += 10
@@ -451,20 +454,27 @@ def write_svg(path: str, spec: Spec, ranks: list[dict[str, Any]]) -> None:
                 x0 = label_w + bar_w * max(0.0, m - h) / top
                 x1 = label_w + bar_w * (m + h) / top
                 parts.append(f'<rect x="{label_w}" y="{yy}" width="{w:.1f}" height="{row_h - 4}" fill="{colours[s]}">'
-                             f'<title>{s}: {m / scale_s:.3f} ± {h / scale_s:.3f} {unit}, rank {r[f"{s}_rank"]}</title></rect>')
+                             f'<title>{s}: {m / scale_s:.3f} ± {h / scale_s:.3f} {unit}, rank {r[f"{s}_rank"]}'
+                             f'{" (the interval reaches below 0: cut at the axis)" if m - h < 0 else ""}'
+                             f'</title></rect>')
                 parts.append(f'<line x1="{x0:.1f}" x2="{x1:.1f}" y1="{yy + row_h / 2 - 2}" y2="{yy + row_h / 2 - 2}" '
                              f'stroke="black"/>')
-                parts.append(f'<text x="{label_w + w + 6:.1f}" y="{yy + row_h - 6}" font-size="10">'
+                if m - h < 0:
+                    parts.append(svg_clipped_marker(label_w, yy + row_h / 2 - 2))
+                parts.append(f'<text x="{max(label_w + w, x1) + 6:.1f}" y="{yy + row_h - 6}" font-size="10">'
                              f'{m / scale_s:.3f} (#{r[f"{s}_rank"]})</text>')
             y += 2 * row_h + pad
-        y += 20
-    legend = "".join(f'<rect x="{label_w + 120 * k}" y="6" width="10" height="10" fill="{c}"/>'
-                     f'<text x="{label_w + 120 * k + 14}" y="15">{s}</text>' for k, (s, c) in enumerate(colours.items()))
-    width = label_w + bar_w + 120
+        parts += svg_axis(label_w, bar_w, ticks, scale_s, unit, y)
+        y += 46
+    legend = "".join(f'<rect x="{pad + 120 * k}" y="40" width="10" height="10" fill="{c}"/>'
+                     f'<text x="{pad + 120 * k + 14}" y="49" font-size="11">{s}</text>'
+                     for k, (s, c) in enumerate(colours.items()))
+    width = label_w + bar_w + 160
     svg = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{y}" font-family="sans-serif" '
-           f'font-size="12"><rect width="100%" height="100%" fill="white"/>{legend}'
-           f'<text x="{pad}" y="15" font-size="11">sweep {escape(spec.name)}: bold = best on train, '
-           f'▲ = rank changes; bars = mean, lines = 95% interval</text>{"".join(parts)}</svg>\n')
+           f'font-size="12"><rect width="100%" height="100%" fill="white"/>'
+           f'<text x="{pad}" y="16" font-size="12" font-weight="bold">sweep {escape(spec.name)}</text>'
+           f'<text x="{pad}" y="32" font-size="11">bold = best on train, ▲ = rank changes; bars = mean, '
+           f'lines = 95% interval (◂: cut at 0)</text>{legend}{"".join(parts)}</svg>\n')
     Path(path).write_text(svg)
 
 

@@ -19,6 +19,29 @@ OUTCOME_COLUMNS = ("status", "http_status", "error", "ttft_ms", "e2e_ms", "tpot_
                    "delivered_hit_tokens", "t_first_token", "t_done")
 
 
+def policy_changes(db: sqlite_utils.Database | str | Path) -> dict[str, list[tuple[float, str]]]:
+    """run id -> [(ts, policy@version)] of every policy and knob change the log recorded,
+    traffic or not (``config_events``); {} for a log without the table."""
+    import json
+
+    from store.sandbox import run_sql
+
+    try:
+        _, rows = run_sql(db, "SELECT run_id, ts, after FROM config_events "
+                              "WHERE kind IN ('run', 'policy', 'knobs') ORDER BY ts")
+    except Exception:  # noqa: BLE001 - an older log without config_events: decisions alone
+        return {}
+    out: dict[str, list[tuple[float, str]]] = {}
+    for run_id, ts, after in rows:
+        try:
+            a = json.loads(after) if isinstance(after, str) else after
+        except ValueError:
+            continue
+        if isinstance(a, dict) and a.get("policy") and a.get("version") is not None:
+            out.setdefault(str(run_id), []).append((float(ts or 0), f"{a['policy']}@{a['version']}"))
+    return out
+
+
 def runs(db: sqlite_utils.Database | str | Path) -> list[dict]:
     """Every run, newest first, with its decision count, time span and policies used; on
     several logs, every file's runs, each with the ``source`` file it came from."""

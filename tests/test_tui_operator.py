@@ -98,8 +98,8 @@ async def test_idle_router_shows_a_dash_for_the_hit_rate():
     app, _ = make_app(feed)
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot, app)
-        totals = str(app.query_one("#totals").render())
-        assert "est hit –" in totals and "n/a%" not in totals
+        health = str(app.query_one("#health").render())  # the fleet's totals: the line under the header
+        assert "est hit –" in health and "n/a%" not in health
 
 
 async def test_charts_tab_right_after_attach():

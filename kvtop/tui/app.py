@@ -9,6 +9,7 @@ cell by cell by row key and sorted only when the sort column changed.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,8 +26,8 @@ from textual.widgets import Button, DataTable, Footer, Input, Static, TabbedCont
 
 from kvtop.tui.feed import ControlError
 from kvtop.tui.model import (COLUMN_HELP, COMPACT_MIN, DEFAULT_SORT, INSTANCE_COLUMNS, MEASURED_TPS_COLUMN,
-                             OPTIONAL_COLUMNS, SORT_KEYS, Collected, column_legend, doc_summary, fmt_duration,
-                             fmt_pct, health_state, is_number)
+                             OPTIONAL_COLUMNS, SORT_KEYS, Collected, column_legend, degraded_tasks, doc_summary,
+                             fit_segments, fmt_duration, fmt_pct, health_line, health_state, is_number)
 from kvtop.tui.screens import ConfirmScreen, HelpScreen, KnobForm, PolicyPicker
 from kvtop.tui.tabs import ChartsTab, DecisionsTab, OverviewTab, PolicyTab, SessionsTab
 
@@ -66,13 +67,23 @@ class PolicyCommands(Provider):
         out: list[tuple[str, Callable[[], Any], str]] = [
             ("Pause / resume the view", app.action_pause, "freeze the screen; data keeps arriving")]
         if app.control_enabled:
-            current = (app.policies_body.get("current") or {}).get("name")
+            current = app.current_policy().get("name")
             for p in app.policies_body.get("policies", []):
                 if p["name"] != current:
                     out.append((f"Switch policy to {p['name']}",
                                 lambda n=p["name"]: app.switch_policy_to(n), escape(doc_summary(p.get("doc"))[:80])))
             out.append(("Edit knobs of the current policy", app.action_edit_knobs,
                         "validated form; confirm shows the diff"))
+            shadowed = {r["policy"]: r for r in app.shadow_rows()}
+            for name, row in shadowed.items():
+                out.append((f"Promote shadow {name} to active", lambda n=name: app.promote_shadow(n),
+                            escape(app.shadow_effect(row))))
+                out.append((f"Remove shadow policy {name}", lambda n=name: app.remove_shadow(n),
+                            "stop asking it on every request"))
+            for p in app.policies_body.get("policies", []):
+                if p["name"] != current and p["name"] not in shadowed:
+                    out.append((f"Add shadow policy {p['name']}", lambda n=p["name"]: app.add_shadow(n),
+                                "asked on every request, never applied; the Policy tab shows its agreement"))
         return out
 
     async def discover(self) -> Hits:
@@ -108,10 +119,12 @@ class KvtopApp(App):
         Binding("right_square_bracket", "window(1)", "window+", show=False, id="kvtop.window_longer"),
         Binding("P", "switch_policy", "policy", id="kvtop.switch_policy"),
         Binding("k", "edit_knobs", "knobs", id="kvtop.edit_knobs"),
-        Binding("S", "promote_shadow", "promote shadow", show=False, id="kvtop.promote_shadow"),
+        # shadow policies: add, remove, promote (the id predates add/remove: remaps keep working)
+        Binding("S", "shadows", "shadows", show=False, id="kvtop.promote_shadow"),
         # attach URL URL ...: which router the policy and knob actions act on
         Binding("R", "next_router", "next router", show=False, id="kvtop.next_router"),
         Binding("z", "compact", "condense", show=False, id="kvtop.compact"),
+        Binding("C", "columns", "columns", show=False, id="kvtop.columns"),
         Binding("1", "tab('overview')", "overview", show=False, id="kvtop.tab.overview"),
         Binding("2", "tab('charts')", "charts", show=False, id="kvtop.tab.charts"),
         Binding("3", "tab('sessions')", "sessions", show=False, id="kvtop.tab.sessions"),
@@ -123,8 +136,11 @@ class KvtopApp(App):
                  hz: float = 4.0, theme: str | None = None, max_decisions: int = 500,
                  clock: Callable[[], float] = time.time, apply_timer: bool = True,
                  poll_sessions_s: float = 2.0, connect_grace_s: float = 3.0, speed: float | None = None,
-                 keymap: dict[str, str] | None = None, config_file: Any = None):
+                 keymap: dict[str, str] | None = None, config_file: Any = None,
+                 hidden_columns: list[str] | None = None):
         super().__init__()
+        #: instance-table columns the chooser hid (``C``), saved to the config file
+        self.hidden_columns: set[str] = set(hidden_columns or ())
         #: attach.toml (kvtop/tui/config.py): a theme switched from the palette is saved there
         self.config_file = config_file
         self._config_write_failed = False
@@ -157,6 +173,11 @@ class KvtopApp(App):
         self.policies_body: dict[str, Any] = {"current": {}, "policies": []}
         self.sessions_body: dict[str, Any] = {"total": 0, "sessions": []}
         self.last_error: str | None = None
+        self._policies_label: str | None = None  # the policy@version the policies answer is for
+        self._policies_asked: str | None = None  # ... and the one last asked for
+        self._run_id: Any = None
+        self._applied_stale: Any = None
+        self._health_key: Any = None
         # what the screen shows now, so only changes are drawn
         self._applied_snapshot = 0
         self._applied_decision = 0
@@ -180,6 +201,7 @@ class KvtopApp(App):
         yield Static(id="topbar")
         yield Static(id="routers")  # attach URL URL ...: one line per router
         yield Static(id="banner")
+        yield Static(id="health")  # the fleet's health in one line, on every tab and at any size
         with TabbedContent(initial="overview", id="tabs"):
             yield OverviewTab("1 Overview", id="overview")
             yield ChartsTab("2 Charts", id="charts")
@@ -191,8 +213,7 @@ class KvtopApp(App):
 
     def on_mount(self) -> None:
         t = self.query_one("#instances", DataTable)
-        for key, label, width in INSTANCE_COLUMNS:
-            t.add_column(label, key=key, width=max(width, len(label) + 1))  # room for the sort arrow
+        self.query_one(OverviewTab).build_columns()
         d = self.query_one("#decision-table", DataTable)
         router = [("router", "router")] if self.multi else []  # attach URL URL ...
         for key, label in [("time", "time"), *router, ("session", "session"), ("class", "class"), ("instance", "inst"),
@@ -226,10 +247,91 @@ class KvtopApp(App):
     # -- data in ------------------------------------------------------------------------------
     @work(exclusive=True, group="stream")
     async def _read_feed(self) -> None:
-        async for kind, payload in self.feed.events():
-            self.collected.ingest(kind, payload)
-            if kind == "config":
-                self._load_policies()
+        """The one way data comes in. A feed that fails is a lost connection, shown and retried:
+        never the end of the dashboard."""
+        while True:
+            try:
+                async for kind, payload in self.feed.events():
+                    self._take(kind, payload)
+                error = "the event stream ended"
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - see the docstring
+                error = f"the event reader failed: {type(exc).__name__}: {exc}"
+            self._take("_status", {"connected": False, "error": error, "retry_in_s": 1.0})
+            await asyncio.sleep(1.0)
+
+    def _take(self, kind: str, payload: Any) -> None:
+        was = self.collected.connects
+        self.collected.ingest(kind, payload)
+        if kind == "config":
+            self._load_policies()
+        elif kind == "_status" and self.collected.connects > was > 0:
+            self._forget_router("reconnected")
+
+    def _forget_router(self, why: str) -> None:
+        """A reconnect (or a new run id): the router may have restarted with other settings, so
+        nothing it answered before is kept: policies, knobs and sessions are fetched again."""
+        self.policies_body = {"current": {}, "policies": []}
+        self._policies_label = None
+        self._policies_asked = None
+        self.sessions_body = {"total": 0, "sessions": []}
+        self._sessions_seq += 1
+        self.last_error = None
+        self._load_policies()
+        if self.query_one(TabbedContent).active == "sessions":
+            self._fetch_sessions()
+
+    def _check_truth(self) -> None:
+        """The one refresh rule's other half: when the latest snapshot names another policy
+        version or run than the policies answer on hand, fetch it again (once per change)."""
+        r = (self.collected.snapshot or {}).get("router") or {}
+        run = r.get("run_id")
+        if self.multi:
+            # several routers: the snapshot's router section is the selected one's (R moves it);
+            # a run is that router's, named by its URL
+            run = (r.get("url"), run) if run is not None else None
+        if run is not None and self._run_id is not None and run != self._run_id and (
+                not self.multi or run[0] == self._run_id[0]):
+            self._run_id = run
+            # the change log is history: say where the old run's changes end
+            self.collected.config_events.append({"kind": "restart", "ts": time.time(), "who": "attach",
+                                                 "after": {"run_id": r.get("run_id"), "policy": r.get("policy")}})
+            self._forget_router("new run")
+            return
+        self._run_id = run if run is not None else self._run_id
+        label = r.get("policy") if isinstance(r.get("policy"), str) else None
+        if label and label != self._policies_label and label != self._policies_asked:
+            self._policies_asked = label
+            self._load_policies()
+
+    def current_policy(self) -> dict[str, Any]:
+        """The active policy as the latest snapshot says it (name, label, version, knobs,
+        router features); the policies answer fills in only what the snapshot lacks."""
+        cur = dict(self.policies_body.get("current") or {})
+        r = (self.collected.snapshot or {}).get("router") or {}
+        if isinstance(r.get("policy"), str):
+            cur["policy"] = r["policy"]
+            cur["name"] = r.get("policy_name") if isinstance(r.get("policy_name"), str) else r["policy"].split("@")[0]
+            if is_number(r.get("policy_version")):
+                cur["version"] = r["policy_version"]
+            if isinstance(r.get("knobs"), dict):
+                cur["knobs"] = r["knobs"]
+            if isinstance(r.get("features"), dict):
+                cur["features"] = r["features"]
+        return cur
+
+    @property
+    def stale_s(self) -> float | None:
+        """Seconds the view has been stale (the connection lost, the last snapshot on screen), else None."""
+        c = self.collected
+        if c.connected or self.connecting or c.snapshot is None:
+            return None
+        return max(0.0, time.time() - (c.disconnected_at or time.time()))
+
+    def stale_label(self) -> str | None:
+        s = self.stale_s
+        return None if s is None else f"stale {fmt_duration(s)}"
 
     @work(exclusive=True, group="policies")
     async def _load_policies(self) -> None:
@@ -237,6 +339,7 @@ class KvtopApp(App):
             body = await self.feed.policies()
         except ControlError as exc:
             self.last_error = f"GET policies: {exc.message}"
+            self._policies_asked = None  # asked again on the next snapshot
         else:
             if isinstance(body, dict) and isinstance(body.get("policies", []), list):
                 body = dict(body)
@@ -245,6 +348,8 @@ class KvtopApp(App):
                 if not isinstance(body.get("current"), dict):
                     body["current"] = {}
                 self.policies_body = body
+                label = body["current"].get("policy")
+                self._policies_label = label if isinstance(label, str) else None
             else:
                 self.last_error = "GET policies: the answer is not shaped like a kvtop router's"
         self._draw_policy()
@@ -311,19 +416,37 @@ class KvtopApp(App):
         """
         if self.paused:
             self._draw_topbar()  # the PAUSED marker and the connection state stay live
+            self._draw_banner()
             return
         c = self.collected
+        self._check_truth()
         active = self.query_one(TabbedContent).active
         tick = time.monotonic()
         tables_due = force or tick - self._tables_at >= 1 / TABLE_HZ - 0.02  # timer jitter
         if tables_due:
             self._tables_at = tick
+        stale = self.stale_label()
+        if stale != self._applied_stale:
+            # stale (greyed, with its age) or live again: every figure on screen is redrawn
+            if (stale is None) != (self._applied_stale is None):
+                self.screen.set_class(stale is not None, "-stale")  # the CSS greys the session table
+                self._charts_at = 0.0
+            self._applied_stale = stale
+            self._applied_snapshot = -1
+            self._applied_affinity = -1
+            tables_due = True
         with self.batch_update():
             self._draw_topbar()
             self._draw_banner()
+            self._draw_health()
             if active == "overview" and c.snapshot_seq != self._applied_snapshot and tables_due:
                 self._applied_snapshot = c.snapshot_seq
                 self.query_one(OverviewTab).draw()
+            if active == "policy" and tables_due:
+                self._draw_policy()  # current policy, knobs and shadows: from the latest snapshot
+            screen = self.screen
+            if tables_due and hasattr(screen, "refresh_live"):
+                screen.refresh_live()  # a modal on top redraws from the latest snapshot too
             if active == "sessions":
                 if c.snapshot_seq != self._applied_affinity:
                     self._applied_affinity = c.snapshot_seq
@@ -350,58 +473,103 @@ class KvtopApp(App):
             self.query_one(selector, Static).update(content)
 
     # header and banner
-    def _draw_topbar(self) -> None:
+    def topbar_fields(self) -> list[tuple[str, str, int]]:
+        """The header's fields as (text, style, priority): what ``fit_segments`` trims from,
+        the least important first (the log path, the refresh rate, the URL, the uptime)."""
         snap = self.collected.snapshot or {}
         r = snap.get("router", {})
         tot = snap.get("totals", {})
-        t = Text()
-        marks = []
+        stale = self.stale_label()
+        live = "dim" if stale else ""
+        out: list[tuple[str, str, int]] = []
+
+        def mark(text: str, style: str, prio: int) -> None:
+            out.append((f" {text} ", style, prio))
+            out.append((" ", "", prio))
+
         if self.paused:
-            marks.append(("⏸ PAUSED", "reverse bold"))
+            mark("⏸ PAUSED", "reverse bold", 100)
         if self.connecting:
-            marks.append(("⋯ connecting", "bold"))
+            mark("⋯ connecting", "bold", 100)
         elif not self.collected.connected:
-            marks.append(("✖ DISCONNECTED", "reverse bold"))
+            mark("✖ DISCONNECTED" + (f" · {stale}" if stale else ""), "reverse bold", 100)
         if self.speed and self.speed != 1:
-            marks.append((f"SIM ×{self.speed:g}: wall-clock times", "bold"))
+            mark(f"SIM ×{self.speed:g}", "bold", 40)
         if self.note:
-            marks.append((self.note, "bold"))
+            mark(self.note, "bold", 35)
         if self.readonly:
-            marks.append(("READ-ONLY", "bold"))
+            mark("READ-ONLY", "bold", 60)
         elif not self.can_control:
-            marks.append(("READ-ONLY (no token)", "bold"))
+            mark("READ-ONLY (no token)", "bold", 60)
         elif getattr(self.feed, "control_problem", None):
             # e.g. the router restarted with a token this dashboard cannot find
-            marks.append((f"CONTROL UNAVAILABLE: {self.feed.control_problem}", "bold reverse"))
+            mark(f"CONTROL UNAVAILABLE: {self.feed.control_problem}"[:60], "bold reverse", 70)
         log = r.get("decision_log") if isinstance(r.get("decision_log"), dict) else {}
         if r.get("db") and log.get("degraded"):
             # The writer is losing or failing rows (GET /health says degraded): say how.
             lost = ", ".join(f"{log[k]} {word}" for k, word in (("rows_dropped", "dropped"), ("rows_failed", "failed"))
                              if is_number(log.get(k)) and log[k])
             lag = f", {float(log['lag_s']):.0f} s behind" if is_number(log.get("lag_s")) and log["lag_s"] >= 1 else ""
-            marks.append((f"⚠ rec DEGRADED{': ' + lost if lost else ''}{lag}", f"bold reverse {self._color('error')}"))
+            mark(f"⚠ rec DEGRADED{': ' + lost if lost else ''}{lag}", f"bold reverse {self._color('error')}", 80)
         elif r.get("db"):
-            marks.append(("● rec", "bold"))
+            mark("● rec", "bold" if not stale else live, 30)
+        dead = degraded_tasks(snap)
+        if dead:
+            mark(f"⚠ {len(dead)} task{'s' if len(dead) > 1 else ''} down: {', '.join(dead)}"[:48],
+                 f"bold reverse {self._color('error')}", 85)
         down = [health_state(i)[0] for i in snap.get("instances", []) if not i.get("healthy")]
         if down.count("ejected"):
-            marks.append((f"⏏ {down.count('ejected')} ejected", f"bold reverse {self._color('error')}"))
+            mark(f"⏏ {down.count('ejected')} ejected", f"bold reverse {self._color('error')}" if not stale else live, 75)
         if down.count("down"):
-            marks.append((f"✖ {down.count('down')} down", f"bold reverse {self._color('error')}"))
+            mark(f"✖ {down.count('down')} down", f"bold reverse {self._color('error')}" if not stale else live, 75)
         if r.get("draining"):
-            marks.append(("DRAINING", "bold"))
-        for text, style in marks:
-            t.append(f" {text} ", style=style)
-            t.append(" ")
-        t.append(f"{r.get('policy', '?')}", style="bold")
-        t.append(f"  {float(tot.get('request_rate') or 0):.1f} req/s")
-        t.append(f"  up {fmt_duration(r.get('uptime_s'))}")
-        t.append(f"  {r.get('url') or self.url}")
-        t.append(f"  {self.hz:g} Hz", style="dim")
-        if r.get("db"):  # last: the whole path, where the width allows (it is printed on quit too)
-            t.append(f"  log {r['db']}", style="dim")
+            mark("DRAINING", "bold" if not stale else live, 75)
+        out.append((f"{r.get('policy', '?')}", "bold" if not stale else "bold dim", 90))
+        # rates are frozen at the last snapshot while stale, and drawn dim
+        out.append((f"  {float(tot.get('request_rate') or 0):.1f} req/s", live, 50))
+        out.append((f"  up {fmt_duration(r.get('uptime_s'))}", live, 20))
+        out.append((f"  {r.get('url') or self.url}", "", 15))
+        out.append((f"  {self.hz:g} Hz", "dim", 10))
+        if r.get("db"):  # last: the whole path where the width allows (it is printed on quit too)
+            out.append((f"  log {r['db']}", "dim", 5))
+        return out
+
+    def _draw_topbar(self) -> None:
+        """One line, never wrapped: the fields that fit, the least important trimmed first;
+        the whole header is the tooltip (and the help lists every field)."""
+        fields = self.topbar_fields()
+        width = max(10, self.size.width - 2)  # the bar's padding
+        t = Text(no_wrap=True, overflow="ellipsis")
+        for text, style in fit_segments(fields, width):
+            t.append(text, style=style)
         self._update_static("#topbar", t)
+        full = "".join(text for text, _, _ in fields).strip()
+        bar = self.query_one("#topbar", Static)
+        if bar.tooltip != full:
+            bar.tooltip = full
         if self.multi:
             self._draw_routers()
+
+    def _draw_health(self) -> None:
+        """The fleet's one-line health under the header: greyed with its age when stale."""
+        snap = self.collected.snapshot
+        if snap is None:
+            self._update_static("#health", Text("fleet: waiting for the router's first snapshot", style="dim"))
+            return
+        stale = self.stale_label()
+        key = (self.collected.snapshot_seq, stale, self._theme_seq)
+        if key == self._health_key:
+            return  # nothing new: the line is drawn once a snapshot (256 instances: once, not per frame)
+        self._health_key = key
+        line = health_line(snap)
+        bad = any(not i.get("healthy") for i in snap.get("instances", []))
+        t = Text(no_wrap=True, overflow="ellipsis")
+        if stale:
+            t.append(f"{stale}: ", style="bold")
+            t.append(line, style="dim")
+        else:
+            t.append(line, style=f"bold {self._color('error')}" if bad else "bold")
+        self._update_static("#health", t)
 
     def _draw_routers(self) -> None:
         """One line per router: policy, request rate, instances up, in flight, control, link."""
@@ -452,7 +620,7 @@ class KvtopApp(App):
                 if not banner.display:
                     banner.display = True
                 banner.set_class(True, "-malformed")
-                msg = f"⚠ malformed data from the router ({c.malformed} so far, dropped or shown as n/a): {c.malformed_error}"
+                msg = f"⚠ malformed data from the router ({c.malformed} so far, dropped or shown as –): {c.malformed_error}"
                 self._update_static("#banner", Text(msg, style="bold", no_wrap=True, overflow="ellipsis"))
             elif banner.display:
                 banner.display = False
@@ -460,14 +628,23 @@ class KvtopApp(App):
         if not banner.display:
             banner.display = True
         banner.set_class(False, "-malformed")
-        retry = ""
-        if c.retry_at:
-            retry = f" — reconnecting in {max(0.0, c.retry_at - self.clock()):.0f} s"
+        self._update_static("#banner", Text(self.banner_text(), style="bold", no_wrap=True, overflow="ellipsis"))
+
+    def banner_text(self) -> str:
+        """Since when, why in words, when the next try is, and how old the figures below are."""
+        c = self.collected
+        now = time.time()
+        since = ""
+        if c.disconnected_at:
+            since = (f" since {time.strftime('%H:%M:%S', time.localtime(c.disconnected_at))}"
+                     f" ({fmt_duration(now - c.disconnected_at)})")
+        retry = f"; next try in {max(0.0, c.retry_at - now):.0f} s" if c.retry_at else ""
         age = ""
         if c.snapshot:
-            age = f"; the view shows data from {fmt_duration(self.clock() - float(c.snapshot.get('ts', 0)))} ago"
-        self._update_static("#banner", Text(f"✖ router unreachable: {c.error or 'connecting...'}{retry}{age}",
-                                            style="bold"))
+            ts = c.snapshot.get("ts")
+            when = time.strftime("%H:%M:%S", time.localtime(float(ts))) if is_number(ts) else "?"
+            age = f"; every figure below is stale, from {when}"
+        return f"✖ router unreachable{since}: {c.error or 'no connection yet'}{retry}{age}"
 
     # instances
     def _color(self, name: str) -> str:
@@ -511,40 +688,121 @@ class KvtopApp(App):
         sh = (self.collected.snapshot or {}).get("shadows")
         return sh if isinstance(sh, dict) else {}
 
-    def action_promote_shadow(self) -> None:
-        """Make a shadow policy the active one (with its knobs), after the usual confirmation."""
+    def shadow_rows(self) -> list[dict[str, Any]]:
+        return [r for r in self._shadows().get("shadows") or [] if isinstance(r, dict) and isinstance(r.get("policy"), str)]
+
+    def shadow_effect(self, row: dict[str, Any]) -> str:
+        """A shadow in one line: its agreement so far and what its picks would have changed."""
+        from kvtop.receipt import fmt_num
+
+        picks = row.get("picks") if is_number(row.get("picks")) else 0
+        agree = row.get("agreement")
+        text = f"agrees {fmt_pct(agree)}% of {fmt_num(picks)} picks" if is_number(agree) else "no picks yet"
+        saved = row.get("saved_prefill_tokens")
+        if is_number(saved) and picks:
+            text += f", est. prefill {'saved' if saved >= 0 else 'added'} {fmt_num(abs(saved))} tok"
+        return text
+
+    def _shadow_specs(self) -> list[dict[str, Any]]:
+        """The shadow set as it is now, in PUT shadows' shape (each with its knobs, so kept ones keep counting)."""
+        return [{"policy": r["policy"], "knobs": dict(r.get("knobs") or {})} for r in self.shadow_rows()]
+
+    def action_shadows(self) -> None:
+        """Shadow policies: add one, remove one, or promote one to active (a menu of each)."""
         if not self.control_enabled:
             return
-        rows = [r for r in self._shadows().get("shadows") or [] if isinstance(r, dict) and r.get("policy")]
-        if not rows:
-            self.notify("no shadow policies on this router (kvtop route --shadow P1,P2)", severity="warning")
-            return
+        rows = self.shadow_rows()
+        cur = self.current_policy().get("name")
+        shadowed = {r["policy"] for r in rows}
+        choices: list[dict[str, Any]] = []
+        for r in rows:  # promotions first: S then Enter promotes, as S did before add and remove
+            choices.append({"name": f"promote:{r['policy']}", "label": f"promote {r['policy']} to active",
+                            "doc": self.shadow_effect(r)})
+        for r in rows:
+            choices.append({"name": f"remove:{r['policy']}", "label": f"remove shadow {r['policy']}",
+                            "doc": "stop asking it; its counts end"})
+        for p in self.policies_body.get("policies", []):
+            if p["name"] != cur and p["name"] not in shadowed:
+                choices.append({"name": f"add:{p['name']}", "label": f"add {p['name']} as a shadow",
+                                "doc": doc_summary(p.get("doc"))})
 
-        def promote(name: str | None) -> None:
-            row = next((r for r in rows if r["policy"] == name), None)
-            if row is None:
+        def picked(choice: str | None) -> None:
+            if not choice:
                 return
-            cur = self.policies_body.get("current") or {}
-            knobs = row.get("knobs") if isinstance(row.get("knobs"), dict) else {}
-            agree = row.get("agreement")
-            diff = [("policy", cur.get("policy", "?"), name),
-                    ("agreement so far", "", fmt_pct(agree) + "%" if is_number(agree) else "–")]
-            diff += [(f"knobs.{k}", (cur.get("knobs") or {}).get(k, "-"), v) for k, v in knobs.items()]
+            verb, _, name = choice.partition(":")
+            {"promote": self.promote_shadow, "remove": self.remove_shadow, "add": self.add_shadow}[verb](name)
 
-            def confirmed(ok: bool | None) -> None:
-                if ok:
-                    self._apply_change("put_policy", name, dict(knobs))
+        self.push_screen(PolicyPicker(choices, None, title="Shadow policies (asked on every request, never applied)"),
+                         picked)
 
-            self.push_screen(ConfirmScreen(f"Promote shadow {name} to the active policy{self.on_router()}", diff),
-                             confirmed)
+    def action_promote_shadow(self) -> None:
+        """The shadow menu (kept as the S key's action name, so a remapped key keeps working)."""
+        self.action_shadows()
 
-        if len(rows) == 1:
-            promote(rows[0]["policy"])
+    def add_shadow(self, name: str) -> None:
+        before = self._shadow_specs()
+        if any(s["policy"] == name for s in before):
+            self.notify(f"{name} is already a shadow", severity="warning")
             return
-        names = {r["policy"] for r in rows}
-        choices = [p for p in self.policies_body.get("policies", []) if p.get("name") in names] or \
-            [{"name": n} for n in names]
-        self.push_screen(PolicyPicker(choices, None, title="Promote a shadow policy"), promote)
+        after = before + [{"policy": name, "knobs": {}}]
+        self._confirm_shadows(f"Add shadow policy {name}{self.on_router()}", before, after)
+
+    def remove_shadow(self, name: str) -> None:
+        before = self._shadow_specs()
+        after = [s for s in before if s["policy"] != name]
+        self._confirm_shadows(f"Remove shadow policy {name}{self.on_router()}", before, after)
+
+    def _confirm_shadows(self, title: str, before: list[dict[str, Any]], after: list[dict[str, Any]]) -> None:
+        label = lambda specs: ", ".join(s["policy"] for s in specs) or "none"  # noqa: E731
+
+        def confirmed(ok: bool | None) -> None:
+            if ok:
+                self._apply_shadows(after, None)
+
+        self.push_screen(ConfirmScreen(title, [("shadows", label(before), label(after))]), confirmed)
+
+    def promote_shadow(self, name: str) -> None:
+        """Make a shadow the active policy (with its knobs); its shadowing ends with it, so no
+        later agreement mixes the time before and after."""
+        if not self.control_enabled:
+            return
+        if not any(r["policy"] == name for r in self.shadow_rows()):
+            self.notify(f"{name} is not a shadow on this router", severity="warning")
+            return
+
+        def diff() -> list[tuple[str, Any, Any]]:
+            # drawn again on every refresh while the dialog is open: the agreement keeps counting
+            row = next((r for r in self.shadow_rows() if r["policy"] == name), {"policy": name})
+            cur = self.current_policy()
+            knobs = row.get("knobs") if isinstance(row.get("knobs"), dict) else {}
+            out = [("policy", cur.get("policy", "?"), name), ("so far", "", self.shadow_effect(row)),
+                   ("shadow " + name, "asked on every request", "ends (its count ends with it)")]
+            out += [(f"knobs.{k}", (cur.get("knobs") or {}).get(k, "-"), v) for k, v in knobs.items()]
+            return out
+
+        def confirmed(ok: bool | None) -> None:
+            if not ok:
+                return
+            row = next((r for r in self.shadow_rows() if r["policy"] == name), {})
+            knobs = dict(row.get("knobs") or {}) if isinstance(row.get("knobs"), dict) else {}
+            rest = [s for s in self._shadow_specs() if s["policy"] != name]
+            self._apply_change("put_policy", name, knobs, then_shadows=rest)
+
+        self.push_screen(ConfirmScreen(f"Promote shadow {name} to the active policy{self.on_router()}", diff),
+                         confirmed)
+
+    @work(exclusive=True, group="control")
+    async def _apply_shadows(self, specs: list[dict[str, Any]], note: str | None) -> None:
+        try:
+            await self.feed.put_shadows(specs)
+        except ControlError as exc:
+            self.last_error = exc.message
+            self.notify(exc.message, title=f"the router refused the shadow change{self.on_router()}",
+                        severity="error", timeout=15)
+            return
+        self.last_error = None
+        self.notify(note or ("shadows now: " + (", ".join(s["policy"] for s in specs) or "none")) + self.on_router(),
+                    title="applied", timeout=4)
 
     def _schema(self, name: str | None) -> list[dict[str, Any]]:
         for p in self.policies_body.get("policies", []):
@@ -561,7 +819,7 @@ class KvtopApp(App):
         return own + router
 
     def _current_knobs(self) -> dict[str, Any]:
-        cur = self.policies_body.get("current") or {}
+        cur = self.current_policy()
         return {**(cur.get("features") or {}), **(cur.get("knobs") or {})}
 
     def _refresh_controls(self) -> None:
@@ -572,7 +830,7 @@ class KvtopApp(App):
 
     # -- actions --------------------------------------------------------------------------------
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        if action in ("switch_policy", "edit_knobs", "promote_shadow"):
+        if action in ("switch_policy", "edit_knobs", "promote_shadow", "shadows"):
             return self.control_enabled
         if action == "next_router":
             return self.multi
@@ -589,6 +847,39 @@ class KvtopApp(App):
         self._load_policies()
         self.notify(f"policy and knob changes now act{self.on_router()}", timeout=3)
         self.apply(force=True)
+
+    def action_columns(self) -> None:
+        """Choose the instance table's columns; the choice is saved to the config file."""
+        from kvtop.tui.screens import ColumnChooser
+
+        tab = self.query_one(OverviewTab)
+        choices = [(key, label, column_legend(key) or "") for key, label, _ in INSTANCE_COLUMNS + tab._optional
+                   if key != "name"]
+
+        def chosen(hidden: set[str] | None) -> None:
+            if hidden is None or hidden == self.hidden_columns:
+                return
+            self.hidden_columns = set(hidden)
+            tab.build_columns()
+            self._applied_snapshot = -1
+            self.apply(force=True)
+            tab.sort_instances()
+            self._save_config("hidden_columns", sorted(self.hidden_columns))
+
+        self.push_screen(ColumnChooser(choices, self.hidden_columns), chosen)
+
+    def _save_config(self, key: str, value: Any) -> None:
+        if self.config_file is None or self._config_write_failed:
+            return
+        from kvtop.tui.config import save_setting
+
+        try:
+            save_setting(self.config_file, key, value)
+        except (OSError, ValueError) as exc:
+            self._config_write_failed = True  # notify once, then carry on without saving
+            self.notify(f"cannot save {key} to {self.config_file}: {exc}", severity="warning", timeout=8)
+            return
+        self.notify(f"saved to {self.config_file}", timeout=3)
 
     def compact_active(self, instances: int) -> bool:
         """Whether the overview shows only the rows that fit (automatic from COMPACT_MIN)."""
@@ -725,31 +1016,49 @@ class KvtopApp(App):
         keys = [k for k, ab in self.active_bindings.items() if ab.binding.id == binding_id] or default.split(",")
         return " / ".join(dict.fromkeys(self.get_key_display(Binding(k.strip(), "")) for k in keys))
 
-    def help_text(self) -> str:
-        """Every key with its human name and its binding id, then the overview's column legend."""
-        lines = ["[b]kvtop attach: keys[/b]", ""]
+    def help_text(self) -> Text:
+        """Every key with its human name and its binding id, the header's fields, then the
+        overview's column legend. Built as Text, never markup: a key such as ``[`` is a key."""
+        t = Text()
+
+        def key_line(keys: str, what: str, bid: str = "") -> None:
+            t.append(f"  {keys:<10}", style="bold")
+            t.append(f" {what}")
+            if bid:
+                t.append(f"  {bid}", style="dim")
+            t.append("\n")
+
+        t.append("kvtop attach: keys\n\n", style="bold")
         for b in self.BINDINGS:
             if isinstance(b, Binding) and b.id:
-                if b.action in ("switch_policy", "edit_knobs", "promote_shadow") and not self.control_enabled:
+                if b.action in ("switch_policy", "edit_knobs", "shadows") and not self.control_enabled:
                     continue
                 if b.action == "next_router" and not self.multi:
                     continue
-                keys = escape(self.key_names(b.id, b.key))
-                lines.append(f"  [b]{keys:<10}[/b] {escape(b.description):<10} [dim]{b.id}[/dim]")
-        lines += ["  [b]{:<10}[/b] on a decision: its receipt (every candidate's terms)".format("enter"),
-                  "  [b]{:<10}[/b] command palette: policies, knobs, themes (kvtop-light, kvtop-cb), screenshot"
-                  .format("^p"),
-                  "  click a column header to sort by it; again to reverse",
-                  "  filter: words, or reason:X instance:Y session:Z class:C"
-                  + (" router:R" if self.multi else ""), "",
-                  "[b]Overview columns[/b]", ""]
+                key_line(self.key_names(b.id, b.key), f"{b.description:<10}", b.id)
+        key_line("enter", "on an instance: its detail (sessions, decisions, KV, GPU, errors); on a decision: "
+                          "its receipt; on a session: its turns")
+        key_line("c", "in a receipt or a session: copy its id")
+        if not self.multi:
+            key_line("R", "next router (with several URLs: attach URL URL ...)")
+        key_line("^p", "command palette: policies, knobs, shadows, columns, themes (kvtop-light, kvtop-cb)")
+        t.append("  click a column header to sort by it; again to reverse\n")
+        t.append("  filter: words, or reason:X instance:Y session:Z class:C" + (" router:R" if self.multi else "") + "\n")
+        t.append("\nHeader\n\n", style="bold")
+        t.append("  marks (paused, disconnected with its age, read-only, recording, instances down), the policy@version, "
+                 "req/s, uptime, router URL, refresh rate, decision log path. On a narrow screen the last ones are "
+                 "left out first; hover the header for all of it. The line under it is the fleet's health: instances "
+                 "up, in flight, backlog, decode, est. hit, errors, routed. Grey with 'stale Ns': the router is "
+                 "unreachable and the figures are from the last snapshot.\n")
+        t.append("\nOverview columns\n\n", style="bold")
         for key, label, _ in INSTANCE_COLUMNS + OPTIONAL_COLUMNS:
-            lines.append(f"  [b]{escape(label):<13}[/b] {escape(column_legend(key) or '')}"
-                         + (" (when the router reports it)" if (key, label, _) in OPTIONAL_COLUMNS else ""))
-        lines += ["", "▲/▼ after a value: it rose/fell since the last frame. Bold: moderate load; "
-                      "reverse video: heavy.",
-                  "", "The dim names are binding ids, for remapping keys. Esc closes."]
-        return "\n".join(lines)
+            t.append(f"  {label:<13}", style="bold")
+            t.append(f" {column_legend(key) or ''}"
+                     + (" (when the router reports it)" if (key, label, _) in OPTIONAL_COLUMNS else "") + "\n")
+        t.append("\n▲/▼ after a value: it rose/fell since the last frame. Bold: moderate load; reverse video: heavy. "
+                 "– : the router did not report it.\n")
+        t.append("\nThe dim names are binding ids, for remapping keys. Esc closes.", style="")
+        return t
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen(self.help_text()))
@@ -758,7 +1067,7 @@ class KvtopApp(App):
     def action_switch_policy(self) -> None:
         if not self.control_enabled:
             return
-        cur = (self.policies_body.get("current") or {}).get("name")
+        cur = self.current_policy().get("name")
 
         def picked(name: str | None) -> None:
             if name:
@@ -770,7 +1079,7 @@ class KvtopApp(App):
         if not self.control_enabled:
             self.notify("read-only: policy changes are off", severity="warning")
             return
-        cur = self.policies_body.get("current") or {}
+        cur = self.current_policy()
         diff = [("policy", cur.get("policy", "?"), name)]
         new_schema = self._schema(name)
         for k in new_schema:
@@ -787,7 +1096,7 @@ class KvtopApp(App):
     def action_edit_knobs(self) -> None:
         if not self.control_enabled:
             return
-        cur = self.policies_body.get("current") or {}
+        cur = self.current_policy()
         schema = self._control_schema(cur.get("name"))
         knobs = self._current_knobs()
 
@@ -803,10 +1112,14 @@ class KvtopApp(App):
             self.push_screen(ConfirmScreen(f"Change knobs of {cur.get('policy', '?')}{self.on_router()}", diff),
                              confirmed)
 
-        self.push_screen(KnobForm(str(cur.get("name", "?")), schema, knobs), edited)
+        def live() -> tuple[str, dict[str, Any]]:
+            return str(self.current_policy().get("name", "?")), self._current_knobs()
+
+        self.push_screen(KnobForm(str(cur.get("name", "?")), schema, knobs, live=live), edited)
 
     @work(exclusive=True, group="control")
-    async def _apply_change(self, call: str, name: str | None, knobs: dict[str, Any]) -> None:
+    async def _apply_change(self, call: str, name: str | None, knobs: dict[str, Any],
+                            then_shadows: list[dict[str, Any]] | None = None) -> None:
         try:
             if call == "put_policy":
                 result = await self.feed.put_policy(str(name), knobs)
@@ -819,5 +1132,15 @@ class KvtopApp(App):
             self._draw_policy()
             return
         self.last_error = None
-        self.notify(f"now {result.get('policy')}{self.on_router()}", title="applied", timeout=4)
+        note = f"now {result.get('policy')}{self.on_router()}"
+        if then_shadows is not None:  # a promotion: the promoted policy stops shadowing itself
+            try:
+                await self.feed.put_shadows(then_shadows)
+            except ControlError as exc:
+                self.last_error = f"{note}, but its shadow was not removed: {exc.message}"
+                self.notify(self.last_error, severity="error", timeout=15)
+                self._load_policies()
+                return
+            note += f"; shadow {name} ended"
+        self.notify(note, title="applied", timeout=4)
         self._load_policies()

@@ -16,13 +16,16 @@ in-flight share column r1/r2/...), decisions labelled by router. Policy and knob
 on the selected router (marked ▶); R selects the next one.
 
 Keys: ? help, p pause, s/r sort, / filter, +/- refresh rate, [/] chart window,
-1-5 tabs, z condensed/every instance row (condensed from 64 instances), Enter a decision's
-receipt or a session's detail (c copies its id), R next router (several URLs),
-ctrl+p command palette (policy switch, knobs, themes). docs/tui.md has the rest.
+1-5 tabs, z condensed/every instance row (condensed from 64 instances), C columns, Enter an
+instance's detail, a decision's receipt or a session's detail (c copies its id), P policy,
+k knobs, S shadows (add, remove, promote), R next router (several URLs), ctrl+p command
+palette (the same, and themes). Disconnected, every figure is greyed with its age ("stale
+12s") until the router is back. docs/tui.md has the rest.
 
 Config file: $XDG_CONFIG_HOME/kvtop/attach.toml (default ~/.config/kvtop/attach.toml, or
---config PATH) sets theme, hz, max_decisions and [keys] (binding id = key, e.g.
-kvtop.sort = "o"); flags win over it. A theme picked from the palette is saved there.
+--config PATH) sets theme, hz, max_decisions, hidden_columns and [keys] (binding id = key,
+e.g. kvtop.sort = "o"); flags win over it. A theme picked from the palette and the columns
+chosen with C are saved there.
 """
 
 from __future__ import annotations
@@ -113,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
     feed = RouterFeed(target.url, target.token, hz=hz, token_loader=token_loader)
     app = KvtopApp(feed, url=target.url, readonly=readonly,
                    can_control=bool(target.token), hz=hz, theme=theme,
-                   max_decisions=max_decisions, keymap=config.get("keys"), config_file=config_file)
+                   max_decisions=max_decisions, keymap=config.get("keys"), config_file=config_file,
+                   hidden_columns=config.get("hidden_columns"))
     app.run()
     return 0
 
@@ -169,7 +173,7 @@ def run_several(args: argparse.Namespace, urls: list[str], *, hz: float, max_dec
     feeds = [RouterFeed(t.url, t.token, hz=hz, token_loader=loader(t.url)) for t in targets]
     app = KvtopApp(MultiFeed(feeds, can_control=control), url=targets[0].url, readonly=bool(args.readonly),
                    hz=hz, theme=theme, max_decisions=max_decisions, keymap=config.get("keys"),
-                   config_file=config_file)
+                   config_file=config_file, hidden_columns=config.get("hidden_columns"))
     app.run()
     return 0
 

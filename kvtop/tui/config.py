@@ -3,6 +3,7 @@
   theme = "kvtop-cb"          # written back when you switch theme from the palette
   hz = 2.0                    # refresh rate, 0.5-10
   max_decisions = 1000
+  hidden_columns = ["gpu_mem", "trend"]   # the overview's columns left out (C chooses; saved here)
   [keys]                      # binding id = key (the ids are in docs/tui.md, "Keys")
   kvtop.sort = "o"
 
@@ -19,7 +20,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-KEYS = ("theme", "hz", "max_decisions", "keys")
+KEYS = ("theme", "hz", "max_decisions", "hidden_columns", "keys")
 
 
 class ConfigError(ValueError):
@@ -84,6 +85,11 @@ def load_config(path: Path, *, required: bool = False, binding_ids: set[str] | N
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ConfigError(f"{path}: max_decisions: must be an integer of at least 1, not {n!r}")
         out["max_decisions"] = n
+    if "hidden_columns" in data:
+        cols = data["hidden_columns"]
+        if not isinstance(cols, list) or not all(isinstance(c, str) for c in cols):
+            raise ConfigError(f"{path}: hidden_columns: must be a list of column keys, not {cols!r}")
+        out["hidden_columns"] = cols
     if "keys" in data:
         if not isinstance(data["keys"], dict):
             raise ConfigError(f"{path}: keys: must be a table ([keys], binding id = \"key\")")
@@ -97,12 +103,17 @@ def load_config(path: Path, *, required: bool = False, binding_ids: set[str] | N
     return out
 
 
-_THEME_LINE = re.compile(r"^\s*(theme|\"theme\"|'theme')\s*=")
 _TABLE_LINE = re.compile(r"^\s*\[")
 
 
 def save_theme(path: Path, theme: str) -> None:
-    """Write ``theme = "..."`` into the file, keeping every other line; atomic (temp + rename).
+    """Write ``theme = "..."`` into the file (``save_setting``)."""
+    save_setting(path, "theme", theme)
+
+
+def save_setting(path: Path, key: str, value: str | list[str]) -> None:
+    """Write ``key = value`` (a string or a list of strings) into the file, keeping every other
+    line; atomic (temp + rename).
 
     Raises OSError (or ConfigError if the edited file would not read back) for the caller to report.
     """
@@ -110,20 +121,22 @@ def save_theme(path: Path, theme: str) -> None:
         lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
     except FileNotFoundError:
         lines = []
-    new = f"theme = {_toml_string(theme)}\n"
+    rendered = _toml_string(value) if isinstance(value, str) else "[" + ", ".join(map(_toml_string, value)) + "]"
+    new = f"{key} = {rendered}\n"
+    key_line = re.compile(rf"^\s*({re.escape(key)}|\"{re.escape(key)}\"|'{re.escape(key)}')\s*=")
     for i, line in enumerate(lines):
         if _TABLE_LINE.match(line):
-            lines.insert(0, new)  # no top-level theme line: the first line is a top-level key
+            lines.insert(0, new)  # no top-level line for it: the first line is a top-level key
             break
-        if _THEME_LINE.match(line):
+        if key_line.match(line):
             lines[i] = new
             break
     else:
         lines.insert(0, new)
     text = "".join(lines)
     try:
-        if tomllib.loads(text).get("theme") != theme:
-            raise ConfigError(f"{path}: could not place theme in the file")
+        if tomllib.loads(text).get(key) != value:
+            raise ConfigError(f"{path}: could not place {key} in the file")
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {' '.join(str(exc).split())}") from None
     path.parent.mkdir(parents=True, exist_ok=True)

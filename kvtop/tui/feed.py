@@ -159,6 +159,29 @@ def check_token(url: str, token: str, timeout: float = 5.0) -> str | None:
     return None
 
 
+def describe_error(exc: BaseException, url: str) -> str:
+    """A lost or refused connection in words an operator reads, not aiohttp's repr."""
+    import aiohttp
+
+    where = url.split("://", 1)[-1]
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        os_err = getattr(exc, "os_error", None)
+        if isinstance(os_err, ConnectionRefusedError) or "refused" in str(exc).lower():
+            return f"connection refused: nothing listens at {where} (the router is stopped or restarting)"
+        return f"cannot connect to {where}: {getattr(os_err, 'strerror', None) or os_err or exc}"
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return "the router closed the connection"
+    if isinstance(exc, aiohttp.ClientPayloadError):
+        return "the event stream broke off in the middle of an event"
+    if isinstance(exc, asyncio.TimeoutError):
+        return f"no answer from {where} in time"
+    if isinstance(exc, RuntimeError) and "closed" in str(exc).lower():
+        return "the connection to the router was lost"
+    if isinstance(exc, aiohttp.ClientConnectionError):
+        return f"the connection to the router was lost ({exc or type(exc).__name__})"
+    return str(exc) or type(exc).__name__
+
+
 # -- the event stream's framing ----------------------------------------------------------------
 
 MAX_EVENT_BYTES = 8 * 2**20  # a state event at 256 instances is ~0.5 MiB; more is a broken router
@@ -181,6 +204,8 @@ class SseParser:
         self._data: list[bytes] = []
         self._data_bytes = 0
         self._overflow = False
+        self._skipped = 0  # bytes of data lines skipped since an event passed the bound
+        self._broken: str | None = None
 
     @property
     def buffered_bytes(self) -> int:
@@ -208,8 +233,14 @@ class SseParser:
                 self._overflow = True  # what follows belongs to a broken event
         return events, errors
 
+    @property
+    def broken(self) -> str | None:
+        """Why the stream cannot be read as events any more (an event over the bound), else None."""
+        return self._broken
+
     def _reset_event(self) -> None:
         self._kind, self._data, self._data_bytes, self._overflow = "message", [], 0, False
+        self._skipped = 0
 
     def _handle(self, line: bytes, events: list, errors: list[str]) -> None:
         if not line:
@@ -224,6 +255,11 @@ class SseParser:
             self._kind = line[6:].strip().decode(errors="replace")
         elif line.startswith(b"data:"):
             if self._overflow:
+                # Still no blank line: a stream that never ends its event is broken, not late.
+                self._skipped += len(line)
+                if self._skipped > 2 * self.max and self._broken is None:
+                    self._broken = (f"a {self._kind!r} event ran past {3 * self.max // 2**20} MiB of data lines "
+                                    "without the blank line that ends it")
                 return
             piece = line[5:].lstrip()
             self._data_bytes += len(piece)
@@ -292,6 +328,7 @@ class RouterFeed:
                     for ev in await self._recent_decisions():
                         yield "decision", ev
                     parser = SseParser()
+                    err = "the router closed the event stream"
                     # Raw chunks, not aiohttp's line iterator: that one raises on a long line.
                     async for chunk in resp.content.iter_any():
                         if self._reconnect.is_set():
@@ -301,11 +338,19 @@ class RouterFeed:
                             yield "_malformed", {"error": error}
                         for ev in events:
                             yield ev
+                        if parser.broken:
+                            # An event that never ends (endless data lines): nothing more on this
+                            # connection can be read as events. Drop it and connect again.
+                            err = f"the event stream is broken: {parser.broken}"
+                            break
                     if self._reconnect.is_set():
                         continue
-                    err = "the router closed the event stream"
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ControlError) as exc:
-                err = exc.message if isinstance(exc, ControlError) else (str(exc) or type(exc).__name__)
+                err = exc.message if isinstance(exc, ControlError) else describe_error(exc, self.url)
+            except RuntimeError as exc:
+                # aiohttp raises RuntimeError("Connection closed.") when a connection that was
+                # paused under a flood of data is lost: a lost stream like any other.
+                err = describe_error(exc, self.url)
             self.next_retry_at = time.time() + delay
             yield "_status", {"connected": False, "error": err, "retry_in_s": delay}
             try:
@@ -379,8 +424,10 @@ class RouterFeed:
                 if resp.status >= 400:
                     raise ControlError(_router_message(raw, resp.status), resp.status)
                 return json.loads(raw)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            raise ControlError(f"cannot reach the router at {self.url}: {exc or type(exc).__name__}") from None
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, RuntimeError) as exc:
+            raise ControlError(f"cannot reach the router at {self.url}: {describe_error(exc, self.url)}") from None
+        except ValueError:
+            raise ControlError(f"{self.url}{PREFIX}{path} answered with something that is not JSON") from None
 
     async def policies(self) -> dict[str, Any]:
         return await self.request("GET", "/policies")
@@ -393,6 +440,10 @@ class RouterFeed:
 
     async def patch_knobs(self, knobs: dict[str, Any]) -> dict[str, Any]:
         return await self.request("PATCH", "/knobs", knobs, auth=True)
+
+    async def put_shadows(self, specs: list[Any]) -> dict[str, Any]:
+        """Replace the shadow set: ``[NAME or {"policy": NAME, "knobs": {...}}]`` (audited by the router)."""
+        return await self.request("PUT", "/shadows", {"policies": specs}, auth=True)
 
     async def close(self) -> None:
         if self._session is not None:
@@ -459,6 +510,15 @@ class FakeFeed:
 
     async def patch_knobs(self, knobs: dict[str, Any]) -> dict[str, Any]:
         return await self._mutate("patch_knobs", knobs)
+
+    async def put_shadows(self, specs: list[Any]) -> dict[str, Any]:
+        self.calls.append(("put_shadows", specs))
+        if self.fail_with is not None:
+            raise self.fail_with
+        rows = [{"policy": s if isinstance(s, str) else s["policy"],
+                 "knobs": {} if isinstance(s, str) else dict(s.get("knobs") or {}), "picks": 0, "agree": 0,
+                 "agreement": None} for s in specs]
+        return {"shadows": rows, "dropped": []}
 
     async def close(self) -> None:
         pass
@@ -617,6 +677,9 @@ class MultiFeed:
 
     async def patch_knobs(self, knobs: dict[str, Any]) -> dict[str, Any]:
         return await self.current.feed.patch_knobs(knobs)
+
+    async def put_shadows(self, specs: list[Any]) -> dict[str, Any]:
+        return await self.current.feed.put_shadows(specs)
 
     async def close(self) -> None:
         for r in self.routers:

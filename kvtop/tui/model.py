@@ -19,13 +19,15 @@ from kvtop.receipt import fmt_num
 from kvtop.seedtable import percentile
 
 SPARK = "▁▂▃▄▅▆▇█"
+#: A value the router did not send (or sent as something unreadable): one mark everywhere.
+MISSING = "–"
 HISTORY = 600  # samples kept per series: 10 min at 1 Hz, 2.5 min at 4 Hz
 
 # (key, label, width). The keys are the DataTable column keys and the sort keys.
 INSTANCE_COLUMNS: list[tuple[str, str, int]] = [
     # What an operator reads first comes first: at 120 columns everything up to dtok is on
     # screen, the rest scrolls sideways with the instance name pinned.
-    ("name", "instance", 10), ("health", "health", 9), ("requests", "req", 5), ("backlog_tokens", "backlog", 8),
+    ("name", "instance", 10), ("health", "health", 10), ("requests", "req", 5), ("backlog_tokens", "backlog", 8),
     ("backlog_s", "bl s", 6), ("ttft_p50", "TTFT", 6), ("ttft_p90", "p90", 6), ("est_hit", "est%", 5),
     ("engine_hit", "eng%", 5), ("errors", "err", 4), ("kv", "KV%", 5), ("gpu_util", "GPU%", 4),
     ("decode_requests", "dreq", 4), ("decode_tokens", "dtok", 6), ("gpu_mem", "GPU mem", 9),
@@ -158,7 +160,7 @@ def sparkline(values: list[float], width: int = 12) -> str:
 
 def fmt_int(n: Any) -> str:
     if not is_number(n):
-        return "n/a"
+        return MISSING
     n = float(n)
     if abs(n) >= 10_000_000:
         return f"{n / 1e6:.0f}M"
@@ -176,12 +178,12 @@ def fit_id(ident: str, width: int) -> str:
 
 
 def fmt_pct(x: Any) -> str:
-    return f"{100 * float(x):.1f}" if is_number(x) else "n/a"
+    return f"{100 * float(x):.1f}" if is_number(x) else MISSING
 
 
 def fmt_secs(s: Any) -> str:
     if not is_number(s):
-        return "n/a"
+        return MISSING
     s = float(s)
     return f"{s:.2f}" if s < 10 else f"{s:.1f}" if s < 100 else f"{s:.0f}"
 
@@ -198,7 +200,7 @@ def fmt_latency(ms: Any) -> str:
 
 def fmt_duration(s: float | None) -> str:
     if not is_number(s):
-        return "n/a"
+        return MISSING
     s = int(max(0, s))
     if s < 60:
         return f"{s}s"
@@ -209,7 +211,7 @@ def fmt_duration(s: float | None) -> str:
 
 def fmt_bytes(b: Any) -> str:
     if not is_number(b):
-        return "n/a"
+        return MISSING
     return f"{float(b) / 2**30:.1f}G"
 
 
@@ -220,9 +222,9 @@ def gpu_cells(gpu: dict[str, Any] | None) -> tuple[str, str, str | None]:
     if util is None and used is None:
         why = gpu.get("error") or gpu.get("note") or "no GPU sampler"
         why = str(why).removeprefix("n/a: ").removeprefix("n/a:")
-        return "n/a", "n/a", why.strip()
+        return MISSING, MISSING, why.strip()
     mem = f"{fmt_bytes(used)}/{fmt_bytes(total)}" if total else fmt_bytes(used)
-    return ("n/a" if util is None else f"{float(util):.0f}"), mem, None
+    return (MISSING if util is None else f"{float(util):.0f}"), mem, None
 
 
 def health_state(inst: dict[str, Any]) -> tuple[str, str | None]:
@@ -273,7 +275,7 @@ def sort_value(v: Any) -> tuple[int, Any]:
 # -- what the router sent, checked -------------------------------------------------------------
 
 # The fields the dashboard reads, by where they sit. A value of another type becomes None
-# (drawn as "n/a") and is reported once; dicts and lists that are not are replaced by empty ones.
+# (drawn as "–") and is reported once; dicts and lists that are not are replaced by empty ones.
 _INSTANCE_NUMBERS = ("num_requests", "pending_prefill_tokens", "backlog_s", "decode_requests", "decode_tokens",
                      "routed_total", "input_tokens_total", "est_hit_tokens_total", "est_hit_rate",
                      "est_hit_rate_recent", "request_rate", "prefill_tps_measured")
@@ -389,6 +391,8 @@ class Collected:
     ever_connected: bool = False  # until the first connection the view says "connecting", not red
     error: str | None = None
     retry_at: float | None = None
+    connects: int = 0  # connections made: above 1, the router may have restarted behind the view
+    disconnected_at: float | None = None  # wall time the connection was lost (None while connected)
     decisions: deque = field(default_factory=deque)
     decision_seq: int = 0  # total decisions ever received; the view applies those above its mark
     config_events: deque = field(default_factory=lambda: deque(maxlen=50))
@@ -450,7 +454,8 @@ class Collected:
         elif kind == "config":
             ev = dict(payload)
             for k in ("before", "after"):
-                if not isinstance(ev.get(k), (dict, type(None))):
+                # a shadow change carries the shadow lists before and after
+                if not isinstance(ev.get(k), (dict, list, type(None))):
                     self._malformed(f"config.{k} is {type(ev[k]).__name__}, not an object")
                     ev[k] = {}
             self.config_events.append(ev)
@@ -458,7 +463,13 @@ class Collected:
             self.dropped += sum(int(v) for v in (payload.get("decisions_sampled_out"), payload.get("overflow"))
                                 if is_number(v))
         elif kind == "_status":
+            was = self.connected
             self.connected = bool(payload.get("connected"))
+            if self.connected:
+                self.connects += 1  # the app drops what it fetched from the router on a reconnect
+                self.disconnected_at = None
+            elif was or self.disconnected_at is None:
+                self.disconnected_at = time.time()  # since when the view is stale
             self.ever_connected = self.ever_connected or self.connected
             self.error = payload.get("error")
             retry = payload.get("retry_in_s")
@@ -561,7 +572,35 @@ def config_change_text(ev: dict[str, Any]) -> str:
     if kind == "health":
         state = "healthy again" if after.get("healthy") else f"unhealthy: {after.get('reason') or '?'}"
         return head + f"{after.get('instance', '?')} {state}"
+    if kind == "shadow":
+        return head + shadow_change_text(ev.get("before"), ev.get("after"))
+    if kind == "restart":  # added by the dashboard when the run id changes under it
+        return f"{when} ── the router restarted (run {after.get('run_id', '?')}, {after.get('policy', '?')}): " \
+               "the changes above were the old run's"
     return head + f"{kind} {ev.get('before')!s:.60} → {ev.get('after')!s:.60}"
+
+
+def _shadow_label(spec: Any) -> str:
+    if isinstance(spec, str):
+        return spec
+    if not isinstance(spec, dict):
+        return "?"
+    knobs = spec.get("knobs") if isinstance(spec.get("knobs"), dict) else {}
+    return str(spec.get("policy", "?")) + (" (" + ", ".join(f"{k}={v}" for k, v in sorted(knobs.items())) + ")"
+                                           if knobs else "")
+
+
+def shadow_change_text(before: Any, after: Any) -> str:
+    """A shadow change as the change log says it: what was added and removed, or dropped and why."""
+    if isinstance(after, dict) and after.get("dropped"):
+        return f"shadow {after['dropped']} dropped by the router: {after.get('why') or '?'}"
+    old = [_shadow_label(x) for x in before] if isinstance(before, list) else []
+    new = [_shadow_label(x) for x in after] if isinstance(after, list) else []
+    added = [x for x in new if x not in old]
+    removed = [x for x in old if x not in new]
+    parts = [f"+{x}" for x in added] + [f"-{x}" for x in removed]
+    now = ", ".join(new) or "none"
+    return f"shadows {' '.join(parts) or 'unchanged'} (now: {now})"
 
 
 # -- decisions ---------------------------------------------------------------------------------
@@ -612,14 +651,14 @@ def render_once(snap: dict[str, Any], policies: dict[str, Any] | None = None) ->
         v = instance_values(inst)
         util, mem, why = gpu_cells(inst.get("gpu"))
         if why:
-            notes.append(f"{v['name']}: gpu n/a: {why}")
+            notes.append(f"{v['name']}: gpu – ({why})")
         state, reason = health_state(inst)
         if reason:
             notes.insert(0, f"{v['name']}: {state}: {reason}")
         rows.append([v["name"], {"up": "up", "down": "DOWN", "ejected": "EJECTED"}[state], str(v["requests"]),
                      str(v["backlog_tokens"]), fmt_secs(v["backlog_s"]), str(v["decode_requests"]),
                      str(v["decode_tokens"]), fmt_pct(v["est_hit"]), fmt_pct(v["engine_hit"]),
-                     "n/a" if v["errors"] is None else str(v["errors"]), fmt_pct(v["kv"]), util, mem])
+                     MISSING if v["errors"] is None else str(v["errors"]), fmt_pct(v["kv"]), util, mem])
     drifts = [drift_of(inst) for inst in snap.get("instances", [])]
     if any(d != (None, None) for d in drifts):  # KV events: the estimate's drift and the hits' source
         headers.append("kv_drift")
@@ -786,4 +825,66 @@ def merge_router_snapshots(snaps: list[tuple[str, dict[str, Any] | None]], selec
     out = dict(pick)
     out.update({"ts": max((float(s.get("ts") or 0) for _, _, s in live), default=0.0) or None,
                 "instances": instances, "totals": totals, "affinity": affinity, "routers": summaries, **counts})
+    return out
+
+
+# -- the header: one line, whatever the width -------------------------------------------------
+
+def fit_segments(segments: list[tuple[str, str, int]], width: int) -> list[tuple[str, str]]:
+    """The header's fields that fit on one line of ``width`` cells, in their order.
+
+    ``segments`` is (text, style, priority); the lowest priority goes first until the rest fit
+    (ties: the rightmost goes first). A field that alone is wider than the line is cut with an
+    ellipsis, so the line never wraps and the screen below it never moves.
+    """
+    keep = list(range(len(segments)))
+
+    def total(ix: list[int]) -> int:
+        return sum(len(segments[i][0]) for i in ix)
+
+    while keep and total(keep) > width:
+        drop = min(keep, key=lambda i: (segments[i][2], -i))
+        if len(keep) == 1:
+            break
+        keep.remove(drop)
+    out = [(segments[i][0], segments[i][1]) for i in keep]
+    used = sum(len(t) for t, _ in out)
+    if out and used > width:  # one field wider than the line
+        text, style = out[-1]
+        room = max(1, width - (used - len(text)))
+        out[-1] = (text[:room - 1] + "…", style)
+    return out
+
+
+def health_line(snap: dict[str, Any]) -> str:
+    """The fleet's health in one line (the overview keeps it whatever the size or fleet)."""
+    tot = snap.get("totals") or {}
+    insts = snap.get("instances") or []
+    n = len(insts)
+    down = [health_state(i)[0] for i in insts if not i.get("healthy")]
+    parts = [f"{tot.get('healthy_instances', n - len(down)) if is_number(tot.get('healthy_instances')) else n - len(down)}"
+             f"/{n} up"]
+    if down.count("down"):
+        parts.append(f"✖ {down.count('down')} down")
+    if down.count("ejected"):
+        parts.append(f"⏏ {down.count('ejected')} ejected")
+    parts.append(f"in flight {fmt_int(tot.get('in_flight'))}")
+    parts.append(f"backlog {fmt_int(tot.get('pending_prefill_tokens'))} tok {fmt_secs(tot.get('backlog_s'))} s")
+    parts.append(f"decode {fmt_int(tot.get('decode_requests'))}")
+    hit = tot.get("est_hit_rate")
+    parts.append(f"est hit {fmt_pct(hit)}%" if is_number(hit) else "est hit –")
+    parts.append(f"errors {fmt_int(tot.get('errors_total'))}")
+    parts.append(f"routed {fmt_int(tot.get('routed_total'))}")
+    return " · ".join(parts)
+
+
+def degraded_tasks(snap: dict[str, Any]) -> list[str]:
+    """``state.degraded``: the router's background tasks that died (absent: none), as names."""
+    out = []
+    for d in snap.get("degraded") or [] if isinstance(snap.get("degraded"), list) else []:
+        if isinstance(d, str):
+            out.append(d)
+        elif isinstance(d, dict):
+            name = d.get("task") or d.get("name") or d.get("component") or "?"
+            out.append(str(name))
     return out

@@ -19,7 +19,7 @@ from textual_plotext import PlotextPlot
 
 from kvtop.receipt import fmt_num
 from kvtop.tui.axis import set_y_ticks
-from kvtop.tui.model import (DRIFT_COLUMN, FLEET_MIN, GPU_BUSY_PCT, INSTANCE_COLUMNS, LOW_HIT_RATE,
+from kvtop.tui.model import (MISSING, DRIFT_COLUMN, FLEET_MIN, GPU_BUSY_PCT, INSTANCE_COLUMNS, LOW_HIT_RATE,
                              MEASURED_TPS_COLUMN, SHARE_COLUMN, THRESHOLDS, column_legend, config_change_text,
                              decision_matches,
                              doc_summary, drift_of, fit_id, fleet_strips, fmt_drift, fmt_duration, fmt_int,
@@ -27,6 +27,10 @@ from kvtop.tui.model import (DRIFT_COLUMN, FLEET_MIN, GPU_BUSY_PCT, INSTANCE_COL
                              natural_key, sort_value, sparkline, terms_summary)
 from kvtop.tui.screens import ReceiptScreen, SessionScreen
 from kvtop.tui.widgets import LiveTable
+
+
+#: One marker per series, so a legend entry is told apart by its glyph, not its colour alone.
+MARKERS = ("braille", "•", "+", "x", "*", "o", "#", "=")
 
 
 def chart_now(app: Any) -> float:
@@ -46,13 +50,14 @@ def draw_backlog(app: Any, backlog: PlotextPlot) -> None:
     plt = backlog.plt
     plt.clear_data()
     plt.clear_figure()
-    plt.title(f"prefill backlog tokens per instance (last {w}s; [ ] window)")
+    stale = app.stale_label()
+    plt.title(f"prefill backlog tokens per instance (last {w}s; [ ] window)" + (f" · {stale}" if stale else ""))
     ranked = sorted(c.backlog.items(), key=lambda kv: -(kv[1][-1][1] if kv[1] else 0))
     plotted: list[float] = []
-    for name, ring in ranked[:8]:  # more lines than this is noise; the table has every instance
+    for k, (name, ring) in enumerate(ranked[:8]):  # more lines is noise; the table has every instance
         pts = [(ts - now, v) for ts, v in ring if now - w <= ts <= now]  # plotext raises on a series
         if pts:                                                           # wholly outside xlim
-            plt.plot([p[0] for p in pts], [p[1] for p in pts], label=name, marker="braille")
+            plt.plot([p[0] for p in pts], [p[1] for p in pts], label=name, marker=MARKERS[k % len(MARKERS)])
             plotted += [p[1] for p in pts]
     set_y_ticks(plt, plotted, "count", rows=backlog.size.height, integer=True)
     plt.xlim(-w, 0)
@@ -171,8 +176,8 @@ class OverviewTab(TabPane):
         lv = THRESHOLDS["kv"].level(v["kv"])
         cells["kv"] = ((v["kv"], lv), self._levelled(fmt_pct(v["kv"]), lv))
         if why:
-            cells["gpu_util"] = (why, Text("n/a", style="dim"))
-            cells["gpu_mem"] = (why, Text("n/a", style="dim"))
+            cells["gpu_util"] = (why, Text(MISSING, style="dim"))
+            cells["gpu_mem"] = (why, Text(MISSING, style="dim"))
             self._gpu_na = why
         else:
             busy = is_number(v["gpu_util"]) and v["gpu_util"] >= GPU_BUSY_PCT
@@ -182,6 +187,14 @@ class OverviewTab(TabPane):
         spark = sparkline([x for _, x in list(ring)[-12:]]) if ring else ""
         cells["trend"] = (spark, spark)
         self._sort_values[v["name"]] = v
+        stale = app.stale_s
+        if stale is not None:
+            # The router is unreachable: every figure is the last snapshot's. Grey, and the
+            # health cell says how old, so no row reads as live "up".
+            for key, (cmp, rend) in list(cells.items()):
+                cells[key] = ((cmp, "stale"), Text(rend.plain if isinstance(rend, Text) else str(rend), style="dim"))
+            label = f"stale {int(stale)}s" if stale < 1000 else "stale"
+            cells["health"] = (("stale", label), Text(label, style="bold dim"))
         return cells
 
     def draw_instances(self) -> None:
@@ -211,10 +224,11 @@ class OverviewTab(TabPane):
                 # The data has it (a router that measures prefill rates, KV events, several
                 # routers): one more column, at the end.
                 key, label, width = col
-                table.add_column(label, key=key, width=max(width, len(label) + 1), default="–")
                 self._optional.append(col)
+                if key not in app.hidden_columns:
+                    table.add_column(label, key=key, width=max(width, len(label) + 1), default="–")
                 self._cells.clear()  # every row gets the new cell
-        columns = [k for k, _, _ in INSTANCE_COLUMNS] + [k for k, _, _ in self._optional]
+        columns = self.visible_columns()
         computed = {}
         for inst in insts:
             cells = self._instance_cells(inst, prev_values.get(inst["name"]))
@@ -250,6 +264,28 @@ class OverviewTab(TabPane):
             self._cells[name] = cells
         if sort_changed:
             self.sort_instances()
+
+    def visible_columns(self) -> list[str]:
+        """The column keys on screen: every column but those the chooser hid (the name stays)."""
+        app: Any = self.app
+        return [k for k, _, _ in INSTANCE_COLUMNS + self._optional if k == "name" or k not in app.hidden_columns]
+
+    def build_columns(self) -> None:
+        """(Re)make the table's columns from the chooser's choice; every row is drawn again."""
+        app: Any = self.app
+        table = self.query_one("#instances", DataTable)
+        table.clear(columns=True)
+        self._cells.clear()
+        for key, label, width in INSTANCE_COLUMNS + self._optional:
+            if key == "name" or key not in app.hidden_columns:
+                table.add_column(label, key=key, width=max(width, len(label) + 1), default="–")
+
+    @on(DataTable.RowSelected, "#instances")
+    def open_instance(self, event: DataTable.RowSelected) -> None:
+        """Enter on an instance: its detail (load, health, KV, GPU, errors, sessions, decisions)."""
+        from kvtop.tui.screens import InstanceScreen
+
+        self.app.push_screen(InstanceScreen(str(event.row_key.value)))
 
     def compact_rows(self) -> int:
         """How many instance rows fit (the table takes at most 60% of the tab), header and the
@@ -329,27 +365,20 @@ class OverviewTab(TabPane):
         app._update_static("#fleet", t)
 
     def draw_totals(self) -> None:
+        """Under the table: the reasons, the condensed rows' sum, health notes and the sort. The
+        fleet's totals are the health line under the header (``#health``), on every tab."""
         app: Any = self.app
         snap = app.collected.snapshot or {}
-        tot = snap.get("totals", {})
-        n = len(snap.get("instances", []))
-        line = Text()
-        line.append(f"in flight {tot.get('in_flight', 0)}  ", style="bold")
-        line.append(f"backlog {fmt_int(tot.get('pending_prefill_tokens'))} tok / {fmt_secs(tot.get('backlog_s'))} s  ")
-        line.append(f"decode {tot.get('decode_requests', 0)} req  ")
-        hit = tot.get("est_hit_rate")  # None until the router has seen input: no rate, not "n/a%"
-        line.append(f"est hit {fmt_pct(hit)}%  " if hit is not None else "est hit –  ")
-        line.append(f"routed {fmt_int(tot.get('routed_total'))}  errors {tot.get('errors_total', 0)}  ")
-        line.append(f"healthy {tot.get('healthy_instances', 0)}/{n}")
+        line = Text(no_wrap=True, overflow="ellipsis")
         reasons = snap.get("decisions_by_reason") or {}
         if reasons:
             top = sorted(reasons.items(), key=lambda kv: -kv[1])[:5]
-            line.append("\nreasons " + "  ".join(f"{k} {v}" for k, v in top), style="dim")
+            line.append("reasons " + "  ".join(f"{k} {v}" for k, v in top), style="dim")
         if self._hidden:
             hidden = self._hidden
             down = sum(1 for i in hidden if not i.get("healthy"))
             busy = sum(1 for i in hidden if i.get("num_requests"))
-            line.append(f"\n+{len(hidden)} more instances (condensed; z shows every row): "
+            line.append(f"{chr(10) if line.plain else ''}+{len(hidden)} more instances (condensed; z shows every row): "
                         f"{busy} busy, {sum(int(i.get('num_requests') or 0) for i in hidden)} requests, backlog "
                         f"{fmt_int(sum(float(i.get('pending_prefill_tokens') or 0) for i in hidden))} tok"
                         + (f", {down} down" if down else ""), style="bold" if not down else
@@ -359,13 +388,13 @@ class OverviewTab(TabPane):
             sort += f"  filter: {app.filters['overview']}"
         if self._health_notes:
             notes = sorted(self._health_notes.values(), key=natural_key)
-            line.append("\n" + "; ".join(notes[:4]) + (f"; {len(notes) - 4} more" if len(notes) > 4 else ""),
+            line.append((chr(10) if line.plain else "") + "; ".join(notes[:4]) + (f"; {len(notes) - 4} more" if len(notes) > 4 else ""),
                         style=f"bold {app._color('error')}")
         if self._gpu_na:
-            sort += f"  GPU n/a: {self._gpu_na}"
+            sort += f"  GPU –: {self._gpu_na}"
         if app.collected.dropped:
             sort += f"  events dropped by the router for this viewer: {app.collected.dropped}"
-        line.append(sort, style="dim")
+        line.append(sort if line.plain else sort.lstrip("\n"), style="dim")
         app._update_static("#totals", line)
 
 
@@ -392,8 +421,8 @@ class ChartsTab(TabPane):
         plt.title("TTFT p50 / p90")  # the tick labels carry the unit, ms or s
         xs, p50, p90 = c.ttft_series(w, now)
         if xs:
-            plt.plot(xs, p50, label="p50", marker="braille")
-            plt.plot(xs, p90, label="p90", marker="braille")
+            plt.plot(xs, p50, label="p50", marker=MARKERS[0])
+            plt.plot(xs, p90, label="p90", marker=MARKERS[2])
         set_y_ticks(plt, p50 + p90, "ms", rows=ttft.size.height)
         plt.xlim(-w, 0)
         ttft.refresh()
@@ -402,10 +431,10 @@ class ChartsTab(TabPane):
         plt.clear_data()
         plt.clear_figure()
         plt.title("prefix hit % (router est / engine)")
-        for label, ring in (("est", c.hit_rate), ("engine", c.engine_hit_rate)):
+        for (label, ring), marker in zip((("est", c.hit_rate), ("engine", c.engine_hit_rate)), (MARKERS[0], MARKERS[3])):
             pts = [(ts - now, v) for ts, v in ring if now - w <= ts <= now]
             if pts:
-                plt.plot([p[0] for p in pts], [p[1] for p in pts], label=label, marker="braille")
+                plt.plot([p[0] for p in pts], [p[1] for p in pts], label=label, marker=marker)
         plt.xlim(-w, 0)
         set_y_ticks(plt, [], "%", rows=hit.size.height, lo=0, hi=100)
         hit.refresh()
@@ -428,8 +457,11 @@ class SessionsTab(TabPane):
         per = aff.get("per_instance") or {}
         total = max(1, sum(per.values()))
         t = Text()
+        stale = app.stale_label()
+        if stale:
+            t.append(f"{stale}: ", style="bold")
         t.append(f"sessions {fmt_int(aff.get('sessions', 0))}  moved {aff.get('moved_sessions', 0)} "
-                 f"({aff.get('moves', 0)} moves)\n", style="bold")
+                 f"({aff.get('moves', 0)} moves)\n", style="bold" if not stale else "bold dim")
         parts = [f"{k} {n} ({100 * n / total:.0f}%)" for k, n in per.items()]
         t.append("per instance: " + "  ".join(parts[:16]) + (" …" if len(parts) > 16 else ""))
         app._update_static("#affinity", t)
@@ -557,11 +589,16 @@ class PolicyTab(TabPane):
         yield Static(id="config-log")
 
     def draw(self) -> None:
+        """Everything from the latest snapshot (policy, knobs, shadows) and the policies answer
+        for the latest version (schemas, docs): called on every applied update while visible."""
         app: Any = self.app
         body = app.policies_body
-        cur = body.get("current") or {}
-        self.query_one("#policy-name", Static).update(
-            Text(f"policy {cur.get('policy', '?')}{app.on_router()}", style="bold"))
+        cur = app.current_policy()
+        stale = app.stale_label()
+        name = Text(f"policy {cur.get('policy', '?')}{app.on_router()}", style="bold" if not stale else "bold dim")
+        if stale:
+            name.append(f"  ({stale}: the router is unreachable)", style="bold")
+        app._update_static("#policy-name", name)
         head = Text()
         schema = app._control_schema(cur.get("name"))
         doc = next((p.get("doc", "") for p in body.get("policies", []) if p["name"] == cur.get("name")), "")
@@ -575,28 +612,44 @@ class PolicyTab(TabPane):
         if app.last_error:
             head.append(f"last error: {app.last_error}", style=f"bold {app._color('error')}")
         head.rstrip()
-        self.query_one("#policy-head", Static).update(head)
+        app._update_static("#policy-head", head)
         table = self.query_one("#knob-table", DataTable)
         knobs = app._current_knobs()
-        keep = {k["name"] for k in schema}
-        for key in [k for k in table.rows if k.value not in keep]:
-            table.remove_row(key)
+        order = [k["name"] for k in schema]
+        if [str(k.value) for k in table.rows] != order[:len(table.rows)] or len(table.rows) > len(order):
+            # another policy: its own knobs first, then the router's, as the docs say (rows
+            # appended after a switch landed below the router's ten)
+            table.clear()
         for k in schema:
             doc = ("router: " if k.get("router") else "") + str(k.get("doc") or "")
             # Text, not str: DataTable reads a str cell as markup ("[0, 1]" in a range or doc).
             cells = [Text(str(v)) for v in (k["name"], knobs.get(k["name"], k.get("default")), k.get("default"),
                                             k.get("range") or "-", doc)]
+            if stale:
+                cells[1].stylize("dim")
             if k["name"] in table.rows:
                 for col, val in zip(("knob", "value", "default", "range", "doc"), cells):
-                    if str(table.get_cell(k["name"], col)) != val.plain:
+                    old = table.get_cell(k["name"], col)
+                    if str(old) != val.plain or getattr(old, "style", None) != val.style or (
+                            getattr(old, "spans", None) != val.spans):
                         table.update_cell(k["name"], col, val)
             else:
                 table.add_row(*cells, key=k["name"])
-        self.query_one("#shadow-panel", Static).update(self.shadow_text())
-        lines = [config_change_text(ev) for ev in list(app.collected.config_events)[-6:]]
-        log = Text("recent changes\n", style="bold")
-        log.append("\n".join(lines) or "no policy or knob changes since attach")
-        self.query_one("#config-log", Static).update(log)
+        shadows = self.shadow_text()
+        app._update_static("#shadow-panel", shadows)
+        # The knob table gets what the rest leaves: at 80x24 the shadows and the change log stay
+        # on screen (the table scrolls), at 140x42 no blank lines sit between them.
+        from textual.widgets import TabbedContent
+
+        height = max(10, app.query_one(TabbedContent).size.height - 2)  # the pane's share of the screen
+        head_h = self.query_one("#policy-head").size.height
+        log_n = max(2, min(6, (height - 1 - head_h - len(shadows.plain.splitlines()) - 1 - 6)))
+        lines = [config_change_text(ev) for ev in list(app.collected.config_events)[-log_n:]]
+        log = Text("recent changes\n", style="bold", no_wrap=True, overflow="ellipsis")
+        log.append("\n".join(lines) or "no policy, knob or shadow changes since attach")
+        app._update_static("#config-log", log)
+        room = height - 1 - head_h - len(shadows.plain.splitlines()) - len(log.plain.splitlines())
+        table.styles.max_height = max(4, room)
 
     def shadow_text(self) -> Text:
         """The shadow panel: per shadow policy, agreement with the active one, where they
@@ -604,18 +657,25 @@ class PolicyTab(TabPane):
         app: Any = self.app
         sh = app._shadows()
         rows = [r for r in sh.get("shadows") or [] if isinstance(r, dict) and isinstance(r.get("policy"), str)]
-        out = Text("shadow policies", style="bold")
+        out = Text("shadow policies", style="bold", no_wrap=True, overflow="ellipsis")
+        stale = app.stale_label()
+        if stale:
+            out.append(f"  ({stale})", style="bold")
         if not rows and not sh.get("dropped"):
-            out.append("  none (kvtop route --shadow P1,P2, or PUT /kvtop/v1/shadows)\n", style="dim")
+            out.append("  none" + ("  (S adds one)" if app.control_enabled else
+                                   "  (kvtop route --shadow P1,P2, or PUT /kvtop/v1/shadows)"), style="dim")
             return out
-        if rows and app.control_enabled:
-            out.append("  S promotes one to active", style="dim")
+        if app.control_enabled:
+            out.append("  S: add, remove, promote", style="dim")
         out.append("\n")
         for r in rows:
             picks = r.get("picks") if is_number(r.get("picks")) else 0
             agree = r.get("agreement")
             out.append(f"  {r['policy']:<16}", style="bold")
-            out.append(f"agrees {fmt_pct(agree) + '%' if is_number(agree) else '–'} of {fmt_num(picks)}")
+            out.append(f"agrees {fmt_pct(agree) + '%' if is_number(agree) else '–'} of {fmt_num(picks)}",
+                       style="dim" if stale else "")
+            if is_number(r.get("since")):
+                out.append(time.strftime(" since %H:%M:%S", time.localtime(float(r["since"]))), style="dim")
             by_class = r.get("disagree_by_class") if isinstance(r.get("disagree_by_class"), dict) else {}
             if by_class:
                 top = sorted(by_class.items(), key=lambda kv: -kv[1] if is_number(kv[1]) else 0)[:4]
