@@ -142,14 +142,20 @@ class ExpectedCost(Policy):
             return {"queue_s": 0.0, "evict_s": 0.0, "keep_s": 0.0}
         cal = la.calibration
         i = c.index
-        queue = 0.0
         own = today["own_s"]
-        if own > 0:
-            for s in la.bound(i):
-                g = s.gap_sum / s.gaps if s.gaps else la.fleet_gap_s
-                if g:  # no gap seen anywhere yet: no evidence of returns to price
-                    held = queued_behind_s(today["wait_s"], own, g)
-                    queue += session_odds(s, la) * min(held, cal.seconds(i, s.last_input_tokens, 0))
+        wait = today["wait_s"]
+        now = la.now
+        fleet_gap = la.fleet_gap_s
+        # one pass over the sessions priced one by one (la.bound), the rest as one sum
+        queue = 0.0
+        demand = la.settled(i)
+        for s in la.bound(i):
+            g = s.gap_sum / s.gaps if s.gaps else fleet_gap
+            odds = return_odds(s.turns, s.gap_sum, s.gaps, s.idle_s(now), fleet_gap)
+            if own > 0 and g:  # no gap seen anywhere yet: no evidence of returns to price
+                held = queued_behind_s(wait, own, g)
+                queue += odds * min(held, cal.seconds(i, s.last_input_tokens, 0))
+            demand += odds * s.last_input_tokens
         evict = 0.0
         for s, lost in la.victims(i):
             ctx = s.last_input_tokens
@@ -157,7 +163,6 @@ class ExpectedCost(Policy):
             evict += session_odds(s, la) * cal.seconds(i, lost, ctx - lost)
         keep = 0.0
         if p_next > 0:
-            demand = sum(session_odds(s, la) * s.last_input_tokens for s in la.bound(i))
             lost = min(length, max(0, int(demand + length - la.capacity_tokens[i])))
             if lost:
                 keep = p_next * cal.seconds(i, lost, length - lost)
