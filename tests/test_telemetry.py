@@ -391,6 +391,7 @@ async def test_scrape_rates_samples_and_router_metrics(aiohttp_server, aiohttp_c
     assert exposed["kvtop_outcomes_total"] == [({"status": "ok"}, 4.0)]
     assert exposed["kvtop_delivered_hit_tokens_total"] == [({}, 512.0)]
     assert dict((l["instance"], v) for l, v in exposed["kvtop_instance_num_requests"]) == {"a": 0, "b": 0}
+    assert dict((l["instance"], v) for l, v in exposed["kvtop_instance_sessions"]) == {"a": 2, "b": 2}
     assert exposed["kvtop_e2e_seconds_count"] == [({}, 4.0)]
     assert exposed["kvtop_decision_seconds_count"] == [({}, 4.0)]
     # A scraper that asks for OpenMetrics gets it, as from prometheus_client's own handlers.
