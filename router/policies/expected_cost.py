@@ -76,6 +76,12 @@ class ExpectedCost(Policy):
     ended; none while a request of its is in flight) against its own mean gap from an
     answer's end to its next turn (the fleet's while it has none). p_next = turn / (turn + 1).
 
+    The sessions bound to i are those the lookahead lists (``Lookahead.bound``: the ones in
+    flight there and at most ``LOOKAHEAD_IDLE`` idle ones, the most recently active) and,
+    while no session has returned yet, the rest as one prior-weighted sum
+    (``Lookahead.settled``): a decision costs O(the fleet + the request's blocks), not
+    O(sessions held) (docs/policies.md, "What a decision costs").
+
     Ties by new_i, then BS_i, then the global round-robin counter. Reasons: affinity_stick
     (stayed on the session's instance), affinity_new (first turn), affinity_lost (its instance
     is unhealthy), argmin / tie_rr (moved). Nothing is tuned: the constants are the profile's
