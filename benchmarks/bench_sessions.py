@@ -108,24 +108,28 @@ def checkpoint(base: str, pid: int, window: int) -> dict[str, float]:
 
 class InProcess:
     """The same decision in this process, with no server around it: one ``Cluster`` (two
-    instances, the router's default capacity) and the policy, grown with the same sessions
+    instances, the router's default capacity) and the policy, fed the same kind of sessions
     (two blocks of their own, 1,000 tokens, each request finished at once). The pick time is
     the CPU time of this thread (``time.thread_time``) over ``Cluster.view`` + ``pick``: what a
-    decision costs, without the waits other processes on a shared machine add to a wall clock."""
+    decision costs, without the waits other processes on a shared machine add to a wall clock.
+    ``max_sessions``: the records it holds (the reference holds 100)."""
 
-    def __init__(self, policy: str):
+    def __init__(self, policy: str, max_sessions: int = 200_000, tag: str = "s"):
         from router.cluster import Cluster
         from router.policies import build_policy
 
         self.policy = build_policy(policy, {})
-        self.cluster = Cluster(["a", "b"], block_size=512, capacity_blocks=518)
+        self.cluster = Cluster(["a", "b"], block_size=512, capacity_blocks=518, max_sessions=max_sessions)
+        self.tag = tag
+        self.next = 0
 
-    def grow(self, first: int, count: int) -> list[float]:
+    def grow(self, count: int) -> list[float]:
+        """``count`` requests of new sessions; their pick times, CPU microseconds."""
         c, pol = self.cluster, self.policy
         cpu = time.thread_time
         out = []
-        for n in range(first, first + count):
-            sid = f"s{n}"
+        for n in range(self.next, self.next + count):
+            sid = f"{self.tag}{n}"
             blocks = [2 * n + 1, 2 * n + 2]
             t0 = cpu()
             view = c.view(blocks, 1000, sid, lookahead=pol.needs_lookahead)
@@ -138,7 +142,20 @@ class InProcess:
             c.bind_session(sid, pick.index, 1000, hit)
             c.first_token(t)
             c.finish(t)
+        self.next += count
         return out
+
+
+def side_by_side(big: InProcess, small: InProcess, count: int, chunk: int = 50) -> tuple[list[float], list[float]]:
+    """``count`` picks on each, alternating every ``chunk``, so that what the machine does in
+    these seconds weighs on both alike."""
+    b: list[float] = []
+    s: list[float] = []
+    while len(b) < count:
+        n = min(chunk, count - len(b))
+        b += big.grow(n)
+        s += small.grow(n)
+    return b, s
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -148,6 +165,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--window", type=int, default=1000,
                    help="decisions a checkpoint's pick time is taken over (at most 2000, the router's ring)")
     p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--chunk", type=int, default=1000,
+                   help="requests sent to one router before the next one's turn, within a step")
     p.add_argument("--policies", default="expected_cost,leastwork",
                    help="one router each, grown side by side (the checks need expected_cost and leastwork)")
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
@@ -156,8 +175,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--window must be in [1, 2000]")
     if args.step < args.window or args.sessions < WARMUP + args.window:
         p.error("--step must be at least --window, and --sessions at least 100 + --window")
-    if args.concurrency < 1:
-        p.error("--concurrency must be 1 or more")
+    if args.concurrency < 1 or args.chunk < 1:
+        p.error("--concurrency and --chunk must be 1 or more")
     return args
 
 
@@ -169,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     routers: dict[str, tuple[str, subprocess.Popen]] = {}
     rows: dict[str, list[dict[str, float]]] = {p: [] for p in policies}
     local = {p: InProcess(p) for p in policies}
+    # the same decision at 100 sessions, measured in the same minutes as each checkpoint's
+    reference = {p: InProcess(p, max_sessions=WARMUP, tag="r") for p in policies}
     try:
         backends = []
         for _ in range(2):
@@ -194,26 +215,36 @@ def main(argv: list[str] | None = None) -> int:
             n = min(args.step - done % args.step, args.sessions - done)
             marks.append((done, n))
             done += n
-        print(f"{len(policies)} routers, 2 backends, {args.concurrency} clients, a new session per request", flush=True)
-        print(f"{'':>9} {'':<14} {'':>8} {'router, wall us':^19} {'in-process, CPU us':^19}", flush=True)
+        print(f"{len(policies)} routers, 2 backends, {args.concurrency} clients, a new session per request; "
+              f"in-process pick at N sessions beside the same at 100, in the same minutes", flush=True)
+        print(f"{'':>9} {'':<14} {'':>8} {'router, wall us':^19} {'in-process, CPU us':^19} "
+              f"{'same, 100 sessions':^19}", flush=True)
         print(f"{'sessions':>9} {'policy':<14} {'held':>8} {'p50':>9} {'p99':>9} {'p50':>9} {'p99':>9} "
-              f"{'req/s':>8} {'RSS MB':>7}", flush=True)
+              f"{'p50':>9} {'p99':>9} {'req/s':>8} {'RSS MB':>7}", flush=True)
         for k, (first, count) in enumerate(marks):
+            took = dict.fromkeys(policies, 0.0)
+            for start in range(first, first + count, args.chunk):  # the routers take turns
+                n = min(args.chunk, first + count - start)
+                for policy in policies:
+                    took[policy] += asyncio.run(send(routers[policy][0], start, n, args.concurrency, policy))
             for policy in policies:
                 base, proc = routers[policy]
-                took = asyncio.run(send(base, first, count, args.concurrency, policy))
-                cpu_us = local[policy].grow(first, count)[-args.window:]
+                window = min(args.window, count)
+                local[policy].grow(count - window)
+                cpu_us, ref_us = side_by_side(local[policy], reference[policy], window)
                 if k == 0:
                     continue  # the warm-up
-                row = checkpoint(base, proc.pid, min(args.window, count))
+                row = checkpoint(base, proc.pid, window)
                 row["cpu_p50_us"], row["cpu_p99_us"] = pct(cpu_us, 0.5), pct(cpu_us, 0.99)
+                row["ref_p50_us"], row["ref_p99_us"] = pct(ref_us, 0.5), pct(ref_us, 0.99)
                 row["at"] = first + count if k > 1 else WARMUP
                 row["requests"] = count
-                row["seconds"] = took
-                row["req_s"] = count / took
+                row["seconds"] = took[policy]
+                row["req_s"] = count / took[policy]
                 rows[policy].append(row)
                 print(f"{row['at']:>9,} {policy:<14} {row['sessions']:>8,} {row['pick_p50_us']:>9.1f} "
                       f"{row['pick_p99_us']:>9.1f} {row['cpu_p50_us']:>9.1f} {row['cpu_p99_us']:>9.1f} "
+                      f"{row['ref_p50_us']:>9.1f} {row['ref_p99_us']:>9.1f} "
                       f"{row['req_s']:>8.0f} {row['rss_mb']:>7.0f}", flush=True)
     finally:
         for proc in reversed(procs):
@@ -223,26 +254,29 @@ def main(argv: list[str] | None = None) -> int:
     if ec and lw:
         print()
         first, last = ec[0], ec[-1]
-        tput = {p: sum(r["requests"] for r in rs[1:]) / sum(r["seconds"] for r in rs[1:]) for p, rs in
+        tput = {p: sum(r["requests"] for r in rs) / sum(r["seconds"] for r in rs) for p, rs in
                 (("expected_cost", ec), ("leastwork", lw))}
         checks = {
             "pick_p50_ratio": last["pick_p50_us"] / first["pick_p50_us"],
             "pick_p99_ratio": last["pick_p99_us"] / first["pick_p99_us"],
-            "cpu_p50_ratio": last["cpu_p50_us"] / first["cpu_p50_us"],
-            "cpu_p99_ratio": last["cpu_p99_us"] / first["cpu_p99_us"],
+            "cpu_p50_ratio": last["cpu_p50_us"] / last["ref_p50_us"],
+            "cpu_p99_ratio": last["cpu_p99_us"] / last["ref_p99_us"],
             "throughput_ratio": tput["expected_cost"] / tput["leastwork"],
             "rss_mb": last["rss_mb"],
         }
-        for what, key in (("router, wall", "pick"), ("in-process, CPU", "cpu")):
-            p50, p99 = checks[f"{key}_p50_ratio"], checks[f"{key}_p99_ratio"]
-            # leastwork walks no session: its own drift is what the machine and the process
-            # size added over the run
-            lw50 = lw[-1][f"{key}_p50_us"] / lw[0][f"{key}_p50_us"]
-            lw99 = lw[-1][f"{key}_p99_us"] / lw[0][f"{key}_p99_us"]
-            print(f"expected_cost pick ({what}) at {last['at']:,} sessions against 100: p50 x{p50:.2f}, "
-                  f"p99 x{p99:.2f} (must be <= 1.2: {p50 <= 1.2 and p99 <= 1.2}); "
-                  f"leastwork's in the same run: p50 x{lw50:.2f}, p99 x{lw99:.2f}")
-        print(f"throughput past the first checkpoint: expected_cost {tput['expected_cost']:.0f} req/s, "
+        # leastwork walks no session: its own drift is what the machine and the process size
+        # added over the run
+        p50, p99 = checks["pick_p50_ratio"], checks["pick_p99_ratio"]
+        print(f"expected_cost pick (router, wall) at {last['at']:,} sessions against its first checkpoint: "
+              f"p50 x{p50:.2f}, p99 x{p99:.2f} (must be <= 1.2: {p50 <= 1.2 and p99 <= 1.2}); leastwork's: "
+              f"p50 x{lw[-1]['pick_p50_us'] / lw[0]['pick_p50_us']:.2f}, "
+              f"p99 x{lw[-1]['pick_p99_us'] / lw[0]['pick_p99_us']:.2f}")
+        p50, p99 = checks["cpu_p50_ratio"], checks["cpu_p99_ratio"]
+        print(f"expected_cost pick (in-process, CPU) at {last['at']:,} sessions against 100, same minutes: "
+              f"p50 x{p50:.2f}, p99 x{p99:.2f} (must be <= 1.2: {p50 <= 1.2 and p99 <= 1.2}); leastwork's: "
+              f"p50 x{lw[-1]['cpu_p50_us'] / lw[-1]['ref_p50_us']:.2f}, "
+              f"p99 x{lw[-1]['cpu_p99_us'] / lw[-1]['ref_p99_us']:.2f}")
+        print(f"throughput over the run (the routers taking turns every --chunk requests): expected_cost {tput['expected_cost']:.0f} req/s, "
               f"leastwork {tput['leastwork']:.0f}: x{checks['throughput_ratio']:.3f} "
               f"(must be >= 0.9: {checks['throughput_ratio'] >= 0.9})")
         print(f"expected_cost router RSS at {last['at']:,} sessions: {last['rss_mb']:.0f} MB "
