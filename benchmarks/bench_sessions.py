@@ -13,11 +13,12 @@ policy, measured inside the router), the throughput of the step (requests/s) and
 RSS. The first checkpoint, ``100``, is the ``--window`` requests after a 100-session warm-up
 (sessions 101 to 100 + window); the others are the last ``--window`` decisions of each step of
 ``--step`` sessions. Beside the router's figures, the same decision in this process
-(``InProcess``: CPU time of view + pick) at N sessions and, in the same minutes, alternating every
-50 picks, on a reference that holds 100 sessions with its caches full and smaller than their
-contexts, so that its decisions price evictions and the keep term too: on a shared machine the load moves more between minutes than these figures
-do between 100 and 100k sessions, and a cache still filling (the router's first checkpoint)
-prices no eviction at all.
+(``InProcess``: CPU time of view + pick) over the last ``--cpu-samples`` picks up to N
+sessions and, in the same minutes, alternating every 50 picks, as many on a reference that
+holds 100 sessions with its caches full and smaller than their contexts, so that its
+decisions price evictions and the keep term too: on a shared machine the load moves more
+between minutes than these figures do between 100 and 100k sessions, and a cache still
+filling (the router's first checkpoint) prices no eviction at all.
 
     python benchmarks/bench_sessions.py                       # 100k sessions, ~10 minutes on 2 cores
     python benchmarks/bench_sessions.py --sessions 20000 --step 5000
@@ -171,6 +172,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--window", type=int, default=1000,
                    help="decisions a checkpoint's pick time is taken over (at most 2000, the router's ring)")
     p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--cpu-samples", type=int, default=5000,
+                   help="in-process picks a checkpoint's CPU figures are taken over, on each side")
     p.add_argument("--chunk", type=int, default=1000,
                    help="requests sent to one router before the next one's turn, within a step")
     p.add_argument("--policies", default="expected_cost,leastwork",
@@ -179,8 +182,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not 1 <= args.window <= 2000:
         p.error("--window must be in [1, 2000]")
-    if args.step < args.window or args.sessions < WARMUP + args.window:
-        p.error("--step must be at least --window, and --sessions at least 100 + --window")
+    if args.step < max(args.window, args.cpu_samples) or args.sessions < WARMUP + args.window:
+        p.error("--step must be at least --window and --cpu-samples, and --sessions at least 100 + --window")
+    if args.cpu_samples < 1:
+        p.error("--cpu-samples must be 1 or more")
     if args.concurrency < 1 or args.chunk < 1:
         p.error("--concurrency and --chunk must be 1 or more")
     return args
@@ -240,8 +245,9 @@ def main(argv: list[str] | None = None) -> int:
             for policy in policies:
                 base, proc = routers[policy]
                 window = min(args.window, count)
-                local[policy].grow(count - window)
-                cpu_us, ref_us = side_by_side(local[policy], reference[policy], window)
+                samples = min(args.cpu_samples, count)
+                local[policy].grow(count - samples)
+                cpu_us, ref_us = side_by_side(local[policy], reference[policy], samples)
                 if k == 0:
                     continue  # the warm-up
                 row = checkpoint(base, proc.pid, window)
