@@ -126,6 +126,10 @@ LOOKAHEAD_IDLE = 64
 #: return below k e^-14 (k its turns); the lookahead stops pricing it (docs/policies.md).
 IDLE_GAPS = 14
 
+#: At most this many idle sessions leave the lookahead in one walk (the first walk after the
+#: fleet's first gap may find thousands past their cut): the rest leave at the next ones.
+AGE_OUT_PER_WALK = 1024
+
 
 class Lookahead:
     """What a placement would do beyond its own request, per candidate instance index.
@@ -201,8 +205,9 @@ class Lookahead:
         none is listed, ``settled(i)`` sums them all. Otherwise: the sessions with a request in
         flight on i, then i's idle sessions from the most recently active back, passing over
         (and ageing out of the lookahead, until their next turn) those idle over ``IDLE_GAPS``
-        of their mean gaps, until ``LOOKAHEAD_IDLE`` are listed; older idle ones are not
-        priced. O(sessions in flight on i + LOOKAHEAD_IDLE + those aged out now)."""
+        of their mean gaps, until ``LOOKAHEAD_IDLE`` are listed (or ``AGE_OUT_PER_WALK`` aged
+        out); older idle ones are not priced. O(sessions in flight on i + LOOKAHEAD_IDLE +
+        AGE_OUT_PER_WALK)."""
         got = self._bound.get(i)
         if got is None:
             got = []
@@ -216,7 +221,7 @@ class Lookahead:
                 aged: list[str] = []
                 listed = 0
                 for sid in reversed(idle):
-                    if listed >= LOOKAHEAD_IDLE:
+                    if listed >= LOOKAHEAD_IDLE or len(aged) >= AGE_OUT_PER_WALK:
                         break
                     other = idle[sid]
                     g = other.gap_sum / other.gaps if other.gaps else fleet_gap

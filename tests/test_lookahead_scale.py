@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from router.cluster import IDLE_GAPS, LOOKAHEAD_IDLE, Cluster
+from router.cluster import AGE_OUT_PER_WALK, IDLE_GAPS, LOOKAHEAD_IDLE, Cluster
 from router.policies.base import AFFINITY_LOST, AFFINITY_NEW, AFFINITY_STICK, argmin_with_ties, terms_of
 from router.policies.expected_cost import ExpectedCost, queued_behind_s, session_odds
 
@@ -306,3 +306,21 @@ def test_forgotten_and_moved_sessions_leave_every_sum():
     assert c._prior_tokens == [{1: 2000}, {}]
     assert (c.session_moves, c.moved_sessions, c.instances[1].sessions) == (0, 0, 0)
     assert not c._busy[1]
+
+
+def test_a_walk_ages_out_a_bounded_number_of_sessions():
+    """The fleet's first gap comes after 5,000 one-turn sessions went idle long ago: one walk
+    ages out at most AGE_OUT_PER_WALK of them, the next walks the rest, a bounded share each."""
+    clock = Clock()
+    c = Cluster(["i0", "i1"], block_size=BS, clock=clock)
+    _hold(c, clock, 5000, step=0.001)
+    clock.t += 1000.0
+    _returned_once(c, clock, gap=1.0)  # now every one-turn session is idle over 14 x 1 s
+    walks = 0
+    while c._idle[0]:
+        before = len(c._idle[0])
+        la = c.view(chain(7, 4), 4 * BS, "new", lookahead=True).lookahead
+        assert la.bound(0) == []
+        assert before - len(c._idle[0]) <= AGE_OUT_PER_WALK
+        walks += 1
+    assert walks == -(-5000 // AGE_OUT_PER_WALK)
