@@ -295,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
               f"p50 x{p50:.2f}, p99 x{p99:.2f} (must be <= 1.2: {p50 <= 1.2 and p99 <= 1.2}); leastwork's: "
               f"p50 x{lw[-1]['cpu_p50_us'] / lw[-1]['ref_p50_us']:.2f}, "
               f"p99 x{lw[-1]['cpu_p99_us'] / lw[-1]['ref_p99_us']:.2f}")
-        print(f"throughput over the run (the routers taking turns every --chunk requests): expected_cost {tput['expected_cost']:.0f} req/s, "
+        print(f"throughput over the run (the routers taking turns every --chunk requests): "
+              f"expected_cost {tput['expected_cost']:.0f} req/s, "
               f"leastwork {tput['leastwork']:.0f}: x{checks['throughput_ratio']:.3f} "
               f"(must be >= 0.9: {checks['throughput_ratio'] >= 0.9})")
         print(f"expected_cost router RSS at {last['at']:,} sessions: {last['rss_mb']:.0f} MB "
