@@ -47,6 +47,7 @@ class InstanceState:
     input_tokens_total: int = 0
     est_hit_tokens_total: int = 0
     errors_total: int = 0
+    sessions: int = 0  # sessions bound to the instance that the cluster holds
 
 
 @dataclass(slots=True)
@@ -115,20 +116,37 @@ class ClusterView:
         return None
 
 
+#: Idle sessions the lookahead prices one by one per instance, the most recently active first
+#: (see ``Lookahead.bound``): with the sessions in flight there, what a decision walks, however
+#: many sessions the router holds. An agentic fleet has a few dozen sessions between turns per
+#: instance (one H20 holds the KV of about two of their contexts).
+LOOKAHEAD_IDLE = 64
+
+#: A numerical cut, not a model: a session idle over this many of its mean gaps has odds of
+#: return below k e^-14 (k its turns); the lookahead stops pricing it (docs/policies.md).
+IDLE_GAPS = 14
+
+#: At most this many idle sessions leave the lookahead in one walk (the first walk after the
+#: fleet's first gap may find thousands past their cut): the rest leave at the next ones.
+AGE_OUT_PER_WALK = 1024
+
+
 class Lookahead:
     """What a placement would do beyond its own request, per candidate instance index.
 
     ``wait_s``: seconds of prefill queued ahead (each pending request's calibrated T(q, h),
     the head's elapsed service taken off); ``session``: the routed session's own record
-    (None on its first turn). Two facts cost a walk and are computed on first use, per
-    instance, so a policy can skip candidates that cannot win: ``victims(i)``, the sessions
-    whose cached blocks the request's new blocks would push out of i's estimated LRU, as
-    (session, tokens evicted); ``bound(i)``, the other sessions bound to i that may still come
-    back (see ``Cluster.lookahead``). Read them before the request is dispatched."""
+    (None on its first turn). Three facts are computed on first use, per instance, so a
+    policy can skip candidates that cannot win: ``victims(i)``, the sessions whose cached
+    blocks the request's new blocks would push out of i's estimated LRU, as (session, tokens
+    evicted); ``bound(i)``, the other sessions bound to i that may still come back and are
+    priced one by one; ``settled(i)``, the rest of them as one sum (see ``bound``). Each costs
+    O(instance's sessions in flight + ``LOOKAHEAD_IDLE``) or O(the request's blocks), never
+    O(sessions held). Read them before the request is dispatched."""
 
     __slots__ = ("now", "calibration", "block_size", "wait_s", "session", "fleet_gap_s",
                  "capacity_tokens", "_cluster", "_num_blocks", "_session_id", "_hits", "_victims",
-                 "_bound")
+                 "_bound", "_settled")
 
     def __init__(self, cluster: "Cluster", now: float, wait_s: dict[int, float], num_blocks: int,
                  hits: dict[int, int], session_id: str | None, session: SessionInfo | None,
@@ -146,6 +164,7 @@ class Lookahead:
         self._hits = hits
         self._victims: dict[int, list[tuple[SessionInfo, int]]] = {}
         self._bound: dict[int, list[SessionInfo]] = {}
+        self._settled: dict[int, float] = {}
 
     def victims(self, i: int) -> list[tuple[SessionInfo, int]]:
         """Placing the request on i adds the blocks i lacks; what exceeds i's capacity leaves
@@ -174,29 +193,65 @@ class Lookahead:
         for i in indexes:
             self._victims[i] = [(copy(s), n) for s, n in self.victims(i)]
             self._bound[i] = [copy(s) for s in self.bound(i)]
+            self.settled(i)
         if self.session is not None:
             self.session = copy(self.session)
 
     def bound(self, i: int) -> list[SessionInfo]:
-        """The other sessions bound to i that may still return. O(sessions bound to i)."""
+        """The other sessions bound to i that may still return, priced one by one.
+
+        While no session has a gap of time between turns (the fleet's mean gap is None or 0)
+        every session's odds of return are its Laplace prior, which time does not change:
+        none is listed, ``settled(i)`` sums them all. Otherwise: the sessions with a request in
+        flight on i, then i's idle sessions from the most recently active back, passing over
+        (and ageing out of the lookahead, until their next turn) those idle over ``IDLE_GAPS``
+        of their mean gaps, until ``LOOKAHEAD_IDLE`` are listed (or ``AGE_OUT_PER_WALK`` aged
+        out); older idle ones are not priced. O(sessions in flight on i + LOOKAHEAD_IDLE +
+        AGE_OUT_PER_WALK)."""
         got = self._bound.get(i)
         if got is None:
             got = []
-            cl = self._cluster
-            ids = cl._bound[i]
-            for sid in list(ids):
-                other = cl.sessions.get(sid)
-                if other is None or other.instance != i:
-                    ids.discard(sid)
-                    continue
-                g = other.gap_sum / other.gaps if other.gaps else self.fleet_gap_s
-                # a numerical cut, not a model: idle over 14 mean gaps is odds below e^-14
-                if g and other.idle_s(self.now) > 14 * g:
-                    ids.discard(sid)
-                    continue
-                if sid != self._session_id:
-                    got.append(other)
+            fleet_gap = self.fleet_gap_s
+            if fleet_gap:
+                cl = self._cluster
+                own = self._session_id
+                got.extend(s for sid, s in cl._busy[i].items() if sid != own)
+                now = self.now
+                idle = cl._idle[i]
+                aged: list[str] = []
+                listed = 0
+                for sid in reversed(idle):
+                    if listed >= LOOKAHEAD_IDLE or len(aged) >= AGE_OUT_PER_WALK:
+                        break
+                    other = idle[sid]
+                    g = other.gap_sum / other.gaps if other.gaps else fleet_gap
+                    if g and now - max(other.last_seen, other.last_done) > IDLE_GAPS * g:
+                        aged.append(sid)
+                        continue
+                    if sid != own:
+                        got.append(other)
+                        listed += 1
+                for sid in aged:
+                    del idle[sid]
             self._bound[i] = got
+        return got
+
+    def settled(self, i: int) -> float:
+        """The context tokens of the other sessions bound to i that ``bound(i)`` does not
+        list, weighted by their odds of return: while the fleet has no gap between turns,
+        every one of them at its Laplace prior k / (k + 1) (k its turns), kept as one sum per
+        instance and turn count as they come and go; 0 otherwise. O(distinct turn counts)."""
+        got = self._settled.get(i)
+        if got is None:
+            got = 0.0
+            if not self.fleet_gap_s:
+                own = self.session
+                own_k = own.turns if own is not None and own.instance == i else None
+                for k, tokens in self._cluster._prior_tokens[i].items():
+                    if k == own_k:  # its own record is not a returning other
+                        tokens -= own.last_input_tokens
+                    got += k / (k + 1.0) * tokens
+            self._settled[i] = got
         return got
 
 
@@ -236,7 +291,17 @@ class Cluster:
         self._prefilling: list[dict[int, Ticket]] = [{} for _ in names]  # tickets before first token
         self.gap_sum = 0.0  # every session's gaps between turns, for sessions with none yet
         self.gaps = 0
-        self._bound: list[set[str]] = [set() for _ in names]  # session ids bound to each instance
+        # The sessions bound to each instance, for the lookahead (``Lookahead.bound``): those
+        # with a request in flight; the idle ones by last activity, the most recent last (a
+        # session enters at its end when its last request ends, so the order is free); and per
+        # turn count the sum of their last contexts, the prior-weighted sum ``settled`` reads.
+        # Every session held is in exactly one of the first two of its instance's, unless the
+        # lookahead aged it out; a session leaves them all when it moves or is forgotten.
+        self._busy: list[dict[str, SessionInfo]] = [{} for _ in names]
+        self._idle: list[OrderedDict[str, SessionInfo]] = [OrderedDict() for _ in names]
+        self._prior_tokens: list[dict[int, int]] = [{} for _ in names]
+        self.session_moves = 0  # moves of the sessions held, summed
+        self.moved_sessions = 0  # sessions held that moved at least once
 
     # -- what policies see ----------------------------------------------------------
     def hits(self, blocks: Sequence[int], input_tokens: int, *, exact: bool = True,
@@ -411,6 +476,10 @@ class Cluster:
             if sess is not None and sess.in_flight > 0:
                 sess.in_flight -= 1
                 sess.last_done = self.clock()
+                if sess.in_flight == 0:
+                    i = sess.instance
+                    self._busy[i].pop(sess.session_id, None)
+                    self._idle[i][sess.session_id] = sess  # the most recently active now
         t.phase = "done"
         self.in_flight -= 1
 
@@ -430,7 +499,9 @@ class Cluster:
         sess = self.sessions.get(session_id) if session_id is not None else None
         if sess is not None:
             sess.total_input_tokens += delta
+            self._weigh(sess, -1)
             sess.last_input_tokens = input_tokens
+            self._weigh(sess, 1)
         if cache_blocks:
             self.index.extend(t.instance, blocks, session_id)
         if t.phase == "done":
@@ -455,15 +526,22 @@ class Cluster:
     # -- sessions -------------------------------------------------------------------
     def bind_session(self, session_id: str, instance: int, input_tokens: int, est_hit: int,
                      *, new_turn: bool = True) -> SessionInfo:
+        """Record a session's request on ``instance`` (dispatched now): its turn, its gap since
+        its last answer, its move if it moved. The cluster holds at most ``max_sessions``
+        records; past that the least recently active is forgotten (its next request is a first
+        turn). A record is a fixed set of numbers: the memory per session is bounded."""
         now = self.clock()
         sess = self.sessions.get(session_id)
         if sess is None:
             sess = SessionInfo(session_id, instance, first_seen=now, bound_since=now)
             self.sessions[session_id] = sess
+            self.instances[instance].sessions += 1
             if len(self.sessions) > self.max_sessions:
-                self.sessions.popitem(last=False)
+                self.forget_session(next(iter(self.sessions)))
         else:
             self.sessions.move_to_end(session_id)
+            self._weigh(sess, -1)
+            self._unlist(sess)
             if new_turn and sess.turns:
                 gap = now - max(sess.last_seen, sess.last_done)  # its think time, not its service
                 sess.gap_sum += gap
@@ -471,6 +549,10 @@ class Cluster:
                 self.gap_sum += gap
                 self.gaps += 1
             if sess.instance != instance:
+                self.instances[sess.instance].sessions -= 1
+                self.instances[instance].sessions += 1
+                self.moved_sessions += sess.moves == 0
+                self.session_moves += 1
                 sess.instance = instance
                 sess.bound_since = now
                 sess.moves += 1
@@ -481,8 +563,41 @@ class Cluster:
         sess.last_est_hit_tokens = est_hit
         sess.last_seen = now
         sess.in_flight += 1
-        self._bound[instance].add(session_id)
+        self._busy[instance][session_id] = sess
+        self._weigh(sess, 1)
         return sess
+
+    def forget_session(self, session_id: str) -> SessionInfo | None:
+        """Drop a session's record and everything the lookahead keeps of it."""
+        sess = self.sessions.pop(session_id, None)
+        if sess is not None:
+            self._weigh(sess, -1)
+            self._unlist(sess)
+            self.instances[sess.instance].sessions -= 1
+            self.session_moves -= sess.moves
+            self.moved_sessions -= sess.moves > 0
+        return sess
+
+    def _unlist(self, sess: SessionInfo) -> None:
+        i, sid = sess.instance, sess.session_id
+        if self._busy[i].pop(sid, None) is None:
+            self._idle[i].pop(sid, None)
+
+    def _weigh(self, sess: SessionInfo, sign: int) -> None:
+        """Add (1) or take off (-1) the session's last context in its instance's sum for its
+        turn count; called around every change of its instance, turns or context."""
+        if not sess.turns:
+            return
+        sums = self._prior_tokens[sess.instance]
+        left = sums.get(sess.turns, 0) + sign * sess.last_input_tokens
+        if left or sign > 0:
+            sums[sess.turns] = left
+        else:
+            del sums[sess.turns]
+
+    def lookahead_held(self) -> int:
+        """Sessions the lookahead may price one by one (in flight or idle and not aged out)."""
+        return sum(len(b) + len(d) for b, d in zip(self._busy, self._idle))
 
     def set_healthy(self, instance: int, healthy: bool) -> bool:
         """Mark an instance healthy or not; return True when this changed its state."""

@@ -55,7 +55,6 @@ class Control:
         self.state_dir = Path(cfg.state_dir or Path.home() / ".local" / "state" / "kvtop").expanduser()
         self.token_path: Path | None = Path(cfg.control_token_file) if cfg.control_token_file else None
         self.written: list[Path] = []
-        self._affinity: tuple[float, dict[str, Any]] | None = None
         self.broadcaster = Broadcaster(self.snapshot)
         self.guard = ReadGuard(state)
 
@@ -129,21 +128,13 @@ class Control:
 
     # -- the state snapshot --------------------------------------------------------------
     def affinity(self, now: float) -> dict[str, Any]:
-        """Sessions per instance and moves; recomputed at most every 1 s (5 s past 10k sessions)."""
-        sessions = self.state.cluster.sessions
-        every = 1.0 if len(sessions) < 10_000 else 5.0
-        if self._affinity is None or now - self._affinity[0] >= every:
-            insts = self.state.cluster.instances
-            per = [0] * len(insts)
-            moves = moved_sessions = 0
-            for s in sessions.values():
-                per[s.instance] += 1
-                moves += s.moves
-                moved_sessions += s.moves > 0
-            self._affinity = (now, {"sessions": len(sessions),
-                                    "per_instance": {i.name: n for i, n in zip(insts, per)},
-                                    "moves": moves, "moved_sessions": moved_sessions, "computed_at": now})
-        return self._affinity[1]
+        """Sessions held per instance and moves: counts the cluster keeps as sessions come,
+        move and go (no walk over them), and how many of them the lookahead may price."""
+        cl = self.state.cluster
+        return {"sessions": len(cl.sessions), "per_instance": {i.name: i.sessions for i in cl.instances},
+                "moves": cl.session_moves, "moved_sessions": cl.moved_sessions,
+                "lookahead_sessions": cl.lookahead_held(), "max_sessions": cl.max_sessions,
+                "computed_at": now}
 
     def snapshot(self) -> dict[str, Any]:
         st = self.state

@@ -381,6 +381,7 @@ INSTANCE_SERIES: tuple[tuple[str, str, str, Callable[[Any], float | None]], ...]
     ("gauge", "kvtop_instance_pending_prefill_tokens", "tokens routed and not yet prefilled (P_i)",
      lambda s: s.pending_prefill_tokens),
     ("gauge", "kvtop_instance_decode_requests", "requests past their first token", lambda s: s.decode_requests),
+    ("gauge", "kvtop_instance_sessions", "sessions bound to the instance that the router holds", lambda s: s.sessions),
     ("gauge", "kvtop_instance_decode_tokens", "context tokens of decoding requests (D_i)",
      lambda s: s.ongoing_decode_tokens),
     ("gauge", "kvtop_instance_est_hit_rate", "estimated prefix-hit tokens / input tokens routed, cumulative",

@@ -35,3 +35,19 @@ def test_rounds_option_is_spelled_repeat(name):
 ])
 def test_bench_viewers_repeat(argv, expected):
     assert _load("bench_viewers").parse_args(argv).repeat == expected
+
+
+@pytest.mark.parametrize("argv", [["--window", "0"], ["--window", "3000"], ["--step", "500"],
+                                  ["--sessions", "1000"], ["--concurrency", "0"], ["--chunk", "0"]])
+def test_bench_sessions_refuses_bad_sizes(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        _load("bench_sessions").parse_args(argv)
+    assert exc.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_bench_sessions_in_process_grows_one_session_per_request():
+    grown = _load("bench_sessions").InProcess("expected_cost")
+    times = grown.grow(300)
+    assert len(times) == 300 and all(t >= 0 for t in times)
+    assert len(grown.cluster.sessions) == 300 and grown.cluster.counters_zero()

@@ -97,6 +97,11 @@ async def test_state_shape(router):
     assert s["outcomes_by_status"] == {"ok": 3}
     assert s["affinity"]["sessions"] == 3
     assert inst["gpu"]["note"].startswith("n/a: ")
+    # kept by the cluster as sessions come (no walk, no cache): a new session shows at once
+    assert (await complete(c, "s3"))["status"] == 200
+    aff = (await (await c.get("/kvtop/v1/state")).json())["affinity"]
+    assert aff["sessions"] == sum(aff["per_instance"].values()) == 4
+    assert aff["lookahead_sessions"] == 4 and aff["moves"] == aff["moved_sessions"] == 0
 
 
 async def test_backlog_seconds_uses_assumed_prefill_rate(router):

@@ -196,7 +196,7 @@ def documented_metrics() -> dict[str, set[str]]:
 
 def test_every_documented_metric_is_exposed_with_its_labels():
     names = documented_metrics()
-    assert len(names) == 19, names  # the section was found and read whole
+    assert len(names) == 20, names  # the section was found and read whole (kvtop_instance_sessions: issue 37)
     tel = Telemetry(fake_router(["a", "b"]))
     tel.state.cluster.instances[0].input_tokens_total = 10  # est_hit_rate needs routed input
     tel.metrics("decision", {"policy": "lmetric@2", "reason": "argmin", "decision_us": 40})
@@ -391,6 +391,7 @@ async def test_scrape_rates_samples_and_router_metrics(aiohttp_server, aiohttp_c
     assert exposed["kvtop_outcomes_total"] == [({"status": "ok"}, 4.0)]
     assert exposed["kvtop_delivered_hit_tokens_total"] == [({}, 512.0)]
     assert dict((l["instance"], v) for l, v in exposed["kvtop_instance_num_requests"]) == {"a": 0, "b": 0}
+    assert dict((l["instance"], v) for l, v in exposed["kvtop_instance_sessions"]) == {"a": 2, "b": 2}
     assert exposed["kvtop_e2e_seconds_count"] == [({}, 4.0)]
     assert exposed["kvtop_decision_seconds_count"] == [({}, 4.0)]
     # A scraper that asks for OpenMetrics gets it, as from prometheus_client's own handlers.

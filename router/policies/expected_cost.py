@@ -76,6 +76,12 @@ class ExpectedCost(Policy):
     ended; none while a request of its is in flight) against its own mean gap from an
     answer's end to its next turn (the fleet's while it has none). p_next = turn / (turn + 1).
 
+    The sessions bound to i are those the lookahead lists (``Lookahead.bound``: the ones in
+    flight there and at most ``LOOKAHEAD_IDLE`` idle ones, the most recently active) and,
+    while no session has returned yet, the rest as one prior-weighted sum
+    (``Lookahead.settled``): a decision costs O(the fleet + the request's blocks), not
+    O(sessions held) (docs/policies.md, "What a decision costs").
+
     Ties by new_i, then BS_i, then the global round-robin counter. Reasons: affinity_stick
     (stayed on the session's instance), affinity_new (first turn), affinity_lost (its instance
     is unhealthy), argmin / tie_rr (moved). Nothing is tuned: the constants are the profile's
@@ -142,14 +148,20 @@ class ExpectedCost(Policy):
             return {"queue_s": 0.0, "evict_s": 0.0, "keep_s": 0.0}
         cal = la.calibration
         i = c.index
-        queue = 0.0
         own = today["own_s"]
-        if own > 0:
-            for s in la.bound(i):
-                g = s.gap_sum / s.gaps if s.gaps else la.fleet_gap_s
-                if g:  # no gap seen anywhere yet: no evidence of returns to price
-                    held = queued_behind_s(today["wait_s"], own, g)
-                    queue += session_odds(s, la) * min(held, cal.seconds(i, s.last_input_tokens, 0))
+        wait = today["wait_s"]
+        now = la.now
+        fleet_gap = la.fleet_gap_s
+        # one pass over the sessions priced one by one (la.bound), the rest as one sum
+        queue = 0.0
+        demand = la.settled(i)
+        for s in la.bound(i):
+            g = s.gap_sum / s.gaps if s.gaps else fleet_gap
+            odds = return_odds(s.turns, s.gap_sum, s.gaps, s.idle_s(now), fleet_gap)
+            if own > 0 and g:  # no gap seen anywhere yet: no evidence of returns to price
+                held = queued_behind_s(wait, own, g)
+                queue += odds * min(held, cal.seconds(i, s.last_input_tokens, 0))
+            demand += odds * s.last_input_tokens
         evict = 0.0
         for s, lost in la.victims(i):
             ctx = s.last_input_tokens
@@ -157,7 +169,6 @@ class ExpectedCost(Policy):
             evict += session_odds(s, la) * cal.seconds(i, lost, ctx - lost)
         keep = 0.0
         if p_next > 0:
-            demand = sum(session_odds(s, la) * s.last_input_tokens for s in la.bound(i))
             lost = min(length, max(0, int(demand + length - la.capacity_tokens[i])))
             if lost:
                 keep = p_next * cal.seconds(i, lost, length - lost)
