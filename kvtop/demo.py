@@ -131,7 +131,9 @@ def start_cluster(args: argparse.Namespace, stack: Stack, db: str) -> tuple[str,
     from kvtop.tui.feed import default_state_dir
 
     state_dir = default_state_dir()  # where `kvtop attach` looks: a second terminal finds the demo
-    route_args = ["route", "--port", str(port), "--policy", args.policy, "--db", db, "--state-dir", str(state_dir)]
+    # the simulator's own tokenizer: text prompts are counted into the token ids the engines hash
+    route_args = ["route", "--port", str(port), "--policy", args.policy, "--db", db, "--state-dir", str(state_dir),
+                  "--tokenizer", "kvtop-sim"]
     for i, u in enumerate(urls):
         # the router's hits then come from what each engine reports it holds (docs/kv-events.md)
         route_args += ["--backend", f"{u}@kv=tcp://127.0.0.1:{kv + 2 * i}@kv-replay=tcp://127.0.0.1:{kv + 2 * i + 1}"

@@ -217,7 +217,8 @@ def route_line(args: argparse.Namespace, instances=None) -> str:
         elif kv is not None:
             spec += f"@kv=tcp://{host}:{kv + 2 * i}@kv-replay=tcp://{host}:{kv + 2 * i + 1}"
         specs.append(f"--backend {spec}")
-    return "route with: kvtop route " + " ".join(specs)
+    # the simulator's own tokenizer, so that text prompts are counted into the ids its KV events carry
+    return "route with: kvtop route " + " ".join(specs) + " --tokenizer kvtop-sim"
 
 
 def _admission_hook(args: argparse.Namespace):

@@ -22,7 +22,7 @@ from aiohttp import web
 from kvtop.sim.engine import Engine, EngineRejected, EngineRequest, FinishedRequest
 from kvtop.sim.metrics import CONTENT_TYPE, SimMetrics
 from kvtop.sim import apis, truth
-from kvtop.sim.tokenizer import filler_text, render_chat, token_strs, tokenize
+from kvtop.sim.tokenizer import filler_text, render_messages, token_strs, tokenize
 from router.blocks import hash_token_blocks
 
 SIM_VERSION = "0.11.0+kvtop.sim"
@@ -250,7 +250,8 @@ def _prompts_of(body: dict, chat: bool, max_model_len: int | None = None) -> lis
             raise BadRequest("'messages' must be a non-empty list of messages", "messages")
         add_gen = body.get("add_generation_prompt", True)
         try:
-            text = render_chat(messages, add_generation_prompt=bool(add_gen))
+            # tools and tool calls rendered as for /v1/messages and the router's --tokenizer kvtop-sim
+            text = render_messages(messages, body.get("tools"), add_generation_prompt=bool(add_gen))
         except ValueError as exc:
             raise BadRequest(str(exc), "messages") from None
         _check_text_length(text, max_model_len)
