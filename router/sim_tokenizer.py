@@ -134,7 +134,8 @@ def chatml_messages(messages: list, tools: list | None = None) -> list[dict]:
         for call in calls:
             fn = call.get("function") if isinstance(call, dict) else None
             fn = fn if isinstance(fn, dict) else {}
-            content += f"\n<tool_call>\n{_dumps({'name': fn.get('name'), 'arguments': fn.get('arguments')})}\n</tool_call>"
+            call_json = _dumps({"name": fn.get("name"), "arguments": fn.get("arguments")})
+            content += f"\n<tool_call>\n{call_json}\n</tool_call>"
         out.append({"role": m["role"], "content": content})
     if tools:
         if not isinstance(tools, list):

@@ -60,7 +60,8 @@ async def agent_chat(c, turns: int, sid: str) -> None:
                       "stream": True, "stream_options": {"include_usage": True}}, headers={"X-Session-ID": sid})
         msgs = msgs + [
             {"role": "assistant", "content": None, "tool_calls": [
-                {"id": f"call{t}", "type": "function", "function": {"name": "fn1", "arguments": json.dumps({"t": t})}}]},
+                {"id": f"call{t}", "type": "function",
+                 "function": {"name": "fn1", "arguments": json.dumps({"t": t})}}]},
             {"role": "tool", "tool_call_id": f"call{t}", "content": ta.words(120, 20 + t)},
             {"role": "user", "content": ta.words(25, 40 + t)}]
 
