@@ -230,10 +230,10 @@ def route_line(args: argparse.Namespace, instances=None) -> str:
 def _engine_block_size(args: argparse.Namespace, instances=None) -> int | None:
     if instances:
         return instances[0].engine.block_size
-    from kvtop.sim.profiles import get_profile
+    from kvtop.sim.profiles import DEFAULT_PROFILE, get_profile
 
     try:
-        return get_profile(args.profile).block_size
+        return get_profile(getattr(args, "profile", DEFAULT_PROFILE)).block_size
     except (KeyError, OSError, ValueError):
         return None
 
