@@ -94,3 +94,21 @@ async def test_the_router_counts_what_kvtop_sim_counts(aiohttp_client, endpoint,
     if endpoint == "chat":  # and the ids themselves: the sim's /tokenize renders chat the same way
         ids = await (await client.post("/tokenize", json={"messages": body["messages"], "tools": body["tools"]})).json()
         assert list(counted.tokens) == ids["tokens"]
+
+
+async def test_tokenizer_auto_finds_the_simulators_own_on_kvtop_sim(aiohttp_server, tmp_path, monkeypatch):
+    """kvtop sim names ``kvtop-sim`` as its model's root: ``--tokenizer auto`` takes the
+    simulator's tokenizer, not a real model's of the same name from the Hugging Face cache."""
+    from router.app import Backend, RouterConfig
+    from router.cli import resolve_tokenizer
+
+    hub = tmp_path / "hub" / "models--Qwen--Qwen3-30B-A3B" / "snapshots" / "abc"
+    hub.mkdir(parents=True)
+    (hub / "tokenizer.json").write_text("{}")  # a cached real tokenizer of the served model's name
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    inst = SimInstance(Engine("h20"), model="Qwen/Qwen3-30B-A3B", speed=1000.0)
+    server = await aiohttp_server(create_app(inst), host="127.0.0.1")
+    cfg = RouterConfig(backends=[Backend("s", str(server.make_url("")).rstrip("/"))], tokenizer="auto",
+                       db=None, state_dir=str(tmp_path / "state"))
+    await resolve_tokenizer(cfg)
+    assert cfg.tokenizer == "kvtop-sim"

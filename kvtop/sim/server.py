@@ -482,7 +482,8 @@ async def models(request: web.Request) -> web.Response:
     inst = request.app[INSTANCE]
     return web.json_response({"object": "list", "data": [{
         "id": inst.model, "object": "model", "created": int(time.time()), "owned_by": "vllm",
-        "root": inst.model, "parent": None, "max_model_len": inst.engine.max_model_len,
+        # the "weights" it loaded are this simulator: --tokenizer auto finds its tokenizer by it
+        "root": "kvtop-sim", "parent": None, "max_model_len": inst.engine.max_model_len,
         "permission": []}]})
 
 
