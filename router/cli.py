@@ -252,8 +252,9 @@ async def resolve_tokenizer(config: RouterConfig) -> None:
     from router.tokenizer_find import find_tokenizer
 
     spec = config.tokenizer
-    if spec is None or spec == SIM_TOKENIZER or not (spec == "auto" or (os.path.isdir(spec)
-                                               and not os.path.isfile(os.path.join(spec, "tokenizer.json")))):
+    if spec is None or spec == SIM_TOKENIZER:
+        return
+    if not (spec == "auto" or (os.path.isdir(spec) and not os.path.isfile(os.path.join(spec, "tokenizer.json")))):
         return
     models = await backend_models(config.backends, ca_file=config.backend_ca_file)
     found = find_tokenizer(models, None if spec == "auto" else spec)
