@@ -18,9 +18,10 @@ is printed: figure, kvtop, truth, error. docs/truth.md keeps it.
     python benchmarks/truth_audit.py                  # the table in docs/truth.md (about a minute)
     python benchmarks/truth_audit.py --turns 2 --speed 20   # quicker
 
-Everything runs in this process on 127.0.0.1 and stops by itself. No ``--tokenizer``: the
-simulator's tokenizer has no Hugging Face files, so text prompts are counted by the router's
-approximation and routed on its estimate; token-id prompts are exact. The table says so.
+Everything runs in this process on 127.0.0.1 and stops by itself. The router counts text with
+the simulator's own tokenizer (``--tokenizer kvtop-sim``, as ``kvtop sim``'s route line gives
+it), so text prompts are exact too; ``--no-tokenizer`` runs it on the router's
+4-characters-a-token approximation instead (text prompts then route on the estimate).
 """
 
 from __future__ import annotations
@@ -244,7 +245,8 @@ def _metric(text: str, name: str, **labels) -> float:
     return total
 
 
-async def audit(turns: int = 6, *, speed: float = 20.0, blocks: int = 4000, tmp: str | None = None) -> dict[str, Any]:
+async def audit(turns: int = 6, *, speed: float = 20.0, blocks: int = 4000, tmp: str | None = None,
+                tokenizer: str | None = "kvtop-sim") -> dict[str, Any]:
     """Run the workloads and gather every view and the truth. Returns the raw material."""
     tmp = tmp or tempfile.mkdtemp(prefix="kvtop-truth-")
     insts = []
@@ -260,7 +262,7 @@ async def audit(turns: int = 6, *, speed: float = 20.0, blocks: int = 4000, tmp:
     cfg = RouterConfig(backends=[Backend(f"sim{k}", f"http://127.0.0.1:{i.port}", kv_events=i.kv_publisher.endpoint,
                                          kv_replay=i.kv_publisher.replay_endpoint) for k, i in enumerate(insts)],
                        block_size=16, capacity_tokens=blocks * 16, db=db, state_dir=str(Path(tmp) / "state"),
-                       scrape_interval_s=0.2, health_interval_s=0)
+                       scrape_interval_s=0.2, health_interval_s=0, tokenizer=tokenizer)
     app = create_app(cfg)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -460,10 +462,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--speed", type=float, default=1.0,
                    help="the simulated engines' --speed (default 1: engine time is wall time, so the backlog "
                         "and TTFT figures mean what they would on the profile's GPU)")
+    p.add_argument("--no-tokenizer", action="store_true",
+                   help="the router without --tokenizer kvtop-sim: text prompts counted by the approximation")
     args = p.parse_args(argv)
     if args.turns < 1 or args.speed <= 0:
         p.error("--turns must be >= 1 and --speed > 0")
-    a = asyncio.run(audit(args.turns, speed=args.speed))
+    a = asyncio.run(audit(args.turns, speed=args.speed, tokenizer=None if args.no_tokenizer else "kvtop-sim"))
     print(format_table(compare(a)))
     print()
     print(a["summary_text"])

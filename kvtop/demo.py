@@ -157,7 +157,9 @@ def start_cluster(args: argparse.Namespace, stack: Stack, db: str,
         if not wait_http(u + "/health", sim, 30):
             raise CliError(f"kvtop sim did not come up: {stack.log_tail('sim') or 'no output'}")
     state_dir = state_dir_of(args)  # where `kvtop attach` looks: a second terminal finds the demo
-    route_args = ["route", "--port", str(port), "--policy", args.policy, "--db", db, "--state-dir", str(state_dir)]
+    # the simulator's own tokenizer: text prompts are counted into the token ids the engines hash
+    route_args = ["route", "--port", str(port), "--policy", args.policy, "--db", db, "--state-dir", str(state_dir),
+                  "--tokenizer", "kvtop-sim"]
     for i, u in enumerate(urls):
         # the router's hits then come from what each engine reports it holds (docs/kv-events.md)
         route_args += ["--backend", f"{u}@kv=tcp://127.0.0.1:{kv + 2 * i}@kv-replay=tcp://127.0.0.1:{kv + 2 * i + 1}"

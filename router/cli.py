@@ -114,7 +114,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "tokenized as vLLM does, off the event loop (docs/apis.md); 'auto': find the "
                         "tokenizer of the model the backends serve (the directory the engine loaded, "
                         "else the Hugging Face cache); a directory without tokenizer.json: search it "
-                        "the same way; the one used is printed at start. Default: the "
+                        "the same way; the one used is printed at start; 'kvtop-sim': the simulated "
+                        "vLLM's own tokenizer (kvtop sim's route line gives it). Default: the "
                         "4-characters-a-token approximation")
     p.add_argument("--max-input-tokens", type=int, default=1_000_000,
                    help="reject prompts longer than this with a 400 (default 1,000,000)")
@@ -247,11 +248,13 @@ async def backend_models(backends: list[Backend], timeout: float = 3.0,
 async def resolve_tokenizer(config: RouterConfig) -> None:
     """``--tokenizer auto`` or a directory to search: the tokenizer found, printed; none found
     is a warning and the approximation (router/tokenizer_find.py)."""
+    from router.sim_tokenizer import NAME as SIM_TOKENIZER
     from router.tokenizer_find import find_tokenizer
 
     spec = config.tokenizer
-    if spec is None or not (spec == "auto" or (os.path.isdir(spec)
-                                               and not os.path.isfile(os.path.join(spec, "tokenizer.json")))):
+    if spec is None or spec == SIM_TOKENIZER:
+        return
+    if not (spec == "auto" or (os.path.isdir(spec) and not os.path.isfile(os.path.join(spec, "tokenizer.json")))):
         return
     models = await backend_models(config.backends, ca_file=config.backend_ca_file)
     found = find_tokenizer(models, None if spec == "auto" else spec)

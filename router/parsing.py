@@ -49,7 +49,7 @@ from typing import Any
 from router.body import ArenaRef, Chunks, Handoff, as_bytes, fetch
 from router.http import parse_json
 from router.request import (BadRequest, Counted, Parsed, RouteRequest, Tokenizer, count_prompt,
-                            read_body, route_request)
+                            load_tokenizer, read_body, route_request)
 from router.worker import WorkerProcess
 from router.worker import partial as worker_partial
 
@@ -142,7 +142,7 @@ def _parse(raw: bytes | ArenaRef, endpoint: str, headers: dict[str, str], sessio
     if tokenizer_path:
         tok = _worker_tokenizer.get(tokenizer_path)
         if tok is None:
-            tok = _worker_tokenizer[tokenizer_path] = Tokenizer(tokenizer_path, parallel=False)
+            tok = _worker_tokenizer[tokenizer_path] = load_tokenizer(tokenizer_path, parallel=False)
     parsed = read_body(parse_json(raw), endpoint, headers=headers, session_header=session_header)
     key = _turn_key(parsed) if tok is not None and parsed.prompt.tokens is None else None
     prev = _worker_turns.get(key) if key else None

@@ -22,7 +22,8 @@ instance that stored that response (router/apis.ResponseStore) and takes that re
 Prompt tokens (``token_source``): token ids in ``prompt`` are used as they are (``tokens``).
 With a tokenizer (``--tokenizer``), text is tokenized and chat-like prompts are first rendered
 with the model's own chat template (router/chat_template.py), tools included, so the count is
-vLLM's prompt_tokens (``tokenizer``). Without one, text is hashed in fixed character chunks and
+vLLM's prompt_tokens (``tokenizer``); ``--tokenizer kvtop-sim`` counts as ``kvtop sim`` does
+(router/sim_tokenizer.py). Without one, text is hashed in fixed character chunks and
 chat-like prompts in a ``<|role|>`` rendering with the tools' JSON first (``text_approx``,
 router/blocks.py).
 """
@@ -662,6 +663,17 @@ def parse_request(body: Any, endpoint: str, *, headers: Any = None, session_head
 
 
 # --- the tokenizer --------------------------------------------------------------------------------
+
+def load_tokenizer(spec: str, *, parallel: bool = True):
+    """``--tokenizer``'s value -> a tokenizer: ``kvtop-sim``, the simulated vLLM's own
+    (router/sim_tokenizer.py: the same code ``kvtop sim`` counts with), else a model's
+    tokenizer directory or tokenizer.json (``Tokenizer``). Raises ValueError."""
+    from router.sim_tokenizer import NAME, SimTokenizer
+
+    if spec == NAME:
+        return SimTokenizer()
+    return Tokenizer(spec, parallel=parallel)
+
 
 #: New text (characters) from which a prompt's pieces are tokenized in parallel (a cold prompt's,
 #: ~16k tokens or more).

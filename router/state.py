@@ -32,7 +32,7 @@ from router.settings import Settings
 from aiohttp import web
 
 from router.parsing import BodyParser
-from router.request import Tokenizer
+from router.request import load_tokenizer
 from store.chains import ChainEncoder
 from store.schema import SCHEMA_VERSION
 from store.writer import Writer
@@ -132,7 +132,7 @@ class RouterState:
                                      speculative_ttl_s=config.kv_speculative_ttl_s)
         self.kv_subscribers: list = []  # router/kv_events.Subscriber per backend (None: no events)
         self.chains = ChainEncoder()  # compact block chains in decision rows (store/chains.py)
-        self.tokenizer = Tokenizer(config.tokenizer) if config.tokenizer else None
+        self.tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer else None
         self.parser = BodyParser(config, self.tokenizer)
         #: every background task's deaths (router/supervise.py); ``degraded()`` shows them
         self.supervisor = Supervisor()

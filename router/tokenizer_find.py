@@ -4,6 +4,9 @@ backends serve, found on this machine, so that text prompts can be counted exact
 Where it looks, for each model the backends name in ``GET /v1/models`` (its ``id`` and, as
 vLLM reports it, its ``root``: the path or Hugging Face id the engine loaded):
 
+0. ``kvtop-sim``, when a backend is ``kvtop sim`` (its ``root``): the simulator's own
+   tokenizer (router/sim_tokenizer.py), never a real model's of the same name;
+
 1. the ``root`` itself, when it is a local directory holding ``tokenizer.json`` (an engine
    started from a local path names its own files);
 2. the Hugging Face hub cache (``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else
@@ -19,6 +22,8 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+
+from router.sim_tokenizer import NAME as SIM_NAME
 
 
 def hub_cache() -> Path:
@@ -57,6 +62,8 @@ def find_tokenizer(models: list[dict], search: str | None = None) -> tuple[str, 
             v = m.get(key) if isinstance(m, dict) else None
             if isinstance(v, str) and v and v not in names:
                 names.append(v)
+    if SIM_NAME in names:  # 0. kvtop sim names its own tokenizer as its model's root
+        return SIM_NAME, "the backends' /v1/models: kvtop sim"
     for name in names:  # 1. the engine's own files
         p = Path(name).expanduser()
         if p.is_absolute() and p.is_dir() and _has_tokenizer(p):

@@ -79,4 +79,5 @@ def test_backend_urls_are_checked_and_ipv6_takes_brackets():
                               no_kv_events=False)
     line = route_line(args)
     assert line.startswith("route with: kvtop route --backend http://[::1]:9000@kv=tcp://[::1]:")
-    parse_backend(line.split("--backend ")[1], 0)  # what the sim prints, the router takes
+    parse_backend(line.split("--backend ")[1].split()[0], 0)  # what the sim prints, the router takes
+    assert line.endswith(" --tokenizer kvtop-sim --block-size 16")  # the engine's tokens and blocks

@@ -188,7 +188,9 @@ async def test_kvtop_sim_publishes_by_default_where_its_route_line_says(router_c
             f"tcp://127.0.0.1:{base + 3}" in lines[0], lines
         assert lines[2].startswith("route with: kvtop route --backend"), lines
         argv = shlex.split(lines[2].split(":", 1)[1])[2:]
-        backends = [parse_backend(spec, k) for k, spec in enumerate(argv[1::2])]
+        specs = [v for flag, v in zip(argv, argv[1:]) if flag == "--backend"]
+        assert argv[-4:] == ["--tokenizer", "kvtop-sim", "--block-size", "16"]  # the engine's tokens and blocks
+        backends = [parse_backend(spec, k) for k, spec in enumerate(specs)]
         assert [b.kv_events for b in backends] == [f"tcp://127.0.0.1:{base + 2}", f"tcp://127.0.0.1:{base + 4}"]
         cfg = RouterConfig(backends=backends, policy="leastwork", block_size=BS, db=str(tmp_path / "k.db"),
                            state_dir=str(tmp_path / "state"), kv_speculative_ttl_s=0)  # only the events
@@ -214,7 +216,7 @@ async def test_kvtop_sim_publishes_by_default_where_its_route_line_says(router_c
     off = subprocess.run([sys.executable, "-m", "kvtop", "sim", "--port-base", str(base), "--no-kv-events",
                           "--duration", "0.2"], capture_output=True, text=True, timeout=30)
     assert off.returncode == 0, off.stderr
-    assert "KV events" not in off.stdout and f"--backend http://127.0.0.1:{base}\n" in off.stdout
+    assert "KV events" not in off.stdout and f"--backend http://127.0.0.1:{base} --tokenizer kvtop-sim\n" in off.stdout
 
 
 def test_kvtop_sim_says_which_kv_port_is_taken_and_how_to_move():

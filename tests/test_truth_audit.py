@@ -75,10 +75,17 @@ def test_logged_ttft_never_precedes_what_the_client_saw(audited):
             assert o["ttft_ms"] <= s.ttft_s * 1000 + 1.0, (s.shape, o["ttft_ms"], s.ttft_s)
 
 
-def test_the_table_prints_and_a_text_shape_without_tokenizer_is_said_to_be_estimated(audited):
+def test_the_table_prints_and_text_shapes_are_exact_with_the_simulators_tokenizer(audited):
+    """--tokenizer kvtop-sim: Claude Code, Codex, chat and text completions are counted as the
+    engine counts them, every decision is exact, and the estimated hits are the engine's cached
+    tokens within 1% of prompt tokens over the run."""
     ta, a = audited
     table = ta.format_table(ta.compare(a))
     assert "| figure" in table and "Codex with 60 tools" in table
-    claude = [d for s, _, _, d in _pairs(a) if s.shape == "claude_code"]
-    assert all(d["index_source"] == "estimate" and d["token_source"] == "text_approx" for d in claude)
-    assert "no --tokenizer" in a["state"]["router"]["token_warning"]
+    pairs = _pairs(a)
+    assert all(d["index_source"] == "exact" and d["token_source"] != "text_approx" for _, _, _, d in pairs)
+    assert all(d["input_tokens"] == t["prompt_tokens"] for _, t, _, d in pairs)
+    text = [(t, d) for s, t, _, d in pairs if s.shape != "completions_ids"]
+    off = sum(abs(d["est_hit_tokens"] - t["cached_tokens"]) for t, d in text)
+    assert off <= 0.01 * sum(t["prompt_tokens"] for t, _ in text)
+    assert not a["state"]["router"]["token_warning"]

@@ -3,9 +3,11 @@
 
 Bodies are converted to chat messages and tools as vLLM converts them (the router's own
 converter, router/request.py, which follows vllm/entrypoints/anthropic/serving.py and the
-Responses API's input items), rendered as ChatML with the tools' JSON in the system turn, and
-tokenized with the simulator's tokenizer. Answers follow vLLM 0.32: Messages streams are
-``message_start``, ``content_block_start``, ``content_block_delta``..., ``content_block_stop``,
+Responses API's input items), rendered as ChatML with the tools' JSON in the system turn and
+tokenized with the simulator's tokenizer (router/sim_tokenizer.py render_messages: the router's
+``--tokenizer kvtop-sim`` renders and counts them with the same function). Answers follow vLLM
+0.32: Messages streams are ``message_start``, ``content_block_start``,
+``content_block_delta``..., ``content_block_stop``,
 ``message_delta`` (usage: ``input_tokens`` net of ``cache_read_input_tokens``, as vLLM reports
 them), ``message_stop``; errors are ``{"type": "error", "error": {...}}``. Responses streams are
 ``response.created`` ... ``response.output_text.delta``... ``response.completed`` (usage with
@@ -34,7 +36,7 @@ from aiohttp import web
 
 from kvtop.sim.answers import Answer, plan
 from kvtop.sim.engine import EngineRejected
-from kvtop.sim.tokenizer import render_chat, tokenize
+from kvtop.sim.tokenizer import render_messages, tokenize
 
 #: Stored responses kept per instance (least recently stored out first).
 STORED_RESPONSES = 10_000
@@ -71,28 +73,6 @@ def _dumps(obj: Any) -> str:
 
 def _event(name: str, data: dict) -> bytes:
     return f"event: {name}\ndata: {_dumps(data)}\n\n".encode()
-
-
-def _chatml(messages: list[dict], tools: list[dict] | None) -> list[dict]:
-    """Chat messages with plain-string content for the simulator's ChatML renderer: tools as
-    JSON lines in the system turn, tool calls as <tool_call> JSON (as Qwen's template does)."""
-    out = []
-    for m in messages:
-        content = m.get("content")
-        if isinstance(content, list):
-            content = "\n".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
-        content = content or ""
-        for call in m.get("tool_calls") or ():
-            fn = call.get("function") or {}
-            content += f"\n<tool_call>\n{_dumps({'name': fn.get('name'), 'arguments': fn.get('arguments')})}\n</tool_call>"
-        out.append({"role": m["role"], "content": content})
-    if tools:
-        listing = "\n".join(_dumps(t) for t in tools)
-        if out and out[0]["role"] == "system":
-            out[0] = {"role": "system", "content": out[0]["content"] + f"\n\n# Tools\n<tools>\n{listing}\n</tools>"}
-        else:
-            out.insert(0, {"role": "system", "content": f"# Tools\n<tools>\n{listing}\n</tools>"})
-    return out
 
 
 async def _read(request: web.Request, endpoint: str):
@@ -206,7 +186,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     inst = request.app[SIM]
     try:
         body, parsed = await _read(request, "messages")
-        tokens = tokenize(render_chat(_chatml(parsed.prompt.messages, parsed.prompt.tools)))
+        tokens = tokenize(render_messages(parsed.prompt.messages, parsed.prompt.tools))
         max_tokens = _max_tokens(body, "max_tokens")
         answer = plan(inst.output_lengths, tokens, max_tokens, ignore_eos=_ignore_eos(body),
                       stop=_stop_sequences(body, "stop_sequences"), tools=parsed.prompt.tools,
@@ -321,7 +301,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
         if history:  # the stored conversation, then this request's (its instructions first)
             system = [m for m in msgs[:1] if m["role"] == "system" and body.get("instructions") is not None]
             msgs = system + [m for m in history if m["role"] != "system"] + msgs[len(system):]
-        tokens = tokenize(render_chat(_chatml(msgs, parsed.prompt.tools)))
+        tokens = tokenize(render_messages(msgs, parsed.prompt.tools))
         max_tokens = _max_tokens(body, "max_output_tokens", inst, len(tokens))
         answer = plan(inst.output_lengths, tokens, max_tokens, ignore_eos=_ignore_eos(body),
                       tools=parsed.prompt.tools, tool_choice=body.get("tool_choice"), messages=msgs)

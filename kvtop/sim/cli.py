@@ -235,7 +235,25 @@ def route_line(args: argparse.Namespace, instances=None) -> str:
         elif kv is not None:
             spec += f"@kv=tcp://{host}:{kv + 2 * i}@kv-replay=tcp://{host}:{kv + 2 * i + 1}"
         specs.append(f"--backend {spec}")
-    return "route with: kvtop route " + " ".join(specs)
+    # the simulator's own tokenizer, so that text prompts are counted into the ids its KV events
+    # carry, and with events the engine's block size, so that hits are exact to the block
+    tail = " --tokenizer kvtop-sim"
+    if kv is not None or any(getattr(inst, "kv_publisher", None) for inst in instances or ()):
+        block = _engine_block_size(args, instances)
+        if block is not None:
+            tail += f" --block-size {block}"
+    return "route with: kvtop route " + " ".join(specs) + tail
+
+
+def _engine_block_size(args: argparse.Namespace, instances=None) -> int | None:
+    if instances:
+        return instances[0].engine.block_size
+    from kvtop.sim.profiles import DEFAULT_PROFILE, get_profile
+
+    try:
+        return get_profile(getattr(args, "profile", DEFAULT_PROFILE)).block_size
+    except (KeyError, OSError, ValueError):
+        return None
 
 
 def _admission_hook(args: argparse.Namespace):

@@ -23,7 +23,7 @@ from kvtop.sim.engine import Engine, EngineRejected, EngineRequest, FinishedRequ
 from kvtop.sim.metrics import CONTENT_TYPE, SimMetrics
 from kvtop.sim import apis, truth
 from kvtop.sim.answers import RUN_TO_MAX, Answer, OutputLengths, plan
-from kvtop.sim.tokenizer import render_chat, token_strs, tokenize
+from kvtop.sim.tokenizer import render_messages, token_strs, tokenize
 from router.blocks import hash_token_blocks
 
 SIM_VERSION = "0.11.0+kvtop.sim"
@@ -259,7 +259,8 @@ def _prompts_of(body: dict, chat: bool, max_model_len: int | None = None) -> lis
             raise BadRequest("'messages' must be a non-empty list of messages", "messages")
         add_gen = body.get("add_generation_prompt", True)
         try:
-            text = render_chat(messages, add_generation_prompt=bool(add_gen))
+            # tools and tool calls rendered as for /v1/messages and the router's --tokenizer kvtop-sim
+            text = render_messages(messages, body.get("tools"), add_generation_prompt=bool(add_gen))
         except ValueError as exc:
             raise BadRequest(str(exc), "messages") from None
         _check_text_length(text, max_model_len)
@@ -533,7 +534,8 @@ async def models(request: web.Request) -> web.Response:
     inst = request.app[INSTANCE]
     return web.json_response({"object": "list", "data": [{
         "id": inst.model, "object": "model", "created": int(time.time()), "owned_by": "vllm",
-        "root": inst.model, "parent": None, "max_model_len": inst.engine.max_model_len,
+        # the "weights" it loaded are this simulator: --tokenizer auto finds its tokenizer by it
+        "root": "kvtop-sim", "parent": None, "max_model_len": inst.engine.max_model_len,
         "permission": []}]})
 
 
