@@ -20,7 +20,7 @@ from typing import Any
 
 from aiohttp import web
 
-from router import limits
+from router import limits, priority
 from router.apis import APIS, RESPONSES, Api, ResponseStore, response_id
 from router.core import NoInstance
 from router.features import decode_leg_body, prefill_leg_body
@@ -130,7 +130,10 @@ async def _route(request: web.Request, state, api: Api, t_recv: float, raw: byte
         d = flow.decision
         if d.attempt > 1:
             state.counts["retries"] += 1
-        resp = await _attempt(request, state, flow, body, raw, api, store)
+        # the router's priority for vLLM, spliced into what goes upstream (the client's own kept);
+        # raw and body stay the client's, for a retry
+        sent, sent_body = priority.apply(d, raw, body)
+        resp = await _attempt(request, state, flow, sent_body, sent, api, store)
         if resp is not None:
             return resp
         pipe.retry(flow)

@@ -26,7 +26,7 @@ from typing import Any
 
 from aiohttp import web
 
-from kvtop.sim.engine import EngineRejected
+from kvtop.sim.engine import EngineRejected, check_priority
 from kvtop.sim.tokenizer import filler_text, render_chat, tokenize
 
 #: Stored responses kept per instance (least recently stored out first).
@@ -99,7 +99,7 @@ async def _read(request: web.Request, endpoint: str):
 
 
 async def _run(request: web.Request, tokens: list[int], max_tokens: int, kv_params: dict | None,
-               on_tokens) -> tuple[Any, int]:
+               on_tokens, priority: Any = None) -> tuple[Any, int]:
     """Generate on the engine; ``on_tokens(start, count)`` is awaited as tokens arrive (None for
     a non-streaming answer). Returns (the engine's FinishedRequest, output tokens)."""
 
@@ -113,7 +113,8 @@ async def _run(request: web.Request, tokens: list[int], max_tokens: int, kv_para
     s = None
     try:
         try:
-            s = inst.submit(rid, 0, tokens, max_tokens, kv_params, event)
+            s = inst.submit(rid, 0, tokens, max_tokens, kv_params, event,
+                            check_priority(priority, inst.engine.scheduling_policy))
         except EngineRejected as exc:
             raise ApiError(str(exc)) from None
         sent = 0
@@ -169,7 +170,8 @@ async def messages(request: web.Request) -> web.StreamResponse:
         tokens = tokenize(render_chat(_chatml(parsed.prompt.messages, parsed.prompt.tools)))
         msg_id = "msg_" + uuid.uuid4().hex[:24]
         if not parsed.stream:
-            finished, n = await _run(request, tokens, max_tokens, body.get("kv_transfer_params"), None)
+            finished, n = await _run(request, tokens, max_tokens, body.get("kv_transfer_params"), None,
+                                     body.get("priority"))
             cached = finished.num_cached_tokens if finished else 0
             reason = "max_tokens" if finished is None or finished.finish_reason == "length" else "end_turn"
             return web.json_response({
@@ -198,7 +200,8 @@ async def messages(request: web.Request) -> web.StreamResponse:
         await resp.write(out)
 
     try:
-        finished, n = await _run(request, tokens, max_tokens, body.get("kv_transfer_params"), on_tokens)
+        finished, n = await _run(request, tokens, max_tokens, body.get("kv_transfer_params"), on_tokens,
+                                     body.get("priority"))
     except ApiError as exc:
         await resp.write(_event("error", {"type": "error", "error": {"type": "api_error", "message": exc.message}}))
         await resp.write_eof()
@@ -273,7 +276,8 @@ async def responses(request: web.Request) -> web.StreamResponse:
 
     if not parsed.stream:
         try:
-            finished, n = await _run(request, tokens, max_tokens, body.get("kv_transfer_params"), None)
+            finished, n = await _run(request, tokens, max_tokens, body.get("kv_transfer_params"), None,
+                                     body.get("priority"))
         except ApiError as exc:
             return _openai_error(exc)
         message, usage = finish(finished, n)
@@ -306,7 +310,8 @@ async def responses(request: web.Request) -> web.StreamResponse:
         await resp.write(out)
 
     try:
-        finished, n = await _run(request, tokens, max_tokens, body.get("kv_transfer_params"), on_tokens)
+        finished, n = await _run(request, tokens, max_tokens, body.get("kv_transfer_params"), on_tokens,
+                                     body.get("priority"))
     except ApiError as exc:
         await resp.write(ev({"type": "error", "code": str(exc.status), "message": exc.message, "param": None}))
         await resp.write_eof()

@@ -19,7 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
-from kvtop.sim.engine import Engine, EngineRejected, EngineRequest, FinishedRequest
+from kvtop.sim.engine import Engine, EngineRejected, EngineRequest, FinishedRequest, check_priority
 from kvtop.sim.metrics import CONTENT_TYPE, SimMetrics
 from kvtop.sim import apis
 from kvtop.sim.tokenizer import filler_text, render_chat, token_strs, tokenize
@@ -181,14 +181,15 @@ class SimInstance:
     # ---------------------------------------------------------------- requests
 
     def submit(self, request_id: str, index: int, tokens: list[int], max_tokens: int,
-               kv_transfer_params: dict | None, event: asyncio.Event) -> _Stream:
-        """Queue one prompt on the engine; raises EngineRejected (answered as 400)."""
+               kv_transfer_params: dict | None, event: asyncio.Event, priority: int = 0) -> _Stream:
+        """Queue one prompt on the engine; raises EngineRejected (answered as 400).
+        ``priority``: the body's, checked by ``priority_of``."""
         arrival = self.engine_clock()
         hashes = hash_token_blocks(tokens, self.engine.block_size)
         if self.kv_publisher is not None:
             self.kv_publisher.remember(request_id, tokens, hashes)
         self.engine.add_request(EngineRequest(request_id, len(tokens), hashes, max_tokens, arrival,
-                                              kv_transfer_params=kv_transfer_params))
+                                              kv_transfer_params=kv_transfer_params, priority=priority))
         s = _Stream(request_id, index, len(tokens), max_tokens, arrival, event)
         self._streams[request_id] = s
         assert self._wake is not None
@@ -298,6 +299,14 @@ def _max_tokens_of(body: dict, chat: bool) -> int:
     return value
 
 
+def priority_of(body: dict, engine: Engine) -> int:
+    """The body's ``priority``, as vLLM takes it (``kvtop.sim.engine.check_priority``)."""
+    try:
+        return check_priority(body.get("priority"), engine.scheduling_policy)
+    except EngineRejected as exc:
+        raise BadRequest(str(exc), "priority") from None
+
+
 def _check_sampling(body: dict) -> tuple[bool, bool, dict | None]:
     stream = body.get("stream", False)
     if stream is None:
@@ -341,6 +350,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     prompts = _prompts_of(body, chat, inst.engine.max_model_len)
     max_tokens = _max_tokens_of(body, chat)
     stream, include_usage, kv_params = _check_sampling(body)
+    priority = priority_of(body, inst.engine)
     if chat and len(prompts) != 1:
         raise BadRequest("chat requests carry one conversation")
     if kv_params and kv_params.get("do_remote_decode"):
@@ -362,7 +372,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         try:
             for i, tokens in enumerate(prompts):
                 rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-                streams.append(inst.submit(rid, i, tokens, max_tokens, kv_params, event))
+                streams.append(inst.submit(rid, i, tokens, max_tokens, kv_params, event, priority))
         except EngineRejected as exc:
             raise BadRequest(str(exc), "input_tokens") from None
         if stream:
