@@ -106,3 +106,18 @@ def test_check_priority(value, policy, expected):
 def test_unknown_scheduling_policy_is_refused():
     with pytest.raises(ValueError, match="scheduling_policy must be one of fcfs, priority"):
         Engine("h20", scheduling_policy="sjf")
+
+
+def test_kvtop_sim_flag_builds_priority_engines_and_passes_it_to_child_processes():
+    import argparse
+
+    from kvtop.sim.cli import _child_argv, add_arguments, build_instances
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--instances", "2", "--scheduling-policy", "priority"])
+    assert [i.engine.scheduling_policy for i in build_instances(args)] == ["priority", "priority"]
+    assert _child_argv(args, 1)[-2:] == ["--scheduling-policy", "priority"]
+    assert build_instances(p.parse_args([]))[0].engine.scheduling_policy == "fcfs"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--scheduling-policy", "sjf"])
