@@ -47,12 +47,16 @@ ARMS = {"off": "off", "on": "session_fcfs"}
 
 
 def run_live(trace: Path, arm: str, args, out: Path) -> list[dict]:
+    from kvtop.sim.profiles import get_profile
+
     n = args.instances
     base = free_port_run(n + 1)
     rport = base + n
+    prof = get_profile(args.profile)
+    blocks = args.num_gpu_blocks or prof.num_gpu_blocks   # the offline arms' KV: the profile's
     sim = subprocess.Popen([*KVTOP, "sim", "--instances", str(n), "--port-base", str(base),
                             "--profile", args.profile, "--speed", str(args.speed),
-                            "--num-gpu-blocks", str(args.num_gpu_blocks), "--scheduling-policy", "priority",
+                            "--num-gpu-blocks", str(blocks), "--scheduling-policy", "priority",
                             "--no-kv-events", "--stream-interval-ms", "20", "--duration", str(args.timeout)],
                            stdout=subprocess.DEVNULL, stderr=open(out / f"{arm}.sim.log", "w"))
     router = None
@@ -63,7 +67,8 @@ def run_live(trace: Path, arm: str, args, out: Path) -> list[dict]:
         db = out / f"{arm}.db"
         db.unlink(missing_ok=True)
         router = subprocess.Popen([*KVTOP, "route", "--port", str(rport), "--policy", args.policy,
-                                   "--block-size", "16", "--capacity-tokens", str(args.num_gpu_blocks * 16),
+                                   "--block-size", str(prof.block_size),
+                                   "--capacity-tokens", str(blocks * prof.block_size),
                                    "--knob", f"priority={ARMS[arm]}", "--db", str(db),
                                    "--state-dir", str(out / f"{arm}.state"),
                                    *[a for i, u in enumerate(engines) for a in ("--backend", f"i{i}={u}")]],
@@ -145,8 +150,8 @@ def main() -> int:
     ap.add_argument("--sessions", type=int, default=24)
     ap.add_argument("--max-turns", type=int, default=12)
     ap.add_argument("--stagger", type=float, default=5.0)
-    ap.add_argument("--num-gpu-blocks", type=int, default=13_000,
-                    help="live: KV per engine in 16-token blocks (default 13,000 = 208k tokens)")
+    ap.add_argument("--num-gpu-blocks", type=int, default=None,
+                    help="live: KV per engine in the profile's blocks (default the profile's: h20 265k tokens)")
     ap.add_argument("--profile", default="h20")
     ap.add_argument("--speed", type=float, default=10.0)
     ap.add_argument("--timeout", type=float, default=900.0)
