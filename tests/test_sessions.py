@@ -121,3 +121,18 @@ def test_session_table_for_simulate_and_whatif():
     csv_text = session_table([("lmetric", recs), ("empty", [])], "csv").splitlines()
     assert len(csv_text) == 2 and csv_text[1].split(",")[:4] == ["lmetric", "1", "2", "6.0"]
     assert session_table([("empty", [])]) == ""
+
+
+def test_report_of_replay_results_has_the_session_table(tmp_path, capsys):
+    from kvtop.cli import main
+
+    path = tmp_path / "arm.jsonl"
+    recs = [{"request_id": f"r{k}", "session": "s", "turn": k + 1, "arrival": 0.0, "sent_at": t, "input_tokens": 100,
+             "output_tokens": 2, "status": "ok", "ttft_ms": 100.0, "e2e_ms": e2e, "instance": "i0",
+             "route_class": "WARM"} for k, (t, e2e) in enumerate([(0.0, 1000.0), (3.0, 2000.0)])]
+    path.write_text("\n".join(json.dumps(x) for x in [{"kvtop_results": 1, "arm": "a"}, *recs]) + "\n")
+    assert main(["report", str(path)]) == 0
+    out = capsys.readouterr().out
+    line = out.rstrip().splitlines()[-1].split()
+    # one session: 0 to 5 s, 3 s in the fleet, 2 s between its turns
+    assert line[:2] == ["a", "1"] and line[2] == "5.0" and line[6] == "3.0" and line[8] == "2.0"
