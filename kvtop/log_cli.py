@@ -204,9 +204,12 @@ def _decisions(db, args) -> int:
 
 
 def _summary(db, args) -> int:
-    from store import summary
+    from store import sessions, summary
 
     result = summary.summary(db, args.run, instances=args.instances)
+    by_segment = sessions.from_db(db, result["run_id"])
+    for s in result["segments"]:
+        s["sessions"] = sessions.summarize(by_segment.get((s["policy"], s["policy_version"]), []))
     if args.format == "json":
         print(json.dumps(result, indent=2))
         return 0
@@ -346,6 +349,16 @@ def format_summary(result: dict) -> str:
                      f"(mean {_num(h['mean_routing_regret'])})  "
                      f"estimate error (est-delivered) {_num(h['estimate_error'])} "
                      f"(mean {_num(h['mean_estimate_error'])})")
+        ses = s.get("sessions")
+        if ses and ses["sessions"]:
+            def sec(fig: str, stat: str) -> str:
+                v = ses[fig][stat]
+                return "-" if v is None else f"{v:,.1f}"
+            lines.append(f"  sessions     {ses['sessions']:,} ({ses['requests']:,} requests), first arrival to "
+                         f"last answer: mean {sec('completion_s', 'mean')} p50 {sec('completion_s', 'p50')} "
+                         f"p90 {sec('completion_s', 'p90')} max {sec('completion_s', 'max')} s")
+            lines.append(f"               in the fleet mean {sec('fleet_s', 'mean')} p90 {sec('fleet_s', 'p90')} s  "
+                         f"client's own (between turns) mean {sec('client_s', 'mean')} p90 {sec('client_s', 'p90')} s")
         if "kv" in s:
             lines += _kv_lines(s["kv"], result.get("predate_index_source") or [])
     return "\n".join(lines)

@@ -52,6 +52,8 @@ class Arm:
     load_records: Callable[[], Sequence[Mapping[str, Any]]] | None = None
     #: requests cut off by their client (a decision log's ``client_gone``), not in the figures
     cancelled: int = 0
+    #: the arm's agent sessions (store.sessions), for the session table; None: not known
+    sessions: list | None = None
 
     @property
     def requests(self) -> int:
@@ -95,7 +97,10 @@ def load_results(path: str) -> Arm:
         raise CliError(f"{path} is empty")
     base = os.path.basename(path)
     label = header.get("arm") or (base[:-6] if base.endswith(".jsonl") else base)
-    return Arm(str(label), seedtable.RecordColumns(records), header.get("engine_prefix_cache"))
+    from store import sessions
+
+    return Arm(str(label), seedtable.RecordColumns(records), header.get("engine_prefix_cache"),
+               sessions=sessions.from_records(records))
 
 
 def load_db_arms(db_paths: str | Sequence[str], run_id: str | None) -> list[Arm]:
@@ -128,6 +133,7 @@ def load_db_arms(db_paths: str | Sequence[str], run_id: str | None) -> list[Arm]
 
             for note in knob_notes(db):
                 print(f"kvtop report: {note}", file=sys.stderr)
+        by_segment = _db_sessions(db if db is not None else paths[0], arms)
     except LookupError as exc:  # e.g. an unknown run id, a damaged or locked file
         raise CliError(str(exc).strip("'\"")) from None
     except sqlite3.DatabaseError as exc:  # damaged past the pages opening it reads
@@ -136,7 +142,28 @@ def load_db_arms(db_paths: str | Sequence[str], run_id: str | None) -> list[Arm]
     # A log's arm answers the seed table from SQL (``columns``); its records, a dict per
     # request, are built only if --plot asks. Stand-ins without ``columns`` give records.
     return [Arm(a.label, getattr(a, "columns", None) or seedtable.RecordColumns(a.records), a.apc,
-                lambda a=a: a.records, getattr(a, "cancelled", 0)) for a in arms]
+                lambda a=a: a.records, getattr(a, "cancelled", 0),
+                by_segment.get((getattr(a, "run_id", None), getattr(a, "policy", None),
+                                getattr(a, "policy_version", None)))) for a in arms]
+
+
+def _db_sessions(db: Any, arms: Sequence[Any]) -> dict[tuple, list]:
+    """Each db arm's sessions, keyed by (run, policy, version); empty for arms without a run.
+    ``db``: the merged logs the arms came from (scoped to their run), or the one log's path."""
+    from store import sessions
+
+    runs = {a.run_id for a in arms if getattr(a, "run_id", None)}
+    if not runs:
+        return {}
+    if not hasattr(db, "conn"):
+        from store.logs import open_logs
+
+        db = open_logs(db)
+    out: dict[tuple, list] = {}
+    for run_id in runs:
+        for (policy, version), items in sessions.from_db(db, run_id).items():
+            out[(run_id, policy, version)] = items
+    return out
 
 
 def _unique_labels(arms: list[Arm]) -> None:
@@ -149,19 +176,26 @@ def _unique_labels(arms: list[Arm]) -> None:
 
 
 def render(arms: Sequence[Arm], fmt: str = "text") -> str:
-    """The seed table, then the per-class TTFT table, in ``fmt``."""
+    """The seed table, the per-class TTFT table, then (when known) the session table, in ``fmt``."""
+    from store.sessions import summarize
+
     seed = [(a.label, seedtable.seed_row(a.columns, a.apc)) for a in arms]
     classes = [(a.label, seedtable.class_rows(a.columns)) for a in arms]
     seed_text = seedtable.format_seed_table(seed, fmt)
     class_text = seedtable.format_class_table(classes, fmt)
-    if fmt == "csv":  # two CSV tables, separated by a blank line
-        return seed_text + "\n\n" + class_text + "\n"
+    ses = [(a.label, summarize(a.sessions)) for a in arms if a.sessions]
+    ses_text = seedtable.format_session_table(ses, fmt) if ses else ""
+    if fmt == "csv":  # two (three) CSV tables, separated by a blank line
+        return seed_text + "\n\n" + class_text + "\n" + (f"\n{ses_text}\n" if ses_text else "")
     cut = [f"{a.label} {a.cancelled:,}" for a in arms if a.cancelled]
     note = ("\n\ncancelled (cut off by their client, e.g. a run stopped mid-way; not counted as "
             "requests or errors): " + ", ".join(cut)) if cut else ""
     if fmt == "md":
-        return f"## Seed table\n\n{seed_text}{note}\n\n## TTFT by route class\n\n{class_text}\n"
-    return f"{seed_text}{note}\n\nTTFT by route class\n{class_text}\n"
+        tail = f"\n## Sessions (first arrival to last answer)\n\n{ses_text}\n" if ses_text else ""
+        return f"## Seed table\n\n{seed_text}{note}\n\n## TTFT by route class\n\n{class_text}\n{tail}"
+    tail = f"\nSessions (first arrival to last answer; fleet: a request in flight; client: between turns)\n{ses_text}\n" \
+        if ses_text else ""
+    return f"{seed_text}{note}\n\nTTFT by route class\n{class_text}\n{tail}"
 
 
 def cdf_points(values: Sequence[float]) -> tuple[list[float], list[float]]:

@@ -372,6 +372,51 @@ def format_class_table(arms: Sequence[tuple[str, Mapping[str, Mapping[str, Any]]
                   for label, classes in arms for cls, r in classes.items()], fmt)
 
 
+#: The session table's columns: (header, key in store.sessions.summarize, statistic).
+SESSION_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("done mean", "completion_s", "mean"), ("done p50", "completion_s", "p50"),
+    ("done p90", "completion_s", "p90"), ("done max", "completion_s", "max"),
+    ("fleet mean", "fleet_s", "mean"), ("fleet p90", "fleet_s", "p90"),
+    ("client mean", "client_s", "mean"), ("client p90", "client_s", "p90"),
+)
+
+
+def format_session_table(rows: Sequence[tuple[str, Mapping[str, Any]]], fmt: str = "text") -> str:
+    """Session completion time per arm, from ``(arm label, store.sessions.summarize(...))``.
+
+    ``done``: a session's first arrival to its last answer's end; ``fleet``: the time it had a
+    request in the fleet; ``client``: the rest, its own time between turns. Seconds."""
+    if fmt == "csv":
+        return _csv(["arm", "sessions", "requests"] + [f"{key}_{stat}" for _, key, stat in SESSION_COLUMNS],
+                    [[label, s["sessions"], s["requests"]] + [s[key][stat] for _, key, stat in SESSION_COLUMNS]
+                     for label, s in rows])
+    _check_fmt(fmt)
+
+    def sec(v: float | None) -> str:
+        return "-" if v is None else f"{v:,.1f}"
+
+    return _grid(["arm", "sessions"] + [f"{h} s" for h, _, _ in SESSION_COLUMNS],
+                 [[label, f"{s['sessions']:,}"] + [sec(s[key][stat]) for _, key, stat in SESSION_COLUMNS]
+                  for label, s in rows], fmt)
+
+
+def session_table(arms: Sequence[tuple[str, Iterable[Mapping[str, Any]]]], fmt: str = "text") -> str:
+    """The session table of ``(arm label, result records)`` pairs (``kvtop simulate``'s and
+    what-if's records: a request's start is its ``arrival``, or ``sent_at`` for replay's), with
+    its title line in text and md; empty when no arm has a session."""
+    from store.sessions import from_records, summarize
+
+    rows = [(label, summarize(items)) for label, records in arms if (items := from_records(records))]
+    if not rows:
+        return ""
+    table = format_session_table(rows, fmt)
+    if fmt == "csv":
+        return table
+    title = ("Sessions (first arrival to last answer; fleet: a request in flight; client: between turns)"
+             if fmt == "text" else "## Sessions (first arrival to last answer)\n")
+    return f"{title}\n{table}"
+
+
 def _check_fmt(fmt: str) -> None:
     if fmt not in ("text", "md", "csv"):
         raise ValueError(f"unknown table format {fmt!r} (text, md or csv)")

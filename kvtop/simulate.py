@@ -78,6 +78,9 @@ class SimConfig:
     # to the replica, so replica 0 stays as traced.
     path_jitter_s: float = 0.0
     path_seed: int = 0
+    # the engines' --scheduling-policy (vLLM's fcfs or priority); the router's priority feature
+    # sets each request's priority, which the engines then honour (kvtop/sim/engine.py)
+    scheduling_policy: str = "fcfs"
 
 
 def _engine_factory(cfg: SimConfig, trace_block_size: int):
@@ -99,7 +102,7 @@ def _engine_factory(cfg: SimConfig, trace_block_size: int):
 
     def make(i: int) -> Engine:
         return Engine(prof, block_size=ebs, num_gpu_blocks=capacity_tokens // ebs, engine_id=str(i),
-                      admission=make_hook())
+                      admission=make_hook(), scheduling_policy=cfg.scheduling_policy)
 
     return make, ebs, capacity_tokens
 
@@ -262,12 +265,13 @@ def _simulate(requests: Sequence[Any], policy: str, cfg: SimConfig, given: Seque
             u = (int.from_bytes(d, "big") / 2.0**63 - 1.0) * half_jitter
             eng = engines[i]
             at = t + max(u, -(eng.frontend_overhead_s + eng.profile.frontend_s_per_token * flow.request.input_tokens))
+        prio = flow.decision.extra.get("priority") or 0  # the router's priority feature, as live
         if leg.kind == PREFILL:  # P prefills (one token, KV kept for a remote decode)
             ereq = EngineRequest(key, flow.request.input_tokens, hashes, 1, at,
-                                 kv_transfer_params={"do_remote_decode": True})
+                                 kv_transfer_params={"do_remote_decode": True}, priority=prio)
         else:
             ereq = EngineRequest(rid, flow.request.input_tokens, hashes, out, at,
-                                 kv_transfer_params=kv_params.pop(rid, None))
+                                 kv_transfer_params=kv_params.pop(rid, None), priority=prio)
         res = in_flight[i]
         end = res.end_time if res is not None else None
         try:
@@ -399,6 +403,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-block-size", type=int, default=None,
                    help="engine cache block (default: the trace's block size, at least the profile's)")
     p.add_argument("--max-output-tokens", type=int, default=None, help="cap each request's output")
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                   help="the engines' vLLM --scheduling-policy (default fcfs); --knob priority=... needs "
+                        "priority, as a live vLLM does")
     p.add_argument("--engine-admission", choices=("fifo", "pack"), default=None,
                    help="order each simulated engine's own waiting queue with router/admission.py "
                         "(an experiment on the engine; --knob admission=... queues in the router, as live)")
@@ -436,7 +443,7 @@ def _policy_knobs(settings: Settings, knobs: dict[str, str]) -> dict[str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtop.seedtable import class_rows, format_class_table, format_seed_table, seed_row
+    from kvtop.seedtable import class_rows, format_class_table, format_seed_table, seed_row, session_table
     from kvtop.sim.profiles import get_profile
     from kvtop.traces.loader import dense_ids, iter_trace
 
@@ -463,6 +470,9 @@ def run(args: argparse.Namespace) -> int:
     except KnobError as exc:
         raise CliError(f"{exc.field}: {exc.message}") from None
     features = {k: v for k, v in knobs.items() if k in FEATURE_KNOBS.names()}
+    if features.get("priority", "off") != "off" and args.scheduling_policy != "priority":
+        raise CliError("--knob priority sets vLLM's per-request priority, which engines refuse under fcfs: "
+                       "give --scheduling-policy priority")
     try:
         get_profile(args.profile)
     except KeyError as exc:
@@ -514,7 +524,8 @@ def run(args: argparse.Namespace) -> int:
                                   router_block_size=args.router_block_size,
                                   engine_block_size=args.engine_block_size, knobs=_policy_knobs(settings[pol], knobs),
                                   max_output_tokens=args.max_output_tokens, features=features,
-                                  admission=args.engine_admission, path_jitter_s=args.path_jitter)
+                                  admission=args.engine_admission, path_jitter_s=args.path_jitter,
+                                  scheduling_policy=args.scheduling_policy)
                    for pol in policies}
         t0 = time.time()
         try:
@@ -537,12 +548,13 @@ def run(args: argparse.Namespace) -> int:
                 raise CliError(f"cannot write --plot {args.plot}: {exc.strerror or exc}") from None
             print(f"wrote {args.plot}", file=sys.stderr)
         return 0
-    rows, classes = [], []
+    rows, classes, arms = [], [], []
     for pol in policies:
         cfg = SimConfig(instances=args.instances, profile=args.profile, mode=args.mode,
                         router_block_size=args.router_block_size, engine_block_size=args.engine_block_size,
                         knobs=_policy_knobs(settings[pol], knobs), max_output_tokens=args.max_output_tokens,
-                        features=features, admission=args.engine_admission)
+                        features=features, admission=args.engine_admission,
+                        scheduling_policy=args.scheduling_policy)
         t0 = time.process_time()
         try:
             records = simulate(requests, pol, cfg)
@@ -552,6 +564,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"simulated {pol}: {len(records)} requests in {cpu:.1f} CPU s", file=sys.stderr)
         rows.append((pol, seed_row(records, instances=[f"i{i}" for i in range(args.instances)])))
         classes.append((pol, class_rows(records)))
+        arms.append((pol, records))
         if out_dir:
             with open(out_dir / f"{pol}.jsonl", "w") as f:
                 f.write(json.dumps({"kvtop_results": 1, "arm": pol, "target": f"simulate:{args.profile}",
@@ -561,4 +574,8 @@ def run(args: argparse.Namespace) -> int:
     print(format_seed_table(rows, args.format))
     print()
     print(format_class_table(classes, args.format))
+    table = session_table(arms, args.format)
+    if table:
+        print()
+        print(table)
     return 0

@@ -513,6 +513,7 @@ def run(args: Any, simulate: Any, sim_config: Any) -> int:
     import time
 
     from kvtop.repeats import perturb
+    from kvtop.seedtable import session_table
     from kvtop.sim.profiles import get_profile
     from router.config import KnobError
     from router.features import FEATURE_KNOBS
@@ -558,6 +559,7 @@ def run(args: Any, simulate: Any, sim_config: Any) -> int:
     has_ttft = {k for k, r in zip(rec_keys, rec.recorded) if r["ttft_ms"] is not None}
     recorded_fig = figures(rec.recorded, names)
     rows: list[tuple[str, dict[str, Any]]] = [("recorded " + "+".join(rec.policies), recorded_fig)]
+    arms: list[tuple[str, list[dict[str, Any]]]] = [("recorded " + "+".join(rec.policies), rec.recorded)]
     check, check_policy = None, None
     # the run's own router features (offload, admission) run in every arm, as they did live
     recorded_knobs = from_recorded(rec.knobs)
@@ -573,7 +575,9 @@ def run(args: Any, simulate: Any, sim_config: Any) -> int:
         knobs = {k: v for k, v in recorded_knobs.items()
                  if k in set(policy_class(pol).schema.names()) and k not in features}
         cfg = sim_config(instances=len(names), profile=sim_profile, mode=args.mode,
-                         router_block_size=rec.block_size, knobs=knobs, features=features)
+                         router_block_size=rec.block_size, knobs=knobs, features=features,
+                         # the recorded router set vLLM's priority: its engines ran priority scheduling
+                         scheduling_policy="priority" if features.get("priority", "off") != "off" else "fcfs")
         t0 = time.process_time()
         figs = []
         for replica in range(args.repeats):
@@ -581,7 +585,10 @@ def run(args: Any, simulate: Any, sim_config: Any) -> int:
                 records = simulate(perturb(requests, replica, args.jitter), canon, cfg)
             except ValueError as exc:
                 raise CliError(str(exc)) from None
-            figs.append(figures(unscale(records, speed, names), names, only=has_ttft))
+            wall = unscale(records, speed, names)
+            figs.append(figures(wall, names, only=has_ttft))
+            if replica == 0:
+                arms.append((f"sim {canon}", wall))
         print(f"simulated {canon}: {len(requests)} requests x {args.repeats} in {time.process_time() - t0:.1f} CPU s",
               file=sys.stderr)
         fig = combine(figs)
@@ -592,4 +599,8 @@ def run(args: Any, simulate: Any, sim_config: Any) -> int:
                                                                       if k.endswith("_range")}}), canon
     print(format_report(rec, speed, note, rows, check, check_policy, args.format, args.repeats, args.jitter,
                         ran.describe_features()))
+    table = session_table(arms, args.format)  # agent sessions' completion times, replica 0
+    if table and args.format != "csv":
+        print()
+        print(table)
     return 0

@@ -1,4 +1,5 @@
-"""Router-level features that apply under any policy: elastic P2P offload and prefill admission.
+"""Router-level features that apply under any policy: elastic P2P offload, prefill admission
+and program-level priority (router/priority.py).
 
 Their knobs live here, next to (not inside) the policy knobs; router/settings.py splits one
 flat knob object between the two and validates both. ``prefill_tps`` is the one name shared
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.config import Knob, KnobSchema
+from router.priority import PRIORITY_MODES
 
 OFFLOAD_MODES = ("off", "simple", "cost")
 ADMISSION_MODES = ("off", "fifo", "pack")
@@ -43,6 +45,11 @@ FEATURE_KNOBS = KnobSchema((
     Knob("admission_force_fifo_every", int, 4,
          "pack: every N-th admission round is FIFO so a long prompt cannot starve (0: never)",
          min=0, max=10_000),
+    Knob("priority", str, "off",
+         "set vLLM's per-request priority (every backend must run --scheduling-policy priority): "
+         "off | session_fcfs (sessions in the order they first arrived: an agent's later turns "
+         "before new sessions) | cost (fewer new prefill tokens first); a client's own is kept",
+         choices=PRIORITY_MODES),
 ))
 
 #: Names both the features and some policies declare; one value feeds both.

@@ -26,6 +26,7 @@ from router.core import Decision, RoutingCore
 from router.features import Features
 from router.offload import PREFILL_FAILED, decide_offload, loads
 from router.policies.base import RETRY
+from router.priority import SessionOrder, priority_for
 from router.request import RouteRequest
 
 #: Outcome statuses. ``client_gone`` says nothing about the instance; the others except ok do.
@@ -141,6 +142,7 @@ class Pipeline:
         #: is done, so long bookkeeping never holds the loop in one piece; offline: None.
         self.background = background
         self._flows: dict[int, Flow] = {}  # id(ticket) -> flow, for tickets at an admission gate
+        self.session_order = SessionOrder()  # the priority feature's session ranks (router/priority.py)
 
     @property
     def cluster(self) -> Cluster:
@@ -180,6 +182,8 @@ class Pipeline:
             if off.prefill_instance is not None:
                 d.extra["prefill_instance"] = cluster.instances[off.prefill_instance].name
         self.core.dispatch(d, new_turn=attempt == 1)
+        if feats.knobs.get("priority", "off") != "off":  # vLLM's priority for the request (router/priority.py)
+            d.extra["priority"] = priority_for(feats.knobs["priority"], d, self.session_order)
         serve = Leg(SERVE, d.instance, d.ticket)
         if off is None or not off.offload:
             flow.legs = [serve]

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from router import limits
+from router import limits, priority
 from router.apis import APIS, RESPONSES, Api, ResponseStore, response_id
 from router.features import decode_leg_body, prefill_leg_body
 from router.forward import StreamScan, cached_tokens, completion_tokens, upstream_headers, usage_of
@@ -125,7 +125,9 @@ async def _route(request: web.Request, state: RouterState, api: Api, t_recv: flo
         if act.new_attempt:
             if flow.decision.attempt > 1:
                 state.counts["retries"] += 1
-            sent, sent_body = raw, body
+            # the router's priority for vLLM, spliced into what goes upstream (the client's own
+            # kept); raw and body stay the client's, for a retry
+            sent, sent_body = priority.apply(flow.decision, raw, body)
         try:
             if isinstance(act, Wait):
                 flow.waiter = asyncio.get_running_loop().create_future()

@@ -17,7 +17,8 @@ import sqlite_utils
 #: 2: decisions gained shadows (router/shadow.py) and blocks/blocks_parent (store/chains.py).
 #: 3: decisions gained estimate_hit_tokens (the estimate's drift from the KV events).
 #: 4: decisions gained estimated_input_tokens (a turn routed before its new text was counted).
-SCHEMA_VERSION = 4
+#: 5: decisions gained priority (the vLLM priority the router set, router/priority.py).
+SCHEMA_VERSION = 5
 
 # table -> ordered {column: sqlite type}
 TABLES: dict[str, dict[str, type]] = {
@@ -74,6 +75,9 @@ TABLES: dict[str, dict[str, type]] = {
         # size the policy saw (the shared prefix counted, the new text estimated); input_tokens
         # is the counted size. NULL when the policy saw the counted size.
         "estimated_input_tokens": int,
+        # the vLLM ``priority`` the router set on the request (the ``priority`` feature,
+        # router/priority.py); NULL when it set none (feature off, or the client set its own)
+        "priority": int,
         "shadows": str,  # JSON list: each shadow policy's pick (router/shadow.py); NULL: none on
         # the prompt's block-hash chain, against its session's previous row (store/chains.py),
         # for what-if replay; first attempts only

@@ -35,7 +35,7 @@ from typing import Any
 from aiohttp import web
 
 from kvtop.sim.answers import Answer, plan
-from kvtop.sim.engine import EngineRejected
+from kvtop.sim.engine import EngineRejected, check_priority
 from kvtop.sim.tokenizer import render_messages, tokenize
 
 #: Stored responses kept per instance (least recently stored out first).
@@ -89,10 +89,12 @@ async def _read(request: web.Request, endpoint: str):
 
 
 async def _run(request: web.Request, tokens: list[int], max_tokens: int, kv_params: dict | None,
-               on_tokens, answer: Answer, *, background: bool = False) -> tuple[Any, int]:
+               on_tokens, answer: Answer, *, background: bool = False,
+               priority: Any = None) -> tuple[Any, int]:
     """Generate on the engine, to end where ``answer`` says; ``on_tokens(start, count)`` is
     awaited as tokens arrive (None for a non-streaming answer). Returns (the engine's
-    FinishedRequest, output tokens). A ``background`` run has no client to lose."""
+    FinishedRequest, output tokens). A ``background`` run has no client to lose. ``priority``:
+    the body's, for vLLM's priority scheduling (checked as vLLM does)."""
 
     inst = request.app[SIM]
     if len(tokens) + max_tokens > inst.engine.max_model_len:
@@ -104,7 +106,8 @@ async def _run(request: web.Request, tokens: list[int], max_tokens: int, kv_para
     s = None
     try:
         try:
-            s = inst.submit(rid, 0, tokens, max_tokens, kv_params, event, answer)
+            s = inst.submit(rid, 0, tokens, max_tokens, kv_params, event, answer,
+                            check_priority(priority, inst.engine.scheduling_policy))
         except EngineRejected as exc:
             raise ApiError(str(exc)) from None
         sent = 0
@@ -194,7 +197,8 @@ async def messages(request: web.Request) -> web.StreamResponse:
                       call_prefix="toolu_")
         msg_id = "msg_" + uuid.uuid4().hex[:24]
         if not parsed.stream:
-            finished, n = await _run(request, tokens, max_tokens, body.get("kv_transfer_params"), None, answer)
+            finished, n = await _run(request, tokens, max_tokens, body.get("kv_transfer_params"), None, answer,
+                                     priority=body.get("priority"))
             cached = finished.num_cached_tokens if finished else 0
             reason = _anthropic_stop(answer, finished)
             text = answer.text(0, n)
@@ -232,7 +236,8 @@ async def messages(request: web.Request) -> web.StreamResponse:
         await resp.write(out)
 
     try:
-        finished, n = await _run(request, tokens, max_tokens, body.get("kv_transfer_params"), on_tokens, answer)
+        finished, n = await _run(request, tokens, max_tokens, body.get("kv_transfer_params"), on_tokens, answer,
+                                     priority=body.get("priority"))
     except ApiError as exc:
         await resp.write(_event("error", {"type": "error", "error": {"type": "api_error", "message": exc.message}}))
         await resp.write_eof()
@@ -352,7 +357,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
             stored.response["status"] = "in_progress"
             try:
                 finished, n = await _run(request, tokens, max_tokens, body.get("kv_transfer_params"), None,
-                                         answer, background=True)
+                                         answer, background=True, priority=body.get("priority"))
             except ApiError as exc:
                 stored.response.update(status="failed", error={"code": "server_error", "message": exc.message})
                 return
@@ -370,7 +375,8 @@ async def responses(request: web.Request) -> web.StreamResponse:
         return web.json_response(stored.response)
     if not parsed.stream:
         try:
-            finished, n = await _run(request, tokens, max_tokens, body.get("kv_transfer_params"), None, answer)
+            finished, n = await _run(request, tokens, max_tokens, body.get("kv_transfer_params"), None, answer,
+                                     priority=body.get("priority"))
         except ApiError as exc:
             return _openai_error(exc)
         output, usage = finish(finished, n)
@@ -406,7 +412,8 @@ async def responses(request: web.Request) -> web.StreamResponse:
         await resp.write(out)
 
     try:
-        finished, n = await _run(request, tokens, max_tokens, body.get("kv_transfer_params"), on_tokens, answer)
+        finished, n = await _run(request, tokens, max_tokens, body.get("kv_transfer_params"), on_tokens, answer,
+                                     priority=body.get("priority"))
     except ApiError as exc:
         await resp.write(ev({"type": "error", "code": str(exc.status), "message": exc.message, "param": None}))
         await resp.write_eof()

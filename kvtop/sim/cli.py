@@ -117,6 +117,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "first; every 4th round FIFO). Default: the engine's plain FIFO")
     parser.add_argument("--admission-lookahead", type=int, default=8, metavar="K",
                         help="pack: waiting requests it may choose from (default 8)")
+    parser.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                        help="vLLM's --scheduling-policy: fcfs (default; a request with a nonzero "
+                             "priority is refused, as vLLM does) or priority (waiting requests by "
+                             "their body's priority, lower first, then arrival; a running request "
+                             "short of blocks preempts the lowest-priority one)")
     parser.add_argument("--kv-events-port-base", type=int, default=None, metavar="PORT",
                         help="where the vLLM KV events go: instance i publishes on tcp://HOST:PORT+2i, "
                              "its replay endpoint on PORT+2i+1 (default: the ports right after the HTTP "
@@ -184,7 +189,8 @@ def build_instances(args: argparse.Namespace):
                         max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         prefix_metrics=args.prefix_metrics, engine_id=f"kvtop-sim-{port}",
-                        admission=_admission_hook(args))
+                        admission=_admission_hook(args),
+                        scheduling_policy=getattr(args, "scheduling_policy", "fcfs"))
         instances.append(SimInstance(engine, model=model, host=args.host, port=port,
                                      speed=args.speed, stream_interval_ms=args.stream_interval_ms,
                                      engine_label=str(off + i), output_lengths=lengths))
@@ -338,6 +344,8 @@ def _child_argv(args: argparse.Namespace, i: int) -> list[str]:
         argv += ["--admission", args.admission, "--admission-lookahead", str(args.admission_lookahead)]
     if getattr(args, "no_kv_events", False):
         argv.append("--no-kv-events")
+    if getattr(args, "scheduling_policy", "fcfs") != "fcfs":
+        argv += ["--scheduling-policy", args.scheduling_policy]
     return argv
 
 

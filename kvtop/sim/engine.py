@@ -16,6 +16,16 @@ What it follows (vllm/v1/core/sched/scheduler.py, kv_cache_manager.py, block_poo
 * WAITING requests only if nothing was preempted this step and ``len(running) <
   max_num_seqs``: prefix lookup, chunk to the remaining budget, allocation failure stops the
   loop (head-of-line blocking). Order is FIFO unless an ``admission`` hook reorders it.
+* ``scheduling_policy="priority"`` (vLLM's ``--scheduling-policy priority``,
+  request_queue.py's PriorityRequestQueue): the waiting queue is ordered by the request's
+  ``(priority, arrival_time)``, lower first, and a preempted request goes back into it by that
+  order rather than to its head. When a running request's blocks do not fit, the victim is
+  the running request with the largest ``(priority, arrival_time)`` (vLLM's ``max(self.running,
+  ...)``), wherever it is in the running list; if it was already scheduled in this step, its
+  tokens go back to the budget. As in vLLM v1, a WAITING request never preempts a running
+  one: priority orders admission, and preemption happens only when running requests need
+  blocks. Requests holding pulled remote KV stay at the queue's head in both policies (see
+  ``_queue_behind_holders``).
 * Prefix cache: full prompt blocks keyed by the caller's chained hashes; a hit is the longest
   cached chain, capped at ``num_tokens - 1`` rounded down to a block. Blocks are cacheable as
   soon as they are scheduled full, even mid-prefill. Freed blocks (refcount 0) go to the tail
@@ -53,6 +63,7 @@ from kvtop.sim.profiles import DEFAULT_PROFILE, Profile, get_profile
 
 __all__ = [
     "Engine",
+    "check_priority",
     "EngineRequest",
     "EngineRejected",
     "RequestTooLong",
@@ -103,6 +114,9 @@ class EngineRequest:
     arrival_time: float
     kv_transfer_params: dict[str, Any] | None = None
     stop_at: int | None = None
+    #: vLLM's per-request ``priority``: lower is served first under the priority policy
+    #: (ignored under fcfs, where the server refuses a nonzero one as vLLM does)
+    priority: int = 0
 
 
 class WaitingView(NamedTuple):
@@ -166,6 +180,11 @@ class StepResult:
         not have) freed blocks but, like vLLM's scheduler, admitted nothing in the same step;
         the next one can, so a driver must step again rather than wait for a new request."""
         return self.num_scheduled_tokens == 0 and not self.preempted
+
+
+def _priority_key(req: "_Req") -> tuple[int, float]:
+    """vLLM's request order under the priority policy (vllm/v1/request.py ``__lt__``)."""
+    return (req.priority, req.arrival)
 
 
 # request states
@@ -275,7 +294,7 @@ class _Req:
     __slots__ = ("id", "prompt", "hashes", "max_tokens", "arrival", "num_tokens", "computed",
                  "output", "blocks", "registered", "state", "cached_tokens", "queued_time",
                  "scheduled_time", "first_token_time", "preemptions", "counted", "remote_decode",
-                 "remote_prefill", "ready_at", "stops")
+                 "remote_prefill", "ready_at", "stops", "priority")
 
     def __init__(self, r: EngineRequest, ready_at: float):
         self.id = r.request_id
@@ -300,6 +319,24 @@ class _Req:
         self.remote_prefill: dict | None = dict(params) if params.get("do_remote_prefill") else None
         self.ready_at = ready_at
         self.stops = False           # max_tokens is the natural end (stop_at), not the cap
+        self.priority = r.priority
+
+
+#: ``Engine(scheduling_policy=...)``: vLLM's ``--scheduling-policy`` values modelled here.
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+def check_priority(value: Any, scheduling_policy: str) -> int:
+    """A request body's ``priority`` as vLLM takes it (default 0; lower is served first): an
+    integer, and nonzero only under the priority policy. Raises EngineRejected (a 400) with
+    vLLM's own message for a nonzero one under fcfs."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise EngineRejected(f"priority must be an integer, got {str(value)[:40]!r}")
+    if value and scheduling_policy != "priority":
+        raise EngineRejected(f"Got priority {value} but Priority scheduling is not enabled.")
+    return value
 
 
 class Engine:
@@ -318,11 +355,16 @@ class Engine:
                  frontend_overhead_s: float | None = None,
                  prefix_metrics: str = "after_alloc", admission: AdmissionHook | None = None,
                  admission_window: int = 64, engine_id: str = "0",
-                 busy_window_s: float = 5.0):
+                 busy_window_s: float = 5.0, scheduling_policy: str = "fcfs"):
         if isinstance(profile, str):
             profile = get_profile(profile)
         if prefix_metrics not in ("after_alloc", "at_lookup"):
             raise ValueError("prefix_metrics must be 'after_alloc' or 'at_lookup'")
+        if scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"not {scheduling_policy!r}")
+        self.scheduling_policy = scheduling_policy
+        self._by_priority = scheduling_policy == "priority"
         self.profile = profile.with_overrides(
             block_size=block_size, num_gpu_blocks=num_gpu_blocks,
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
@@ -570,6 +612,9 @@ class Engine:
         scheduled: list[_Req] = []
         attn_sum = 0
         decode_ctx = 0
+        # priority: what each running request scheduled this step added, so that a victim
+        # chosen behind the scan can give it back (vLLM returns its tokens to the budget)
+        given: dict[int, tuple[int, int, int]] | None = {} if self._by_priority else None
 
         # 1. RUNNING, in order.
         i = 0
@@ -584,7 +629,19 @@ class Engine:
             need = -(-(computed + num_new) // bs) - len(req.blocks)
             if need > self._num_free:
                 while need > self._num_free:
-                    victim = running.pop()
+                    if given is None:
+                        victim = running.pop()
+                    else:   # the lowest priority running, wherever it is (vLLM: max over running)
+                        victim = max(running, key=_priority_key)
+                        at = running.index(victim)
+                        del running[at]
+                        if at < i:   # already scheduled in this step: its tokens go back
+                            n_back, attn_back, ctx_back = given.pop(id(victim))
+                            budget += n_back
+                            attn_sum -= attn_back
+                            decode_ctx -= ctx_back
+                            scheduled.remove(victim)
+                            i -= 1
                     self._preempt(victim, now)
                     result.preempted.append(victim.id)
                     if victim is req:
@@ -597,8 +654,12 @@ class Engine:
                 self._register(req, computed + num_new)
             if num_new == 1 and req.output:
                 decode_ctx += computed + 1
+                if given is not None:
+                    given[id(req)] = (1, 0, computed + 1)
             else:
                 attn_sum += num_new * (2 * computed + num_new)
+                if given is not None:
+                    given[id(req)] = (num_new, num_new * (2 * computed + num_new), 0)
             req.computed = computed + num_new
             budget -= num_new
             scheduled.append(req)
@@ -764,7 +825,10 @@ class Engine:
                 # vLLM's engine core takes new requests between steps (the QUEUED event):
                 # one that is ready mid-step is queued when that step ends, i.e. at ``now``.
                 req.queued_time = now
-                self.waiting.append(req)
+                if self._by_priority:
+                    self._insert_by_priority(req)
+                else:
+                    self.waiting.append(req)
                 k += 1
             del pending[:k]
         if self._transferring:
@@ -1225,7 +1289,11 @@ class Engine:
         """Queue ``req`` ahead of every plain waiting request but behind the ones that hold KV
         blocks (pulled remote KV): vLLM drains its kv_holding_waiting queue first. Ahead of those,
         a request that cannot fit would block them while they hold the blocks it needs, and with
-        nothing running nothing would ever free one. The holders stay a prefix of the queue."""
+        nothing running nothing would ever free one. The holders stay a prefix of the queue.
+        Under the priority policy, by ``(priority, arrival_time)`` among the non-holders."""
+        if self._by_priority:
+            self._insert_by_priority(req)
+            return
         waiting = self.waiting
         k = 0
         while k < len(waiting) and waiting[k].computed and waiting[k].blocks:
@@ -1234,6 +1302,23 @@ class Engine:
             waiting.insert(k, req)
         else:
             waiting.appendleft(req)
+
+    def _insert_by_priority(self, req: _Req) -> None:
+        """Queue ``req`` by ``(priority, arrival_time)`` behind the holders of pulled KV, after
+        the requests of an equal key (a heap gives equal keys no order; this keeps it stable)."""
+        waiting = self.waiting
+        lo = 0
+        n = len(waiting)
+        while lo < n and waiting[lo].computed and waiting[lo].blocks:
+            lo += 1
+        key = _priority_key(req)
+        j = n
+        while j > lo and key < _priority_key(waiting[j - 1]):
+            j -= 1
+        if j == n:
+            waiting.append(req)
+        else:
+            waiting.insert(j, req)
 
     def _preempt(self, req: _Req, now: float) -> None:
         self._free_blocks(req)

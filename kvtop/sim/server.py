@@ -19,7 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
-from kvtop.sim.engine import Engine, EngineRejected, EngineRequest, FinishedRequest
+from kvtop.sim.engine import Engine, EngineRejected, EngineRequest, FinishedRequest, check_priority
 from kvtop.sim.metrics import CONTENT_TYPE, SimMetrics
 from kvtop.sim import apis, truth
 from kvtop.sim.answers import RUN_TO_MAX, Answer, OutputLengths, plan
@@ -187,16 +187,17 @@ class SimInstance:
 
     def submit(self, request_id: str, index: int, tokens: list[int], max_tokens: int,
                kv_transfer_params: dict | None, event: asyncio.Event,
-               answer: Answer = RUN_TO_MAX) -> _Stream:
+               answer: Answer = RUN_TO_MAX, priority: int = 0) -> _Stream:
         """Queue one prompt on the engine, to end where ``answer`` says (kvtop/sim/answers.py);
-        raises EngineRejected (answered as 400)."""
+        raises EngineRejected (answered as 400). ``priority``: the body's, checked by
+        ``priority_of``."""
         arrival = self.engine_clock()
         hashes = hash_token_blocks(tokens, self.engine.block_size)
         if self.kv_publisher is not None:
             self.kv_publisher.remember(request_id, tokens, hashes)
         self.engine.add_request(EngineRequest(request_id, len(tokens), hashes, max_tokens, arrival,
                                               kv_transfer_params=kv_transfer_params,
-                                              stop_at=answer.stop_at))
+                                              stop_at=answer.stop_at, priority=priority))
         s = _Stream(request_id, index, len(tokens), max_tokens, arrival, event)
         s.answer = answer
         self._streams[request_id] = s
@@ -308,6 +309,14 @@ def _max_tokens_of(body: dict, chat: bool) -> int:
     return value
 
 
+def priority_of(body: dict, engine: Engine) -> int:
+    """The body's ``priority``, as vLLM takes it (``kvtop.sim.engine.check_priority``)."""
+    try:
+        return check_priority(body.get("priority"), engine.scheduling_policy)
+    except EngineRejected as exc:
+        raise BadRequest(str(exc), "priority") from None
+
+
 def _check_sampling(body: dict) -> tuple[bool, bool, dict | None]:
     stream = body.get("stream", False)
     if stream is None:
@@ -365,6 +374,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     stream, include_usage, kv_params = _check_sampling(body)
     stop = stop_strings(body)
     tools = body.get("tools") if chat and isinstance(body.get("tools"), list) else None
+    priority = priority_of(body, inst.engine)
     if chat and len(prompts) != 1:
         raise BadRequest("chat requests carry one conversation")
     if chat and inst.output_lengths is not None and body.get("max_tokens") is None \
@@ -392,7 +402,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
                 answer = plan(inst.output_lengths, tokens, max_tokens, ignore_eos=bool(body.get("ignore_eos")),
                               stop=stop, tools=tools, tool_choice=body.get("tool_choice"),
                               messages=body.get("messages") if chat else None)
-                streams.append(inst.submit(rid, i, tokens, max_tokens, kv_params, event, answer))
+                streams.append(inst.submit(rid, i, tokens, max_tokens, kv_params, event, answer, priority))
         except EngineRejected as exc:
             raise BadRequest(str(exc), "input_tokens") from None
         if stream:
