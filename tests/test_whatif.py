@@ -120,7 +120,9 @@ async def test_cli_from_db_reports_and_validates(router, tmp_path, capsys):
     assert main(["simulate", "--from-db", db, "--speed", "1000", "--profile", "h20"]) == 0
     out = capsys.readouterr().out
     assert "what-if replay of run" in out and "12 of 12 requests re-run" in out
-    lines = [ln for ln in out.splitlines() if ln.startswith(("recorded ", "sim ")) and ":" not in ln.split()[1]]
+    main_table = out.split("\nSessions (")[0]  # the session table below repeats the arm labels
+    assert "\nSessions (" in out  # agent sessions' completion times, recorded and simulated
+    lines = [ln for ln in main_table.splitlines() if ln.startswith(("recorded ", "sim ")) and ":" not in ln.split()[1]]
     assert [ln.split()[0:2] for ln in lines] == [["recorded", "unified"], ["sim", "unified"], ["sim", "leastwork"]]
     assert "validation (re-simulated unified" in out
     assert main(["simulate", "--from-db", db, "--speed", "1000", "--policies", "round_robin", "--format", "csv"]) == 0
