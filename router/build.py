@@ -14,8 +14,10 @@ from typing import Any
 from router.calibration import DEFAULT_PRIOR, PrefillPrior
 from router.cluster import Cluster
 from router.core import PolicySlot, RoutingCore
+from router.fleet import Fleet
 from router.lifecycle import Lifecycle
 from router.pipeline import Flow, Pipeline, Sink
+from router.request import RouteRequest
 from router.settings import Settings
 
 
@@ -33,8 +35,10 @@ class Router:
         self.core = RoutingCore(cluster, settings.build_policy(), clock=clock)
         self.pipeline = Pipeline(self.core, lambda: self.settings.features, sink, clock=clock,
                                  on_admit=on_admit, shadows=shadows, defer=defer, background=background)
+        #: which instances take new sessions and requests (router/fleet.py); the control API changes it
+        self.fleet = Fleet(len(cluster.instances))
         #: the one order of a request's steps; the drivers only perform its actions
-        self.lifecycle = Lifecycle(self.pipeline, full=full)
+        self.lifecycle = Lifecycle(self.pipeline, full=full, closed=self.closed_to)
 
     @property
     def cluster(self) -> Cluster:
@@ -43,6 +47,12 @@ class Router:
     @property
     def slot(self) -> PolicySlot:
         return self.core.slot
+
+    def closed_to(self, req: RouteRequest) -> tuple[int, ...]:
+        """The instances the fleet closes to ``req`` (router/fleet.py): draining ones, and
+        cordoned ones unless its session is bound there."""
+        sess = self.cluster.sessions.get(req.session_id) if req.session_id is not None else None
+        return self.fleet.closed_to(sess.instance if sess is not None else None)
 
     def apply(self, settings: Settings) -> PolicySlot:
         """Swap in validated settings: a new policy version and the features, in one step;

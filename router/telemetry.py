@@ -28,6 +28,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import choose_encoder, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from router import fleet_api
+
 log = logging.getLogger(__name__)
 
 # -- Prometheus text parsing --------------------------------------------------------------
@@ -475,6 +477,7 @@ class RouterCollector:
             family.add_metric([it.name], it.scrape_errors_total)
         yield family
         yield from _kv_families(st)
+        yield from fleet_api.families(st)
         family = GaugeMetricFamily("kvtop_policy_version", "version of the active policy (increments on every change)",
                                    labels=["policy"])
         family.add_metric([st.slot.policy.name], st.slot.version)

@@ -1,0 +1,110 @@
+"""The fleet's control endpoints, state fields and metrics: the shell around router/fleet.py.
+
+``GET /kvtop/v1/fleet`` lists each instance's fleet state; ``POST /kvtop/v1/fleet/{instance}/
+{cordon|drain|uncordon}`` (bearer token) changes one, audited in ``config_events`` with kind
+``fleet``. docs/control-api.md ("Fleet") is the reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from aiohttp import web
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from router import fleet as fl
+from router.http import dumps, error_response, read_json
+from router.offload import loads
+from router.request import BadRequest
+
+PREFIX = "/kvtop/v1"
+
+
+def instance_json(st: Any, i: int) -> dict[str, Any]:
+    return fl.instance_json(st.router.fleet, st.cluster, i)
+
+
+def change(st: Any, name: str, action: str, who: str, *, force: bool = False) -> dict[str, Any]:
+    """Apply a fleet action to the instance named ``name``; audited when it changes the state.
+    Raises FleetError (changing nothing)."""
+    f = st.router.fleet
+    i = fl.index_of([s.name for s in st.cluster.instances], name)
+    c = f.apply(f.plan(i, action, force=force), st.cluster.clock())
+    if c.changed:
+        st.record_config("fleet", who, {"instance": name, "state": c.before},
+                         {"instance": name, "state": c.after, "action": action, "force": force})
+    return {"instance": name, "action": action, "before": c.before, "after": c.after, "changed": c.changed,
+            **instance_json(st, i)}
+
+
+def listing(st: Any) -> dict[str, Any]:
+    out = []
+    for s in st.cluster.instances:
+        out.append({"name": s.name, "url": s.url, "healthy": s.healthy, "num_requests": s.num_requests,
+                    "sessions_homed": fl.sessions_homed(st.cluster, s.index), **instance_json(st, s.index)})
+    return {"instances": out, "counts": st.router.fleet.counts()}
+
+
+def families(st: Any) -> Iterator[Metric]:
+    """``kvtop_instance_fleet_state`` (one series per state, 1 for the current one, as
+    kube-state-metrics does), the drain's sessions still homed, and the expected queue seconds
+    per instance as the routing's lookahead prices it (a signal for autoscalers)."""
+    router = getattr(st, "router", None)
+    if router is None:  # a stand-in state (tests) without a router
+        return
+    cluster = st.cluster
+    f = router.fleet
+    state = GaugeMetricFamily("kvtop_instance_fleet_state", "1 for the instance's fleet state: active, "
+                              "cordoned (no new sessions), draining (no new requests), removed",
+                              labels=["instance", "state"])
+    homed = GaugeMetricFamily("kvtop_instance_drain_sessions_homed", "sessions still homed on a draining "
+                              "instance (each moves at its next turn); no sample unless draining",
+                              labels=["instance"])
+    for s in cluster.instances:
+        for name in fl.STATES:
+            state.add_metric([s.name, name], int(f.states[s.index] == name))
+        if f.states[s.index] == fl.DRAINING:
+            homed.add_metric([s.name], fl.sessions_homed(cluster, s.index))
+    yield state
+    yield homed
+    queue = GaugeMetricFamily("kvtop_instance_queue_seconds", "seconds of prefill queued on the instance "
+                              "ahead of a request routed now, at its measured prefill rate (what "
+                              "expected_cost prices as its queue); healthy instances", labels=["instance"])
+    for i, wait in cluster.lookahead(loads(cluster), 0, None, None).wait_s.items():
+        queue.add_metric([cluster.instances[i].name], wait)
+    yield queue
+
+
+# -- handlers ---------------------------------------------------------------------------------------
+
+def setup(app: web.Application, ctl: Any, who: Callable[[web.Request], str]) -> None:
+    """Called by router/control.setup with its ``Control`` (auth, read cache) and its ``who``."""
+    st = ctl.state
+
+    async def get_fleet(request: web.Request) -> web.Response:
+        return web.json_response(listing(st), dumps=dumps)
+
+    async def post_action(request: web.Request) -> web.Response:
+        denied = ctl.check_mutation(request)
+        if denied is not None:
+            return denied
+        force = False
+        if request.body_exists:
+            try:
+                body = (await read_json(request, st.config.client_timeout_s))[1]
+            except BadRequest as exc:
+                return error_response(exc.status, exc.message, param="body")
+            if not isinstance(body, dict) or set(body) - {"force"} or not isinstance(body.get("force", False), bool):
+                return error_response(400, 'expected no body or a JSON object {"force": true|false}', param="body")
+            force = body.get("force", False)
+        name, action = request.match_info["instance"], request.match_info["action"]
+        try:
+            out = change(st, name, action, who(request), force=force)
+        except fl.FleetError as exc:
+            return error_response(exc.status, exc.message, param="action" if exc.status == 400 else "instance")
+        ctl.guard.cache.clear()  # a change is visible at once
+        return web.json_response(out, dumps=dumps)
+
+    app.router.add_get(PREFIX + "/fleet", get_fleet)
+    app.router.add_post(PREFIX + "/fleet/{instance}/{action}", post_action)

@@ -1,0 +1,224 @@
+"""A living fleet: cordon, drain and uncordon instances while traffic flows (router/fleet.py).
+
+The rules as a table, then the control API against a real router on 127.0.0.1 with fake vLLM
+backends: a drain mid-traffic, cordon, a previous_response_id pinned to a draining instance,
+the audit rows and the metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import sqlite_utils
+
+from router.app import STATE, Backend, RouterConfig, create_app
+from router.fleet import ACTIVE, CORDONED, DRAINING, Fleet, FleetError
+
+TOKEN = "fleet-token-0123456789"
+AUTH = {"Authorization": f"Bearer {TOKEN}", "X-Kvtop-User": "ops"}
+
+
+# -- the rules, pure ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("before,action,after", [
+    (ACTIVE, "cordon", CORDONED),
+    (ACTIVE, "drain", DRAINING),
+    (ACTIVE, "uncordon", ACTIVE),  # nothing to do: no change, no audit row
+    (CORDONED, "drain", DRAINING),  # a cordon deepened into a drain
+    (CORDONED, "uncordon", ACTIVE),
+    (DRAINING, "cordon", CORDONED),  # a drain called off, new sessions still kept away
+    (DRAINING, "uncordon", ACTIVE),
+])
+def test_transitions(before, action, after):
+    f = Fleet(3)
+    f.states[1] = before
+    f._reindex()
+    c = f.apply(f.plan(1, action), 10.0)
+    assert (c.before, c.after, f.states[1]) == (before, after, after)
+    assert f.since[1] == (10.0 if before != after else None)
+
+
+def test_closed_to_keeps_cordoned_instance_for_its_own_sessions():
+    f = Fleet(4)
+    assert f.closed_to(None) == ()
+    f.apply(f.plan(1, "cordon"), 0.0)
+    f.apply(f.plan(2, "drain"), 0.0)
+    assert sorted(f.closed_to(None)) == [1, 2]  # a new session: neither
+    assert sorted(f.closed_to(3)) == [1, 2]  # a session bound elsewhere does not move onto a cordoned one
+    assert f.closed_to(1) == (2,)  # a session bound to the cordoned instance keeps going there
+    assert sorted(f.closed_to(2)) == [1, 2]  # ... but not one bound to the draining one: it moves
+
+
+@pytest.mark.parametrize("action", ["cordon", "drain"])
+def test_last_active_instance_needs_force(action):
+    f = Fleet(2)
+    f.apply(f.plan(0, "cordon"), 0.0)
+    with pytest.raises(FleetError) as exc:
+        f.plan(1, action)
+    assert exc.value.status == 409 and "no active instance" in exc.value.message
+    assert f.plan(1, action, force=True).after != ACTIVE
+
+
+def test_bad_action_and_instance():
+    f = Fleet(2)
+    with pytest.raises(FleetError) as exc:
+        f.plan(0, "evict")
+    assert exc.value.status == 400 and "cordon, drain, uncordon" in exc.value.message
+    with pytest.raises(FleetError) as exc:
+        f.plan(5, "drain")
+    assert exc.value.status == 404
+
+
+# -- over HTTP ------------------------------------------------------------------------------------
+
+async def start(router_client, fake_backends, tmp_path, n=3, policy="sticky", **kw):
+    fakes = await fake_backends(n, token_delay=0.05)
+    cfg = RouterConfig(backends=[Backend(f"i{k}", u) for k, (_, u) in enumerate(fakes)], policy=policy,
+                       db=str(tmp_path / "kvtop.db"), control_token=TOKEN, state_dir=str(tmp_path / "state"),
+                       **kw)
+    client = await router_client(create_app(cfg))
+    return client, client.server.app[STATE], [f for f, _ in fakes]
+
+
+async def turn(client, session: str, text: str, max_tokens: int = 4) -> tuple[int, str | None]:
+    r = await client.post("/v1/completions", json={"model": "m", "prompt": text, "stream": True,
+                                                  "max_tokens": max_tokens}, headers={"X-Session-ID": session})
+    await r.read()
+    return r.status, r.headers.get("X-Kvtop-Instance")
+
+
+async def until(cond, timeout_s: float = 5.0) -> None:
+    for _ in range(int(timeout_s / 0.01)):
+        if cond():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not met in time")
+
+
+def config_rows(state) -> list[dict]:
+    state.writer.flush()
+    return [r for r in sqlite_utils.Database(state.config.db)["config_events"].rows if r["kind"] == "fleet"]
+
+
+async def test_drain_mid_traffic(router_client, fake_backends, tmp_path):
+    client, state, fakes = await start(router_client, fake_backends, tmp_path)
+    sessions = [f"s{k}" for k in range(6)]
+    texts = {s: f"{s} says hello " * 30 for s in sessions}
+    # turn 1 together: sticky places each new session on the instance with fewest requests
+    first = await asyncio.gather(*(turn(client, s, texts[s]) for s in sessions))
+    assert all(status == 200 for status, _ in first)
+    home = {s: state.cluster.sessions[s].instance for s in sessions}
+    on_i1 = [s for s in sessions if home[s] == 1]
+    assert len(on_i1) == 2
+
+    # turn 2: long streams; drain i1 while its two are in flight
+    second = asyncio.gather(*(turn(client, s, texts[s] * 2, max_tokens=20) for s in sessions))
+    await until(lambda: state.cluster.instances[1].num_requests == 2)
+    r = await client.post("/kvtop/v1/fleet/i1/drain", headers=AUTH)
+    assert r.status == 200, await r.text()
+    body = await r.json()
+    assert body["before"] == ACTIVE and body["after"] == DRAINING and body["changed"]
+    assert body["drain"] == {"sessions_homed": 2, "in_flight": 2, "drained": False}
+    seen_at_drain = len(fakes[1].seen)
+    # a new session arriving during the drain goes elsewhere
+    status, where = await turn(client, "newcomer", "a new session " * 30)
+    assert status == 200 and where != "i1"
+    assert all(status == 200 for status, _ in await second)  # in-flight requests finished
+
+    snap = await (await client.get("/kvtop/v1/state")).json()
+    i1 = snap["instances"][1]
+    assert i1["fleet_state"] == DRAINING and i1["drain"] == {"sessions_homed": 2, "in_flight": 0, "drained": True}
+    assert [i["fleet_state"] for i in snap["instances"]] == [ACTIVE, DRAINING, ACTIVE]
+
+    # turns 3 and 4: each of i1's sessions moves once, at its next turn, and stays moved
+    for k in (3, 4):
+        results = await asyncio.gather(*(turn(client, s, texts[s] * k) for s in sessions))
+        assert all(status == 200 and where != "i1" for status, where in results)
+        for s in sessions:
+            assert state.cluster.sessions[s].moves == (1 if s in on_i1 else 0), (k, s)
+    assert len(fakes[1].seen) == seen_at_drain  # not one new request once drained
+    listing = await (await client.get("/kvtop/v1/fleet")).json()
+    i1 = listing["instances"][1]
+    assert i1["drain"] == {"sessions_homed": 0, "in_flight": 0, "drained": True} and i1["sessions_homed"] == 0
+    assert listing["counts"] == {"active": 2, "cordoned": 0, "draining": 1, "removed": 0}
+    assert state.cluster.counters_zero()
+
+    metrics = await (await client.get("/metrics")).text()
+    assert 'kvtop_instance_fleet_state{instance="i1",state="draining"} 1.0' in metrics
+    assert 'kvtop_instance_fleet_state{instance="i1",state="active"} 0.0' in metrics
+    assert 'kvtop_instance_drain_sessions_homed{instance="i1"} 0.0' in metrics
+    assert 'kvtop_instance_queue_seconds{instance="i0"} 0.0' in metrics
+
+    # uncordon: i1 takes new sessions again (idle, it is the least loaded)
+    r = await client.post("/kvtop/v1/fleet/i1/uncordon", headers=AUTH)
+    assert (await r.json())["after"] == ACTIVE
+    r = await client.post("/kvtop/v1/fleet/i1/uncordon", headers=AUTH)  # again: nothing changes
+    assert (await r.json())["changed"] is False
+    rows = config_rows(state)
+    assert [(json.loads(r["before"])["state"], json.loads(r["after"])["state"]) for r in rows] == [
+        (ACTIVE, DRAINING), (DRAINING, ACTIVE)]
+    assert {r["who"] for r in rows} == {"ops"} and json.loads(rows[0]["after"])["instance"] == "i1"
+
+
+async def test_cordon_keeps_bound_sessions_and_refuses_new_ones(router_client, fake_backends, tmp_path):
+    client, state, fakes = await start(router_client, fake_backends, tmp_path, n=2)
+    assert (await turn(client, "a", "alpha " * 40))[1] == "i0"  # idle fleet: sticky takes the first
+    r = await client.post("/kvtop/v1/fleet/i0/cordon", headers=AUTH)
+    assert (await r.json())["after"] == CORDONED
+    for k in range(3):  # the session bound there keeps going there; new sessions do not
+        assert await turn(client, "a", "alpha " * (40 + k)) == (200, "i0")
+        assert await turn(client, f"new{k}", f"new {k} " * 40) == (200, "i1")
+    assert state.cluster.sessions["a"].moves == 0
+    await client.post("/kvtop/v1/fleet/i0/uncordon", headers=AUTH)
+    assert await turn(client, "later", "later " * 40) == (200, "i0")  # idle fleet: ties go to the first again
+    assert state.cluster.counters_zero()
+
+
+async def test_previous_response_pinned_to_draining_instance_is_refused_as_unhealthy(
+        router_client, fake_backends, tmp_path):
+    client, state, _ = await start(router_client, fake_backends, tmp_path, n=2, policy="round_robin")
+    r = await client.post("/v1/responses", json={"input": "hello " * 40, "max_output_tokens": 2})
+    rid, inst = (await r.json())["id"], r.headers["X-Kvtop-Instance"]
+    assert (await client.post(f"/kvtop/v1/fleet/{inst}/drain", headers=AUTH)).status == 200
+    r = await client.post("/v1/responses", json={"input": "next", "previous_response_id": rid})
+    body = await r.json()
+    assert r.status == 503 and rid in body["error"]["message"] and inst in body["error"]["message"]
+    assert "draining" in body["error"]["message"]
+    assert state.cluster.counters_zero()
+
+
+async def test_draining_the_last_instance_needs_force(router_client, fake_backends, tmp_path):
+    client, state, _ = await start(router_client, fake_backends, tmp_path, n=1)
+    r = await client.post("/kvtop/v1/fleet/i0/drain", headers=AUTH)
+    assert r.status == 409 and "force" in (await r.json())["error"]["message"]
+    assert config_rows(state) == []  # refused: nothing changed, nothing audited
+    r = await client.post("/kvtop/v1/fleet/i0/drain", headers=AUTH, json={"force": True})
+    assert r.status == 200
+    status, _ = await turn(client, "x", "x " * 40)
+    assert status == 503
+    assert state.cluster.counters_zero()
+
+
+@pytest.mark.parametrize("path,headers,body,status,words", [
+    ("/kvtop/v1/fleet/i0/drain", {}, None, 401, "Bearer"),  # no token
+    ("/kvtop/v1/fleet/i9/drain", AUTH, None, 404, "unknown instance 'i9'; known: i0, i1"),
+    ("/kvtop/v1/fleet/i0/evict", AUTH, None, 400, "unknown fleet action"),
+    ("/kvtop/v1/fleet/i0/drain", AUTH, {"forse": True}, 400, "force"),
+    ("/kvtop/v1/fleet/i0/drain", AUTH, {"force": "yes"}, 400, "force"),
+])
+async def test_bad_fleet_calls(router_client, fake_backends, tmp_path, path, headers, body, status, words):
+    client, state, _ = await start(router_client, fake_backends, tmp_path, n=2)
+    r = await client.post(path, headers=headers, json=body) if body is not None else \
+        await client.post(path, headers=headers)
+    assert r.status == status
+    assert words in (await r.json())["error"]["message"]
+    assert state.router.fleet.states == [ACTIVE, ACTIVE]
+
+
+async def test_readonly_router_refuses_fleet_changes(router_client, fake_backends, tmp_path):
+    client, state, _ = await start(router_client, fake_backends, tmp_path, n=2, control_readonly=True)
+    r = await client.post("/kvtop/v1/fleet/i0/cordon", headers=AUTH)
+    assert r.status == 403
+    assert state.router.fleet.states == [ACTIVE, ACTIVE]
