@@ -75,9 +75,9 @@ def test_bad_action_and_instance():
 
 async def start(router_client, fake_backends, tmp_path, n=3, policy="sticky", **kw):
     fakes = await fake_backends(n, token_delay=0.05)
+    kw.setdefault("control_token", TOKEN)
     cfg = RouterConfig(backends=[Backend(f"i{k}", u) for k, (_, u) in enumerate(fakes)], policy=policy,
-                       db=str(tmp_path / "kvtop.db"), control_token=TOKEN, state_dir=str(tmp_path / "state"),
-                       **kw)
+                       db=str(tmp_path / "kvtop.db"), state_dir=str(tmp_path / "state"), **kw)
     client = await router_client(create_app(cfg))
     return client, client.server.app[STATE], [f for f, _ in fakes]
 
@@ -222,3 +222,54 @@ async def test_readonly_router_refuses_fleet_changes(router_client, fake_backend
     r = await client.post("/kvtop/v1/fleet/i0/cordon", headers=AUTH)
     assert r.status == 403
     assert state.router.fleet.states == [ACTIVE, ACTIVE]
+
+
+# -- kvtop fleet, the CLI -------------------------------------------------------------------------
+
+async def test_cli_drain_waits_and_lists(router_client, fake_backends, tmp_path, capsys):
+    from kvtop.cli import main
+
+    # no token given: the CLI finds the router and its generated token as `kvtop attach` does
+    client, state, fakes = await start(router_client, fake_backends, tmp_path, n=2, control_token=None)
+    sd = str(tmp_path / "state")
+    assert (await turn(client, "a", "alpha " * 40))[1] == "i0"
+    long_turn = asyncio.ensure_future(turn(client, "a", "alpha " * 50, max_tokens=30))  # 1.5 s on i0
+    await until(lambda: state.cluster.instances[0].num_requests == 1)
+    rc = await asyncio.to_thread(main, ["fleet", "drain", "i0", "--wait", "10", "--state-dir", sd])
+    out = capsys.readouterr().out
+    assert rc == 0 and long_turn.done() and (await long_turn)[0] == 200
+    assert "i0: active -> draining; in flight: 1, sessions homed: 1" in out
+    assert "i0: drained" in out
+    assert await turn(client, "a", "alpha " * 60) == (200, "i1")  # it moved at its next turn
+    rc = await asyncio.to_thread(main, ["fleet", "list", "--state-dir", sd])
+    out = capsys.readouterr().out.splitlines()
+    assert rc == 0 and out[0].split()[:2] == ["INSTANCE", "STATE"]
+    assert out[1].split()[:5] == ["i0", "draining", "(drained)", "yes", "0"]
+    assert out[2].split()[:5] == ["i1", "active", "yes", "0", "1"]
+    rows = config_rows(state)
+    assert len(rows) == 1 and rows[0]["who"].startswith("kvtop-fleet:")
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["fleet", "drain"], "needs an instance name"),
+    (["fleet", "list", "i0"], "takes no instance"),
+    (["fleet", "cordon", "i0", "--wait", "5"], "--wait S goes with drain"),
+    (["fleet", "drain", "i7"], "unknown instance 'i7'; known: i0, i1"),
+    (["fleet", "uncordon", "i0", "--token-file", "/nonexistent/token"], "cannot read token file"),
+])
+async def test_cli_errors_are_one_line(router_client, fake_backends, tmp_path, capsys, argv, words):
+    from kvtop.cli import main
+
+    await start(router_client, fake_backends, tmp_path, n=2, control_token=None)
+    rc = await asyncio.to_thread(main, argv + ["--state-dir", str(tmp_path / "state")])
+    err = capsys.readouterr().err
+    assert rc == 2 and words in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_cli_without_a_router(tmp_path, capsys):
+    from conftest import free_port
+    from kvtop.cli import main
+
+    rc = main(["fleet", "list", "--router", f"127.0.0.1:{free_port()}", "--state-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "cannot reach the router" in err
