@@ -71,6 +71,43 @@ def test_bad_action_and_instance():
     assert exc.value.status == 404
 
 
+def test_offload_never_prefills_on_a_draining_instance():
+    """The fleet's exclusion reaches every leg: the offload's prefill instance P too."""
+    from router.build import build_router
+    from router.lifecycle import Arrived, FirstToken, LegSent
+    from router.request import RouteRequest
+    from router.settings import Settings
+
+    class Sink:
+        def decision(self, d): pass
+
+        def outcome(self, d, o): pass
+
+    def req(k, session, blocks):
+        ids = [hash((k, b)) for b in range(blocks)]  # no cache hit between requests: each prefills all
+        return RouteRequest(f"r{k}", session, "header", blocks * 16, ids, "tokens", "completions", True, 4)
+
+    r = build_router(Settings.parse("sticky", {"offload_mode": "simple", "offload_threshold": 32}),
+                     ["a", "b", "c"], Sink(), block_size=16, capacity_blocks=640, clock=lambda: 0.0)
+    life = r.lifecycle
+    busy = life.receive(req(0, "s0", 1))  # s0 on a, decoding: a heavy turn of s0 would offload
+    life.step(busy, Arrived())
+    life.step(busy, LegSent())
+    life.step(busy, FirstToken())
+    life.step(life.receive(req(1, "s1", 1)), Arrived())  # s1 on b, still prefilling: c is the idlest peer
+    heavy = req(2, "s0", 20)
+    assert r.pipeline.core.decide(heavy).instance == 0
+    r.fleet.apply(r.fleet.plan(2, "drain"), 0.0)
+    flow = life.receive(heavy)
+    life.step(flow, Arrived())
+    assert flow.decision.instance == 0 and flow.decision.extra.get("prefill_instance") != "c"
+    assert all(leg.instance != 2 for leg in flow.legs)
+    r.fleet.apply(r.fleet.plan(2, "uncordon"), 0.0)  # the same request with c open: P is c
+    again = life.receive(req(3, "s0", 20))
+    life.step(again, Arrived())
+    assert again.decision.extra.get("prefill_instance") == "c"
+
+
 # -- over HTTP ------------------------------------------------------------------------------------
 
 async def start(router_client, fake_backends, tmp_path, n=3, policy="sticky", **kw):
