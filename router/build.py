@@ -54,6 +54,35 @@ class Router:
         sess = self.cluster.sessions.get(req.session_id) if req.session_id is not None else None
         return self.fleet.closed_to(sess.instance if sess is not None else None)
 
+    def add_instance(self, name: str, url: str = "", *, capacity_blocks: int, kv_events: bool = False) -> int:
+        """Grow every per-instance structure by one new, empty, active instance (or revive the
+        removed one of that name in its place); returns its index."""
+        cl = self.cluster
+        now = self.pipeline.clock()
+        for s in cl.instances:
+            if s.name == name:
+                self.fleet.revive(s.index, now)  # FleetError unless it was removed
+                s.url, s.healthy, s.ejected = url, True, False
+                if cl.exact is not None and kv_events:
+                    cl.exact.published_mask |= 1 << s.index
+                return s.index
+        i = cl.add_instance(name, url, capacity_blocks=capacity_blocks, kv_events=kv_events)
+        self.pipeline.queue.add_instance()
+        self.fleet.add(now)
+        return i
+
+    def remove_instance(self, i: int) -> None:
+        """Forget what instance ``i`` held (the caller checked that nothing is in flight there:
+        ``Fleet.plan``); it keeps its index, marked removed, out of every pick."""
+        cl = self.cluster
+        cl.index.forget_instance(i)
+        cl.calibration.forget(i)
+        if cl.exact is not None:
+            cl.exact.clear(i)
+            cl.exact.set_live(i, False)
+            cl.exact.published_mask &= ~(1 << i)
+        cl.instances[i].healthy = False
+
     def apply(self, settings: Settings) -> PolicySlot:
         """Swap in validated settings: a new policy version and the features, in one step;
         in-flight requests keep the policy that routed them. Waiters at an admission gate

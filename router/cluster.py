@@ -484,6 +484,19 @@ class Cluster:
         self._bound[instance].add(session_id)
         return sess
 
+    def add_instance(self, name: str, url: str = "", *, capacity_blocks: int, kv_events: bool = False) -> int:
+        """A new instance, empty and idle (the fleet grew while it ran); returns its index.
+        ``kv_events``: its engine publishes KV events (modelled in the exact index, if any)."""
+        i = len(self.instances)
+        self.index.add_instance(capacity_blocks)
+        self.calibration.add_instance()
+        if self.exact is not None:
+            self.exact.add_instance(kv_events)
+        self._prefilling.append({})
+        self._bound.append(set())
+        self.instances.append(InstanceState(i, name, url))
+        return i
+
     def set_healthy(self, instance: int, healthy: bool) -> bool:
         """Mark an instance healthy or not; return True when this changed its state."""
         s = self.instances[instance]

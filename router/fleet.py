@@ -7,7 +7,10 @@ An operator takes an instance out of rotation without stopping the router (docs/
     active     yes            yes                                    run
     cordoned   no             yes                                    run
     draining   no             no: each moves at its next turn        run to their end
-    removed    no             no                                     (none: it is gone)
+    removed    no             no                                     none (removed once drained)
+
+A removed instance keeps its index (decision rows, masks and metrics name instances by it);
+adding it again under its name revives that place.
 
 The one routing rule is ``Fleet.closed_to(bound)``: the instances a request must not go to,
 given the instance its session is bound to. Routing gets it through the lifecycle's exclusion
@@ -25,8 +28,8 @@ from typing import Any
 ACTIVE, CORDONED, DRAINING, REMOVED = "active", "cordoned", "draining", "removed"
 STATES = (ACTIVE, CORDONED, DRAINING, REMOVED)
 
-#: Control verbs -> the state they lead to.
-ACTIONS = {"cordon": CORDONED, "drain": DRAINING, "uncordon": ACTIVE}
+#: Control verbs -> the state they lead to (adding an instance is ``Fleet.add``).
+ACTIONS = {"cordon": CORDONED, "drain": DRAINING, "uncordon": ACTIVE, "remove": REMOVED}
 
 
 class FleetError(ValueError):
@@ -70,19 +73,25 @@ class Fleet:
             return self._closed
         return self._closed + tuple(i for i in self._cordoned if i != bound)
 
-    def plan(self, i: int, action: str, *, force: bool = False) -> Change:
+    def plan(self, i: int, action: str, *, force: bool = False, in_flight: int = 0) -> Change:
         """The change ``action`` makes to instance ``i``, validated, without applying it.
 
-        Refuses (FleetError) an unknown action, any change to a removed instance, and a change
-        that would leave no active instance for new sessions unless ``force``: the router would
-        then refuse every new session, which is an outage, not a drain."""
+        Refuses (FleetError) an unknown action, any change to a removed instance but removing
+        it again (no change), a remove while ``in_flight`` requests run there (drain it first),
+        and a change that would leave no active instance for new sessions unless ``force``:
+        the router would then refuse every new session, which is an outage, not a drain."""
         if action not in ACTIONS:
             raise FleetError(f"unknown fleet action {action!r}; known: {', '.join(ACTIONS)}", 400)
         if not 0 <= i < len(self.states):
             raise FleetError(f"no instance with index {i}", 404)
         before, after = self.states[i], ACTIONS[action]
         if before == REMOVED:
+            if after == REMOVED:
+                return Change(i, action, before, after)
             raise FleetError("the instance was removed; add it again instead")
+        if after == REMOVED and in_flight:
+            raise FleetError(f"{in_flight} requests are in flight there; drain it and wait until it is "
+                             "drained (kvtop fleet drain --wait), then remove it")
         if (after != ACTIVE and before == ACTIVE and not force
                 and not any(s == ACTIVE for k, s in enumerate(self.states) if k != i)):
             raise FleetError(f"{action} would leave no active instance for new sessions; "
@@ -95,6 +104,20 @@ class Fleet:
             self.since[change.instance] = now
             self._reindex()
         return change
+
+    def add(self, now: float) -> int:
+        """A new instance, active; returns its index."""
+        self.states.append(ACTIVE)
+        self.since.append(now)
+        return len(self.states) - 1
+
+    def revive(self, i: int, now: float) -> None:
+        """A removed instance added again under its name: active, in its old place."""
+        if self.states[i] != REMOVED:
+            raise FleetError("the instance is in the fleet already; remove it first to replace it")
+        self.states[i] = ACTIVE
+        self.since[i] = now
+        self._reindex()
 
     def _reindex(self) -> None:
         self._closed = tuple(i for i, s in enumerate(self.states) if s in (DRAINING, REMOVED))

@@ -76,6 +76,7 @@ class HealthChecker:
         self.outlier_consecutive = cfg.outlier_consecutive
         self.outlier_ejection_s = cfg.outlier_ejection_s
         self.probes = [ProbeState(changed_at=time.time()) for _ in state.cluster.instances]
+        self.tasks: dict[int, asyncio.Task] | None = None  # index -> its watcher, while running
         self.transitions = 0
 
     # -- transitions -------------------------------------------------------------------
@@ -239,18 +240,39 @@ class HealthChecker:
                 "ejections": s.ejections_total, "consecutive_errors": p.consecutive_errors}
 
     # -- lifecycle ---------------------------------------------------------------------
+    def add(self, index: int) -> None:
+        """Watch an instance added while the router runs (router/fleet_api.py), or one re-added."""
+        if index < len(self.probes):
+            self.probes[index] = ProbeState(changed_at=time.time())  # re-added: a fresh record
+        else:
+            self.probes.append(ProbeState(changed_at=time.time()))
+        if self.tasks is not None and self.interval_s > 0 and index not in self.tasks:
+            self.tasks[index] = asyncio.create_task(self._watch(index), name=f"kvtop-health-{index}")
+
+    def stop(self, index: int) -> None:
+        """Stop probing a removed instance."""
+        t = self.tasks.pop(index, None) if self.tasks is not None else None
+        if t is not None:
+            t.cancel()
+        p = self.probes[index]
+        if p.ejected_timer is not None:
+            p.ejected_timer.cancel()
+            p.ejected_timer = None
+
     async def run(self) -> AsyncIterator[None]:
-        tasks = [asyncio.create_task(self._watch(i), name=f"kvtop-health-{i}")
-                 for i in range(len(self.probes))]
+        self.tasks = {i: asyncio.create_task(self._watch(i), name=f"kvtop-health-{i}")
+                      for i in range(len(self.probes))}
+        tasks = self.tasks
         try:
             yield
         finally:
-            for t in tasks:
+            self.tasks = None
+            for t in tasks.values():
                 t.cancel()
             for p in self.probes:
                 if p.ejected_timer is not None:
                     p.ejected_timer.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*tasks.values(), return_exceptions=True)
 
 
 def setup(app, state: Any) -> HealthChecker:

@@ -261,6 +261,106 @@ async def test_readonly_router_refuses_fleet_changes(router_client, fake_backend
     assert state.router.fleet.states == [ACTIVE, ACTIVE]
 
 
+# -- add and remove --------------------------------------------------------------------------------
+
+async def test_live_fleet_add_two_drain_one_remove_it(router_client, fake_backends, tmp_path):
+    """The issue's scenario: under steady agentic traffic, add two instances, drain one of the
+    first, remove it once drained: no client error, the drained instance gets nothing new, each
+    of its sessions moves once, the counters end at zero, and config_events holds each change."""
+    client, state, fakes = await start(router_client, fake_backends, tmp_path, n=2)
+    spare = await fake_backends(2, token_delay=0.05)
+    sessions = [f"s{k}" for k in range(8)]
+    statuses: list[int] = []
+    where: dict[str, list[str]] = {s: [] for s in sessions}
+    stop = asyncio.Event()
+
+    async def agent(s: str) -> None:
+        k = 0
+        while not stop.is_set():
+            k += 1
+            status, inst = await turn(client, s, f"{s} turn " * (30 + 5 * k), max_tokens=6)
+            statuses.append(status)
+            where[s].append(inst)
+            await asyncio.sleep(0.02)  # think time
+
+    agents = [asyncio.ensure_future(agent(s)) for s in sessions]
+    await until(lambda: all(len(w) >= 2 for w in where.values()))
+    for k, (_, url) in enumerate(spare):
+        r = await client.post("/kvtop/v1/fleet", headers=AUTH, json={"backend": f"new{k}={url}"})
+        assert r.status == 200, await r.text()
+        assert (await r.json())["index"] == 2 + k
+    on_i0 = {s for s in sessions if state.cluster.sessions[s].instance == 0}
+    assert on_i0
+    r = await client.post("/kvtop/v1/fleet/i0/drain", headers=AUTH)
+    assert r.status == 200
+    seen_at_drain = len(fakes[0].seen)
+    turns_at_drain = {s: len(where[s]) for s in sessions}
+    await until(lambda: all(len(w) >= turns_at_drain[s] + 2 for s, w in where.items()))
+    await until(lambda: state.cluster.instances[0].num_requests == 0)
+    r = await client.post("/kvtop/v1/fleet/i0/remove", headers=AUTH)
+    assert r.status == 200, await r.text()
+    await until(lambda: all(len(w) >= turns_at_drain[s] + 4 for s, w in where.items()))
+    stop.set()
+    await asyncio.gather(*agents)
+
+    assert statuses and set(statuses) == {200}  # zero client errors
+    assert len(fakes[0].seen) == seen_at_drain  # nothing new once drained
+    for s in sessions:
+        after = where[s][turns_at_drain[s] + 1:]  # the turn in flight at the drain may have been on i0
+        assert "i0" not in after, s
+        assert state.cluster.sessions[s].moves == (1 if s in on_i0 else 0), s
+    assert len(spare[0][0].seen) + len(spare[1][0].seen) > 0  # the new instances took work
+    assert state.cluster.counters_zero()
+    snap = await (await client.get("/kvtop/v1/state")).json()
+    assert [(i["name"], i["fleet_state"]) for i in snap["instances"]] == [
+        ("i0", "removed"), ("i1", "active"), ("new0", "active"), ("new1", "active")]
+    assert snap["instances"][0]["healthy"] is False and 0 not in state.health.tasks
+    rows = config_rows(state)
+    assert [json.loads(r["after"])["action"] for r in rows] == ["add", "add", "drain", "remove"]
+    assert json.loads(rows[0]["after"])["url"] == spare[0][1]
+
+
+async def test_remove_needs_a_drain_and_a_removed_name_can_come_back(router_client, fake_backends, tmp_path):
+    client, state, fakes = await start(router_client, fake_backends, tmp_path, n=2)
+    long_turn = asyncio.ensure_future(turn(client, "a", "alpha " * 40, max_tokens=30))
+    await until(lambda: state.cluster.instances[0].num_requests == 1)
+    r = await client.post("/kvtop/v1/fleet/i0/remove", headers=AUTH)
+    assert r.status == 409 and "1 requests are in flight there; drain it" in (await r.json())["error"]["message"]
+    await client.post("/kvtop/v1/fleet/i0/drain", headers=AUTH)
+    assert (await long_turn)[0] == 200
+    r = await client.post("/kvtop/v1/fleet/i0/remove", headers=AUTH)
+    assert r.status == 200 and (await r.json())["after"] == "removed"
+    r = await client.post("/kvtop/v1/fleet/i0/uncordon", headers=AUTH)
+    assert r.status == 409 and "add it again" in (await r.json())["error"]["message"]
+    assert await turn(client, "b", "beta " * 40) == (200, "i1")
+    # back under its name, at another URL: the same place, active, empty
+    other = await fake_backends(1, token_delay=0.05)
+    r = await client.post("/kvtop/v1/fleet", headers=AUTH, json={"backend": f"i0={other[0][1]}"})
+    body = await r.json()
+    assert r.status == 200 and body["index"] == 0 and body["fleet_state"] == "active"
+    assert state.cluster.instances[0].url == other[0][1] and state.cluster.instances[0].healthy
+    assert state.cluster.index.cached_blocks(0) == 0
+    assert await turn(client, "c", "gamma " * 40) == (200, "i0")  # idle, first: sticky's pick
+    assert len(other[0][0].seen) == 1 and len(fakes[0].seen) == 1
+    assert state.cluster.counters_zero()
+
+
+@pytest.mark.parametrize("body,status,words", [
+    ({"backend": "i1=http://127.0.0.1:1"}, 409, "i1 (http://127.0.0.1:1) is in the fleet already"),
+    ({"backend": "ftp://x"}, 400, "backend 'ftp://x': expected http://HOST:PORT"),
+    ({"backend": "n=http://127.0.0.1:1@kv=tcp://127.0.0.1:5557"}, 400, "follows no KV events"),
+    ({"url": "http://127.0.0.1:1"}, 400, "expected a JSON object"),
+])
+async def test_bad_adds_change_nothing(router_client, fake_backends, tmp_path, body, status, words):
+    client, state, _ = await start(router_client, fake_backends, tmp_path, n=2)
+    if "i1=" in body.get("backend", ""):
+        state.cluster.instances[1].url = "http://127.0.0.1:1"  # a URL the test knows
+    r = await client.post("/kvtop/v1/fleet", headers=AUTH, json=body)
+    assert r.status == status and words in (await r.json())["error"]["message"]
+    assert len(state.cluster.instances) == 2 and len(state.router.fleet.states) == 2
+    assert config_rows(state) == []
+
+
 # -- kvtop fleet, the CLI -------------------------------------------------------------------------
 
 async def test_cli_drain_waits_and_lists(router_client, fake_backends, tmp_path, capsys):
