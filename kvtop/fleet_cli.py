@@ -1,8 +1,11 @@
-"""List the instances of a running router, or cordon, drain and uncordon one while traffic flows.
+"""List the instances of a running router, or add, cordon, drain, uncordon and remove one while
+traffic flows.
 
   kvtop fleet list                    each instance's fleet state, requests in flight, sessions homed
+  kvtop fleet add i4=http://h:8000@kv=tcp://h:5557    a new instance, in `kvtop route --backend` syntax
   kvtop fleet cordon i1               no new sessions on i1; its sessions keep coming
   kvtop fleet drain i1 --wait 300     no new requests on i1; wait until its in-flight ones are done
+  kvtop fleet remove i1               out of the fleet (once drained: nothing in flight there)
   kvtop fleet uncordon i1             back in rotation
 
 The router and its control token are found as `kvtop attach` finds them (--router, else the
@@ -23,13 +26,14 @@ from typing import Any
 
 from store.errors import CliError
 
-ACTIONS = ("list", "cordon", "drain", "uncordon")
+ACTIONS = ("list", "add", "cordon", "drain", "uncordon", "remove")
 POLL_S = 0.5
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", choices=ACTIONS, help="list the fleet, or change one instance")
-    p.add_argument("instance", nargs="?", help="the instance's name, as `kvtop fleet list` shows it")
+    p.add_argument("instance", nargs="?", help="the instance's name, as `kvtop fleet list` shows it; for "
+                                               "add, the new one as `kvtop route --backend` takes it")
     p.add_argument("--router", default=None, metavar="URL",
                    help="the router (default: the newest router-<port>.json in the state dir, "
                         "else http://127.0.0.1:8000)")
@@ -53,7 +57,9 @@ def run(args: argparse.Namespace) -> int:
         if args.instance is not None:
             raise CliError("`kvtop fleet list` takes no instance")
     elif not args.instance:
-        raise CliError(f"`kvtop fleet {args.action}` needs an instance name (see `kvtop fleet list`)")
+        raise CliError("`kvtop fleet add` needs a backend: [NAME=]URL[@kv=tcp://HOST:PORT][@gpu=N]"
+                       if args.action == "add" else
+                       f"`kvtop fleet {args.action}` needs an instance name (see `kvtop fleet list`)")
     if args.wait is not None and (args.action != "drain" or not args.wait > 0):
         raise CliError("--wait S goes with drain, and S must be positive")
     try:
@@ -64,9 +70,12 @@ def run(args: argparse.Namespace) -> int:
             return 0
         if not target.token:
             raise CliError(f"no control token for {target.url}: pass --token-file or set $KVTOP_CONTROL_TOKEN")
-        body = {"force": True} if args.force else None
-        out = _post(target.url, f"/fleet/{urllib.parse.quote(args.instance, safe='')}/{args.action}",
-                    body, target.token)
+        if args.action == "add":
+            out = _post(target.url, "/fleet", {"backend": args.instance}, target.token)
+        else:
+            body = {"force": True} if args.force else None
+            out = _post(target.url, f"/fleet/{urllib.parse.quote(args.instance, safe='')}/{args.action}",
+                        body, target.token)
         print(json.dumps(out, indent=2) if args.json else format_change(out))
         if args.wait is None:
             return 0
@@ -117,6 +126,8 @@ def _user() -> str:
 
 
 def format_change(out: dict[str, Any]) -> str:
+    if out["action"] == "add":
+        return f"{out['instance']}: added, {out['after']}"
     line = f"{out['instance']}: {out['before']} -> {out['after']}"
     if not out["changed"]:
         line += " (no change)"

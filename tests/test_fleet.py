@@ -383,12 +383,21 @@ async def test_cli_drain_waits_and_lists(router_client, fake_backends, tmp_path,
     assert rc == 0 and out[0].split()[:2] == ["INSTANCE", "STATE"]
     assert out[1].split()[:5] == ["i0", "draining", "(drained)", "yes", "0"]
     assert out[2].split()[:5] == ["i1", "active", "yes", "0", "1"]
+    # then it leaves the fleet, and another instance joins
+    other = await fake_backends(1, token_delay=0.05)
+    assert await asyncio.to_thread(main, ["fleet", "remove", "i0", "--state-dir", sd]) == 0
+    assert await asyncio.to_thread(main, ["fleet", "add", f"i2={other[0][1]}", "--state-dir", sd]) == 0
+    out = capsys.readouterr().out
+    assert "i0: draining -> removed" in out and "i2: added, active" in out
+    assert [s.name for s in state.cluster.instances] == ["i0", "i1", "i2"]
     rows = config_rows(state)
-    assert len(rows) == 1 and rows[0]["who"].startswith("kvtop-fleet:")
+    assert len(rows) == 3 and all(r["who"].startswith("kvtop-fleet:") for r in rows)
 
 
 @pytest.mark.parametrize("argv,words", [
     (["fleet", "drain"], "needs an instance name"),
+    (["fleet", "add"], "needs a backend"),
+    (["fleet", "add", "i0=http://127.0.0.1:1"], "is in the fleet already"),
     (["fleet", "list", "i0"], "takes no instance"),
     (["fleet", "cordon", "i0", "--wait", "5"], "--wait S goes with drain"),
     (["fleet", "drain", "i7"], "unknown instance 'i7'; known: i0, i1"),
