@@ -26,7 +26,7 @@ def instance_json(st: Any, i: int) -> dict[str, Any]:
     return fl.instance_json(st.router.fleet, st.cluster, i)
 
 
-async def change(st: Any, name: str, action: str, who: str, *, force: bool = False) -> dict[str, Any]:
+async def change(st: Any, tel: Any, name: str, action: str, who: str, *, force: bool = False) -> dict[str, Any]:
     """Apply a fleet action to the instance named ``name``; audited when it changes the state.
     Raises FleetError (changing nothing). A remove also stops its health probes and KV-event
     subscriber and forgets what it cached."""
@@ -41,6 +41,8 @@ async def change(st: Any, name: str, action: str, who: str, *, force: bool = Fal
         st.router.remove_instance(i)
         if st.health is not None:
             st.health.stop(i)
+        if i < len(tel.instances):
+            tel.instances[i].removed = True
         subs = st.kv_subscribers
         if i < len(subs) and subs[i] is not None:
             sub, subs[i] = subs[i], None
@@ -158,7 +160,7 @@ def setup(app: web.Application, ctl: Any, who: Callable[[web.Request], str]) -> 
             force = body.get("force", False)
         name, action = request.match_info["instance"], request.match_info["action"]
         try:
-            out = await change(st, name, action, who(request), force=force)
+            out = await change(st, ctl.tel, name, action, who(request), force=force)
         except fl.FleetError as exc:
             return error_response(exc.status, exc.message, param="action" if exc.status == 400 else "instance")
         ctl.guard.cache.clear()  # a change is visible at once

@@ -214,6 +214,7 @@ class InstanceTelemetry:
     gpu_source: str | None = None  # nvml | sim_busy_ratio
     gpu_note: str | None = None  # "n/a: <reason>" when nothing is known
     gpu_error: str | None = None
+    removed: bool = False  # taken out of the fleet (router/fleet_api.py): no longer scraped
 
     def engine_json(self, now: float) -> dict[str, Any]:
         em = self.engine
@@ -612,7 +613,8 @@ class Telemetry:
     async def tick(self) -> None:
         now = time.time()
         self.sample_router(now)
-        await asyncio.gather(*(self.scrape_one(it) for it in self.instances), return_exceptions=True)
+        await asyncio.gather(*(self.scrape_one(it) for it in self.instances if not it.removed),
+                             return_exceptions=True)
         await self.sample_gpus()
         if now - self._last_sample_row >= self.sample_every_s:
             self._last_sample_row = now

@@ -14,6 +14,7 @@ import pytest
 import sqlite_utils
 
 from router.app import STATE, Backend, RouterConfig, create_app
+from router.control import CONTROL
 from router.fleet import ACTIVE, CORDONED, DRAINING, Fleet, FleetError
 
 TOKEN = "fleet-token-0123456789"
@@ -114,7 +115,8 @@ async def start(router_client, fake_backends, tmp_path, n=3, policy="sticky", **
     fakes = await fake_backends(n, token_delay=0.05)
     kw.setdefault("control_token", TOKEN)
     cfg = RouterConfig(backends=[Backend(f"i{k}", u) for k, (_, u) in enumerate(fakes)], policy=policy,
-                       db=str(tmp_path / "kvtop.db"), state_dir=str(tmp_path / "state"), **kw)
+                       db=str(tmp_path / "kvtop.db"), state_dir=str(tmp_path / "state"),
+                       scrape_interval_s=0.2, **kw)
     client = await router_client(create_app(cfg))
     return client, client.server.app[STATE], [f for f, _ in fakes]
 
@@ -315,6 +317,11 @@ async def test_live_fleet_add_two_drain_one_remove_it(router_client, fake_backen
     assert [(i["name"], i["fleet_state"]) for i in snap["instances"]] == [
         ("i0", "removed"), ("i1", "active"), ("new0", "active"), ("new1", "active")]
     assert snap["instances"][0]["healthy"] is False and 0 not in state.health.tasks
+    tel = client.server.app[CONTROL].tel
+    scrapes = tel.instances[0].scrape_errors_total, tel.instances[0].scraped_at
+    await asyncio.sleep(0.5)  # scrape_interval_s 0.2: two rounds, neither touches the removed instance
+    assert (tel.instances[0].scrape_errors_total, tel.instances[0].scraped_at) == scrapes
+    assert tel.instances[2].scrape_errors_total > 0  # the added ones are scraped (fakes have no /metrics)
     rows = config_rows(state)
     assert [json.loads(r["after"])["action"] for r in rows] == ["add", "add", "drain", "remove"]
     assert json.loads(rows[0]["after"])["url"] == spare[0][1]
@@ -419,3 +426,42 @@ def test_cli_without_a_router(tmp_path, capsys):
     rc = main(["fleet", "list", "--router", f"127.0.0.1:{free_port()}", "--state-dir", str(tmp_path)])
     err = capsys.readouterr().err
     assert rc == 2 and "cannot reach the router" in err
+
+
+async def test_added_instance_follows_its_kv_events_and_removal_stops_them(router_client, fake_backends, tmp_path):
+    """An instance added with @kv= is followed like one given at start: its events make its hits
+    exact; removed, its subscriber stops and the exact index forgets it."""
+    from kvfake import FakeEngineCache, FakePublisher, connected, wait_for
+    from router import kv_events
+
+    bs = 16
+    pubs = [FakePublisher(), FakePublisher()]
+    try:
+        fakes = await fake_backends(2, token_delay=0.0)
+        cfg = RouterConfig(backends=[Backend("i0", fakes[0][1], kv_events=pubs[0].endpoint)], policy="leastwork",
+                           block_size=bs, db=str(tmp_path / "kv.db"), control_token=TOKEN,
+                           state_dir=str(tmp_path / "state"), kv_speculative_ttl_s=0)
+        client = await router_client(create_app(cfg))
+        state = client.server.app[STATE]
+        spec = f"i1={fakes[1][1]}@kv={pubs[1].endpoint}@kv-replay={pubs[1].replay_endpoint}"
+        r = await client.post("/kvtop/v1/fleet", headers=AUTH, json={"backend": spec})
+        assert r.status == 200, await r.text()
+        sub = state.kv_subscribers[1]
+        await connected(sub, pubs[1])
+        prompt = list(range(50, 50 + bs * 40))
+        pubs[1].publish(FakeEngineCache(bs).run(prompt))  # i1's engine already holds it
+        await wait_for(lambda: sub.state == kv_events.EXACT and sub.stats.batches >= 1)
+        r = await client.post("/v1/completions", json={"prompt": prompt + [1, 2], "max_tokens": 2})
+        assert r.status == 200 and r.headers["X-Kvtop-Instance"] == "i1"
+        snap = (await (await client.get("/kvtop/v1/state")).json())["instances"]
+        assert snap[1]["index_source"] == "exact" and snap[1]["kv_events"]["router_blocks"] == 40
+        await client.post("/kvtop/v1/fleet/i1/drain", headers=AUTH)
+        r = await client.post("/kvtop/v1/fleet/i1/remove", headers=AUTH)
+        assert r.status == 200, await r.text()
+        assert state.kv_subscribers[1] is None and sub.state == kv_events.STOPPED
+        ex = state.cluster.exact
+        assert not ex.is_live(1) and not ex.published_mask >> 1 & 1 and ex.cached_blocks(1) == 0
+        assert state.cluster.counters_zero()
+    finally:
+        for p in pubs:
+            await p.close()
