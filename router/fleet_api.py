@@ -1,4 +1,4 @@
-"""The fleet's control endpoints, state fields and metrics: the shell around router/fleet.py.
+"""The fleet's control endpoints and state fields: the shell around router/fleet.py (its metrics are in router/telemetry.py).
 
 ``GET /kvtop/v1/fleet`` lists each instance's fleet state; ``POST /kvtop/v1/fleet`` adds one and
 ``POST /kvtop/v1/fleet/{instance}/{cordon|drain|uncordon|remove}`` changes one (bearer token),
@@ -7,17 +7,18 @@ each audited in ``config_events`` with kind ``fleet``. docs/control-api.md ("Fle
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
-from prometheus_client.core import GaugeMetricFamily, Metric
-
 from router import fleet as fl
+from router import kv_events
 from router.fleet import FleetError
 from router.http import dumps, error_response, read_json
-from router.offload import loads
+from router.backends import parse_backend
 from router.request import BadRequest
+from router.telemetry import InstanceTelemetry
+from store.errors import CliError
 
 PREFIX = "/kvtop/v1"
 
@@ -57,11 +58,6 @@ async def add(st: Any, tel: Any, spec: str, who: str) -> dict[str, Any]:
     removed instance of that name is revived in its place), its health probes, telemetry and
     KV-event subscriber start. Raises FleetError (changing nothing) for a bad spec or a name or
     URL already in the fleet."""
-    from router import kv_events
-    from router.cli import parse_backend
-    from router.telemetry import InstanceTelemetry
-    from store.errors import CliError
-
     cl, f = st.cluster, st.router.fleet
     try:
         b = parse_backend(spec, len(cl.instances))
@@ -104,36 +100,6 @@ def listing(st: Any) -> dict[str, Any]:
         out.append({"name": s.name, "url": s.url, "healthy": s.healthy, "num_requests": s.num_requests,
                     "sessions_homed": fl.sessions_homed(st.cluster, s.index), **instance_json(st, s.index)})
     return {"instances": out, "counts": st.router.fleet.counts()}
-
-
-def families(st: Any) -> Iterator[Metric]:
-    """``kvtop_instance_fleet_state`` (one series per state, 1 for the current one, as
-    kube-state-metrics does), the drain's sessions still homed, and the expected queue seconds
-    per instance as the routing's lookahead prices it (a signal for autoscalers)."""
-    router = getattr(st, "router", None)
-    if router is None:  # a stand-in state (tests) without a router
-        return
-    cluster = st.cluster
-    f = router.fleet
-    state = GaugeMetricFamily("kvtop_instance_fleet_state", "1 for the instance's fleet state: active, "
-                              "cordoned (no new sessions), draining (no new requests), removed",
-                              labels=["instance", "state"])
-    homed = GaugeMetricFamily("kvtop_instance_drain_sessions_homed", "sessions still homed on a draining "
-                              "instance (each moves at its next turn); no sample unless draining",
-                              labels=["instance"])
-    for s in cluster.instances:
-        for name in fl.STATES:
-            state.add_metric([s.name, name], int(f.states[s.index] == name))
-        if f.states[s.index] == fl.DRAINING:
-            homed.add_metric([s.name], fl.sessions_homed(cluster, s.index))
-    yield state
-    yield homed
-    queue = GaugeMetricFamily("kvtop_instance_queue_seconds", "seconds of prefill queued on the instance "
-                              "ahead of a request routed now, at its measured prefill rate (what "
-                              "expected_cost prices as its queue); healthy instances", labels=["instance"])
-    for i, wait in cluster.lookahead(loads(cluster), 0, None, None).wait_s.items():
-        queue.add_metric([cluster.instances[i].name], wait)
-    yield queue
 
 
 # -- handlers ---------------------------------------------------------------------------------------

@@ -28,7 +28,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import choose_encoder, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from router import fleet_api
+from router import fleet as fl
+from router.offload import loads
 
 log = logging.getLogger(__name__)
 
@@ -455,6 +456,36 @@ def _kv_families(st: Any) -> Iterator[Metric]:
     yield from (blocks, drift, drift_in, drift_n, share)
 
 
+def _fleet_families(st: Any) -> Iterator[Metric]:
+    """``kvtop_instance_fleet_state`` (one series per state, 1 for the current one, as
+    kube-state-metrics does), the drain's sessions still homed, and the expected queue seconds
+    per instance as the routing's lookahead prices it (a signal for autoscalers)."""
+    router = getattr(st, "router", None)
+    if router is None:  # a stand-in state (tests) without a router
+        return
+    cluster = st.cluster
+    f = router.fleet
+    state = GaugeMetricFamily("kvtop_instance_fleet_state", "1 for the instance's fleet state: active, "
+                              "cordoned (no new sessions), draining (no new requests), removed",
+                              labels=["instance", "state"])
+    homed = GaugeMetricFamily("kvtop_instance_drain_sessions_homed", "sessions still homed on a draining "
+                              "instance (each moves at its next turn); no sample unless draining",
+                              labels=["instance"])
+    for s in cluster.instances:
+        for name in fl.STATES:
+            state.add_metric([s.name, name], int(f.states[s.index] == name))
+        if f.states[s.index] == fl.DRAINING:
+            homed.add_metric([s.name], fl.sessions_homed(cluster, s.index))
+    yield state
+    yield homed
+    queue = GaugeMetricFamily("kvtop_instance_queue_seconds", "seconds of prefill queued on the instance "
+                              "ahead of a request routed now, at its measured prefill rate (what "
+                              "expected_cost prices as its queue); healthy instances", labels=["instance"])
+    for i, wait in cluster.lookahead(loads(cluster), 0, None, None).wait_s.items():
+        queue.add_metric([cluster.instances[i].name], wait)
+    yield queue
+
+
 class RouterCollector:
     """A prometheus_client collector: the per-instance series, read from the cluster state
     at scrape time, and ``RouterMetrics``' counts (its histograms are collected on their own)."""
@@ -478,7 +509,7 @@ class RouterCollector:
             family.add_metric([it.name], it.scrape_errors_total)
         yield family
         yield from _kv_families(st)
-        yield from fleet_api.families(st)
+        yield from _fleet_families(st)
         family = GaugeMetricFamily("kvtop_policy_version", "version of the active policy (increments on every change)",
                                    labels=["policy"])
         family.add_metric([st.slot.policy.name], st.slot.version)
