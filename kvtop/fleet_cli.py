@@ -43,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--state-dir", default=None, metavar="DIR",
                    help="where routers write router-<port>.json (default ~/.local/state/kvtop)")
     p.add_argument("--force", action="store_true",
-                   help="cordon or drain even the last active instance (new sessions are then refused)")
+                   help="cordon, drain or remove even the last active instance (new sessions are then refused)")
     p.add_argument("--wait", type=float, default=None, metavar="S",
                    help="drain only: wait up to S s until nothing is in flight on the instance; "
                         "exit 1 if it is not drained by then")

@@ -1,4 +1,5 @@
-"""The fleet's control endpoints and state fields: the shell around router/fleet.py (its metrics are in router/telemetry.py).
+"""The fleet's control endpoints and state fields: the shell around router/fleet.py (its
+metrics are in router/telemetry.py).
 
 ``GET /kvtop/v1/fleet`` lists each instance's fleet state; ``POST /kvtop/v1/fleet`` adds one and
 ``POST /kvtop/v1/fleet/{instance}/{cordon|drain|uncordon|remove}`` changes one (bearer token),
