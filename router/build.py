@@ -72,8 +72,8 @@ class Router:
         return i
 
     def remove_instance(self, i: int) -> None:
-        """Forget what instance ``i`` held (the caller checked that nothing is in flight there:
-        ``Fleet.plan``); it keeps its index, marked removed, out of every pick."""
+        """Forget what instance ``i`` held; it keeps its index, marked removed, out of every pick.
+        Requests still in flight there (a forced remove) release their tickets as usual."""
         cl = self.cluster
         cl.index.forget_instance(i)
         cl.calibration.forget(i)

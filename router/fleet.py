@@ -77,8 +77,8 @@ class Fleet:
         """The change ``action`` makes to instance ``i``, validated, without applying it.
 
         Refuses (FleetError) an unknown action, any change to a removed instance but removing
-        it again (no change), a remove while ``in_flight`` requests run there (drain it first),
-        and a change that would leave no active instance for new sessions unless ``force``:
+        it again (no change), a remove while ``in_flight`` requests run there unless ``force``
+        (they then fail over: drain it first to avoid that), and a change that would leave no active instance for new sessions unless ``force``:
         the router would then refuse every new session, which is an outage, not a drain."""
         if action not in ACTIONS:
             raise FleetError(f"unknown fleet action {action!r}; known: {', '.join(ACTIONS)}", 400)
@@ -89,9 +89,10 @@ class Fleet:
             if after == REMOVED:
                 return Change(i, action, before, after)
             raise FleetError("the instance was removed; add it again instead")
-        if after == REMOVED and in_flight:
+        if after == REMOVED and in_flight and not force:
             raise FleetError(f"{in_flight} requests are in flight there; drain it and wait until it is "
-                             "drained (kvtop fleet drain --wait), then remove it")
+                             "drained (kvtop fleet drain --wait), then remove it, or send force to "
+                             "cut them off (each is retried elsewhere if nothing reached its client yet)")
         if (after != ACTIVE and before == ACTIVE and not force
                 and not any(s == ACTIVE for k, s in enumerate(self.states) if k != i)):
             raise FleetError(f"{action} would leave no active instance for new sessions; "

@@ -40,6 +40,10 @@ async def change(st: Any, tel: Any, name: str, action: str, who: str, *, force: 
         st.record_config("fleet", who, {"instance": name, "state": c.before},
                          {"instance": name, "state": c.after, "action": action, "force": force})
     if c.changed and c.after == fl.REMOVED:
+        # closed to routing from here; with requests still in flight (a forced remove) their
+        # connections are cut: each fails as when a backend drops it, and the retry rules apply
+        if st.upstream is not None:
+            st.upstream.cut_off(st.cluster.instances[i].url)
         st.router.remove_instance(i)
         if st.health is not None:
             st.health.stop(i)
@@ -72,6 +76,8 @@ async def add(st: Any, tel: Any, spec: str, who: str) -> dict[str, Any]:
                          "to add this instance's to; add it without @kv=", 400)
     i = st.router.add_instance(b.name, b.url, capacity_blocks=st.config.capacity_blocks,
                                kv_events=bool(b.kv_events))
+    if st.upstream is not None:
+        st.upstream.allow(b.url)  # a URL removed before may come back
     _put(st.config.backends, i, b)
     _put(tel.instances, i, InstanceTelemetry(b.name, b.url, b.gpu))
     if st.health is not None:

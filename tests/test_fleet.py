@@ -465,3 +465,48 @@ async def test_added_instance_follows_its_kv_events_and_removal_stops_them(route
     finally:
         for p in pubs:
             await p.close()
+
+
+async def test_forced_remove_fails_over_what_is_in_flight(router_client, fake_backends, tmp_path):
+    """A forced remove with requests in flight: a non-streaming one (nothing reached its client)
+    is retried on another instance and answered; a stream already relaying ends with the
+    documented mid-stream error; each attempt has its outcome row; no ticket leaks."""
+    client, state, fakes = await start(router_client, fake_backends, tmp_path, n=2, policy="sticky")
+    assert (await turn(client, "a", "alpha " * 40))[1] == "i0"
+    assert (await turn(client, "b", "beta " * 40))[1] == "i0"  # idle again: sticky's first
+    fakes[0].token_delay = 0.2  # i0 slows down: both next turns are still running at the remove
+
+    async def plain(session, text):
+        r = await client.post("/v1/completions", json={"model": "m", "prompt": text, "max_tokens": 20},
+                              headers={"X-Session-ID": session})
+        return r.status, r.headers.get("X-Kvtop-Instance"), await r.read()
+
+    async def stream(session, text):
+        r = await client.post("/v1/completions", json={"model": "m", "prompt": text, "stream": True,
+                                                      "max_tokens": 40}, headers={"X-Session-ID": session})
+        return r.status, await r.read()
+
+    quiet = asyncio.ensure_future(plain("a", "alpha " * 50))
+    streaming = asyncio.ensure_future(stream("b", "beta " * 50))
+    await until(lambda: state.cluster.instances[0].num_requests == 2)
+    await asyncio.sleep(0.3)  # the stream has relayed its first tokens
+    r = await client.post("/kvtop/v1/fleet/i0/remove", headers=AUTH)
+    assert r.status == 409 and "send force" in (await r.json())["error"]["message"]
+    r = await client.post("/kvtop/v1/fleet/i0/remove", headers=AUTH, json={"force": True})
+    assert r.status == 200 and (await r.json())["after"] == "removed"
+    status, where, _ = await quiet
+    assert (status, where) == (200, "i1")  # retried elsewhere
+    status, body = await streaming
+    assert status == 200 and b"failed mid-stream" in body  # its head was sent: it ends with the error event
+    await until(lambda: state.cluster.in_flight == 0)
+    assert state.cluster.counters_zero()
+    state.writer.flush()
+    db = sqlite_utils.Database(state.config.db)
+    outcomes = {(o["request_id"], o["attempt"]): o["status"] for o in db["outcomes"].rows}
+    decisions = {(d["request_id"], d["attempt"]) for d in db["decisions"].rows}
+    assert set(outcomes) == decisions  # every attempt has its outcome: none lost from the log
+    assert sorted(outcomes.values()).count("ok") == 3  # two turns before, the retried one after
+    assert len(decisions) == 5  # 2 before + quiet's 2 attempts + the stream's 1
+    assert state.cluster.instances[0].num_requests == 0 and not state.cluster._prefilling[0]
+    # nothing reaches it again, and the next turns of its sessions go to i1
+    assert await turn(client, "b", "beta " * 60) == (200, "i1")
