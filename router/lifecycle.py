@@ -193,7 +193,8 @@ class Lifecycle:
                 return Refuse(503, str(exc), ALL_FULL)
             if closed:
                 names = self.pipeline.cluster.instances
-                exc = NoInstance(f"{exc} (cordoned or draining: {', '.join(names[i].name for i in closed)})")
+                exc = NoInstance(f"{exc}; out of rotation (cordoned, draining or removed): "
+                                 f"{', '.join(names[i].name for i in closed)}")
             if first is None:
                 return Refuse(503, str(exc), NO_INSTANCE)
             return Refuse(502, f"{first.instance_name} failed and {exc}", NO_INSTANCE)
