@@ -25,6 +25,7 @@ VERBS: list[tuple[str, str, str]] = [
     ("report", "kvtop.report", "the seed table and per-class TTFT from results or a database"),
     ("trace", "kvtop.traces.cli", "convert, build, cap and describe traces"),
     ("log", "kvtop.log_cli", "query the decision log after a run"),
+    ("fleet", "kvtop.fleet_cli", "list, cordon, drain or uncordon a running router's instances"),
 ]
 
 

@@ -54,7 +54,7 @@ class RecordedRun:
     shadows: list[str]  # shadow policies recorded in the run
     skipped: dict[str, int] = field(default_factory=dict)  # why requests could not be re-run
     total: int = 0  # first attempts in the run
-    #: policy and knob changes made while it ran (ts, kind, who): not replayed
+    #: policy, knob and fleet changes made while it ran (ts, kind, who): not replayed
     changes: list[tuple[float, str, str]] = field(default_factory=list)
 
 
@@ -462,7 +462,8 @@ def format_report(run: RecordedRun, speed: float, speed_note: str, rows: list[tu
     lines.append(f"router features, as recorded, in every arm: {features}")
     if run.changes:
         who = ", ".join(sorted({w for _, _, w in run.changes}))
-        lines.append(f"note: the run's policy or knobs changed {len(run.changes)} time(s) while it ran ({who}); "
+        what = "policy or knobs" if all(k != "fleet" for _, k, _ in run.changes) else "policy, knobs or fleet"
+        lines.append(f"note: the run's {what} changed {len(run.changes)} time(s) while it ran ({who}); "
                      "every arm re-runs its STARTING settings, so figures after the first change "
                      "compare different setups")
     if replicas > 1:

@@ -89,6 +89,11 @@ class AdmissionQueue:
         self.admitted: list[dict[Any, int]] = [{} for _ in range(num_instances)]
         self.rounds = [1] * num_instances
 
+    def add_instance(self) -> None:
+        self.waiting.append([])
+        self.admitted.append({})
+        self.rounds.append(1)
+
     def pending(self, instance: int) -> int:
         return sum(self.admitted[instance].values())
 

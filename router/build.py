@@ -14,8 +14,10 @@ from typing import Any
 from router.calibration import DEFAULT_PRIOR, PrefillPrior
 from router.cluster import Cluster
 from router.core import PolicySlot, RoutingCore
+from router.fleet import Fleet
 from router.lifecycle import Lifecycle
 from router.pipeline import Flow, Pipeline, Sink
+from router.request import RouteRequest
 from router.settings import Settings
 
 
@@ -33,8 +35,10 @@ class Router:
         self.core = RoutingCore(cluster, settings.build_policy(), clock=clock)
         self.pipeline = Pipeline(self.core, lambda: self.settings.features, sink, clock=clock,
                                  on_admit=on_admit, shadows=shadows, defer=defer, background=background)
+        #: which instances take new sessions and requests (router/fleet.py); the control API changes it
+        self.fleet = Fleet(len(cluster.instances))
         #: the one order of a request's steps; the drivers only perform its actions
-        self.lifecycle = Lifecycle(self.pipeline, full=full)
+        self.lifecycle = Lifecycle(self.pipeline, full=full, closed=self.closed_to)
 
     @property
     def cluster(self) -> Cluster:
@@ -43,6 +47,41 @@ class Router:
     @property
     def slot(self) -> PolicySlot:
         return self.core.slot
+
+    def closed_to(self, req: RouteRequest) -> tuple[int, ...]:
+        """The instances the fleet closes to ``req`` (router/fleet.py): draining ones, and
+        cordoned ones unless its session is bound there."""
+        sess = self.cluster.sessions.get(req.session_id) if req.session_id is not None else None
+        return self.fleet.closed_to(sess.instance if sess is not None else None)
+
+    def add_instance(self, name: str, url: str = "", *, capacity_blocks: int, kv_events: bool = False) -> int:
+        """Grow every per-instance structure by one new, empty, active instance (or revive the
+        removed one of that name in its place); returns its index."""
+        cl = self.cluster
+        now = self.pipeline.clock()
+        for s in cl.instances:
+            if s.name == name:
+                self.fleet.revive(s.index, now)  # FleetError unless it was removed
+                s.url, s.healthy, s.ejected = url, True, False
+                if cl.exact is not None and kv_events:
+                    cl.exact.published_mask |= 1 << s.index
+                return s.index
+        i = cl.add_instance(name, url, capacity_blocks=capacity_blocks, kv_events=kv_events)
+        self.pipeline.queue.add_instance()
+        self.fleet.add(now)
+        return i
+
+    def remove_instance(self, i: int) -> None:
+        """Forget what instance ``i`` held; it keeps its index, marked removed, out of every pick.
+        Requests still in flight there (a forced remove) release their tickets as usual."""
+        cl = self.cluster
+        cl.index.forget_instance(i)
+        cl.calibration.forget(i)
+        if cl.exact is not None:
+            cl.exact.clear(i)
+            cl.exact.set_live(i, False)
+            cl.exact.published_mask &= ~(1 << i)
+        cl.instances[i].healthy = False
 
     def apply(self, settings: Settings) -> PolicySlot:
         """Swap in validated settings: a new policy version and the features, in one step;

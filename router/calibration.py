@@ -111,6 +111,11 @@ class Calibration:
         self._scale = None
         return service
 
+    def add_instance(self) -> None:
+        """A new instance, measured from nothing (the fleet's estimate until it has samples)."""
+        self._inst.append(_Instance())
+        self._scale = None
+
     def forget(self, instance: int) -> None:
         """Start over on ``instance`` (it restarted: its speed may have changed)."""
         self._inst[instance] = _Instance()

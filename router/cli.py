@@ -25,56 +25,18 @@ import signal
 import socket
 import sqlite3
 import sys
-from urllib.parse import urlsplit
 
 from router import limits
 from router.app import STATE, create_app, start_server, tls_context
 from router.config import KnobError, parse_knob_args
 from router.policies import ALIASES, DEFAULT_POLICY, POLICIES
 from router.shadow import ShadowError, parse_specs
+from router.backends import parse_backend  # noqa: F401  (kvtop route --backend; tests import it here)
 from router.state import DEFAULT_CAPACITY_TOKENS, Backend, RouterConfig
 from router.upstream import Pool, UpstreamError
 from store.errors import CliError
 
 log = logging.getLogger("kvtop.route")
-
-
-def parse_backend(spec: str, index: int) -> Backend:
-    gpu = None
-    url = spec.strip()
-    opts: dict[str, str] = {}
-    while True:  # trailing @gpu=N, @kv=tcp://..., @kv-replay=tcp://..., in any order
-        head, sep, tail = url.rpartition("@")
-        key, eq, value = tail.partition("=")
-        if not sep or not eq or key not in ("gpu", "kv", "kv-replay"):
-            break
-        if key in opts:
-            raise CliError(f"--backend {spec!r}: @{key}= given twice")
-        opts[key], url = value, head
-    if "gpu" in opts:
-        try:
-            gpu = int(opts["gpu"])
-        except ValueError:
-            raise CliError(f"--backend {spec!r}: @gpu= needs an integer GPU index") from None
-    for key in ("kv", "kv-replay"):
-        if key in opts and not opts[key].startswith(("tcp://", "ipc://")):
-            raise CliError(f"--backend {spec!r}: @{key}= expects a ZMQ endpoint, tcp://HOST:PORT or ipc://PATH")
-    if "kv-replay" in opts and "kv" not in opts:
-        raise CliError(f"--backend {spec!r}: @kv-replay= needs @kv= (the event stream itself)")
-    name = f"i{index}"
-    head, sep, rest = url.partition("=")
-    if sep and "://" not in head:
-        name, url = head, rest
-    try:
-        u = urlsplit(url)
-        ok = u.scheme in ("http", "https") and bool(u.hostname) and (u.port is None or u.port > 0)
-    except ValueError:  # a port that is not a number, an IPv6 address without brackets
-        ok = False
-    if not ok:
-        raise CliError(f"--backend {spec!r}: expected http://HOST:PORT or https://HOST:PORT "
-                       "(an IPv6 address in brackets: http://[::1]:8000)")
-    return Backend(name=name, url=url.rstrip("/"), gpu=gpu, kv_events=opts.get("kv"),
-                   kv_replay=opts.get("kv-replay"))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -599,6 +599,21 @@ class Cluster:
         """Sessions the lookahead may price one by one (in flight or idle and not aged out)."""
         return sum(len(b) + len(d) for b, d in zip(self._busy, self._idle))
 
+    def add_instance(self, name: str, url: str = "", *, capacity_blocks: int, kv_events: bool = False) -> int:
+        """A new instance, empty and idle (the fleet grew while it ran); returns its index.
+        ``kv_events``: its engine publishes KV events (modelled in the exact index, if any)."""
+        i = len(self.instances)
+        self.index.add_instance(capacity_blocks)
+        self.calibration.add_instance()
+        if self.exact is not None:
+            self.exact.add_instance(kv_events)
+        self._prefilling.append({})
+        self._busy.append({})
+        self._idle.append(OrderedDict())
+        self._prior_tokens.append({})
+        self.instances.append(InstanceState(i, name, url))
+        return i
+
     def set_healthy(self, instance: int, healthy: bool) -> bool:
         """Mark an instance healthy or not; return True when this changed its state."""
         s = self.instances[instance]

@@ -23,7 +23,7 @@ from typing import Any
 
 from aiohttp import web
 
-from router import kv_events, telemetry
+from router import fleet, fleet_api, kv_events, telemetry
 from router.http import dumps, error_response, read_json
 from router.state import STATE, RouterState
 from router.config import KnobError
@@ -178,6 +178,7 @@ class Control:
                 "kv_events": kv_events.instance_json(st.cluster, st.kv_subscribers, i),
                 # measured prefill rate (router/calibration.py): tokens/s or None, and its sample count
                 **st.cluster.calibration.snapshot(i),
+                **fleet.instance_json(st.router.fleet, st.cluster, i),  # fleet_state, drain (router/fleet.py)
             })
             for k in ("num_requests", "pending_prefill_tokens", "decode_requests", "routed_total",
                       "input_tokens_total", "est_hit_tokens_total", "errors_total"):
@@ -589,6 +590,7 @@ def setup(app: web.Application) -> None:
     r.add_put(PREFIX + "/shadows", put_shadows)
     r.add_get(PREFIX + "/sessions", get_sessions)
     r.add_get(PREFIX + "/decisions", get_decisions)
+    fleet_api.setup(app, ctl, _who)
     app.cleanup_ctx.append(_lifecycle)
     app.on_shutdown.append(_close_streams)
 

@@ -103,6 +103,14 @@ class ExactIndex:
         #: speculated, reserved); every instance unless the router says otherwise.
         self.published_mask = (1 << num_instances) - 1
 
+    def add_instance(self, published: bool) -> int:
+        """A new instance holding nothing; ``published``: it has a KV-event endpoint."""
+        self.instances.append(InstanceBlocks())
+        i = len(self.instances) - 1
+        if published:
+            self.published_mask |= 1 << i
+        return i
+
     # -- which instances are exact -------------------------------------------------------
     def set_live(self, instance: int, live: bool) -> None:
         bit = 1 << instance

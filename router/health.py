@@ -79,6 +79,7 @@ class HealthChecker:
         self.outlier_consecutive = cfg.outlier_consecutive
         self.outlier_ejection_s = cfg.outlier_ejection_s
         self.probes = [ProbeState(changed_at=time.time()) for _ in state.cluster.instances]
+        self.tasks: dict[int, asyncio.Task] | None = None  # index -> its watcher, while running
         self.transitions = 0
 
     # -- transitions -------------------------------------------------------------------
@@ -242,24 +243,47 @@ class HealthChecker:
                 "ejections": s.ejections_total, "consecutive_errors": p.consecutive_errors}
 
     # -- lifecycle ---------------------------------------------------------------------
-    async def run(self) -> AsyncIterator[None]:
-        sup = getattr(self.state, "supervisor", None)
-        if sup is not None:  # a probe loop that dies is logged, shown and started again
-            tasks = [sup.spawn(f"health-probe-{i}", lambda i=i: self._watch(i), kind="health-probe",
-                               fallback="restarted; the instance keeps its last health meanwhile")
-                     for i in range(len(self.probes))]
+    def add(self, index: int) -> None:
+        """Watch an instance added while the router runs (router/fleet_api.py), or one re-added."""
+        if index < len(self.probes):
+            self.probes[index] = ProbeState(changed_at=time.time())  # re-added: a fresh record
         else:
-            tasks = [asyncio.create_task(self._watch(i), name=f"kvtop-health-{i}")
-                     for i in range(len(self.probes))]
+            self.probes.append(ProbeState(changed_at=time.time()))
+        if self.tasks is not None and self.interval_s > 0 and index not in self.tasks:
+            self.tasks[index] = self._start(index)
+
+    def _start(self, index: int) -> asyncio.Task:
+        """One instance's probe loop; supervised where the router has a supervisor (a loop that
+        dies is logged, shown and started again)."""
+        sup = getattr(self.state, "supervisor", None)
+        if sup is not None:
+            return sup.spawn(f"health-probe-{index}", lambda: self._watch(index), kind="health-probe",
+                             fallback="restarted; the instance keeps its last health meanwhile")
+        return asyncio.create_task(self._watch(index), name=f"kvtop-health-{index}")
+
+    def stop(self, index: int) -> None:
+        """Stop probing a removed instance."""
+        t = self.tasks.pop(index, None) if self.tasks is not None else None
+        if t is not None:
+            t.cancel()
+        p = self.probes[index]
+        if p.ejected_timer is not None:
+            p.ejected_timer.cancel()
+            p.ejected_timer = None
+
+    async def run(self) -> AsyncIterator[None]:
+        self.tasks = {i: self._start(i) for i in range(len(self.probes))}
+        tasks = self.tasks
         try:
             yield
         finally:
-            for t in tasks:
+            self.tasks = None
+            for t in tasks.values():
                 t.cancel()
             for p in self.probes:
                 if p.ejected_timer is not None:
                     p.ejected_timer.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*tasks.values(), return_exceptions=True)
 
 
 def setup(app, state: RouterState) -> HealthChecker:

@@ -127,10 +127,14 @@ Action = Send | Wait | Refuse | Done | None
 class Lifecycle:
     """The order of a request's steps over one Pipeline; see the module docstring."""
 
-    def __init__(self, pipeline: Pipeline, *, full: Callable[[], tuple[int, ...]] = tuple):
+    def __init__(self, pipeline: Pipeline, *, full: Callable[[], tuple[int, ...]] = tuple,
+                 closed: Callable[[RouteRequest], tuple[int, ...]] = lambda req: ()):
         self.pipeline = pipeline
         #: () -> instances at their in-flight bound now (live: router/limits.py); never chosen
         self.full = full
+        #: request -> instances the fleet closes to it (cordoned, draining: router/fleet.py);
+        #: never chosen, and a request left with none is refused as when none is healthy
+        self.closed = closed
 
     def receive(self, req: RouteRequest, t_recv: float | None = None) -> Flow:
         return self.pipeline.receive(req, t_recv)
@@ -177,13 +181,20 @@ class Lifecycle:
         raise TypeError(f"not a lifecycle event: {event!r}")
 
     def _route(self, flow: Flow, exclude: tuple[int, ...]) -> Action:
+        closed = self.closed(flow.request)
         full = self.full()
+        if closed and full:  # a closed instance at its bound is closed, not full
+            full = tuple(i for i in full if i not in closed)
         try:
-            self.pipeline.route(flow, exclude=exclude + full)
+            self.pipeline.route(flow, exclude=exclude + closed + full)
         except NoInstance as exc:
             first = flow.first
             if full and first is None:
                 return Refuse(503, str(exc), ALL_FULL)
+            if closed:
+                names = self.pipeline.cluster.instances
+                exc = NoInstance(f"{exc}; out of rotation (cordoned, draining or removed): "
+                                 f"{', '.join(names[i].name for i in closed)}")
             if first is None:
                 return Refuse(503, str(exc), NO_INSTANCE)
             return Refuse(502, f"{first.instance_name} failed and {exc}", NO_INSTANCE)

@@ -258,6 +258,15 @@ class PrefixIndex:
                 break
         return out
 
+    def add_instance(self, capacity_blocks: int) -> int:
+        """A new instance, caching nothing yet (the fleet grew); returns its index."""
+        if capacity_blocks <= 0:
+            raise ValueError("capacity must be positive")
+        self.capacity.append(capacity_blocks)
+        self._lru.append(OrderedDict())
+        self._evictions.append(0)
+        return len(self._lru) - 1
+
     def forget_instance(self, instance: int) -> None:
         """Drop everything believed cached on ``instance`` (it restarted or was reset)."""
         self.flush()

@@ -28,6 +28,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import choose_encoder, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from router import fleet as fl
+from router.offload import loads
+
 if TYPE_CHECKING:  # typing only: router/state.py imports this module
     from router.state import RouterState
 
@@ -215,6 +218,7 @@ class InstanceTelemetry:
     gpu_source: str | None = None  # nvml | sim_busy_ratio
     gpu_note: str | None = None  # "n/a: <reason>" when nothing is known
     gpu_error: str | None = None
+    removed: bool = False  # taken out of the fleet (router/fleet_api.py): no longer scraped
 
     def engine_json(self, now: float) -> dict[str, Any]:
         em = self.engine
@@ -460,6 +464,36 @@ def _kv_families(st: Any) -> Iterator[Metric]:
     yield from (blocks, drift, drift_in, drift_n, share)
 
 
+def _fleet_families(st: Any) -> Iterator[Metric]:
+    """``kvtop_instance_fleet_state`` (one series per state, 1 for the current one, as
+    kube-state-metrics does), the drain's sessions still homed, and the expected queue seconds
+    per instance as the routing's lookahead prices it (a signal for autoscalers)."""
+    router = getattr(st, "router", None)
+    if router is None:  # a stand-in state (tests) without a router
+        return
+    cluster = st.cluster
+    f = router.fleet
+    state = GaugeMetricFamily("kvtop_instance_fleet_state", "1 for the instance's fleet state: active, "
+                              "cordoned (no new sessions), draining (no new requests), removed",
+                              labels=["instance", "state"])
+    homed = GaugeMetricFamily("kvtop_instance_drain_sessions_homed", "sessions still homed on a draining "
+                              "instance (each moves at its next turn); no sample unless draining",
+                              labels=["instance"])
+    for s in cluster.instances:
+        for name in fl.STATES:
+            state.add_metric([s.name, name], int(f.states[s.index] == name))
+        if f.states[s.index] == fl.DRAINING:
+            homed.add_metric([s.name], fl.sessions_homed(cluster, s.index))
+    yield state
+    yield homed
+    queue = GaugeMetricFamily("kvtop_instance_queue_seconds", "seconds of prefill queued on the instance "
+                              "ahead of a request routed now, at its measured prefill rate (what "
+                              "expected_cost prices as its queue); healthy instances", labels=["instance"])
+    for i, wait in cluster.lookahead(loads(cluster), 0, None, None).wait_s.items():
+        queue.add_metric([cluster.instances[i].name], wait)
+    yield queue
+
+
 class RouterCollector:
     """A prometheus_client collector: the per-instance series, read from the cluster state
     at scrape time, and ``RouterMetrics``' counts (its histograms are collected on their own)."""
@@ -483,6 +517,7 @@ class RouterCollector:
             family.add_metric([it.name], it.scrape_errors_total)
         yield family
         yield from _kv_families(st)
+        yield from _fleet_families(st)
         family = GaugeMetricFamily("kvtop_policy_version", "version of the active policy (increments on every change)",
                                    labels=["policy"])
         family.add_metric([st.slot.policy.name], st.slot.version)
@@ -638,7 +673,8 @@ class Telemetry:
     async def tick(self) -> None:
         now = time.time()
         self.sample_router(now)
-        await asyncio.gather(*(self.scrape_one(it) for it in self.instances), return_exceptions=True)
+        await asyncio.gather(*(self.scrape_one(it) for it in self.instances if not it.removed),
+                             return_exceptions=True)
         await self.sample_gpus()
         if now - self._last_sample_row >= self.sample_every_s:
             self._last_sample_row = now

@@ -387,6 +387,7 @@ class Pool:
         self._idle: dict[str, list[_Conn]] = {}
         self._hosts: dict[str, tuple[str, str | None, str | None, int, bool]] = {}
         self._open: set[_Conn] = set()
+        self._refused: set[str] = set()  # backends cut off (a forced remove): no new connection
         self.closed = False
 
     def _ssl_context(self) -> ssl.SSLContext:
@@ -412,6 +413,8 @@ class Pool:
         return t
 
     async def _connect(self, base: str, deadline: float | None = None) -> _Conn:
+        if base in self._refused:
+            raise ConnectFailed(f"{base} was removed from the fleet")
         _, unix_path, host, port, tls = self._target(base)
         limit = self.connect_timeout
         if deadline is not None:
@@ -520,6 +523,20 @@ class Pool:
         idle = self._idle.get(conn.key)
         if idle and conn in idle:
             idle.remove(conn)
+
+    def cut_off(self, base: str) -> int:
+        """Close every connection to ``base``, busy ones too, and open no new one until
+        ``allow(base)``: the requests on them fail as when a backend drops them (retried
+        elsewhere when nothing reached the client). Returns how many were open."""
+        self._refused.add(base)
+        self._idle.pop(base, None)
+        cut = [conn for conn in self._open if conn.key == base]
+        for conn in cut:
+            conn.transport.close()
+        return len(cut)
+
+    def allow(self, base: str) -> None:
+        self._refused.discard(base)
 
     def close(self) -> None:
         self.closed = True

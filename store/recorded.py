@@ -29,7 +29,7 @@ class RecordedRows:
     #: per request, its last attempt's outcome: request_id, attempt, instance, status, stream,
     #: ttft_ms, e2e_ms, tpot_ms, output_tokens, delivered_hit_tokens, t_recv, t_done
     outcomes: dict[str, sqlite3.Row]
-    #: the run's policy and knob changes made while it ran (config_events): (ts, kind, who);
+    #: the run's policy, knob and fleet changes made while it ran (config_events): (ts, kind, who);
     #: what-if replays the starting settings and says these were not replayed
     changes: list[tuple[float, str, str]] = field(default_factory=list)
 
@@ -87,7 +87,7 @@ def read_recorded_run(path: str | Path, run_id: str | None = None) -> RecordedRo
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         changes = [] if "config_events" not in tables else [
             (r["ts"], r["kind"], r["who"]) for r in conn.execute(
-                "SELECT ts, kind, who FROM config_events WHERE run_id = ? AND kind IN ('policy', 'knobs') "
+                "SELECT ts, kind, who FROM config_events WHERE run_id = ? AND kind IN ('policy', 'knobs', 'fleet') "
                 "ORDER BY ts", (rid,))]
     finally:
         conn.close()

@@ -16,7 +16,8 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.app import STATE, Backend, RouterConfig, create_app
-from router.cluster import InstanceState
+from router.cluster import Cluster, InstanceState
+from router.fleet import Fleet
 from router.telemetry import (ENGINE_METRIC_NAMES, LATENCY_BUCKETS_S, MAX_METRICS_BYTES, MAX_NAMED_BYTES,
                               TELEMETRY, CounterWindow, GpuSampler, ParseError, Telemetry, engine_metrics,
                               parse_prometheus)
@@ -196,8 +197,13 @@ def documented_metrics() -> dict[str, set[str]]:
 
 def test_every_documented_metric_is_exposed_with_its_labels():
     names = documented_metrics()
-    assert len(names) == 20, names  # the section was found and read whole (kvtop_instance_sessions: issue 37)
+    assert len(names) == 23, names  # the section was found and read whole (sessions: issue 37; fleet: 34)
     tel = Telemetry(fake_router(["a", "b"]))
+    # the fleet's families read a real cluster and the fleet (b draining: its drain gauge)
+    tel.state.cluster = Cluster(["a", "b"])
+    fleet = Fleet(2)
+    fleet.apply(fleet.plan(1, "drain"), 0.0)
+    tel.state.router = SimpleNamespace(fleet=fleet)
     tel.state.cluster.instances[0].input_tokens_total = 10  # est_hit_rate needs routed input
     tel.metrics("decision", {"policy": "lmetric@2", "reason": "argmin", "decision_us": 40})
     tel.metrics("outcome", {"status": "ok", "ttft_ms": 5, "e2e_ms": 9})

@@ -192,3 +192,17 @@ async def test_from_db_reruns_the_recorded_features_and_says_so(router, tmp_path
                         and str(cfg.features.get("offload_threshold")) == "3000" for cfg in seen)
     assert "router features, as recorded, in every arm: offload simple (threshold 3000), admission fifo" in out
     assert "changed 1 time(s) while it ran (test)" in out
+
+
+async def test_a_fleet_change_during_the_run_is_named_as_not_replayed(router, capsys):
+    """What-if re-runs a recording on its starting instances: a drain made while it ran is named."""
+    from router import fleet_api
+    from router.control import CONTROL
+
+    c = await router(2, db=True)
+    db = await _record(c)
+    st = c.server.app[STATE]
+    await fleet_api.change(st, c.server.app[CONTROL].tel, "i1", "drain", "ops")
+    st.writer.flush()
+    assert main(["simulate", "--from-db", db, "--speed", "1000", "--profile", "h20"]) == 0
+    assert "the run's policy, knobs or fleet changed 1 time(s) while it ran (ops)" in capsys.readouterr().out
