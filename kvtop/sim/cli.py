@@ -40,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from kvtop.sim.profiles import DEFAULT_PROFILE, PROFILES
 
     names = ", ".join(f"{n}{' (estimated)' if p.estimated else ''}" for n, p in PROFILES.items())
+    # no abbreviations: this parser also classifies its subcommands' flags, and `calibrate --out`
+    # would be taken for an ambiguous `--output-len`/`--output-seed`
+    parser.allow_abbrev = False
     sub = parser.add_subparsers(dest="sim_command", metavar="{calibrate,fidelity}",
                                 required=False)
     cal = sub.add_parser("calibrate", help="fit a profile to a running vLLM instance",
