@@ -122,7 +122,10 @@ class Control:
             return error_response(401, "this call changes the router: send Authorization: Bearer <token> "
                                        "(the token is in the file named by router-<port>.json in the state dir)",
                                   headers={"WWW-Authenticate": 'Bearer realm="kvtop"'})
-        if not hmac.compare_digest(given.strip().encode(), self.token.encode()):
+        # a header byte past ASCII arrives as a surrogate (aiohttp decodes with surrogateescape):
+        # encoded back as it came, it compares unequal instead of raising
+        if not hmac.compare_digest(given.strip().encode("utf-8", "surrogateescape"),
+                                   self.token.encode("utf-8", "surrogateescape")):
             return error_response(401, "the bearer token is not valid for this router",
                                   headers={"WWW-Authenticate": 'Bearer realm="kvtop", error="invalid_token"'})
         return None
@@ -400,6 +403,23 @@ async def _json_body(request: web.Request) -> Any:
         raise _BadParam("body", exc.message, status=exc.status) from None
 
 
+def _json_knob_types(name: str | None, knobs: Any, current: str) -> None:
+    """The control API takes knobs as JSON values: a number or a boolean given as a string
+    (``"1.5"``) is a 400, though the CLI's ``key=value`` parses the same text (router/config.py
+    ``Knob.coerce`` accepts both). Unknown names are left to the full validation."""
+    if not isinstance(knobs, dict):
+        return
+    try:
+        schema = policy_class(name or current).schema
+    except KnobError:
+        return  # an unknown policy: the full validation names it
+    for k, v in knobs.items():
+        knob = schema.get(k) or FEATURE_KNOBS.get(k)
+        if knob is not None and knob.type is not str and isinstance(v, str):
+            want = "true or false" if knob.type is bool else f"a JSON number ({knob.describe_range()})"
+            raise KnobError(k, f"expected {want}, got the string {v!r}")
+
+
 def _who(request: web.Request) -> str:
     who = request.headers.get(USER_HEADER, "").strip()
     return "".join(ch for ch in who if ch.isprintable())[:64] or "api"
@@ -430,6 +450,7 @@ async def put_policy(request: web.Request) -> web.Response:
         knobs = {}
     try:
         policy_class(name)
+        _json_knob_types(name, knobs, request.app[STATE].slot.policy.name)
         slot = request.app[STATE].set_policy(name, knobs, _who(request))
     except KnobError as exc:
         param = "name" if exc.field == "policy" else exc.field
@@ -449,6 +470,7 @@ async def patch_knobs(request: web.Request) -> web.Response:
     if not isinstance(body, dict):
         raise _BadParam("body", "expected a JSON object of knob names to values")
     try:
+        _json_knob_types(None, body, request.app[STATE].slot.policy.name)
         slot = request.app[STATE].set_policy(None, body, _who(request), merge=True)
     except KnobError as exc:
         return error_response(400, f"{exc.field}: {exc.message}", param=exc.field)
@@ -472,8 +494,18 @@ async def put_shadows(request: web.Request) -> web.Response:
     body = await _json_body(request)
     if not isinstance(body, dict) or set(body) != {"policies"}:
         raise _BadParam("body", 'expected a JSON object {"policies": [NAME or {"policy": NAME, "knobs": {...}}]}')
+    specs = body["policies"]
+    if not isinstance(specs, list):  # the CLI's "a,b" form is for --shadow, not this API
+        raise _BadParam("policies", 'policies must be a list of policy names or {"policy": NAME, '
+                                    f'"knobs": {{...}}}} objects ([] for none), got {type(specs).__name__}')
     try:
-        summary = request.app[STATE].set_shadows(body["policies"], _who(request))
+        for s in specs:
+            if isinstance(s, dict) and isinstance(s.get("policy"), str):
+                _json_knob_types(s["policy"], s.get("knobs"), s["policy"])
+    except KnobError as exc:
+        return error_response(400, f"policies: {exc.field}: {exc.message}", param="policies")
+    try:
+        summary = request.app[STATE].set_shadows(specs, _who(request))
     except ShadowError as exc:
         return error_response(400, str(exc), param="policies")
     ctl.guard.cache.clear()
