@@ -181,3 +181,103 @@ async def test_control_still_takes_json_numbers_and_lists(router):
     assert r.status == 200
     r = await router.put("/kvtop/v1/shadows", json={"policies": []}, headers=AUTH)
     assert r.status == 200
+
+
+# -- offline tools: bounded specs and profiles, one line and exit 2 ------------------------------
+
+from pathlib import Path  # noqa: E402
+
+from kvtop.cli import main as kvtop_main  # noqa: E402
+
+SAMPLE = Path(__file__).resolve().parent.parent / "kvtop" / "data" / "sample_trace.jsonl.gz"
+
+
+def _one_line_exit_2(capsys, argv: list[str], words: str) -> None:
+    assert kvtop_main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert words in err, err
+
+
+def _sweep_spec(tmp_path, head: str, trace: str = str(SAMPLE)) -> str:
+    p = tmp_path / "spec.toml"
+    p.write_text(f'{head}\n[traces]\ntrain = ["{trace}"]\nvalidate = [{{ path = "{trace}", name = "v" }}]\n'
+                 '[[policies]]\nname = "lmetric"\n')
+    return str(p)
+
+
+@pytest.mark.parametrize("head,words", [
+    ("repeats = 1000000000", "repeats must be at most"),          # grew past 2 GB before a plan
+    ("[loads]\ninstances = [1000000]", "loads.instances"),       # MemoryError
+    ("[loads]\nrate_scale = [inf]", "loads.rate_scale"),         # ran
+    ("[loads]\nrate_scale = [nan]", "loads.rate_scale"),
+    ("jitter = 1e300", "jitter"),
+    ("repeats = 10000\n[loads]\ninstances = [1, 2, 3, 4, 5, 6, 7, 8]", "simulations"),  # 160,000
+])
+def test_sweep_spec_bounds(tmp_path, capsys, head, words):
+    _one_line_exit_2(capsys, ["sweep", _sweep_spec(tmp_path, head), "--dry-run", "--db", "none"], words)
+
+
+def test_sweep_spec_grid_bound(tmp_path, capsys):
+    p = tmp_path / "grid.toml"
+    p.write_text(f'[traces]\ntrain = ["{SAMPLE}"]\nvalidate = [{{ path = "{SAMPLE}", name = "v" }}]\n'
+                 '[[policies]]\nname = "unified"\n'
+                 f'grid = {{ overload_factor = {[1 + k / 1000 for k in range(200)]}, '
+                 f'cache_ratio_gate = {[k / 1000 for k in range(200)]} }}\n')  # 40,000 settings
+    _one_line_exit_2(capsys, ["sweep", str(p), "--dry-run"], "settings")
+
+
+def test_sweep_deep_toml(tmp_path, capsys):
+    p = tmp_path / "deep.toml"
+    p.write_text("x = " + "[" * 5000 + "]" * 5000 + "\n")  # a RecursionError traceback before
+    _one_line_exit_2(capsys, ["sweep", str(p), "--dry-run"], "nests too deep")
+
+
+def test_sweep_trace_at_dev_zero_is_refused_after_the_plan(tmp_path, capsys):
+    spec = _sweep_spec(tmp_path, "repeats = 1", trace="/dev/zero")
+    assert kvtop_main(["sweep", spec, "--db", "none"]) == 2
+    err = capsys.readouterr().err
+    assert "2 simulations" in err.splitlines()[0]  # the plan, before any trace is read
+    assert "got a device: /dev/zero" in err.splitlines()[-1] and "Traceback" not in err
+
+
+def test_trace_line_bound(tmp_path, monkeypatch):
+    from kvtop.traces import loader
+    from store.errors import CliError
+
+    monkeypatch.setattr(loader, "MAX_LINE_BYTES", 1000)
+    p = tmp_path / "t.jsonl"
+    p.write_bytes(b"0" * 5000)  # no newline, ever: /dev/zero through a pipe looks like this
+    with pytest.raises(CliError, match="longer than 1,000 bytes"):
+        loader.load_trace(p)
+
+
+def test_sweep_dry_run_of_a_valid_spec_prints_its_plan(tmp_path, capsys):
+    assert kvtop_main(["sweep", _sweep_spec(tmp_path, "repeats = 2\n[loads]\ninstances = [2]"), "--dry-run"]) == 0
+    assert "1 settings x 1 loads x 2 traces x 2 replicas = 4 simulations" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("text,words", [
+    ('format = 1\nbase = ["h20"]\n', "base ['h20'] is not a built-in profile"),   # TypeError before
+    ('format = 1\nbase = "h20"\n[profile]\nnum_gpu_blocks = 100000000000\n', "num_gpu_blocks"),  # MemoryError
+    ('format = 1\nbase = "h20"\n[profile]\nbw = 0\n', "bw"),              # accepted; requests hung
+    ('format = 1\nbase = "h20"\n[profile]\nt_fixed = 1e300\n', "t_fixed"),  # requests never finished
+    ('format = "1"\nbase = "h20"\n', "format must be an integer"),      # "newer than this kvtop reads"
+    ('format = 1\nbase = "h20"\n[profile]\nnum_experts = 8\nexperts_per_token = 9\n', "experts_per_token"),
+    ('format = 1\nbase = "h20"\n[profile]\nc = 0.5\n', "full step"),     # each below its bound, the step is not
+    ("format = 1\nx = " + "[" * 5000 + "]" * 5000 + "\n", "nests too deep"),
+])
+def test_profile_file_bounds(tmp_path, capsys, text, words):
+    p = tmp_path / "p.toml"
+    p.write_text(text)
+    _one_line_exit_2(capsys, ["sim", "--profile", str(p), "--duration", "0.1"], words)
+
+
+def test_profile_override_bound(capsys):
+    _one_line_exit_2(capsys, ["sim", "--num-gpu-blocks", "100000000000", "--duration", "0.1"], "num_gpu_blocks")
+
+
+def test_builtin_profiles_are_within_bounds():
+    from kvtop.sim.profiles import PROFILES, check_profile
+
+    assert {n: check_profile(p) for n, p in PROFILES.items()} == {n: None for n in PROFILES}

@@ -157,6 +157,13 @@ def build_instances(args: argparse.Namespace):
         profile = get_profile(args.profile)
     except KeyError as exc:
         raise CliError(str(exc.args[0])) from None
+    from kvtop.sim.profiles import check_profile
+
+    problem = check_profile(profile.with_overrides(
+        num_gpu_blocks=args.num_gpu_blocks, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens))
+    if problem:  # an override past the profile's bounds (a huge --num-gpu-blocks would allocate it)
+        raise CliError(f"profile {profile.name} with the flags given: {problem}")
     model = args.model or profile.model
     instances = []
     off = getattr(args, "instance_offset", 0)
