@@ -281,3 +281,42 @@ def test_builtin_profiles_are_within_bounds():
     from kvtop.sim.profiles import PROFILES, check_profile
 
     assert {n: check_profile(p) for n, p in PROFILES.items()} == {n: None for n in PROFILES}
+
+
+# -- trailer sections over the limits: answered at once ------------------------------------------
+
+@pytest.mark.parametrize("path,lines,size", [
+    ("/v1/completions", 128, 2048),   # waited for --client-timeout before (the head parsed in an earlier read)
+    ("/v1/messages", 127, 2048),
+    ("/v1/responses", 129, 100),
+])
+async def test_trailer_section_over_the_limits_is_answered_at_once(router_server, tmp_path, path, lines, size):
+    cfg = RouterConfig(backends=[Backend("i0", f"http://127.0.0.1:{CLOSED_PORT}")], health_interval_s=0,
+                       state_dir=str(tmp_path / "st"), client_timeout_s=30)
+    srv = await router_server(create_app(cfg))
+    body = {"/v1/completions": b'{"prompt": [1, 2, 3], "max_tokens": 1}',
+            "/v1/responses": b'{"input": "hi", "max_output_tokens": 1}'}.get(
+        path, b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}')
+    reader, writer = await asyncio.open_connection(srv.host, srv.port)
+    writer.write(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 f"Transfer-Encoding: chunked\r\n\r\n{len(body):x}\r\n".encode() + body + b"\r\n0\r\n")
+    await writer.drain()
+    await asyncio.sleep(0.05)  # the head and body in one read, the trailers in later ones
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    for k in range(lines):
+        writer.write(f"X-T{k}: ".encode() + b"v" * size + b"\r\n")
+    writer.write(b"\r\n")
+    await writer.drain()
+    answer = await asyncio.wait_for(reader.read(), 5)  # the whole answer, then the connection closes
+    writer.close()
+    assert loop.time() - t0 < 2.0
+    head, _, out = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), head
+    err = json.loads(out)
+    if path == "/v1/messages":
+        assert err["type"] == "error" and "malformed HTTP request" in err["error"]["message"]
+    else:
+        assert "malformed HTTP request" in err["error"]["message"]
+    assert answer.count(b"HTTP/1.") == 1  # one answer: the error is not answered twice
+    assert srv.state.cluster.counters_zero() and srv.state.counts["requests"] == 0
