@@ -320,3 +320,118 @@ async def test_trailer_section_over_the_limits_is_answered_at_once(router_server
         assert "malformed HTTP request" in err["error"]["message"]
     assert answer.count(b"HTTP/1.") == 1  # one answer: the error is not answered twice
     assert srv.state.cluster.counters_zero() and srv.state.counts["requests"] == 0
+
+
+# -- KV-event batches: decoded and applied in slices, bounded, refusals counted -------------------
+
+import msgpack  # noqa: E402
+
+from router import kv_events  # noqa: E402
+from router.exact_index import REMOVED, STORED, ExactIndex  # noqa: E402
+from router.kv_events import RESYNC, Subscriber, decode_batch, encode_batch, iter_batch, seq_bytes  # noqa: E402
+
+KV_LAYOUTS = [
+    msgpack.packb([1.5, [["BlockStored", [11, 12], None, list(range(32)), 16, None],
+                         ["BlockStored", [13], 12, list(range(32, 48)), 16, None, "GPU"],
+                         ["BlockRemoved", [13]], ["BlockRemoved", [12], "GPU"], ["AllBlocksCleared"]]]),
+    msgpack.packb([2.0, [{"type": "BlockStored", "block_hashes": [b"\x01" * 32], "parent_block_hash": None,
+                          "token_ids": list(range(16)), "block_size": 16, "medium": "GPU", "group_idx": 0},
+                         {"type": "SomethingNewer", "x": 1}, {"type": "AllBlocksCleared"}], 0], use_bin_type=True),
+    msgpack.packb({"ts": 3.0, "events": [{"type": "AllBlocksCleared"}], "data_parallel_rank": 1}),
+]
+
+
+@pytest.mark.parametrize("payload", KV_LAYOUTS)
+def test_streaming_decode_matches_decode_batch(payload):
+    ts, events = decode_batch(payload)
+    assert list(iter_batch(payload)) == [ts, *events]
+
+
+@pytest.mark.parametrize("payload", [b"\xc1", msgpack.packb("s"), msgpack.packb([1.0]),
+                                     msgpack.packb([1.0, "x"]), msgpack.packb([1.0, [42]]),
+                                     msgpack.packb([True, []])])
+def test_streaming_decode_refuses_garbage(payload):
+    with pytest.raises(kv_events.BadBatch):
+        list(iter_batch(payload))
+
+
+def _chain(n: int, start: int = 0, bs: int = 16) -> list[tuple]:
+    """n single-block stores, each chained to the one before (what the attacker sent)."""
+    evs, parent = [], None
+    for i in range(start, start + n):
+        evs.append((STORED, [i + 1], parent, list(range(i * bs, i * bs + bs)), bs, "GPU", None))
+        parent = i + 1
+    return evs
+
+
+async def _run_large(sub: Subscriber, payload: bytes) -> int:
+    """Apply ``payload`` as a started subscriber's loop does; returns how many times another
+    task on the loop ran meanwhile."""
+    sub._tasks = [object()]  # as started: large batches are deferred to the loop (no socket here)
+    ticks = 0
+    done = False
+
+    async def other():
+        nonlocal ticks
+        while not done:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    t = asyncio.ensure_future(other())
+    assert sub.handle([b"", seq_bytes(0), payload]) is None
+    await sub._drain_work()
+    done = True
+    await t
+    return ticks
+
+
+async def test_a_large_batch_is_applied_in_slices_and_ends_as_one_applied_at_once():
+    events = _chain(20_000) + [(REMOVED, [5, 6, 7], "GPU", None)]
+    payload = encode_batch(1.0, events)
+    assert len(payload) > kv_events.INLINE_BATCH_BYTES
+    whole = ExactIndex(1, 16)
+    whole.apply(0, events)
+    idx = ExactIndex(1, 16)
+    sub = Subscriber(idx, 0, "tcp://127.0.0.1:1", slice_s=0.0005, max_busy_share=0.5)
+    ticks = await _run_large(sub, payload)
+    assert sub.stats.sliced_batches == 1 and sub.stats.batches == 1 and sub.stats.events == len(events)
+    assert ticks > 5  # the loop ran between slices (before: one call held it for the whole batch)
+    assert idx.instances[0].nodes.keys() == whole.instances[0].nodes.keys()
+    assert idx.instances[0].counts == whole.instances[0].counts
+    assert sub.state == "exact" and sub.expected == 1
+
+
+async def test_one_event_of_many_blocks_is_applied_in_runs():
+    n = 5 * kv_events.APPLY_RUN_BLOCKS + 17
+    events = [(STORED, list(range(1, n + 1)), None, list(range(16 * n)), 16, "GPU", None),
+              (REMOVED, list(range(1, n // 2)), "GPU", None)]
+    whole = ExactIndex(1, 16)
+    whole.apply(0, events)
+    idx = ExactIndex(1, 16)
+    sub = Subscriber(idx, 0, "tcp://127.0.0.1:1", slice_s=0.0, max_busy_share=0.5)  # a yield per run
+    ticks = await _run_large(sub, encode_batch(1.0, events))
+    assert ticks >= 5
+    assert idx.instances[0].nodes.keys() == whole.instances[0].nodes.keys()
+    assert idx.instances[0].counts == whole.instances[0].counts
+
+
+async def test_an_oversized_batch_is_refused_and_counted(monkeypatch):
+    monkeypatch.setattr(kv_events, "MAX_BATCH_BYTES", 100_000)
+    idx = ExactIndex(1, 16)
+    sub = Subscriber(idx, 0, "tcp://127.0.0.1:1")
+    assert sub.handle([b"", seq_bytes(0), encode_batch(1.0, _chain(10))]) is None
+    big = encode_batch(1.0, _chain(5000, start=10))
+    assert sub.handle([b"", seq_bytes(1), big]) is None
+    st = sub.stats
+    assert (st.refused_batches, st.refused_bytes) == (1, len(big)) and st.batches == 1
+    assert sub.state == RESYNC and "refused" in st.reason and sub.expected == 2
+    assert sub.snapshot()["refused_batches"] == 1
+
+
+async def test_an_event_array_over_the_bound_is_refused_and_counted(monkeypatch):
+    monkeypatch.setattr(kv_events, "MAX_EVENT_ARRAY", 1000)
+    idx = ExactIndex(1, 16)
+    sub = Subscriber(idx, 0, "tcp://127.0.0.1:1")
+    payload = encode_batch(1.0, [(STORED, list(range(1, 3001)), None, list(range(16 * 3000)), 16, "GPU", None)])
+    await _run_large(sub, payload)
+    assert sub.stats.refused_batches == 1 and sub.state == RESYNC and sub.stats.bad_messages == 0
