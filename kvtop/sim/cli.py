@@ -1,5 +1,5 @@
-"""Start N simulated vLLM instances on loopback ports, in one process and one event loop
-(or, with `--process-per-instance`, one process each).
+"""Start N simulated vLLM instances on loopback ports, each in a process of its own (one
+instance's heavy request cannot stall another's), or with `--one-process` all on one event loop.
 
 Each instance serves vLLM's OpenAI API (/v1/completions, /v1/chat/completions, streaming or
 not), /metrics with vLLM's names, /tokenize, /v1/completions/render, /health, /v1/models,
@@ -115,9 +115,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration", type=float, default=None, metavar="S",
                         help="exit after S wall seconds (for tests and scripts)")
     parser.add_argument("--process-per-instance", action="store_true",
-                        help="run each instance in a process of its own, so one instance's heavy "
-                             "request (parsing a 20 MB prompt) cannot stall another's /health or steps, "
-                             "and instances use every core; costs a Python process (~40 MB) each")
+                        help="run each instance in a process of its own (the default with more than one "
+                             "instance), so one instance's heavy request (parsing a 20 MB prompt) cannot "
+                             "stall another's /health or steps, and instances use every core; costs a "
+                             "Python process (~40 MB) each")
+    parser.add_argument("--one-process", action="store_true",
+                        help="run every instance on one event loop in this process (lighter; one "
+                             "instance's heavy request then delays the others)")
     parser.add_argument("--instance-offset", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--no-route-line", action="store_true", help=argparse.SUPPRESS)
 
@@ -243,8 +247,10 @@ def run(args: argparse.Namespace) -> int:
         return sub_run(args)
     from kvtop.sim.server import serve
 
+    if args.process_per_instance and args.one_process:
+        raise CliError("--process-per-instance and --one-process contradict each other: pick one")
     instances = build_instances(args)
-    if args.process_per_instance and args.instances > 1:
+    if args.instances > 1 and not args.one_process:
         # each child has one instance: give it the fleet's KV ports, not a base of its own
         args.kv_events_port_base = kv_events_port_base(args)
         return _run_processes(args)
