@@ -325,8 +325,31 @@ def _run_processes(args: argparse.Namespace) -> int:
 
     from kvtop.procs import stop_processes
 
-    children = [subprocess.Popen([sys.executable, "-m", "kvtop", *_child_argv(args, i)], stdin=subprocess.DEVNULL)
+    import threading
+
+    children = [subprocess.Popen([sys.executable, "-m", "kvtop", *_child_argv(args, i)], stdin=subprocess.DEVNULL,
+                                 stdout=subprocess.PIPE, text=True)
                 for i in range(args.instances)]
+    # Each child's lines, relayed in instance order ("instance 0:" first, as in one process):
+    # scripts read the startup lines in order.
+    out: list[list[str]] = [[] for _ in children]
+
+    def relay(i: int) -> None:
+        for line in children[i].stdout:
+            out[i].append(line)
+
+    for i in range(len(children)):
+        threading.Thread(target=relay, args=(i,), daemon=True).start()
+    shown = 0  # children whose first line was printed
+
+    def show() -> None:
+        nonlocal shown
+        while shown < len(children) and out[shown]:
+            shown += 1
+        for i in range(shown):
+            while out[i]:
+                print(out[i].pop(0), end="", flush=True)
+
     stopping = False
 
     def on_signal(signum, _frame) -> None:
@@ -337,17 +360,20 @@ def _run_processes(args: argparse.Namespace) -> int:
     waiting = set(range(args.instances))  # the route-with line only once every instance listens
     try:
         while not stopping:
+            show()
             codes = [c.poll() for c in children]
             if any(code is not None for code in codes):
                 break
             if waiting is not None:
                 waiting = {i for i in waiting if not _serving(args.host, args.port_base + i)}
-                if not waiting:
+                if not waiting and shown == len(children):
                     print(route_line(args), flush=True)
                     waiting = None
             time.sleep(0.1)
     finally:
         stop_processes(children, grace_s=10.0)
+        shown = len(children)
+        show()
         for sig, handler in old.items():
             signal.signal(sig, handler)
     failed = [c.returncode for c in children if c.returncode not in (0, -signal.SIGTERM, None)]
