@@ -281,6 +281,15 @@ READ_SNAPSHOT_S = 0.25
 #: is slowed to the rate instead of spinning on fast 429s).
 READ_RATE, READ_BURST, READ_MAX_WAIT_S = 50.0, 100.0, 2.0
 _MAX_CLIENTS = 4096  # rate-limit buckets kept (oldest forgotten first)
+#: While requests are in flight, control reads from every client together take at most this
+#: share of the event loop (their handler time, plus their answer's bytes at WRITE_S_PER_BYTE
+#: and READ_OVERHEAD_S each), with READ_WORK_BURST_S of work allowed above it: four clients
+#: reading ``decisions?limit=2000`` in a loop cost the data plane 27% of its throughput before
+#: (issue 36). A read over the share waits its turn (READ_MAX_WAIT_S at most, then 429).
+READ_LOOP_SHARE = 0.05
+READ_WORK_BURST_S = 0.05
+READ_OVERHEAD_S = 0.0003
+WRITE_S_PER_BYTE = 2e-9
 
 
 class ReadGuard:
@@ -293,6 +302,32 @@ class ReadGuard:
         self.cache: dict[str, tuple[float, bytes]] = {}  # path?query -> (made at, body)
         self.refused = 0
         self.served_from_snapshot = 0
+        self.work = READ_WORK_BURST_S  # seconds of loop work control reads may still take now
+        self.work_at: float | None = None
+        self.cost: dict[str, float] = {}  # path?query -> what its last read cost (an estimate)
+        self.paced_s = 0.0  # total time reads waited for the loop share
+
+    def work_turn(self, key: str, now: float) -> float | None:
+        """Reserve this read's estimated cost against READ_LOOP_SHARE: seconds it waits for
+        its turn (0: at once), or None: refuse it (the wait would pass READ_MAX_WAIT_S)."""
+        last = self.work_at if self.work_at is not None else now
+        self.work_at = now
+        self.work = min(READ_WORK_BURST_S, self.work + (now - last) * READ_LOOP_SHARE)
+        guess = self.cost.get(key, READ_OVERHEAD_S)
+        wait = max(0.0, guess - self.work) / READ_LOOP_SHARE
+        if wait > READ_MAX_WAIT_S:
+            self.refused += 1
+            return None
+        self.work -= guess
+        self.paced_s += wait
+        return wait
+
+    def spent(self, key: str, guess: float, cost: float) -> None:
+        """The read's measured cost replaces the guess made at its turn."""
+        self.work -= cost - guess
+        if len(self.cost) > 256:
+            self.cost.clear()
+        self.cost[key] = cost
 
     def turn(self, who: str, now: float) -> float | None:
         """Seconds this read waits for its turn (0: at once), or None: refuse it. Tokens may go
@@ -336,12 +371,28 @@ def _guarded_read(handler):
             await asyncio.sleep(wait)
             now = time.monotonic()
         key = request.path_qs
+        busy = request.app[STATE].cluster.in_flight > 0  # an idle router answers reads at once
+        guess = guard.cost.get(key, READ_OVERHEAD_S)
+        if busy:
+            pace = guard.work_turn(key, now)
+            if pace is None:
+                return error_response(429, "control reads are taking more than their share of the router "
+                                           "while it serves requests; use GET /kvtop/v1/events for a live view",
+                                      headers={"Retry-After": "1"})
+            if pace:
+                await asyncio.sleep(pace)
+                now = time.monotonic()
+        t0 = time.perf_counter()
         body = guard.cached(key, now)
         if body is not None:
-            return web.Response(body=body, content_type="application/json")
-        resp = await handler(request)
-        if resp.status == 200 and isinstance(resp.body, bytes):
-            guard.keep(key, now, resp.body)
+            resp = web.Response(body=body, content_type="application/json")
+        else:
+            resp = await handler(request)
+            if resp.status == 200 and isinstance(resp.body, bytes):
+                guard.keep(key, now, resp.body)
+        if busy:
+            size = len(resp.body) if isinstance(resp.body, bytes) else 0
+            guard.spent(key, guess, time.perf_counter() - t0 + READ_OVERHEAD_S + size * WRITE_S_PER_BYTE)
         return resp
     wrapped.__name__ = handler.__name__
     return wrapped

@@ -499,3 +499,102 @@ def test_sim_instances_are_isolated_by_default():
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=30)
+
+
+# -- observers paced: control reads and event-stream viewers take a bounded share ---------------
+
+def test_control_reads_keep_to_their_share_of_the_loop():
+    from router import control
+
+    guard = control.ReadGuard(state=None)
+    key = "/kvtop/v1/decisions?limit=2000"
+    now = 100.0
+    waits = []
+    for _ in range(400):  # four clients looping at once: each read measured at 10 ms of loop work
+        w = guard.work_turn(key, now)
+        if w is None:
+            break
+        waits.append(w)
+        guard.spent(key, guard.cost.get(key, control.READ_OVERHEAD_S), 0.010)
+    # the burst, then each 10 ms read waits 10 / 0.05 = 200 ms more than the one before it
+    work = 0.010 * len(waits)
+    assert work <= control.READ_WORK_BURST_S + control.READ_LOOP_SHARE * max(waits) + 0.011
+    assert len(waits) < 400 and guard.refused == 1  # past READ_MAX_WAIT_S: a 429, not a wait
+
+
+async def test_control_read_loop_is_paced_while_requests_are_in_flight(router, monkeypatch):
+    from router import control
+
+    state = router.server.app[STATE]
+    monkeypatch.setattr(control, "READ_LOOP_SHARE", 0.01)
+    monkeypatch.setattr(control, "READ_OVERHEAD_S", 0.005)  # each read counted as 5 ms of work
+    state.cluster.in_flight = 1  # the data plane is busy
+    try:
+        t0 = asyncio.get_running_loop().time()
+        statuses = []
+        for _ in range(30):
+            async with router.get("/kvtop/v1/decisions?limit=2000") as r:
+                statuses.append(r.status)
+        took = asyncio.get_running_loop().time() - t0
+    finally:
+        state.cluster.in_flight = 0
+    guard = router.server.app[control.CONTROL].guard
+    # 30 reads of >= 5 ms at 1%: ~(30 x 5 ms - 50 ms burst) / 1% = 10 s of pacing, or 429s past 2 s waits
+    assert guard.paced_s > 1.0 or statuses.count(429) > 0, (guard.paced_s, statuses)
+    assert took > 1.0 or statuses.count(429) > 0
+
+
+async def test_a_viewer_that_never_reads_leaves_the_fan_out(router_server, tmp_path):
+    import socket as socketlib
+
+    from router.control import CONTROL
+
+    cfg = RouterConfig(backends=[Backend("i0", f"http://127.0.0.1:{CLOSED_PORT}")], health_interval_s=0,
+                       state_dir=str(tmp_path / "st"))
+    srv = await router_server(create_app(cfg))
+    bc = srv.app[CONTROL].broadcaster
+    bc.sndbuf, bc.stall_bytes, bc.stall_poll_s = 4096, 8192, 0.05
+    sock = socketlib.socket()
+    sock.setsockopt(socketlib.SOL_SOCKET, socketlib.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    loop = asyncio.get_running_loop()
+    await loop.sock_connect(sock, (srv.host, srv.port))
+    await loop.sock_sendall(sock, b"GET /kvtop/v1/events?hz=20&types=state,decision,config HTTP/1.1\r\nHost: x\r\n\r\n")
+    try:
+        for _ in range(200):
+            if bc.viewers:
+                break
+            await asyncio.sleep(0.01)
+        (viewer,) = bc.viewers
+        big = {"pad": "x" * 20_000}
+        for _ in range(400):  # events far past what the never-reading client's buffers hold
+            bc("config", big)
+            await asyncio.sleep(0.002)
+            if viewer not in bc.live:
+                break
+        assert viewer not in bc.live and bc.stalls == 1  # the routing path no longer visits it
+        before = viewer.dropped_overflow
+        for _ in range(50):
+            bc("config", big)
+        assert not viewer.queue  # nothing is queued for it
+        got = b""
+        for _ in range(300):  # the client reads again: the viewer comes back, its losses counted
+            try:
+                got += sock.recv(1 << 20)
+            except BlockingIOError:
+                pass
+            if viewer in bc.live:
+                break
+            await asyncio.sleep(0.01)
+        assert viewer in bc.live and viewer.dropped_overflow >= before + 50
+        for _ in range(100):
+            try:
+                got += sock.recv(1 << 20)
+            except BlockingIOError:
+                pass
+            if b"event: dropped" in got:
+                break
+            await asyncio.sleep(0.01)
+        assert b"event: dropped" in got  # and told to the client
+    finally:
+        sock.close()
