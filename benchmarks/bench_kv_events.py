@@ -18,7 +18,12 @@ Figures (best of ``--repeat``):
   with another 200k-token prompt queued on each (the queued evictions projected), and what
   holding and freeing a routed request's blocks costs (``ExactIndex.pin`` + ``release``).
 
-Run: ``python benchmarks/bench_kv_events.py`` (about 20 s).
+- big batch (``--big-batch-mb``, default 12): a router serving completions and /health from a
+  fake vLLM while that instance's publisher sends one batch of that many MB (single-block
+  ``BlockStored`` events, ~220k at 12 MB; issue 36's attacker sent 300k in 12 MB): each request's latency
+  before and while the batch is applied (router/kv_events.py applies it in slices).
+
+Run: ``python benchmarks/bench_kv_events.py`` (about 20 s); ``--only-big-batch`` for the last.
 """
 
 from __future__ import annotations
@@ -48,7 +53,137 @@ def parse_args(argv=None):
                    help="router block size (default: the engine's)")
     p.add_argument("--capacity-blocks", type=int, default=16_000, help="engine cache, blocks (default 16,000)")
     p.add_argument("--repeat", type=int, default=3, help="rounds per figure; the best is kept (default 3)")
+    p.add_argument("--big-batch-mb", type=float, default=12.0, help="the big-batch case's batch (default 12 MB)")
+    p.add_argument("--only-big-batch", action="store_true", help="run only the big-batch case")
     return p.parse_args(argv)
+
+
+def big_batch(mb: float) -> tuple[bytes, int]:
+    """One KVEventBatch of ``mb`` MB: single-block BlockStored events (vLLM <= 0.10's
+    array layout, int hashes, 16 token ids each), each chained to the one before."""
+    import msgpack
+
+    rng = random.Random(3)
+    events, parent, size = [], None, 0
+    while size < mb * 1e6:
+        h = rng.getrandbits(63)
+        ev = ["BlockStored", [h], parent, [rng.randrange(100) for _ in range(16)], 16, None, "GPU"]
+        events.append(ev)
+        parent = h
+        size += len(msgpack.packb(ev))
+    payload = msgpack.packb([time.time(), events, 0])
+    return payload, len(events)
+
+
+def _big_publisher(port_q, payload, go):
+    import zmq
+
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    port_q.put(port)
+    while not go.is_set():
+        pub.send_multipart([b"", b"probe"])  # until the router's subscriber has joined
+        time.sleep(0.01)
+    pub.send_multipart([b"", seq_bytes(0), encode_batch(time.time(), [])])
+    time.sleep(1.0)  # the baseline phase
+    port_q.put(time.time())
+    pub.send_multipart([b"", seq_bytes(1), payload])
+    time.sleep(20)
+    pub.close(linger=1000)
+    ctx.term()
+
+
+def _big_client(url, seconds, out_q):
+    """Another process: a completion and a /health every 10 ms, each timed on its own."""
+    import aiohttp
+
+    async def main():
+        samples = []
+        async with aiohttp.ClientSession() as http:
+            async def one(kind):
+                t = time.time()
+                if kind == "completion":
+                    async with http.post(url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1}) as r:
+                        await r.read()
+                else:
+                    async with http.get(url + "/health") as r:
+                        await r.read()
+                samples.append((kind, t, (time.time() - t) * 1000))
+
+            end = time.time() + seconds
+            tasks = []
+            while time.time() < end:
+                tasks += [asyncio.ensure_future(one("completion")), asyncio.ensure_future(one("health"))]
+                await asyncio.sleep(0.01)
+            await asyncio.gather(*tasks)
+        return samples
+
+    out_q.put(asyncio.run(main()))
+
+
+async def _big_batch_round(payload: bytes, n_events: int) -> dict:
+    import socket
+
+    from aiohttp import web
+
+    from router.app import STATE, Backend, RouterConfig, create_app, start_server
+
+    async def completions(request):
+        await request.read()
+        return web.json_response({"choices": [{"text": "ok"}],
+                                  "usage": {"prompt_tokens": 8, "completion_tokens": 1}})
+
+    fake = web.Application()
+    fake.router.add_post("/v1/completions", completions)
+    frunner = web.AppRunner(fake, access_log=None)
+    await frunner.setup()
+    fsock = socket.create_server(("127.0.0.1", 0))
+    await web.SockSite(frunner, fsock).start()
+    ctx = mp.get_context("fork")
+    q, go = ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=_big_publisher, args=(q, payload, go), daemon=True)
+    proc.start()
+    port = q.get(timeout=10)
+    cfg = RouterConfig(backends=[Backend("i0", f"http://127.0.0.1:{fsock.getsockname()[1]}",
+                                         kv_events=f"tcp://127.0.0.1:{port}")],
+                       db=None, health_interval_s=0, scrape_interval_s=0, state_dir="/tmp/kvtop-bench-state")
+    app = create_app(cfg)
+    rsock = socket.create_server(("127.0.0.1", 0))
+    runner = await start_server(app, rsock)
+    url = f"http://127.0.0.1:{rsock.getsockname()[1]}"
+    sub = app[STATE].kv_subscribers[0]
+    while sub.stats.bad_messages == 0:
+        await asyncio.sleep(0.005)
+    cq = ctx.Queue()
+    client = ctx.Process(target=_big_client, args=(url, 12.0, cq), daemon=True)
+    client.start()
+    await asyncio.sleep(0.5)
+    go.set()
+    loop = asyncio.get_running_loop()
+    t_sent = await loop.run_in_executor(None, q.get, True, 10)
+    while sub.stats.batches < 2 and not getattr(sub.stats, "refused_batches", 0):
+        await asyncio.sleep(0.005)
+        if time.time() - t_sent > 30:
+            break
+    t_done = time.time()
+    samples = await loop.run_in_executor(None, cq.get, True, 60)
+    snap = sub.snapshot()
+    await runner.cleanup()
+    await frunner.cleanup()
+    proc.kill()
+    proc.join(2)
+    client.join(2)
+    out = {"applied_s": t_done - t_sent, "events": snap["events"],
+           "refused": snap.get("refused_batches"), "busy_s": snap["busy_s"],
+           "longest_ms": 1000 * snap.get("longest_slice_s", float("nan"))}
+    for kind in ("completion", "health"):
+        before = [ms for k, t, ms in samples if k == kind and t < t_sent - 0.05]
+        during = [ms for k, t, ms in samples if k == kind and t_sent - 0.05 <= t <= t_done]
+        p99 = statistics.quantiles(during, n=100, method="inclusive")[98] if len(during) > 1 else float("nan")
+        out[kind] = (statistics.median(before), max(before), statistics.median(during) if during else float("nan"),
+                     max(during) if during else float("nan"), len(during), p99)
+    return out
 
 
 def make_stream(args, seed: int = 1) -> tuple[list[bytes], int]:
@@ -233,8 +368,23 @@ def _best_ms(repeat: int, fn, inner: int = 20) -> float:
     return best * 1000
 
 
+def report_big_batch(args) -> None:
+    payload, n = big_batch(args.big_batch_mb)
+    r = asyncio.run(_big_batch_round(payload, n))
+    print(f"big batch: {len(payload) / 1e6:.1f} MB, {n:,} BlockStored events; applied in "
+          f"{r['applied_s']:.2f} s wall ({r['busy_s']:.2f} s of subscriber CPU), {r['events']:,} events "
+          f"indexed, {r['refused']} refused; longest slice {r['longest_ms']:.1f} ms")
+    for kind in ("completion", "health"):
+        b50, bmax, d50, dmax, n_during, d99 = r[kind]
+        print(f"  {kind:<10} before: p50 {b50:.1f} ms, max {bmax:.1f} ms; while applying ({n_during}): "
+              f"p50 {d50:.1f} ms, p99 {d99:.1f} ms, max {dmax:.1f} ms")
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.only_big_batch:
+        report_big_batch(args)
+        return
     payloads, n_events = make_stream(args)
     gc.collect()
     mb = sum(map(len, payloads)) / 1e6
@@ -261,6 +411,7 @@ def main(argv=None) -> None:
           f"exact with a 200k prompt queued on each {queued:.2f} ms")
     print(f"a routed 200k-token request's blocks held and freed in the exact index (pin + release, "
           f"block 16): {pin:.2f} ms")
+    report_big_batch(args)
 
 
 if __name__ == "__main__":

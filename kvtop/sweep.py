@@ -75,6 +75,17 @@ class Spec:
     raw: dict[str, Any] = field(default_factory=dict)
 
 
+#: Bounds on a spec, each checked before anything is built or read: what a sweep on one host (or
+#: a Ray cluster) can run, far past any study so far (issue 26's sweep: 72 simulations).
+MAX_SIMULATIONS = 100_000        # settings x loads x traces x replicas
+MAX_SETTINGS = 10_000            # knob combinations over all policies
+MAX_REPEATS = 10_000
+MAX_INSTANCES = 1024             # each simulated instance holds its block pool (~0.5 MB at h20's size)
+RATE_SCALE_RANGE = (1e-3, 1e3)   # an arrival-rate scale outside it is not a load anyone studies
+MAX_JITTER_S = 86_400.0
+MAX_SPEC_BYTES = 1 << 20
+
+
 def _fail(path: Path, msg: str) -> CliError:
     return CliError(f"{path}: {msg}")
 
@@ -88,13 +99,21 @@ def load_spec(path: str | Path) -> Spec:
 
     path = Path(path)
     try:
-        raw = tomllib.loads(path.read_text())
+        if path.exists() and not path.is_file():
+            raise _fail(path, "not a regular file")
+        with open(path, "rb") as f:
+            data = f.read(MAX_SPEC_BYTES + 1)
+        if len(data) > MAX_SPEC_BYTES:
+            raise _fail(path, f"over {MAX_SPEC_BYTES:,} bytes: not a sweep spec")
+        raw = tomllib.loads(data.decode("utf-8"))
     except FileNotFoundError:
         raise CliError(f"sweep spec not found: {path}") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise CliError(f"cannot read {path}: {exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise _fail(path, f"not valid TOML: {exc}") from None
+    except RecursionError:  # tomllib recurses once per level of nested arrays and tables
+        raise _fail(path, "nests too deep to read") from None
     unknown = set(raw) - set(_TOP)
     if unknown:
         raise _fail(path, f"unknown key {sorted(unknown)[0]!r} (known: {', '.join(sorted(_TOP))})")
@@ -102,14 +121,16 @@ def load_spec(path: str | Path) -> Spec:
     metrics = [k for k, _ in METRICS]
     if get["metric"] not in metrics:
         raise _fail(path, f"metric must be one of {', '.join(metrics)}")
-    for key, lo in (("repeats", 1), ("limit", 1)):
+    for key, lo, hi in (("repeats", 1, MAX_REPEATS), ("limit", 1, None)):
         v = get[key]
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < lo):
             raise _fail(path, f"{key} must be an integer of at least {lo}")
+        if v is not None and hi is not None and v > hi:
+            raise _fail(path, f"{key} must be at most {hi:,}, got {v:,}")
     for key in ("jitter", "path_jitter"):
         v = get[key]
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v < float("inf"):
-            raise _fail(path, f"{key} must be a finite number of at least 0")
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v <= MAX_JITTER_S:
+            raise _fail(path, f"{key} must be a finite number in [0, {MAX_JITTER_S:g}] seconds")
     if get["path_jitter"] and get["repeats"] < 2:
         raise _fail(path, "path_jitter varies replicas 1 and on: give repeats 2 or more")
     if get["mode"] not in ("open", "closed"):
@@ -127,11 +148,12 @@ def load_spec(path: str | Path) -> Spec:
     instances = loads.get("instances", [8])
     scales = loads.get("rate_scale", [1.0])
     if not (isinstance(instances, list) and instances and all(isinstance(i, int) and not isinstance(i, bool)
-                                                               and i >= 1 for i in instances)):
-        raise _fail(path, "loads.instances must be a non-empty list of integers >= 1")
+                                                               and 1 <= i <= MAX_INSTANCES for i in instances)):
+        raise _fail(path, f"loads.instances must be a non-empty list of integers in [1, {MAX_INSTANCES}]")
+    lo, hi = RATE_SCALE_RANGE
     if not (isinstance(scales, list) and scales and all(isinstance(x, (int, float)) and not isinstance(x, bool)
-                                                        and x > 0 for x in scales)):
-        raise _fail(path, "loads.rate_scale must be a non-empty list of numbers > 0")
+                                                        and lo <= x <= hi for x in scales)):  # NaN, inf fail
+        raise _fail(path, f"loads.rate_scale must be a non-empty list of numbers in [{lo:g}, {hi:g}]")
 
     traces = get["traces"]
     if not isinstance(traces, dict) or set(traces) != {"train", "validate"}:
@@ -162,17 +184,22 @@ def load_spec(path: str | Path) -> Spec:
         if not isinstance(pol, dict) or "name" not in pol or set(pol) - {"name", "grid", "knobs"}:
             raise _fail(path, f"{where} takes name = \"...\", optional grid = {{knob = [values]}} and knobs = {{...}}")
         name = pol["name"]
-        if name not in POLICIES:
+        if not isinstance(name, str) or name not in POLICIES:
             raise _fail(path, f"{where}.name: unknown policy {name!r} (known: {', '.join(POLICIES)})")
         grid = pol.get("grid", {})
         fixed = pol.get("knobs", {})
         if not isinstance(grid, dict) or not all(isinstance(v, list) and v for v in grid.values()):
             raise _fail(path, f"{where}.grid: each knob takes a non-empty list of values")
         schema = set(policy_class(name).schema.names())
+        if not isinstance(fixed, dict):
+            raise _fail(path, f"{where}.knobs must be a table of knob = value")
         for key in list(grid) + list(fixed):
             if key not in schema:
                 raise _fail(path, f"{where}: {name} has no knob {key!r} (its knobs: {', '.join(sorted(schema)) or 'none'})")
         keys = list(grid)
+        combos = math.prod(len(grid[k]) for k in keys)
+        if len(settings) + combos > MAX_SETTINGS:
+            raise _fail(path, f"{where}.grid makes {combos:,} settings; a sweep takes at most {MAX_SETTINGS:,}")
         for values in itertools.product(*(grid[k] for k in keys)) if keys else [()]:
             s = Setting(name, {**fixed, **dict(zip(keys, values))})
             try:
@@ -183,6 +210,12 @@ def load_spec(path: str | Path) -> Spec:
     labels = [s.label for s in settings]
     if len(set(labels)) != len(labels):
         raise _fail(path, "two policies give the same setting")
+    n_sim = (len(settings) * len(instances) * len(scales) * (len(splits["train"]) + len(splits["validate"]))
+             * get["repeats"])
+    if n_sim > MAX_SIMULATIONS:
+        raise _fail(path, f"the sweep is {n_sim:,} simulations ({len(settings)} settings x "
+                          f"{len(instances) * len(scales)} loads x {len(names)} traces x {get['repeats']} "
+                          f"replicas); at most {MAX_SIMULATIONS:,}: fewer repeats, settings, loads or traces")
     return Spec(name=get["name"] or path.stem, path=path, metric=get["metric"], repeats=get["repeats"],
                 jitter=float(get["jitter"]), path_jitter=float(get["path_jitter"]), profile=get["profile"], mode=get["mode"], limit=get["limit"],
                 knobs=knobs, instances=instances, rate_scales=[float(x) for x in scales],
@@ -195,6 +228,8 @@ def _trace_spec(spec_path: Path, split: str, k: int, entry: Any) -> TraceSpec:
         entry = {"path": entry}
     if not isinstance(entry, dict) or "path" not in entry or set(entry) - {"path", "name", "part", "limit"}:
         raise _fail(spec_path, f"{where}: a path, or {{path = \"...\", name, part = \"k/n\", limit}}")
+    if not isinstance(entry["path"], str) or not entry["path"]:
+        raise _fail(spec_path, f"{where}.path must be a string")
     p = Path(entry["path"])
     if not p.is_absolute():
         p = spec_path.parent / p   # relative to the spec, so a spec and its traces travel together
@@ -208,7 +243,7 @@ def _trace_spec(spec_path: Path, split: str, k: int, entry: Any) -> TraceSpec:
             raise _fail(spec_path, f"{where}.part must be \"k/n\" with 1 <= k <= n") from None
         part = (a, b)
     limit = entry.get("limit")
-    if limit is not None and (not isinstance(limit, int) or limit < 1):
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
         raise _fail(spec_path, f"{where}.limit must be an integer of at least 1")
     name = entry.get("name") or (p.name.split(".")[0] + (f"[{part[0]}/{part[1]}]" if part else ""))
     return TraceSpec(name=str(name), path=p, part=part, limit=limit)
@@ -514,8 +549,8 @@ def run(args: argparse.Namespace) -> int:
         for s in spec.settings:
             print(f"  {s.label}")
         return 0
+    print(f"sweep {spec.name}: {summary}", file=sys.stderr)   # what it will do, before reading the traces
     traces = load_traces(spec)
-    print(f"sweep {spec.name}: {summary}", file=sys.stderr)
     started = time.time()
     try:
         with task_progress(len(tasks), "sweeping") as progress:

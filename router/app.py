@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_protocol import _ErrInfo  # private; see _JsonErrorHandler.data_received
 
 from router import health as backend_health
 from router import kv_events
@@ -26,6 +27,7 @@ from router.http import error_response, json_errors
 from router import control
 from router.state import STATE, DEFAULT_CAPACITY_TOKENS, Backend, RouterConfig, RouterState  # noqa: F401 (re-exported)
 from router.upstream import Pool, UpstreamError
+from router.request import BadRequest
 from store.writer import Writer
 
 log = logging.getLogger("kvtop.route")
@@ -167,6 +169,28 @@ class _JsonErrorHandler(RequestHandler):
         resp = error_response(status, text[:300])
         resp.force_close()
         return resp
+
+    def data_received(self, data: bytes) -> None:
+        """As aiohttp's, except when the body of the request being handled turns out malformed
+        (a trailer section over the limits, a bad chunk) in a later read than its head: aiohttp
+        then queues the error as the connection's next request, and this one waits for a body
+        end that never comes (a 128-line trailer section of 2 KB lines waited for
+        --client-timeout, ~60 s). Its body fails at once instead: the handler answers 400 in
+        the client's API shape, and the connection closes behind it."""
+        queued = len(self._messages)
+        super().data_received(data)
+        req = self._current_request
+        if req is None or len(self._messages) <= queued:
+            return
+        err = self._messages[-1][0]
+        if isinstance(err, _ErrInfo) and not req.content.is_eof():
+            self._messages.pop()
+            state = getattr(self._manager, "kvtop_state", None)
+            if state is not None:
+                state.counts["bad_requests"] += 1
+            req.content.set_exception(BadRequest(f"malformed HTTP request: {err.message or err.exc}"[:300]))
+            req.content.feed_eof()  # at its end: after the answer, aiohttp does not read it on
+            self.close()  # nothing after it on this connection can be parsed
 
 
 class _Server(web.Server):

@@ -121,7 +121,10 @@ class Control:
             return error_response(401, "this call changes the router: send Authorization: Bearer <token> "
                                        "(the token is in the file named by router-<port>.json in the state dir)",
                                   headers={"WWW-Authenticate": 'Bearer realm="kvtop"'})
-        if not hmac.compare_digest(given.strip().encode(), self.token.encode()):
+        # a header byte past ASCII arrives as a surrogate (aiohttp decodes with surrogateescape):
+        # encoded back as it came, it compares unequal instead of raising
+        if not hmac.compare_digest(given.strip().encode("utf-8", "surrogateescape"),
+                                   self.token.encode("utf-8", "surrogateescape")):
             return error_response(401, "the bearer token is not valid for this router",
                                   headers={"WWW-Authenticate": 'Bearer realm="kvtop", error="invalid_token"'})
         return None
@@ -314,6 +317,15 @@ READ_SNAPSHOT_S = 0.25
 #: is slowed to the rate instead of spinning on fast 429s).
 READ_RATE, READ_BURST, READ_MAX_WAIT_S = 50.0, 100.0, 2.0
 _MAX_CLIENTS = 4096  # rate-limit buckets kept (oldest forgotten first)
+#: While requests are in flight, control reads from every client together take at most this
+#: share of the event loop (their handler time, plus their answer's bytes at WRITE_S_PER_BYTE
+#: and READ_OVERHEAD_S each), with READ_WORK_BURST_S of work allowed above it: four clients
+#: reading ``decisions?limit=2000`` in a loop cost the data plane 27% of its throughput before
+#: (issue 36). A read over the share waits its turn (READ_MAX_WAIT_S at most, then 429).
+READ_LOOP_SHARE = 0.05
+READ_WORK_BURST_S = 0.05
+READ_OVERHEAD_S = 0.0003
+WRITE_S_PER_BYTE = 2e-9
 
 
 class ReadGuard:
@@ -326,6 +338,32 @@ class ReadGuard:
         self.cache: dict[str, tuple[float, bytes]] = {}  # path?query -> (made at, body)
         self.refused = 0
         self.served_from_snapshot = 0
+        self.work = READ_WORK_BURST_S  # seconds of loop work control reads may still take now
+        self.work_at: float | None = None
+        self.cost: dict[str, float] = {}  # path?query -> what its last read cost (an estimate)
+        self.paced_s = 0.0  # total time reads waited for the loop share
+
+    def work_turn(self, key: str, now: float) -> float | None:
+        """Reserve this read's estimated cost against READ_LOOP_SHARE: seconds it waits for
+        its turn (0: at once), or None: refuse it (the wait would pass READ_MAX_WAIT_S)."""
+        last = self.work_at if self.work_at is not None else now
+        self.work_at = now
+        self.work = min(READ_WORK_BURST_S, self.work + (now - last) * READ_LOOP_SHARE)
+        guess = self.cost.get(key, READ_OVERHEAD_S)
+        wait = max(0.0, guess - self.work) / READ_LOOP_SHARE
+        if wait > READ_MAX_WAIT_S:
+            self.refused += 1
+            return None
+        self.work -= guess
+        self.paced_s += wait
+        return wait
+
+    def spent(self, key: str, guess: float, cost: float) -> None:
+        """The read's measured cost replaces the guess made at its turn."""
+        self.work -= cost - guess
+        if len(self.cost) > 256:
+            self.cost.clear()
+        self.cost[key] = cost
 
     def turn(self, who: str, now: float) -> float | None:
         """Seconds this read waits for its turn (0: at once), or None: refuse it. Tokens may go
@@ -369,12 +407,28 @@ def _guarded_read(handler):
             await asyncio.sleep(wait)
             now = time.monotonic()
         key = request.path_qs
+        busy = request.app[STATE].cluster.in_flight > 0  # an idle router answers reads at once
+        guess = guard.cost.get(key, READ_OVERHEAD_S)
+        if busy:
+            pace = guard.work_turn(key, now)
+            if pace is None:
+                return error_response(429, "control reads are taking more than their share of the router "
+                                           "while it serves requests; use GET /kvtop/v1/events for a live view",
+                                      headers={"Retry-After": "1"})
+            if pace:
+                await asyncio.sleep(pace)
+                now = time.monotonic()
+        t0 = time.perf_counter()
         body = guard.cached(key, now)
         if body is not None:
-            return web.Response(body=body, content_type="application/json")
-        resp = await handler(request)
-        if resp.status == 200 and isinstance(resp.body, bytes):
-            guard.keep(key, now, resp.body)
+            resp = web.Response(body=body, content_type="application/json")
+        else:
+            resp = await handler(request)
+            if resp.status == 200 and isinstance(resp.body, bytes):
+                guard.keep(key, now, resp.body)
+        if busy:
+            size = len(resp.body) if isinstance(resp.body, bytes) else 0
+            guard.spent(key, guess, time.perf_counter() - t0 + READ_OVERHEAD_S + size * WRITE_S_PER_BYTE)
         return resp
     wrapped.__name__ = handler.__name__
     return wrapped
@@ -436,6 +490,23 @@ async def _json_body(request: web.Request) -> Any:
         raise _BadParam("body", exc.message, status=exc.status) from None
 
 
+def _json_knob_types(name: str | None, knobs: Any, current: str) -> None:
+    """The control API takes knobs as JSON values: a number or a boolean given as a string
+    (``"1.5"``) is a 400, though the CLI's ``key=value`` parses the same text (router/config.py
+    ``Knob.coerce`` accepts both). Unknown names are left to the full validation."""
+    if not isinstance(knobs, dict):
+        return
+    try:
+        schema = policy_class(name or current).schema
+    except KnobError:
+        return  # an unknown policy: the full validation names it
+    for k, v in knobs.items():
+        knob = schema.get(k) or FEATURE_KNOBS.get(k)
+        if knob is not None and knob.type is not str and isinstance(v, str):
+            want = "true or false" if knob.type is bool else f"a JSON number ({knob.describe_range()})"
+            raise KnobError(k, f"expected {want}, got the string {v!r}")
+
+
 def _who(request: web.Request) -> str:
     who = request.headers.get(USER_HEADER, "").strip()
     return "".join(ch for ch in who if ch.isprintable())[:64] or "api"
@@ -466,6 +537,7 @@ async def put_policy(request: web.Request) -> web.Response:
         knobs = {}
     try:
         policy_class(name)
+        _json_knob_types(name, knobs, request.app[STATE].slot.policy.name)
         slot = request.app[STATE].set_policy(name, knobs, _who(request))
     except KnobError as exc:
         param = "name" if exc.field == "policy" else exc.field
@@ -485,6 +557,7 @@ async def patch_knobs(request: web.Request) -> web.Response:
     if not isinstance(body, dict):
         raise _BadParam("body", "expected a JSON object of knob names to values")
     try:
+        _json_knob_types(None, body, request.app[STATE].slot.policy.name)
         slot = request.app[STATE].set_policy(None, body, _who(request), merge=True)
     except KnobError as exc:
         return error_response(400, f"{exc.field}: {exc.message}", param=exc.field)
@@ -508,8 +581,18 @@ async def put_shadows(request: web.Request) -> web.Response:
     body = await _json_body(request)
     if not isinstance(body, dict) or set(body) != {"policies"}:
         raise _BadParam("body", 'expected a JSON object {"policies": [NAME or {"policy": NAME, "knobs": {...}}]}')
+    specs = body["policies"]
+    if not isinstance(specs, list):  # the CLI's "a,b" form is for --shadow, not this API
+        raise _BadParam("policies", 'policies must be a list of policy names or {"policy": NAME, '
+                                    f'"knobs": {{...}}}} objects ([] for none), got {type(specs).__name__}')
     try:
-        summary = request.app[STATE].set_shadows(body["policies"], _who(request))
+        for s in specs:
+            if isinstance(s, dict) and isinstance(s.get("policy"), str):
+                _json_knob_types(s["policy"], s.get("knobs"), s["policy"])
+    except KnobError as exc:
+        return error_response(400, f"policies: {exc.field}: {exc.message}", param="policies")
+    try:
+        summary = request.app[STATE].set_shadows(specs, _who(request))
     except ShadowError as exc:
         return error_response(400, str(exc), param="policies")
     ctl.guard.cache.clear()

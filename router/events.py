@@ -5,6 +5,12 @@ serializes an event once and appends it to each viewer's bounded deque. Each vie
 handler task drains its deque every ``flush_s`` and writes a coalesced state snapshot at
 the viewer's rate. A viewer that cannot keep up loses its oldest events (counted, and
 reported in a ``dropped`` event); it never slows routing, and its memory stays bounded.
+
+Two bounds keep viewers, however many and however hostile, from taking the router's time
+(issue 36: 250 viewers that never read cost 29% of throughput): a viewer whose connection
+holds ``stall_bytes`` unsent is *stalled*: it leaves the routing path's fan-out (its events
+are counted as lost, not queued) until its client reads again; and every viewer's flushes
+together take at most ``VIEWER_LOOP_SHARE`` of the loop: a flush over the share waits.
 """
 
 from __future__ import annotations
@@ -26,6 +32,10 @@ EVENT_TYPES = ("state", "decision", "config", "health", "outcome")
 DEFAULT_TYPES = frozenset({"state", "decision", "config", "health"})
 HZ_MIN, HZ_MAX, HZ_DEFAULT = 0.2, 20.0, 4.0
 DECISIONS_MAX, DECISIONS_DEFAULT = 10_000.0, 200.0
+#: The share of the event loop every viewer's flushes together may take, and the burst of work
+#: allowed above it (seconds).
+VIEWER_LOOP_SHARE = 0.05
+VIEWER_WORK_BURST_S = 0.05
 
 
 def sse(event: str, data: str) -> bytes:
@@ -74,6 +84,7 @@ class Viewer:
         self.reported_overflow = 0
         self.sent_events = 0
         self.closed = False
+        self.stalled_at: int | None = None  # the broadcaster's event count when it stalled
         self.task: asyncio.Task | None = None
 
     def admit(self, kind: str, seq: int, now: float) -> bool:
@@ -95,13 +106,21 @@ class Broadcaster:
     """Holds the attached viewers; a ``state.listeners`` entry."""
 
     def __init__(self, snapshot: Callable[[], dict[str, Any]], *, buffer: int = 2000,
-                 flush_s: float = 0.05, heartbeat_s: float = 15.0, sndbuf: int | None = 256 * 1024):
+                 flush_s: float = 0.05, heartbeat_s: float = 15.0, sndbuf: int | None = 256 * 1024,
+                 stall_bytes: int = 64 * 1024, stall_poll_s: float = 0.25):
         self.snapshot = snapshot
         self.buffer = buffer
         self.flush_s = flush_s
         self.heartbeat_s = heartbeat_s
         self.sndbuf = sndbuf  # caps kernel buffering per viewer, so "old events lost" stays true
         self.viewers: set[Viewer] = set()
+        self.live: set[Viewer] = set()  # the viewers not stalled: the ones events go to
+        self.stall_bytes = stall_bytes  # unsent bytes on a viewer's connection that mark it stalled
+        self.stall_poll_s = stall_poll_s
+        self.work = VIEWER_WORK_BURST_S  # seconds of loop work viewers may still take now
+        self.work_at: float | None = None
+        self.paced_s = 0.0  # total time flushes waited for the viewers' share
+        self.stalls = 0
         self.closing = False
         self._snap: tuple[float, bytes] | None = None
         self._samplers: dict[float, DecisionSampler] = {}
@@ -109,12 +128,12 @@ class Broadcaster:
 
     # -- routing path: must stay cheap and never await ------------------------------------
     def __call__(self, kind: str, payload: dict[str, Any]) -> None:
-        if not self.viewers:
+        self._seq += 1
+        if not self.live:
             return
         data: bytes | None = None
         now = time.monotonic()
-        self._seq += 1
-        for v in self.viewers:
+        for v in self.live:
             if v.admit(kind, self._seq, now):
                 if data is None:  # serialized once, and only if some viewer takes it
                     data = sse(kind, dumps(payload))
@@ -127,6 +146,27 @@ class Broadcaster:
             body = dumps(self.snapshot())
             self._snap = (now, sse("state", body))
         return self._snap[1]
+
+    # -- pacing -------------------------------------------------------------------------------
+    def _work_wait(self, now: float) -> float:
+        """Seconds the next flush waits so that flushes keep to VIEWER_LOOP_SHARE."""
+        last = self.work_at if self.work_at is not None else now
+        self.work_at = now
+        self.work = min(VIEWER_WORK_BURST_S, self.work + (now - last) * VIEWER_LOOP_SHARE)
+        return 0.0 if self.work >= 0 else -self.work / VIEWER_LOOP_SHARE
+
+    def _stall(self, viewer: Viewer) -> None:
+        """The viewer's client is not reading: no more events for it until it does."""
+        self.live.discard(viewer)
+        viewer.stalled_at = self._seq
+        viewer.dropped_overflow += len(viewer.queue)
+        viewer.queue.clear()
+        self.stalls += 1
+
+    def _unstall(self, viewer: Viewer) -> None:
+        viewer.dropped_overflow += self._seq - viewer.stalled_at  # (an upper bound: all events)
+        viewer.stalled_at = None
+        self.live.add(viewer)
 
     # -- one viewer's handler ---------------------------------------------------------------
     async def stream(self, request: web.Request, viewer: Viewer) -> web.StreamResponse:
@@ -142,6 +182,7 @@ class Broadcaster:
         viewer.task = asyncio.current_task()
         viewer.sampler = self._samplers.setdefault(viewer.decisions_per_s, viewer.sampler)
         self.viewers.add(viewer)
+        self.live.add(viewer)
         loop = asyncio.get_running_loop()
         want_state = "state" in viewer.types
         period = 1.0 / viewer.hz
@@ -151,6 +192,24 @@ class Broadcaster:
         try:
             await resp.write(b"retry: 2000\n\n")
             while not viewer.closed and not self.closing:
+                tr = request.transport
+                if tr is None or tr.is_closing():
+                    break
+                if tr.get_write_buffer_size() >= self.stall_bytes:  # its client is not reading
+                    if viewer.stalled_at is None:
+                        self._stall(viewer)
+                    else:  # what it missed meanwhile, counted as it goes
+                        viewer.dropped_overflow += self._seq - viewer.stalled_at
+                        viewer.stalled_at = self._seq
+                    await asyncio.sleep(self.stall_poll_s)
+                    continue
+                if viewer.stalled_at is not None:
+                    self._unstall(viewer)
+                pace = self._work_wait(loop.time())
+                if pace:
+                    self.paced_s += pace
+                    await asyncio.sleep(min(pace, 1.0))
+                t_work = time.perf_counter()
                 now = loop.time()
                 chunks: list[bytes] = []
                 if (viewer.dropped_rate != viewer.reported_rate
@@ -173,11 +232,19 @@ class Broadcaster:
                         next_state = (math.floor(now * viewer.hz) + 1) / viewer.hz
                 if chunks:
                     viewer.sent_events += len(chunks)
-                    await resp.write(b"".join(chunks))
+                    data = b"".join(chunks)
+                    self.work -= time.perf_counter() - t_work + len(data) * 2e-9  # building + the write's copy
+                    if tr.get_write_buffer_size() + len(data) >= self.stall_bytes:
+                        # this write may wait for a client that does not read: out of the fan-out
+                        # until it is done (the loop's top puts it back once its client reads)
+                        self._stall(viewer)
+                    await resp.write(data)
                     last_write = loop.time()
                 elif loop.time() - last_write >= self.heartbeat_s:
                     await resp.write(b": keepalive\n\n")
                     last_write = loop.time()
+                else:
+                    self.work -= time.perf_counter() - t_work
                 wait = self.flush_s
                 if want_state:
                     wait = min(wait, max(0.0, next_state - loop.time()))
@@ -186,6 +253,7 @@ class Broadcaster:
             pass
         finally:
             self.viewers.discard(viewer)
+            self.live.discard(viewer)
             if not any(v.decisions_per_s == viewer.decisions_per_s for v in self.viewers):
                 self._samplers.pop(viewer.decisions_per_s, None)
             viewer.closed = True

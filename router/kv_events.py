@@ -90,6 +90,95 @@ def decode_batch(payload: bytes) -> tuple[float, list[tuple]]:
     return float(ts), out
 
 
+#: A batch up to this size is decoded and applied in one go (a few hundred events, well under a
+#: millisecond); a larger one in slices of ``Subscriber.slice_s`` between which the loop runs.
+INLINE_BATCH_BYTES = 64 * 1024
+#: A batch larger than this is refused (counted in ``refused_batches``; the instance resyncs).
+#: One vLLM step publishes far less: a 262k-token prefill in one step is 16k blocks, ~1.3 MB
+#: with its token ids, and evicting a whole H20 cache ~0.6 MB.
+MAX_BATCH_BYTES = 16 * 1024 * 1024
+#: The longest array an event may hold (a BlockStored's token ids: 262,144 is a whole H20
+#: context in one event). Decoding one event is one call that cannot be sliced: this bounds it
+#: (~12 ms on a slow core). A batch with a longer one is refused like an oversized batch.
+MAX_EVENT_ARRAY = 262_144
+#: The share of the event loop a large batch takes while it is applied in slices: lower than a
+#: subscriber's share between messages (``max_busy_share``), since a large batch lasts seconds
+#: and the requests meanwhile would queue behind its slices (bench_kv_events.py, big batch).
+LARGE_BATCH_SHARE = 0.25
+#: A BlockStored or BlockRemoved of more blocks than this is applied in runs of this many, so
+#: that the loop runs between them.
+APPLY_RUN_BLOCKS = 1024
+
+
+class BatchTooLarge(BadBatch):
+    """A batch over MAX_BATCH_BYTES, or with an event array over MAX_EVENT_ARRAY."""
+
+
+def iter_batch(payload: bytes):
+    """``decode_batch`` one event at a time: yields the batch's ts, then each event tuple. The
+    payload is read by a streaming unpacker, so no single call decodes more than one event.
+    Raises BadBatch (BatchTooLarge past the bounds) when it comes to the fault."""
+    if len(payload) > MAX_BATCH_BYTES:
+        raise BatchTooLarge(f"{len(payload) / 1e6:.1f} MB, over {MAX_BATCH_BYTES / 1e6:g} MB")
+    up = msgpack.Unpacker(raw=False, strict_map_key=False, use_list=True, max_buffer_size=len(payload) + 1,
+                          max_array_len=MAX_EVENT_ARRAY, max_map_len=64, max_str_len=1 << 16,
+                          max_bin_len=1 << 16)
+    up.feed(payload)
+    try:
+        first = payload[:1]
+        if first and (0x80 <= first[0] <= 0x8F or first[0] in (0xDE, 0xDF)):  # {"ts", "events"}
+            ts, n = 0.0, None
+            for _ in range(up.read_map_header()):
+                key = up.unpack()
+                if key == "events":
+                    n = up.read_array_header()
+                    break
+                value = up.unpack()
+                if key == "ts":
+                    ts = value
+            if n is None:
+                raise BadBatch("not a KVEventBatch (expected [ts, events, ...])")
+        else:
+            if up.read_array_header() < 2:
+                raise BadBatch("not a KVEventBatch (expected [ts, events, ...])")
+            ts = up.unpack()
+            n = up.read_array_header()
+        if not isinstance(ts, (int, float)) or isinstance(ts, bool):
+            raise BadBatch("KVEventBatch: ts must be a number and events a list")
+        yield float(ts)
+        for _ in range(n):
+            d = _event(up.unpack())
+            if d is not None:
+                yield d
+    except BadBatch:
+        raise
+    except ValueError as exc:
+        if "exceeds max" in str(exc):  # msgpack's max_array_len (and the like)
+            raise BatchTooLarge(f"an event array over {MAX_EVENT_ARRAY:,} items") from None
+        raise BadBatch(f"malformed event: {exc}") from None
+    except (TypeError, IndexError, KeyError) as exc:
+        raise BadBatch(f"malformed event: {exc}") from None
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise BadBatch(f"not msgpack: {exc.__class__.__name__}") from None
+
+
+def split_runs(ev: tuple, run: int = APPLY_RUN_BLOCKS):
+    """An event of more than ``run`` blocks as consecutive events of at most ``run`` each (a
+    store's later runs chained to the block before them). The index ends the same, except
+    that a split store frees its unused blocks run by run (each run's last block first)."""
+    kind = ev[0]
+    if kind == STORED and len(ev[1]) > run:
+        _, hashes, parent, tokens, bs, medium, group = ev
+        for i in range(0, len(hashes), run):
+            yield (STORED, hashes[i:i + run], parent if i == 0 else hashes[i - 1],
+                   tokens[i * bs:(i + run) * bs], bs, medium, group)
+    elif kind == REMOVED and len(ev[1]) > run:
+        for i in range(0, len(ev[1]), run):
+            yield (REMOVED, ev[1][i:i + run], ev[2], ev[3])
+    else:
+        yield ev
+
+
 _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
                   "medium", "lora_name", "extra_keys", "group_idx")
 _REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
@@ -180,6 +269,10 @@ class SubscriberStats:
     last_received: float | None = None  # this router's clock when it arrived
     busy_s: float = 0.0  # time spent decoding and indexing
     throttled_s: float = 0.0  # time slept to keep the busy share bounded
+    refused_batches: int = 0  # batches over MAX_BATCH_BYTES or with an event over MAX_EVENT_ARRAY
+    refused_bytes: int = 0
+    sliced_batches: int = 0  # batches over INLINE_BATCH_BYTES, applied in slices
+    longest_slice_s: float = 0.0  # the longest a large batch's slice held the loop
 
 
 class Subscriber:
@@ -219,6 +312,7 @@ class Subscriber:
         self._sync = None
         self._monitor = None
         self._tasks: list[asyncio.Task] = []
+        self._work = None  # a large batch being applied in slices (a generator), or None
 
     # -- lifecycle --------------------------------------------------------------------
     async def start(self) -> None:
@@ -351,6 +445,11 @@ class Subscriber:
                     await self._recover(gap, frames)
                     t0 = time.perf_counter()
                     deadline = t0 + self.slice_s
+                if self._work is not None:  # a large batch: applied in slices before the next
+                    self.stats.busy_s += time.perf_counter() - t0
+                    await self._drain_work()
+                    t0 = time.perf_counter()
+                    deadline = t0 + self.slice_s
                 if time.perf_counter() >= deadline:
                     break
                 try:
@@ -406,6 +505,14 @@ class Subscriber:
         self.expected = seq + 1
         st.last_seq = seq
         st.last_received = self.clock()
+        if len(payload) > MAX_BATCH_BYTES:
+            self._refuse(seq, len(payload), f"{len(payload) / 1e6:.1f} MB")
+            return
+        if len(payload) > INLINE_BATCH_BYTES and self._tasks:
+            # a started subscriber: its loop applies it in slices (_drain_work) before the next
+            st.sliced_batches += 1
+            self._work = self._apply_sliced(seq, payload)
+            return
         try:
             ts, events = decode_batch(payload)
         except BadBatch as exc:
@@ -413,17 +520,79 @@ class Subscriber:
             self._start_resync(f"garbage batch {seq}: {exc}")
             return
         self.index.apply(self.instance, events)
+        self._applied(ts, len(events), any(e[0] == CLEARED for e in events))
+
+    def _applied(self, ts: float, n_events: int, cleared: bool) -> None:
+        st = self.stats
         st.batches += 1
-        st.events += len(events)
+        st.events += n_events
         st.last_event_ts = ts
         if self._resyncing and (
-                any(e[0] == CLEARED for e in events)  # the cache restarted from empty: all known
+                cleared  # the cache restarted from empty: all known
                 or self._stored_since_mark_tokens() >= self.resync_tokens):
-            if not any(e[0] == CLEARED for e in events):
+            if not cleared:
                 self.index.drop_unseen_since_mark(self.instance)
             self._resyncing = False
             self._consistent = True
         self._update()
+
+    def _refuse(self, seq: int, size: int, why: str) -> None:
+        self.stats.refused_batches += 1
+        self.stats.refused_bytes += size
+        self._start_resync(f"batch {seq} refused: {why}")
+
+    def _apply_sliced(self, seq: int, payload: bytes):
+        """A generator: each step decodes and applies the batch's next events for at most
+        ``slice_s`` (one event's decoding, bounded by MAX_EVENT_ARRAY, and one run of
+        APPLY_RUN_BLOCKS blocks, are the least it does), then yields."""
+        perf = time.perf_counter
+        deadline = perf() + self.slice_s
+        apply, instance = self.index.apply, self.instance
+        n = 0
+        cleared = False
+        ts = 0.0
+        try:
+            for ev in iter_batch(payload):
+                if n == 0 and not isinstance(ev, tuple):
+                    ts = ev
+                    n = 1
+                    continue
+                n += 1
+                cleared = cleared or ev[0] == CLEARED
+                for part in split_runs(ev):
+                    apply(instance, (part,))
+                    if perf() >= deadline:
+                        yield
+                        deadline = perf() + self.slice_s
+        except BatchTooLarge as exc:
+            self._refuse(seq, len(payload), str(exc))
+            return
+        except BadBatch as exc:
+            self.stats.bad_messages += 1
+            self._start_resync(f"garbage batch {seq}: {exc}")
+            return
+        self._applied(ts, n - 1, cleared)
+
+    async def _drain_work(self) -> None:
+        """Apply the pending large batch slice by slice, sleeping after each so that this
+        subscriber keeps at most LARGE_BATCH_SHARE of the loop (``_run`` keeps
+        ``max_busy_share`` between messages): a request or /health waits for one slice at most."""
+        st = self.stats
+        work, self._work = self._work, None
+        share = min(self.max_busy_share, LARGE_BATCH_SHARE)
+        while work is not None:
+            t0 = time.perf_counter()
+            try:
+                next(work)
+            except StopIteration:
+                work = None
+            busy = time.perf_counter() - t0
+            st.busy_s += busy
+            if busy > st.longest_slice_s:
+                st.longest_slice_s = busy
+            pause = busy * (1 / share - 1) if share < 1 else 0.0
+            st.throttled_s += pause
+            await asyncio.sleep(pause)
 
     def _stored_since_mark_tokens(self) -> int:
         ib = self.index.instances[self.instance]
@@ -502,6 +671,8 @@ class Subscriber:
                     self._apply(seq, body[-1])
                 except Exception as exc:  # noqa: BLE001 - as on the live socket
                     self._unapplied(exc)
+                if self._work is not None:
+                    await self._drain_work()
                 st.replayed_batches += 1
                 if time.perf_counter() - t0 >= self.slice_s:  # a long replay yields too
                     await asyncio.sleep(0)
@@ -553,6 +724,8 @@ class Subscriber:
                 "unapplied": st.unapplied, "task_deaths": st.task_deaths,
                 "duplicates": st.duplicates, "last_received": st.last_received,
                 "busy_s": round(st.busy_s, 4), "throttled_s": round(st.throttled_s, 4),
+                "refused_batches": st.refused_batches, "refused_bytes": st.refused_bytes,
+                "sliced_batches": st.sliced_batches, "longest_slice_s": round(st.longest_slice_s, 4),
                 "engine_block_size": ib.engine_block_size, "engine_blocks": len(ib.nodes),
                 "router_blocks": len(ib.counts), "blocks_stored": ib.blocks_stored,
                 "blocks_removed": ib.blocks_removed, "clears": ib.clears,

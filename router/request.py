@@ -30,6 +30,7 @@ router/blocks.py).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -116,6 +117,27 @@ _ANTHROPIC_ROLES = {"user": "user", "assistant": "assistant", "system": "system"
 _BILLING_HEADER = "x-anthropic-billing-header"  # per-request hash in Claude Code's system; vLLM drops it
 
 
+#: How deep an object the router serializes may nest (tool schemas, tool inputs and outputs,
+#: tool calls): the prompt's rendering writes them as JSON, which recursion bounds at about
+#: 1,000 levels (orjson reads 1,024), and no real schema comes near 100.
+MAX_NESTING = 100
+
+
+def _check_nesting(value: Any, where: str, param: str) -> None:
+    """BadRequest when ``value`` nests lists and objects more than MAX_NESTING deep. Iterative,
+    and only over containers: a tool's schema costs microseconds."""
+    if type(value) not in (dict, list):
+        return
+    stack = [(value, 1)]
+    while stack:
+        obj, depth = stack.pop()
+        if depth > MAX_NESTING:
+            raise BadRequest(f"{where} is nested more than {MAX_NESTING} levels deep", param)
+        for v in (obj.values() if type(obj) is dict else obj):
+            if type(v) is dict or type(v) is list:
+                stack.append((v, depth + 1))
+
+
 def _chat_messages(messages: Any) -> list[dict]:
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list", "messages")
@@ -124,6 +146,8 @@ def _chat_messages(messages: Any) -> list[dict]:
             raise BadRequest(f"messages[{k}] must be an object", "messages")
         if not isinstance(m.get("role"), str):
             raise BadRequest(f"messages[{k}].role must be a string", "messages")
+        if m.get("tool_calls") is not None:
+            _check_nesting(m["tool_calls"], f"messages[{k}].tool_calls", "messages")
         content = m.get("content")
         if content is None or isinstance(content, str):
             continue
@@ -140,6 +164,8 @@ def _chat_tools(tools: Any, param: str = "tools") -> list[dict] | None:
         return None
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise BadRequest(f"'{param}' must be a list of objects", param)
+    for k, t in enumerate(tools):
+        _check_nesting(t, f"{param}[{k}]", param)
     return tools or None
 
 
@@ -169,7 +195,7 @@ def _anthropic_prompt(body: dict) -> Prompt:
     elif system is not None:
         raise BadRequest("'system' must be a string or a list of text blocks", "system")
     for k, m in enumerate(messages):
-        if not isinstance(m, dict) or _ANTHROPIC_ROLES.get(m.get("role")) is None:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or m["role"] not in _ANTHROPIC_ROLES:
             raise BadRequest(f"messages[{k}] must be an object with role user or assistant", "messages")
     leading, messages = _place_inline_system(messages, bool(system_parts))
     system_text = "\n\n".join(t for t in ("".join(system_parts), leading) if t)
@@ -191,7 +217,7 @@ def _anthropic_prompt(body: dict) -> Prompt:
         parts: list[dict] = []
         calls: list[dict] = []
         reasoning: list[str] = []
-        for b in content:
+        for j, b in enumerate(content):
             if not isinstance(b, dict) or not isinstance(b.get("type"), str):
                 raise BadRequest(f"messages[{k}].content has a block without a 'type'", "messages")
             t = b["type"]
@@ -202,11 +228,12 @@ def _anthropic_prompt(body: dict) -> Prompt:
             elif t == "thinking" and isinstance(b.get("thinking"), str):
                 reasoning.append(b["thinking"])
             elif t == "tool_use":
+                _check_nesting(b.get("input"), f"messages[{k}].content[{j}].input", "messages")
                 calls.append({"id": b.get("id") or "", "type": "function",
                               "function": {"name": b.get("name") or "",
                                            "arguments": json.dumps(b.get("input") or {})}})
             elif t == "tool_result":
-                text = _tool_result_text(b.get("content"))
+                text = _tool_result_text(b.get("content"), f"messages[{k}].content[{j}].content")
                 if role == "user":
                     out.append({"role": "tool", "tool_call_id": b.get("tool_use_id") or "", "content": text})
                 else:
@@ -231,6 +258,7 @@ def _anthropic_prompt(body: dict) -> Prompt:
                 raise BadRequest(f"tools[{k}] must be an object with a name", "tools")
             if "input_schema" not in t:
                 continue  # a server tool (web_search, ...): the model does not see a schema
+            _check_nesting(t["input_schema"], f"tools[{k}].input_schema", "tools")
             chat_tools.append({"type": "function", "function": {
                 "name": t["name"], "description": t.get("description"), "parameters": t.get("input_schema")}})
     return Prompt("messages", messages=out, tools=chat_tools or None,
@@ -340,12 +368,21 @@ def _fold_into_user(m: dict, text: str, *, at_end: bool) -> dict:
     return {**m, "content": add(c)}
 
 
-def _tool_result_text(content: Any) -> str:
+def _tool_result_text(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
-    if isinstance(content, list):
-        return "\n".join(i.get("text", "") for i in content if isinstance(i, dict) and i.get("type") == "text")
-    return ""
+    if content is None:
+        return ""
+    if not isinstance(content, list):
+        raise BadRequest(f"{where} must be a string or a list of blocks", "messages")
+    texts = []
+    for i, item in enumerate(content):
+        if isinstance(item, dict) and item.get("type") == "text":
+            text = item.get("text", "")
+            if not isinstance(text, str):
+                raise BadRequest(f"{where}[{i}].text must be a string", "messages")
+            texts.append(text)
+    return "\n".join(texts)
 
 
 def _responses_prompt(body: dict) -> Prompt:
@@ -375,6 +412,7 @@ def _responses_prompt(body: dict) -> Prompt:
                     raise BadRequest(f"input[{k}].content must be a string or a list of parts", "input")
                 out.append({"role": "system" if role == "developer" else role, "content": content})
             elif t == "function_call":
+                _check_nesting(item.get("arguments"), f"input[{k}].arguments", "input")
                 call = {"id": item.get("call_id") or "", "type": "function",
                         "function": {"name": item.get("name") or "", "arguments": item.get("arguments") or ""}}
                 if out and out[-1].get("role") == "assistant" and "tool_calls" in out[-1]:
@@ -383,6 +421,7 @@ def _responses_prompt(body: dict) -> Prompt:
                     out.append({"role": "assistant", "content": None, "tool_calls": [call]})
             elif t == "function_call_output":
                 output = item.get("output")
+                _check_nesting(output, f"input[{k}].output", "input")
                 out.append({"role": "tool", "tool_call_id": item.get("call_id") or "",
                             "content": output if isinstance(output, str) else json.dumps(output)})
             # reasoning and other items carry nothing the prompt is rendered from
@@ -395,9 +434,13 @@ def _responses_prompt(body: dict) -> Prompt:
     if tools is not None:
         if not isinstance(tools, list):
             raise BadRequest("'tools' must be a list", "tools")
-        chat_tools = [{"type": "function", "function": {
-            "name": t.get("name"), "description": t.get("description"), "parameters": t.get("parameters")}}
-            for t in tools if isinstance(t, dict) and t.get("type") == "function"]
+        chat_tools = []
+        for k, t in enumerate(tools):
+            if isinstance(t, dict) and t.get("type") == "function":
+                _check_nesting(t.get("parameters"), f"tools[{k}].parameters", "tools")
+                chat_tools.append({"type": "function", "function": {
+                    "name": t.get("name"), "description": t.get("description"),
+                    "parameters": t.get("parameters")}})
     return Prompt("input", messages=out, tools=chat_tools or None, template_kwargs=_template_kwargs(body))
 
 
@@ -451,6 +494,8 @@ def _metadata_session(body: dict) -> str | None:
     uid = meta.get("user_id") if isinstance(meta, dict) else None
     if not isinstance(uid, str) or not uid:
         return None
+    if len(uid) > 4096:  # no client's id is this long: not searched or parsed, only bounded
+        return uid
     m = _CLAUDE_SESSION.search(uid)
     if m:
         return m.group(1)
@@ -462,6 +507,20 @@ def _metadata_session(body: dict) -> str | None:
         if isinstance(obj, dict) and isinstance(obj.get("session_id"), str) and obj["session_id"]:
             return obj["session_id"]
     return uid
+
+
+#: A session id longer than this (in characters) is kept as its first SESSION_ID_KEEP characters
+#: and a digest of the whole: distinct ids stay distinct, and a client sending a 1 MB
+#: ``metadata.user_id`` cannot make the router key its per-session state by megabytes.
+MAX_SESSION_ID = 256
+SESSION_ID_KEEP = 200
+
+
+def bounded_session_id(sid: str) -> str:
+    if len(sid) <= MAX_SESSION_ID:
+        return sid
+    digest = hashlib.blake2b(sid.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+    return f"{sid[:SESSION_ID_KEEP]}~{digest}"
 
 
 def read_body(body: Any, endpoint: str, *, headers: Any = None,
@@ -505,6 +564,8 @@ def read_body(body: Any, endpoint: str, *, headers: Any = None,
             session_id, source = str(sid), "body_session_id"
     if session_id is None and body.get("user"):
         session_id, source = body["user"], "user"
+    if session_id is not None:
+        session_id = bounded_session_id(session_id)
     return Parsed(endpoint, prompt, session_id, source, bool(body.get("stream", False)), max_tokens, prev)
 
 

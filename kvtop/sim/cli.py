@@ -1,5 +1,5 @@
-"""Start N simulated vLLM instances on loopback ports, in one process and one event loop
-(or, with `--process-per-instance`, one process each).
+"""Start N simulated vLLM instances on loopback ports, each in a process of its own (one
+instance's heavy request cannot stall another's), or with `--one-process` all on one event loop.
 
 Each instance serves vLLM's OpenAI API (/v1/completions, /v1/chat/completions, streaming or
 not), /metrics with vLLM's names, /tokenize, /v1/completions/render, /health, /v1/models,
@@ -135,9 +135,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration", type=float, default=None, metavar="S",
                         help="exit after S wall seconds (for tests and scripts)")
     parser.add_argument("--process-per-instance", action="store_true",
-                        help="run each instance in a process of its own, so one instance's heavy "
-                             "request (parsing a 20 MB prompt) cannot stall another's /health or steps, "
-                             "and instances use every core; costs a Python process (~40 MB) each")
+                        help="run each instance in a process of its own (the default with more than one "
+                             "instance), so one instance's heavy request (parsing a 20 MB prompt) cannot "
+                             "stall another's /health or steps, and instances use every core; costs a "
+                             "Python process (~40 MB) each")
+    parser.add_argument("--one-process", action="store_true",
+                        help="run every instance on one event loop in this process (lighter; one "
+                             "instance's heavy request then delays the others)")
     parser.add_argument("--instance-offset", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--no-route-line", action="store_true", help=argparse.SUPPRESS)
 
@@ -177,6 +181,13 @@ def build_instances(args: argparse.Namespace):
         profile = get_profile(args.profile)
     except KeyError as exc:
         raise CliError(str(exc.args[0])) from None
+    from kvtop.sim.profiles import check_profile
+
+    problem = check_profile(profile.with_overrides(
+        num_gpu_blocks=args.num_gpu_blocks, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens))
+    if problem:  # an override past the profile's bounds (a huge --num-gpu-blocks would allocate it)
+        raise CliError(f"profile {profile.name} with the flags given: {problem}")
     model = args.model or profile.model
     from kvtop.sim.answers import OutputLengths, OutputLengthsError
 
@@ -281,8 +292,10 @@ def run(args: argparse.Namespace) -> int:
         return sub_run(args)
     from kvtop.sim.server import serve
 
+    if args.process_per_instance and args.one_process:
+        raise CliError("--process-per-instance and --one-process contradict each other: pick one")
     instances = build_instances(args)
-    if args.process_per_instance and args.instances > 1:
+    if args.instances > 1 and not args.one_process:
         # each child has one instance: give it the fleet's KV ports, not a base of its own
         args.kv_events_port_base = kv_events_port_base(args)
         return _run_processes(args)
@@ -361,8 +374,31 @@ def _run_processes(args: argparse.Namespace) -> int:
 
     from kvtop.procs import stop_processes
 
-    children = [subprocess.Popen([sys.executable, "-m", "kvtop", *_child_argv(args, i)], stdin=subprocess.DEVNULL)
+    import threading
+
+    children = [subprocess.Popen([sys.executable, "-m", "kvtop", *_child_argv(args, i)], stdin=subprocess.DEVNULL,
+                                 stdout=subprocess.PIPE, text=True)
                 for i in range(args.instances)]
+    # Each child's lines, relayed in instance order ("instance 0:" first, as in one process):
+    # scripts read the startup lines in order.
+    out: list[list[str]] = [[] for _ in children]
+
+    def relay(i: int) -> None:
+        for line in children[i].stdout:
+            out[i].append(line)
+
+    for i in range(len(children)):
+        threading.Thread(target=relay, args=(i,), daemon=True).start()
+    shown = 0  # children whose first line was printed
+
+    def show() -> None:
+        nonlocal shown
+        while shown < len(children) and out[shown]:
+            shown += 1
+        for i in range(shown):
+            while out[i]:
+                print(out[i].pop(0), end="", flush=True)
+
     stopping = False
 
     def on_signal(signum, _frame) -> None:
@@ -373,17 +409,20 @@ def _run_processes(args: argparse.Namespace) -> int:
     waiting = set(range(args.instances))  # the route-with line only once every instance listens
     try:
         while not stopping:
+            show()
             codes = [c.poll() for c in children]
             if any(code is not None for code in codes):
                 break
             if waiting is not None:
                 waiting = {i for i in waiting if not _serving(args.host, args.port_base + i)}
-                if not waiting:
+                if not waiting and shown == len(children):
                     print(route_line(args), flush=True)
                     waiting = None
             time.sleep(0.1)
     finally:
         stop_processes(children, grace_s=10.0)
+        shown = len(children)
+        show()
         for sig, handler in old.items():
             signal.signal(sig, handler)
     failed = [c.returncode for c in children if c.returncode not in (0, -signal.SIGTERM, None)]

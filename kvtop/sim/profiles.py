@@ -291,6 +291,49 @@ _REQUIRED = ("model", "block_size", "num_gpu_blocks", "max_num_batched_tokens", 
              "max_model_len")
 
 
+#: Bounds on a profile's numbers (inclusive; ``None``: none). Sizes bound what the engine
+#: allocates (its block pool holds a few machine words per block: 4M blocks is ~130 MB), times
+#: bound one step; past them a profile describes no machine, and the engine would allocate
+#: until it fails or run a step that never ends.
+PROFILE_BOUNDS: dict[str, tuple[float, float]] = {
+    "block_size": (1, 4096), "num_gpu_blocks": (1, 1 << 22), "max_num_batched_tokens": (1, 1 << 22),
+    "max_num_seqs": (1, 1 << 16), "max_model_len": (1, 1 << 24),
+    "long_prefill_token_threshold": (0, 1 << 24), "num_experts": (0, 4096), "experts_per_token": (0, 4096),
+    "t_fixed": (0, 60.0), "t_req": (0, 60.0), "t_new_req": (0, 60.0), "frontend_overhead_s": (0, 60.0),
+    "kv_transfer_fixed_s": (0, 60.0), "b": (0, 1.0), "c": (0, 1.0), "kappa": (0, 1.0),
+    "frontend_s_per_token": (0, 1.0), "kv_transfer_s_per_token": (0, 1.0),
+    "w_dense": (0, 1e15), "w_experts": (0, 1e15),
+}
+#: The longest step a profile may model: a full token budget at the context limit (H20: ~20 s)
+#: and the shortest step (one token, one request: H20 ~5 ms), in seconds.
+MAX_FULL_STEP_S = 3600.0
+MAX_SMALL_STEP_S = 60.0
+
+
+def check_profile(p: Profile) -> str | None:
+    """What is wrong with ``p`` (one line), or None: every bound of PROFILE_BOUNDS, a positive
+    ``bw``, at most ``num_experts`` experts per token, and a step time that ends."""
+    for key, (lo, hi) in PROFILE_BOUNDS.items():
+        v = getattr(p, key)
+        if not lo <= v <= hi:  # NaN fails too
+            return f"{key} must be in [{_num(lo)}, {_num(hi)}], got {_short(v)}"
+    if not 0 < p.bw < math.inf:
+        return f"bw (bytes read per second) must be positive, got {p.bw!r}"
+    if p.num_experts and not 1 <= p.experts_per_token <= p.num_experts:
+        return f"experts_per_token must be in [1, num_experts = {p.num_experts}], got {p.experts_per_token}"
+    small = p.step_time(1, 1, 1.0, 0, 1)
+    n = p.max_num_batched_tokens
+    full = p.step_time(n, min(n, p.max_num_seqs), 2.0 * n * p.max_model_len + n * n,
+                       p.max_num_seqs * p.max_model_len, min(n, p.max_num_seqs))
+    if not small <= MAX_SMALL_STEP_S:
+        return (f"a one-token step takes {small:.3g} s under this profile (at most {MAX_SMALL_STEP_S:g}): "
+                "check t_fixed, t_req, b, w_dense, w_experts and bw")
+    if not full <= MAX_FULL_STEP_S:
+        return (f"a full step (max_num_batched_tokens at max_model_len) takes {full:.3g} s under this "
+                f"profile (at most {MAX_FULL_STEP_S:g}): check its coefficients")
+    return None
+
+
 def load_profile_file(path: str | Path) -> Profile:
     """Read a profile file::
 
@@ -303,10 +346,17 @@ def load_profile_file(path: str | Path) -> Profile:
         url = "http://127.0.0.1:8101"
 
     Without ``base`` the scheduler fields (``model``, ``block_size``, ``num_gpu_blocks``,
-    ``max_num_batched_tokens``, ``max_num_seqs``, ``max_model_len``) are required."""
+    ``max_num_batched_tokens``, ``max_num_seqs``, ``max_model_len``) are required. Every number
+    is checked against ``check_profile``'s bounds; the file may be at most 1 MB."""
     path = Path(path)
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        if path.exists() and not path.is_file():
+            raise ProfileError(f"profile file {str(path)!r} is not a regular file")
+        with open(path, "rb") as f:
+            raw = f.read(PROFILE_FILE_MAX_BYTES + 1)
+        if len(raw) > PROFILE_FILE_MAX_BYTES:
+            raise ProfileError(f"profile file {str(path)!r} is over {PROFILE_FILE_MAX_BYTES:,} bytes")
+        data = tomllib.loads(raw.decode("utf-8"))
     except FileNotFoundError:
         raise ProfileError(f"profile file {str(path)!r} does not exist "
                            f"(built-in profiles: {', '.join(PROFILES)})") from None
@@ -314,12 +364,16 @@ def load_profile_file(path: str | Path) -> Profile:
         raise ProfileError(f"cannot read profile file {str(path)!r}: {exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ProfileError(f"profile file {str(path)!r} is not valid TOML: {exc}") from None
+    except RecursionError:  # tomllib recurses once per level of nested arrays and tables
+        raise ProfileError(f"profile file {str(path)!r} nests too deep to read") from None
 
     def bad(msg: str) -> ProfileError:
         return ProfileError(f"profile file {str(path)!r}: {msg}")
 
     fmt = data.get("format", PROFILE_FORMAT)
-    if not isinstance(fmt, int) or fmt > PROFILE_FORMAT:
+    if not isinstance(fmt, int) or isinstance(fmt, bool) or fmt < 1:
+        raise bad(f"format must be an integer (this kvtop reads {PROFILE_FORMAT}), got {fmt!r}")
+    if fmt > PROFILE_FORMAT:
         raise bad(f"format {fmt!r} is newer than this kvtop reads ({PROFILE_FORMAT})")
     unknown_top = set(data) - {"format", "base", "profile", "measured"}
     if unknown_top:
@@ -342,16 +396,17 @@ def load_profile_file(path: str | Path) -> Profile:
         elif kind == "bool":
             ok = isinstance(value, bool)
         else:
-            ok = isinstance(value, str)
+            ok = isinstance(value, str) and len(value) <= 4096
         if not ok:
-            raise bad(f"{key} must be {'a ' + kind if kind != 'str' else 'a string'}, got {value!r}")
+            raise bad(f"{key} must be {'a ' + kind if kind != 'str' else 'a string (at most 4096 characters)'}, "
+                      f"got {_short(value)}")
         if kind in ("int", "float") and value < 0:
             raise bad(f"{key} must not be negative, got {value!r}")
         checked[key] = value
     base_name = data.get("base")
     if base_name is not None:
-        if base_name not in PROFILES:
-            raise bad(f"base {base_name!r} is not a built-in profile ({', '.join(PROFILES)})")
+        if not isinstance(base_name, str) or base_name not in PROFILES:
+            raise bad(f"base {_short(base_name)} is not a built-in profile ({', '.join(PROFILES)})")
         base = PROFILES[base_name]
         checked.setdefault("description", f"{base.description} (modified by {path.name})")
     else:
@@ -369,7 +424,24 @@ def load_profile_file(path: str | Path) -> Profile:
     measured = data.get("measured")
     if measured is not None and not isinstance(measured, dict):
         raise bad("[measured] must be a table")
-    return replace(base, **checked, source=str(path), measured=measured)
+    profile = replace(base, **checked, source=str(path), measured=measured)
+    problem = check_profile(profile)
+    if problem:
+        raise bad(problem)
+    return profile
+
+
+#: A profile file is a few hundred bytes; one larger than this is not one.
+PROFILE_FILE_MAX_BYTES = 1 << 20
+
+
+def _num(x: float) -> str:
+    return f"{x:,}" if isinstance(x, int) else f"{x:g}"
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _toml_key(key: str) -> str:

@@ -64,12 +64,20 @@ def open_text(path: str | Path, mode: str = "r") -> TextIO:
     return open(path, mode, encoding="utf-8")
 
 
+#: The longest trace line read (bytes): a Claude Code turn of 894k tokens in 64-token blocks is
+#: ~300 KB. A longer one (a device such as /dev/zero, a file that is not a trace) is refused
+#: before it is held whole.
+MAX_LINE_BYTES = 16 * 1024 * 1024
+
+
 def _check_path(path: str | Path) -> Path:
     p = Path(path)
     if not p.exists():
         raise CliError(f"trace file not found: {p}")
     if p.is_dir():
         raise CliError(f"expected a trace file, got a directory: {p}")
+    if p.is_char_device() or p.is_block_device():
+        raise CliError(f"expected a trace file, got a device: {p}")
     return p
 
 
@@ -110,7 +118,7 @@ def _parse(obj: Any) -> TraceRequest:
 def read_header(path: str | Path) -> dict[str, Any] | None:
     """The header object of a trace file, or None when it has none."""
     with open_text(_check_path(path)) as fh:
-        first = fh.readline()
+        first = fh.readline(MAX_LINE_BYTES)
     try:
         obj = json.loads(first)
     except ValueError:
@@ -134,7 +142,12 @@ def iter_trace(path: str | Path, *, on_error: str = "skip") -> Iterator[TraceReq
         # (NaN, Infinity) is read again by json and judged as before; an integer past 64 bits
         # comes back from orjson as a float, so a hash id must fit in 64 bits.
         with (gzip.open(p, "rb") if str(p).endswith(".gz") else open(p, "rb")) as fh:
-            for lineno, line in enumerate(fh, 1):
+            lineno = 0
+            while line := fh.readline(MAX_LINE_BYTES + 1):
+                lineno += 1
+                if len(line) > MAX_LINE_BYTES:
+                    raise CliError(f"{p}:{lineno}: a line longer than {MAX_LINE_BYTES:,} bytes: "
+                                   "not a kvtop trace (kvtop trace convert writes one)")
                 if not line.strip():
                     continue
                 try:
