@@ -347,7 +347,7 @@ async def stalls(http, router: str, texts, concurrent: int, seconds: float, seed
 async def run(args) -> dict:
     import aiohttp
 
-    from router.request import Tokenizer
+    from router.tokenizer import Tokenizer
 
     tok_dir = build_tokenizer(args.tokenizer_dir, args.vocab)
     texts = corpus(6_000_000)

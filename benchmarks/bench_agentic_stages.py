@@ -35,7 +35,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from router.http import parse_json
-    from router.request import Counted, Tokenizer, count_prompt, hash_blocks, read_body, route_request
+    from router.request import Counted, count_prompt, hash_blocks, read_body, route_request
+    from router.tokenizer import Tokenizer
 
     tok = Tokenizer(str(ba.build_tokenizer(args.tokenizer_dir)), parallel=False)  # as in the worker
     s = ba.Session(1, ba.corpus(6_000_000))

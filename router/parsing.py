@@ -26,7 +26,7 @@ Three costs, three places:
   are tokenized in a thread of the router's own. Either way the session's previous turn is kept
   (bounded, least recently used out): its tokens up to a piece start inside the text the two
   turns share, and its block hashes for them, are taken as they are, and only the text after
-  that is cut and tokenized (router/request.Tokenizer.ids_after; the tokenizer also keeps the
+  that is cut and tokenized (router/tokenizer.Tokenizer.ids_after; the tokenizer also keeps the
   pieces it has tokenized, so a system prompt shared by many sessions is tokenized once).
 - Bodies over ``OFFLOAD_BYTES`` are parsed in that worker process (started on first use, one
   per router): ``json.loads`` and the hashing hold the GIL, so a thread would not help.
@@ -48,8 +48,8 @@ from typing import Any
 
 from router.body import ArenaRef, Chunks, Handoff, as_bytes, fetch
 from router.http import parse_json
-from router.request import (BadRequest, Counted, Parsed, RouteRequest, Tokenizer, count_prompt,
-                            load_tokenizer, read_body, route_request)
+from router.request import BadRequest, Counted, Parsed, RouteRequest, count_prompt, read_body, route_request
+from router.tokenizer import Tokenizer, load_tokenizer
 from router.worker import WorkerProcess
 from router.worker import partial as worker_partial
 

@@ -150,7 +150,7 @@ def chatml_messages(messages: list, tools: list | None = None) -> list[dict]:
 
 def render_messages(messages: list, tools: list | None = None, add_generation_prompt: bool = True) -> str:
     """The prompt text of chat messages and tools: what ``kvtop sim`` tokenizes for chat,
-    Anthropic Messages and Responses (converted to chat as router/request.py converts them) and
+    Anthropic Messages and Responses (converted to chat as router/prompts.py converts them) and
     what the router's ``--tokenizer kvtop-sim`` renders. Raises ValueError."""
     return render_chat(chatml_messages(messages, tools), add_generation_prompt)
 
@@ -206,7 +206,7 @@ def _common_prefix(a: str, b: str, step: int = 16384) -> int:
 
 
 class SimTokenizer:
-    """The router's side of this module, with router/request.Tokenizer's interface: ``render``
+    """The router's side of this module, with router/tokenizer.Tokenizer's interface: ``render``
     (``render_messages``), ``ids``, and ``ids_after``, which reuses the previous turn's tokens
     up to a piece start inside the text both turns share (the regex cuts text left to right,
     every character in some piece, each piece decided by at most ``_LOOK`` characters, so the

@@ -32,7 +32,7 @@ from router.settings import Settings
 from aiohttp import web
 
 from router.parsing import BodyParser
-from router.request import load_tokenizer
+from router.tokenizer import load_tokenizer
 from store.chains import ChainEncoder
 from store.schema import SCHEMA_VERSION
 from store.writer import Writer

@@ -210,7 +210,8 @@ async def test_count_tokens_is_exact_with_a_tokenizer(aiohttp_server, router_cli
     """With --tokenizer, count_tokens is the model's own count (its chat template and tokenizer,
     as vLLM renders the request), the same the router routes the request on."""
     from test_tokenize import _bench
-    from router.request import Tokenizer, parse_request
+    from router.request import parse_request
+    from router.tokenizer import Tokenizer
 
     tok_dir = _bench().build_tokenizer(tmp_path / "tok", vocab=2000, corpus_bytes=400_000)
     inst = SimInstance(Engine("h20"), model="sim-model", speed=500.0)

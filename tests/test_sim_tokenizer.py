@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from kvtop.sim.engine import Engine
 from kvtop.sim.server import SimInstance, create_app
-from router.request import Counted, count_prompt, load_tokenizer, read_body
+from router.request import Counted, count_prompt, read_body
+from router.tokenizer import load_tokenizer
 from router.sim_tokenizer import SimTokenizer, tokenize
 from test_messages import claude_code_body
 from test_responses import codex_body

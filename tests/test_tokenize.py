@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from router.request import Tokenizer, count_prompt, parse_request, read_body
+from router.request import count_prompt, parse_request, read_body
+from router.tokenizer import Tokenizer
 from test_messages import claude_code_body
 from test_router_e2e import rows, start_router
 

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from kvtop.procs import free_port_run
-from router.request import Tokenizer, parse_request
+from router.request import parse_request
+from router.tokenizer import Tokenizer
 from test_messages import claude_code_body
 from test_real_vllm import VLLM_PYTHON, _WHY
 from test_tokenize import _bench

@@ -137,7 +137,7 @@ def plan(lengths: OutputLengths | None, tokens: list[int], max_tokens: int, *,
          tool_choice: Any = None, messages: list[dict] | None = None,
          call_prefix: str = "call_") -> Answer:
     """Plan the answer to a prompt (``tokens``) of a request with these parameters. ``tools``
-    and ``messages`` in chat shape (router/request.py converts Messages and Responses bodies to
+    and ``messages`` in chat shape (router/prompts.py converts Messages and Responses bodies to
     it); ``tool_choice`` as the request gave it."""
     if lengths is None:  # a SimInstance built without a distribution: the old fixed behaviour
         natural = None

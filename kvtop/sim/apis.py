@@ -2,7 +2,7 @@
 (``POST /v1/responses``) endpoints, with vLLM's shapes, over the same engine as chat.
 
 Bodies are converted to chat messages and tools as vLLM converts them (the router's own
-converter, router/request.py, which follows vllm/entrypoints/anthropic/serving.py and the
+converter, router/prompts.py, which follows vllm/entrypoints/anthropic/serving.py and the
 Responses API's input items), rendered as ChatML with the tools' JSON in the system turn and
 tokenized with the simulator's tokenizer (router/sim_tokenizer.py render_messages: the router's
 ``--tokenizer kvtop-sim`` renders and counts them with the same function). Answers follow vLLM
