@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router.classes import route_class
-from router.telemetry import ParseError, parse_prometheus
+from router.engine_metrics import ParseError, parse_prometheus
 from store.results import RequestResult
 
 RESULTS_VERSION = 1

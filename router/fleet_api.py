@@ -18,7 +18,7 @@ from router.fleet import FleetError
 from router.http import dumps, error_response, read_json
 from router.backends import parse_backend
 from router.request import BadRequest
-from router.telemetry import InstanceTelemetry
+from router.engine_metrics import InstanceTelemetry
 from store.errors import CliError
 
 PREFIX = "/kvtop/v1"

@@ -20,7 +20,7 @@ import urllib.request
 import pytest
 
 from conftest import free_port
-from router.telemetry import GpuSampler
+from router.engine_metrics import GpuSampler
 
 
 def _nvml_or_skip() -> GpuSampler:

@@ -20,7 +20,7 @@ from router.exact_index import ExactIndex
 from router.kv_events import decode_batch, encode_batch
 from router.policies import build_policy
 from router.request import RouteRequest
-from router.telemetry import parse_prometheus
+from router.engine_metrics import parse_prometheus
 from store.schema import TABLES, ensure_schema
 from store.writer import Writer
 from kvtop.procs import free_port_run

