@@ -74,13 +74,13 @@ def test_pieces_equal_whole_text_tokenization(tok):
 def test_parallel_and_one_thread_tokenizing_agree(tok_dir):
     # a cold prompt's pieces over PARALLEL_CHARS go to the tokenizer's threads (encode_batch);
     # a returning turn's few, and every piece with parallel off, are tokenized one by one
-    from router import request
+    from router.tokenizer import PARALLEL_CHARS
 
     rng = random.Random(5)
     src = "".join(_bench().corpus(400_000))
     parts = [src[k:k + rng.randrange(5_000, 30_000)] for k in range(0, len(src) - 30_000, 9_000)][:12]
     text = "".join(f"<|im_start|>user\n{p}<|im_end|>\n" for p in parts)
-    assert len(text) > request.PARALLEL_CHARS
+    assert len(text) > PARALLEL_CHARS
     many, one = Tokenizer(str(tok_dir)), Tokenizer(str(tok_dir), parallel=False)
     want = many.encode(text)
     assert list(many.ids(text)) == want == list(one.ids(text))
