@@ -41,7 +41,8 @@ from collections import OrderedDict
 from router.blocks import hash_token_blocks
 from router.cluster import Cluster
 from router.exact_index import REMOVED, STORED, ExactIndex
-from router.kv_events import EXACT, Subscriber, decode_batch, encode_batch, seq_bytes
+from router.kv_batches import decode_batch, encode_batch, seq_bytes
+from router.kv_events import EXACT, Subscriber
 
 
 def parse_args(argv=None):

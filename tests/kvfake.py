@@ -15,7 +15,7 @@ import zmq
 import zmq.asyncio
 
 from router.exact_index import CLEARED, REMOVED, STORED
-from router.kv_events import END_SEQ, encode_batch, seq_bytes
+from router.kv_batches import END_SEQ, encode_batch, seq_bytes
 
 
 class FakeEngineCache:

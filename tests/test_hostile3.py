@@ -328,7 +328,9 @@ import msgpack  # noqa: E402
 
 from router import kv_events  # noqa: E402
 from router.exact_index import REMOVED, STORED, ExactIndex  # noqa: E402
-from router.kv_events import RESYNC, Subscriber, decode_batch, encode_batch, iter_batch, seq_bytes  # noqa: E402
+from router import kv_batches  # noqa: E402
+from router.kv_batches import decode_batch, encode_batch, iter_batch, seq_bytes  # noqa: E402
+from router.kv_events import RESYNC, Subscriber  # noqa: E402
 
 KV_LAYOUTS = [
     msgpack.packb([1.5, [["BlockStored", [11, 12], None, list(range(32)), 16, None],
@@ -351,7 +353,7 @@ def test_streaming_decode_matches_decode_batch(payload):
                                      msgpack.packb([1.0, "x"]), msgpack.packb([1.0, [42]]),
                                      msgpack.packb([True, []])])
 def test_streaming_decode_refuses_garbage(payload):
-    with pytest.raises(kv_events.BadBatch):
+    with pytest.raises(kv_batches.BadBatch):
         list(iter_batch(payload))
 
 
@@ -388,7 +390,7 @@ async def _run_large(sub: Subscriber, payload: bytes) -> int:
 async def test_a_large_batch_is_applied_in_slices_and_ends_as_one_applied_at_once():
     events = _chain(20_000) + [(REMOVED, [5, 6, 7], "GPU", None)]
     payload = encode_batch(1.0, events)
-    assert len(payload) > kv_events.INLINE_BATCH_BYTES
+    assert len(payload) > kv_batches.INLINE_BATCH_BYTES
     whole = ExactIndex(1, 16)
     whole.apply(0, events)
     idx = ExactIndex(1, 16)
@@ -402,7 +404,7 @@ async def test_a_large_batch_is_applied_in_slices_and_ends_as_one_applied_at_onc
 
 
 async def test_one_event_of_many_blocks_is_applied_in_runs():
-    n = 5 * kv_events.APPLY_RUN_BLOCKS + 17
+    n = 5 * kv_batches.APPLY_RUN_BLOCKS + 17
     events = [(STORED, list(range(1, n + 1)), None, list(range(16 * n)), 16, "GPU", None),
               (REMOVED, list(range(1, n // 2)), "GPU", None)]
     whole = ExactIndex(1, 16)
@@ -429,7 +431,7 @@ async def test_an_oversized_batch_is_refused_and_counted(monkeypatch):
 
 
 async def test_an_event_array_over_the_bound_is_refused_and_counted(monkeypatch):
-    monkeypatch.setattr(kv_events, "MAX_EVENT_ARRAY", 1000)
+    monkeypatch.setattr(kv_batches, "MAX_EVENT_ARRAY", 1000)
     idx = ExactIndex(1, 16)
     sub = Subscriber(idx, 0, "tcp://127.0.0.1:1")
     payload = encode_batch(1.0, [(STORED, list(range(1, 3001)), None, list(range(16 * 3000)), 16, "GPU", None)])

@@ -17,7 +17,7 @@ from router.blocks import hash_token_blocks
 from router.cluster import Cluster
 from router.core import RoutingCore
 from router.exact_index import ExactIndex
-from router.kv_events import decode_batch, encode_batch
+from router.kv_batches import decode_batch, encode_batch
 from router.policies import build_policy
 from router.request import RouteRequest
 from router.engine_metrics import parse_prometheus

@@ -19,8 +19,8 @@ from kvfake import FakeEngineCache, FakePublisher, connected, wait_for
 from router.blocks import hash_token_blocks
 from router.cluster import Cluster
 from router.exact_index import CLEARED, REMOVED, STORED, ExactIndex
-from router.kv_events import (DISCONNECTED, EXACT, RESYNC, WAITING, BadBatch, Subscriber, decode_batch,
-                              encode_batch, seq_bytes)
+from router.kv_batches import BadBatch, decode_batch, encode_batch, seq_bytes
+from router.kv_events import DISCONNECTED, EXACT, RESYNC, WAITING, Subscriber
 
 
 # -- decoding -----------------------------------------------------------------------------

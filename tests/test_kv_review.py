@@ -19,7 +19,7 @@ from kvfake import FakeEngineCache
 from router.blocks import hash_token_blocks
 from router.cluster import Cluster
 from router.exact_index import REMOVED, ExactIndex
-from router.kv_events import decode_batch, encode_batch
+from router.kv_batches import decode_batch, encode_batch
 
 
 def _feed(index: ExactIndex, instance: int, events):

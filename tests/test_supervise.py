@@ -14,7 +14,8 @@ from kvfake import FakeEngineCache, FakePublisher, connected, wait_for
 from router import kv_events
 from router.app import STATE, Backend, RouterConfig, create_app
 from router.exact_index import ExactIndex
-from router.kv_events import EXACT, RESYNC, Subscriber, seq_bytes
+from router.kv_batches import seq_bytes
+from router.kv_events import EXACT, RESYNC, Subscriber
 from router.supervise import Supervisor
 
 BS = 16

@@ -26,7 +26,7 @@ import time
 from collections import deque
 
 from router.exact_index import REMOVED, STORED
-from router.kv_events import END_SEQ, encode_batch, seq_bytes
+from router.kv_batches import END_SEQ, encode_batch, seq_bytes
 
 log = logging.getLogger("kvtop.sim")
 
