@@ -12,7 +12,6 @@ of wall time at speed 5) that the proxy's few milliseconds stay far below the to
 from __future__ import annotations
 
 import asyncio
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import aiohttp
 import pytest
 
 from conftest import free_port
+from kvtop.procs import free_port_run
 from kvtop.procs import stop_processes
 from kvtop.replay import ReplayConfig, replay
 from kvtop.seedtable import percentile
@@ -47,18 +47,6 @@ def agentic_trace(gap: float = 3.1) -> list[TraceRequest]:
     return sorted(reqs, key=lambda r: r.arrival)
 
 
-def free_port_pair() -> int:
-    for _ in range(50):
-        base = free_port()
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", base + 1))
-                return base
-            except OSError:
-                continue
-    raise RuntimeError("no two consecutive free ports")
-
-
 async def wait_health(url: str, proc: subprocess.Popen, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     async with aiohttp.ClientSession() as http:
@@ -75,7 +63,9 @@ async def wait_health(url: str, proc: subprocess.Popen, timeout: float = 20.0) -
 
 
 async def live_ttfts(policy: str, trace, tmp_path, knobs: list[str]) -> list[float]:
-    base = free_port_pair()
+    # two HTTP ports and, right after them, the instances' KV-event and replay ports, all
+    # below the range the kernel hands to client sockets (a KV port there collided once)
+    base = free_port_run(2 + 2 * 2)
     sim = subprocess.Popen([sys.executable, "-m", "kvtop", "sim", "--instances", "2", "--port-base", str(base),
                             "--profile", "h20", "--speed", str(SPEED), "--duration", "120"],
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
