@@ -23,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from router.request import _common_prefix
+
 #: Qwen3's vocabulary size, so ids look plausible.
 VOCAB_SIZE = 151_936
 
@@ -188,23 +190,6 @@ class Marks:
     tokens: array  # array('Q')
 
 
-def _common_prefix(a: str, b: str, step: int = 16384) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i:i + step] == b[i:i + step]:
-        i += step
-    if i >= n:
-        return n
-    lo, hi = i, min(n, i + step)  # a[:lo] == b[:lo]; they differ before hi
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[lo:mid] == b[lo:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo if a[lo] != b[lo] else hi
-
-
 class SimTokenizer:
     """The router's side of this module, with router/tokenizer.Tokenizer's interface: ``render``
     (``render_messages``), ``ids``, and ``ids_after``, which reuses the previous turn's tokens
@@ -228,7 +213,7 @@ class SimTokenizer:
                   on_cut: Callable[[int, str], None] | None = None) -> tuple[array, Marks, int | None]:
         cut_char = cut_tok = k = 0
         if prev is not None and prev_ids is not None and isinstance(prev, Marks):
-            n = _common_prefix(text, prev.text)
+            n = _common_prefix(text, prev.text, 16384)
             k = bisect_right(prev.chars, n - _LOOK) - 1
             if k > 0:
                 cut_char, cut_tok = prev.chars[k], prev.tokens[k]
