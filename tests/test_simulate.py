@@ -154,6 +154,10 @@ def test_cli_prints_seed_table(tmp_path, capsys):
     (["--policies", "lmetric", "--repeats", "2", "--path-jitter", "-1"], "--path-jitter finite and at least 0"),
     (["--policies", "lmetric", "--repeats", "2", "--path-jitter", "nan"], "--path-jitter finite and at least 0"),
     (["--policies", "lmetric", "--repeats", "2", "--jitter", "inf"], "--path-jitter finite and at least 0"),
+    # the engines would refuse every request's priority, as a live vLLM under fcfs does
+    (["--policies", "lmetric", "--knob", "priority=session_fcfs"], "give --scheduling-policy priority"),
+    # unified_ab's own threshold, not the offload's: under lmetric it is no knob at all
+    (["--policies", "lmetric", "--knob", "heavy_threshold=5000"], "offload_threshold"),
 ])
 def test_cli_errors(tmp_path, capsys, args, msg):
     path = tmp_path / "t.jsonl"
