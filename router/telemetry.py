@@ -384,6 +384,8 @@ class Telemetry:
                 "est_hit_rate": (s.est_hit_tokens_total / s.input_tokens_total) if s.input_tokens_total else None,
                 "engine_hit_rate": eng["prefix_hit_rate_recent"] if eng["prefix_hit_rate_recent"] is not None
                 else eng["prefix_hit_rate"],
+                "engine_prefix_queries": it.engine.prefix_queries if it.engine else None,
+                "engine_prefix_hits": it.engine.prefix_hits if it.engine else None,
                 "kv_usage": eng["kv_usage"], "gpu_util": it.gpu_util, "gpu_mem_used": it.gpu_mem_used,
             })
 

@@ -69,9 +69,12 @@ def arms_from_db(db_path: str | Path | sqlite_utils.Database, run_id: str | None
     attempt's outcome; ``status`` is ``ok`` or ``error`` (every other outcome status but
     ``client_gone``: a request its client cut off did not fail; it is left out of the records
     and counted in ``Arm.cancelled``).
-    ``apc``: the mean ``engine_hit_rate`` of the segment's samples when the router sampled
-    engine counters, else sum(delivered) / sum(input) over requests whose engine reported
-    cached tokens (``delivered_cached_tokens``), else None.
+    ``apc``: token-weighted, as the engines count it: the growth of the engines' prefix-cache
+    counters (hits over queries, summed over instances) across the segment's samples when the
+    router sampled them (``engine_counters``), else sum(delivered) / sum(input) over requests
+    whose engine reported cached tokens (``delivered_cached_tokens``), else, for a log older
+    than schema 6 with neither, the mean of the sampled hit rates (``engine_rate_mean``: a
+    time average, not a share of tokens), else None.
 
     When every outcome of the run carries its decision's columns, each Arm's ``columns``
     computes the seed table from grouped counts and the latency columns, loaded in index
@@ -94,7 +97,7 @@ def arms_from_db(db_path: str | Path | sqlite_utils.Database, run_id: str | None
     parts = [(d.conn, rid) for d, rid in each_run(db, run_id)]
     columns = _segment_columns(parts, last_attempt) if is_flat(db, run_id) else None
     arms = []
-    for seg in segs:
+    for k, seg in enumerate(segs):
         key = (seg["policy"], seg["policy_version"])
         load = partial(_records, conn, run_id, run_clause, seg, last_attempt)
         arm = Arm(label=seg["label"], apc=None, run_id=run_id, policy=seg["policy"],
@@ -114,7 +117,11 @@ def arms_from_db(db_path: str | Path | sqlite_utils.Database, run_id: str | None
             arm.missing_outcomes = (seg["decisions"] - columns.superseded_decisions[key]
                                     - arm.columns.counts()[0] - arm.cancelled)
             delivered, inputs = arm.columns.delivered_tokens
-        arm.apc = _apc(conn, run_id, seg, delivered, inputs, has_samples)
+        # the engines' counters belong to this segment until the next one starts (its last
+        # requests' prefills run after its last decision); overlapping segments share them
+        until = segs[k + 1]["start_ts"] if k + 1 < len(segs) else math.inf
+        counters = has_samples and until >= seg["end_ts"]
+        arm.apc = _apc(conn, run_id, seg, delivered, inputs, has_samples, counters, until)
         arms.append(arm)
     return arms
 
@@ -160,16 +167,50 @@ def _records(conn: sqlite3.Connection, run_id: str, run_clause: str, seg: dict,
 
 
 def _apc(conn: sqlite3.Connection, run_id: str, seg: dict, delivered: int, inputs: int,
-         has_samples: bool) -> dict | None:
+         has_samples: bool, use_counters: bool = True, until: float = math.inf) -> dict | None:
+    counters = _counter_growth(conn, run_id, seg["start_ts"], until) if use_counters else None
+    if counters is not None:
+        queries, hits = counters
+        return {"value": hits / queries, "source": "engine_counters", "queries": queries, "hits": hits}
+    if inputs:
+        return {"value": delivered / inputs, "source": "delivered_cached_tokens"}
     if has_samples:
         mean, n = conn.execute(
             "SELECT avg(engine_hit_rate), count(engine_hit_rate) FROM samples "
             "WHERE run_id = ? AND ts BETWEEN ? AND ?", (run_id, seg["start_ts"], seg["end_ts"])).fetchone()
         if n:
-            return {"value": mean, "source": "engine_counters"}
-    if inputs:
-        return {"value": delivered / inputs, "source": "delivered_cached_tokens"}
+            return {"value": mean, "source": "engine_rate_mean"}
     return None
+
+
+def _counter_growth(conn: sqlite3.Connection, run_id: str, start: float, until: float
+                    ) -> tuple[float, float] | None:
+    """(queries, hits) the engines counted from ``start`` until ``until``: per instance, from its
+    last sample before ``start`` (or its first after) to its last before ``until``, summing each
+    step's growth; a
+    counter that went down restarted with its engine, and its new value is the growth. None
+    when the samples carry no counters (a log older than schema 6, or engines without them)."""
+    cols = {r[1] for r in conn.execute("PRAGMA table_info(samples)")}
+    if "engine_prefix_queries" not in cols:
+        return None
+    rows = conn.execute(
+        "SELECT instance, engine_prefix_queries, engine_prefix_hits FROM samples "
+        "WHERE run_id = ? AND engine_prefix_queries IS NOT NULL AND ts < ? AND ts >= "
+        "coalesce((SELECT max(ts) FROM samples WHERE run_id = ? AND ts < ?), ?) ORDER BY ts, id",
+        (run_id, until if until != math.inf else 1e300, run_id, start, start)).fetchall()
+    last: dict[str, tuple[float, float]] = {}
+    queries = hits = 0.0
+    for inst, q, h in rows:
+        h = h or 0.0
+        prev = last.get(inst)
+        if prev is not None:
+            dq, dh = q - prev[0], h - prev[1]
+            if dq < 0 or dh < 0:  # the engine restarted: its counters began again from zero
+                dq, dh = q, h
+            queries += dq
+            hits += dh
+        last[inst] = (q, h)
+    return (queries, hits) if queries > 0 else None
 
 
 # -- the seed table straight from SQL ----------------------------------------------------

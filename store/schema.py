@@ -18,7 +18,9 @@ import sqlite_utils
 #: 3: decisions gained estimate_hit_tokens (the estimate's drift from the KV events).
 #: 4: decisions gained estimated_input_tokens (a turn routed before its new text was counted).
 #: 5: decisions gained priority (the vLLM priority the router set, router/priority.py).
-SCHEMA_VERSION = 5
+#: 6: samples gained engine_prefix_queries/engine_prefix_hits (the engine's cumulative counters,
+#:    so the log's APC is token-weighted: store/arms.py).
+SCHEMA_VERSION = 6
 
 # table -> ordered {column: sqlite type}
 TABLES: dict[str, dict[str, type]] = {
@@ -140,6 +142,8 @@ TABLES: dict[str, dict[str, type]] = {
         "decode_tokens": int,
         "est_hit_rate": float,
         "engine_hit_rate": float,
+        "engine_prefix_queries": float,  # the engine's cumulative prefix-cache counters, in tokens
+        "engine_prefix_hits": float,
         "kv_usage": float,
         "gpu_util": float,
         "gpu_mem_used": float,

@@ -272,14 +272,33 @@ def test_arms_from_db_records_are_final_attempts(db_path):
     assert [len(a.records) for a in arms_from_db(db_path)] == [2]
 
 
-def test_arms_apc_prefers_engine_counters(tmp_path):
+def test_arms_apc_is_the_engines_counter_growth_token_weighted(tmp_path):
+    def sample(ts, inst, q, h, rate):
+        return {"run_id": "r1", "ts": ts, "instance": inst, "engine_hit_rate": rate,
+                "engine_prefix_queries": q, "engine_prefix_hits": h}
+    samples = [sample(99.5, "a", 1000.0, 400.0, 0.4), sample(99.5, "b", 500.0, 0.0, 0.0),  # the baseline
+               sample(101.5, "a", 3000.0, 1400.0, 0.5), sample(101.5, "b", 1500.0, 900.0, 0.9),
+               sample(103.0, "b", 200.0, 100.0, 0.5),  # b's engine restarted: 200 queries since
+               sample(150.0, "a", 3500.0, 1400.0, 0.0),  # q4's prefill, after the last decision
+               sample(250.0, "a", 9000.0, 1400.0, 0.0)]  # unified@2's: not lmetric's
+    arms = arms_from_db(_write(tmp_path / "s.db", {"r1": (99.0, R1)}, samples))
+    # lmetric@1 (100-103, until unified@2 starts at 200): a +2000/+1000 then +500/0, b +1000/+900
+    # then +200/+100: 2000 / 3700 tokens; the mean of the sampled rates would weigh a
+    # 200-token interval like a 2000-token one.
+    assert arms[0].apc == {"value": pytest.approx(2000 / 3700), "source": "engine_counters",
+                           "queries": 3700.0, "hits": 2000.0}
+    # unified@2 (200-): a +5500/0 from its last sample before the segment
+    assert arms[1].apc == {"value": 0.0, "source": "engine_counters", "queries": 5500.0, "hits": 0.0}
+
+
+def test_arms_apc_from_rates_alone_is_labelled_a_time_mean(tmp_path):
+    rows = [r[:-1] + (r[-1][:-1] + (None,),) for r in R1]  # no request reported cached tokens
     samples = [{"run_id": "r1", "ts": 101.0, "instance": "a", "engine_hit_rate": 0.4},
                {"run_id": "r1", "ts": 102.0, "instance": "b", "engine_hit_rate": 0.6},
                {"run_id": "r1", "ts": 102.5, "instance": "b", "engine_hit_rate": None}]  # not reported
-    arms = arms_from_db(_write(tmp_path / "s.db", {"r1": (99.0, R1)}, samples))
-    # Samples fall inside lmetric@1's time range only; unified@2 falls back to delivered.
-    assert arms[0].apc == {"value": pytest.approx(0.5), "source": "engine_counters"}
-    assert arms[1].apc["source"] == "delivered_cached_tokens"
+    arms = arms_from_db(_write(tmp_path / "s.db", {"r1": (99.0, rows)}, samples))
+    assert arms[0].apc == {"value": pytest.approx(0.5), "source": "engine_rate_mean"}
+    assert arms[1].apc is None
 
 
 def test_decisions_without_outcomes_are_counted_not_dropped(tmp_path):

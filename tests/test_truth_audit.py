@@ -56,6 +56,10 @@ def test_counts_agree_across_state_metrics_rows_and_log_summary(audited):
             assert row[3] == "equal", row
     delivered = sum(t["cached_tokens"] for _, t, _, _ in _pairs(a))
     assert a["state"]["hit_tokens"]["delivered"] == delivered
+    # the report's APC is the engines' counted share of prompt tokens (token-weighted, and
+    # including the prefills after the segment's last decision): it was the time mean, +60%
+    apc = rows["kvtop report --db: APC (cached share of prompt tokens)"]
+    assert abs(float(apc[1]) - float(apc[2])) <= 0.01, apc
 
 
 def test_token_id_prompts_are_exact_and_estimated_hits_match_the_engine(audited):
