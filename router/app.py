@@ -20,7 +20,7 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_protocol import _ErrInfo  # private; see _JsonErrorHandler.data_received
 
 from router import health as backend_health
-from router import kv_events
+from router import kv_wiring
 from router import passthrough, proxy
 from router.apis import ResponseStore
 from router.http import error_response, json_errors
@@ -114,7 +114,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
                                                     "features": state.features.knobs})
     state.upstream = Pool(connect_timeout=cfg.connect_timeout_s, read_timeout=cfg.read_timeout_s,
                           ssl_ca_file=cfg.backend_ca_file)
-    state.kv_subscribers = await kv_events.start_subscribers(
+    state.kv_subscribers = await kv_wiring.start_subscribers(
         state.cluster, cfg.backends, capacity_tokens=cfg.capacity_tokens, supervisor=state.supervisor)
     warning = control.token_warning(state)
     if warning:
@@ -122,7 +122,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        await kv_events.stop_subscribers(state.kv_subscribers)
+        await kv_wiring.stop_subscribers(state.kv_subscribers)
         state.deferred.run()  # decisions whose shadow picks were still queued
         state.upstream.close()
         state.parser.close()

@@ -23,7 +23,7 @@ from typing import Any
 
 from aiohttp import web
 
-from router import fleet, fleet_api, kv_events, telemetry
+from router import fleet, fleet_api, kv_wiring, telemetry
 from router.http import dumps, error_response, read_json
 from router.state import STATE, RouterState
 from router.config import KnobError
@@ -178,7 +178,7 @@ class Control:
                 "engine": it.engine_json(now), "gpu": it.gpu_json(), "errors": errors,
                 "health": st.health.instance_json(i) if st.health is not None else None,
                 "index_source": st.cluster.index_source(i),
-                "kv_events": kv_events.instance_json(st.cluster, st.kv_subscribers, i),
+                "kv_events": kv_wiring.instance_json(st.cluster, st.kv_subscribers, i),
                 # measured prefill rate (router/calibration.py): tokens/s or None, and its sample count
                 **st.cluster.calibration.snapshot(i),
                 **fleet.instance_json(st.router.fleet, st.cluster, i),  # fleet_state, drain (router/fleet.py)

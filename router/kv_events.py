@@ -72,6 +72,7 @@ class SubscriberStats:
     missed_batches: int = 0  # batches those gaps skipped
     replays: int = 0  # replay requests made
     replayed_batches: int = 0
+    replay_deadlines: int = 0  # replays cut off by replay_deadline_s (an endpoint that trickles)
     resyncs: int = 0
     restarts: int = 0  # sequence numbers that went back: the engine restarted
     duplicates: int = 0  # batches seen again after a replay
@@ -92,6 +93,7 @@ class Subscriber:
     def __init__(self, index: ExactIndex, instance: int, endpoint: str, *,
                  replay_endpoint: str | None = None, topic: bytes = b"",
                  resync_tokens: int = 265_000, replay_timeout_s: float = 2.0,
+                 replay_deadline_s: float = 30.0,
                  slice_s: float = 0.002, max_busy_share: float = 0.5, rcv_hwm: int = 10_000,
                  max_message_bytes: int = 64 * 1024 * 1024,
                  on_state: Callable[[int, str], None] | None = None, clock=time.time,
@@ -102,7 +104,8 @@ class Subscriber:
         self.replay_endpoint = replay_endpoint
         self.topic = topic
         self.resync_tokens = resync_tokens
-        self.replay_timeout_s = replay_timeout_s
+        self.replay_timeout_s = replay_timeout_s  # the longest wait for one replayed message
+        self.replay_deadline_s = replay_deadline_s  # the longest a whole replay may take
         self.slice_s = slice_s
         self.max_busy_share = max_busy_share
         self.rcv_hwm = rcv_hwm
@@ -459,12 +462,18 @@ class Subscriber:
         self.expected = start
         if start == 0 and before is None:
             self._consistent = True  # everything from the engine's start is coming
+        # a deadline for the whole replay: an endpoint that trickles (a message, or garbage,
+        # just inside each timeout) would otherwise keep the instance on the estimate forever
+        deadline = time.perf_counter() + self.replay_deadline_s
         try:
             dealer.connect(self.replay_endpoint)
             await dealer.send_multipart([b"", seq_bytes(start)])
             t0 = time.perf_counter()
             while True:
-                frames = await asyncio.wait_for(dealer.recv_multipart(), self.replay_timeout_s)
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    raise TimeoutError(f"deadline {self.replay_deadline_s:g} s")
+                frames = await asyncio.wait_for(dealer.recv_multipart(), min(self.replay_timeout_s, left))
                 body = frames[1:] if frames and frames[0] == b"" else frames
                 if len(body) < 2 or len(body[-2]) != 8:
                     st.bad_messages += 1
@@ -489,8 +498,10 @@ class Subscriber:
                     await asyncio.sleep(0)
                     t0 = time.perf_counter()
         except (TimeoutError, asyncio.TimeoutError, zmq.ZMQError) as exc:
-            log.info("KV events of instance %d: replay from %d failed: %s", self.instance, start,
-                     exc.__class__.__name__)
+            if time.perf_counter() >= deadline:
+                st.replay_deadlines += 1
+            log.info("KV events of instance %d: replay from %d failed: %s %s", self.instance, start,
+                     exc.__class__.__name__, exc)
         finally:
             dealer.close(linger=0)
             self._replaying = False
@@ -530,7 +541,8 @@ class Subscriber:
                 "state": st.state, "reason": st.reason, "last_seq": st.last_seq,
                 "batches": st.batches, "events": st.events, "gaps": st.gaps,
                 "missed_batches": st.missed_batches, "replays": st.replays,
-                "replayed_batches": st.replayed_batches, "resyncs": st.resyncs,
+                "replayed_batches": st.replayed_batches, "replay_deadlines": st.replay_deadlines,
+                "resyncs": st.resyncs,
                 "restarts": st.restarts, "bad_messages": st.bad_messages,
                 "unapplied": st.unapplied, "task_deaths": st.task_deaths,
                 "duplicates": st.duplicates, "last_received": st.last_received,
@@ -545,52 +557,3 @@ class Subscriber:
                 # allocate, and the blocks the engine may evict first (docs/kv-events.md)
                 "pinned_blocks": len(ib.pins), "queued_blocks": ib.unheld + ib.anon,
                 "free_blocks": len(ib.free)}
-
-
-# -- wiring into a router -------------------------------------------------------------------
-def attach_index(cluster, backends, *, speculative_ttl_s: float = 2.0) -> ExactIndex | None:
-    """Give ``cluster`` an exact index when any backend has a KV-event endpoint."""
-    if not any(getattr(b, "kv_events", None) for b in backends):
-        return None
-    cluster.exact = ExactIndex(len(cluster.instances), cluster.block_size,
-                               speculative_ttl_s=speculative_ttl_s)
-    cluster.exact.published_mask = sum(1 << i for i, b in enumerate(backends)
-                                       if getattr(b, "kv_events", None))
-    return cluster.exact
-
-
-async def start_subscribers(cluster, backends, *, capacity_tokens: int, **kw) -> list[Subscriber | None]:
-    """One started Subscriber per backend with a ``kv_events`` endpoint (None for the others)."""
-    subs: list[Subscriber | None] = []
-    try:
-        for i, b in enumerate(backends):
-            if not getattr(b, "kv_events", None) or cluster.exact is None:
-                subs.append(None)
-                continue
-            sub = Subscriber(cluster.exact, i, b.kv_events, replay_endpoint=b.kv_replay,
-                             resync_tokens=capacity_tokens, **kw)
-            await sub.start()
-            subs.append(sub)
-    except BaseException:
-        await stop_subscribers(subs)
-        raise
-    return subs
-
-
-async def stop_subscribers(subs: list[Subscriber | None]) -> None:
-    for s in subs:
-        if s is not None:
-            await s.stop()
-
-
-def instance_json(cluster, subs: list[Subscriber | None], instance: int) -> dict[str, Any] | None:
-    """The control API's view of one instance's KV events (None when it has none), with the
-    estimate's drift from the truth: over decisions while exact, |estimated - exact| hit tokens."""
-    sub = subs[instance] if instance < len(subs) else None
-    if sub is None or cluster.exact is None:
-        return None
-    out = sub.snapshot()
-    ib = cluster.exact.instances[instance]
-    out["drift"] = {"samples": ib.drift_samples, "tokens": ib.drift_tokens,
-                    "share": ib.drift_tokens / ib.drift_input_tokens if ib.drift_input_tokens else None}
-    return out

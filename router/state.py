@@ -22,7 +22,7 @@ from router.calibration import DEFAULT_PRIOR, PrefillPrior
 from router.cluster import Cluster
 from router.core import Decision, PolicySlot, RoutingCore
 from router.features import Features
-from router.kv_events import attach_index
+from router.kv_wiring import attach_index
 from router.lifecycle import Lifecycle
 from router.pipeline import Outcome, Pipeline
 from router.shadow import Shadows, parse_specs

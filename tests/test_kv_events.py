@@ -405,6 +405,39 @@ async def test_gap_filled_by_replay(three_frames):
         await pub.close()
 
 
+async def test_a_replay_endpoint_that_trickles_is_cut_off_by_the_deadline():
+    """A replay endpoint that answers just inside each message timeout (garbage here) kept the
+    instance replaying, on the estimate, with no end; the whole replay now has a deadline."""
+    import zmq
+    import zmq.asyncio
+
+    ctx = zmq.asyncio.Context.instance()
+    trickler = ctx.socket(zmq.ROUTER)
+    trickler.setsockopt(zmq.LINGER, 0)
+    port = trickler.bind_to_random_port("tcp://127.0.0.1")
+
+    async def trickle():
+        ident = (await trickler.recv_multipart())[0]
+        while True:
+            await trickler.send_multipart([ident, b"", b"not a sequence number", b"x"])
+            await asyncio.sleep(0.05)
+
+    task = asyncio.ensure_future(trickle())
+    pub = FakePublisher(replay=False)
+    t0 = time.monotonic()
+    sub, idx = await _started(pub, replay=f"tcp://127.0.0.1:{port}", replay_timeout_s=0.3,
+                              replay_deadline_s=0.6)
+    try:
+        await wait_for(lambda: sub.stats.replay_deadlines == 1, timeout=5.0)
+        assert time.monotonic() - t0 < 3.0 and sub.stats.bad_messages >= 5
+        assert sub.state != EXACT and sub.snapshot()["replay_deadlines"] == 1
+    finally:
+        task.cancel()
+        trickler.close(linger=0)
+        await sub.stop()
+        await pub.close()
+
+
 async def test_gap_without_replay_resyncs_then_recovers():
     pub = FakePublisher(replay=False)
     sub, idx = await _started(pub, replay=None, resync_tokens=16 * 8)

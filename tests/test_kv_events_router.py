@@ -8,7 +8,7 @@ import random
 import sqlite_utils
 
 from kvfake import FakeEngineCache, FakePublisher, connected, wait_for
-from router import kv_events
+from router import kv_events, kv_wiring
 from router.app import STATE, Backend, RouterConfig, create_app
 from router.blocks import hash_token_blocks
 from router.request import RouteRequest
@@ -93,7 +93,7 @@ async def test_two_routers_on_the_same_events_agree(tmp_path):
     routers = [RouterState(RouterConfig(backends=backends, block_size=BS, db=None, kv_speculative_ttl_s=0,
                                         capacity_tokens=BS * 400))
                for _ in range(2)]
-    subs = [await kv_events.start_subscribers(r.cluster, backends, capacity_tokens=BS * 400) for r in routers]
+    subs = [await kv_wiring.start_subscribers(r.cluster, backends, capacity_tokens=BS * 400) for r in routers]
     try:
         for group in subs:
             for s, p in zip(group, pubs):
@@ -118,7 +118,7 @@ async def test_two_routers_on_the_same_events_agree(tmp_path):
             assert views[0] == [min(e.cached_prefix_blocks(toks) * BS, cap) for e in engines]
     finally:
         for g in subs:
-            await kv_events.stop_subscribers(g)
+            await kv_wiring.stop_subscribers(g)
         for p in pubs:
             await p.close()
 

@@ -396,7 +396,7 @@ def test_an_instance_without_kv_events_is_not_modelled():
     # pay the model's work per request (~4 ms per 200k-token prompt at block size 16) for nothing
     from types import SimpleNamespace
 
-    from router.kv_events import attach_index
+    from router.kv_wiring import attach_index
 
     backends = [SimpleNamespace(kv_events="tcp://127.0.0.1:1"), SimpleNamespace(kv_events=None)]
     c2 = Cluster(["a", "b"], block_size=16, capacity_blocks=100)
