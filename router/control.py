@@ -9,7 +9,6 @@ docs/control-api.md is the reference for every body and event.
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import json
 import heapq
@@ -33,6 +32,7 @@ from router.events import (DECISIONS_DEFAULT, DECISIONS_MAX, DEFAULT_TYPES, EVEN
 from router.policies import POLICIES, policy_class
 from router.shadow import ShadowError
 from router.request import BadRequest
+from router.control_reads import GUARD, BadParam, ReadGuard, bad_params, float_param, guarded_read, int_param
 
 log = logging.getLogger("kvtop.route")
 
@@ -261,180 +261,7 @@ CONTROL = web.AppKey("control", Control)
 
 # -- handlers ---------------------------------------------------------------------------------
 
-def _int_param(request: web.Request, name: str, default: int, lo: int, hi: int) -> int:
-    raw = request.query.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise _BadParam(name, f"{name} must be an integer in [{lo}, {hi}], got {raw!r}") from None
-    if not lo <= value <= hi:
-        raise _BadParam(name, f"{name} must be an integer in [{lo}, {hi}], got {value}")
-    return value
-
-
-def _float_param(request: web.Request, name: str, default: float, lo: float, hi: float) -> float:
-    raw = request.query.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not lo <= value <= hi:  # NaN fails too
-        raise _BadParam(name, f"{name} must be a number in [{lo:g}, {hi:g}], got {raw!r}")
-    return value
-
-
-class _BadParam(Exception):
-    def __init__(self, param: str, message: str, status: int = 400):
-        super().__init__(message)
-        self.param = param
-        self.message = message
-        self.status = status
-
-
-def _bad_params(handler):
-    async def wrapped(request: web.Request) -> web.StreamResponse:
-        try:
-            return await handler(request)
-        except _BadParam as exc:
-            msg = exc.message if exc.message.startswith(exc.param) else f"{exc.param}: {exc.message}"
-            resp = error_response(exc.status, msg, param=exc.param)
-            if exc.status in (408, 413):  # the body is unread: close behind the answer
-                resp.force_close()
-            return resp
-    wrapped.__name__ = handler.__name__
-    return wrapped
-
-
-#: Control reads while requests are in flight come from a snapshot at most this old, shared
-#: by every client asking the same question (a read never costs the data plane twice).
-READ_SNAPSHOT_S = 0.25
-#: Per client address: control reads per second, the burst allowed above it, and how long a
-#: read over the rate may wait for its turn before it is refused (a client reading in a loop
-#: is slowed to the rate instead of spinning on fast 429s).
-READ_RATE, READ_BURST, READ_MAX_WAIT_S = 50.0, 100.0, 2.0
-_MAX_CLIENTS = 4096  # rate-limit buckets kept (oldest forgotten first)
-#: While requests are in flight, control reads from every client together take at most this
-#: share of the event loop (their handler time, plus their answer's bytes at WRITE_S_PER_BYTE
-#: and READ_OVERHEAD_S each), with READ_WORK_BURST_S of work allowed above it: four clients
-#: reading ``decisions?limit=2000`` in a loop cost the data plane 27% of its throughput before
-#: (issue 36). A read over the share waits its turn (READ_MAX_WAIT_S at most, then 429).
-READ_LOOP_SHARE = 0.05
-READ_WORK_BURST_S = 0.05
-READ_OVERHEAD_S = 0.0003
-WRITE_S_PER_BYTE = 2e-9
-
-
-class ReadGuard:
-    """Fairness between planes: a token bucket per client address, and shared snapshots of
-    read answers while the data plane is busy."""
-
-    def __init__(self, state: RouterState):
-        self.state = state
-        self.buckets: dict[str, tuple[float, float]] = {}  # address -> (tokens, last refill)
-        self.cache: dict[str, tuple[float, bytes]] = {}  # path?query -> (made at, body)
-        self.refused = 0
-        self.served_from_snapshot = 0
-        self.work = READ_WORK_BURST_S  # seconds of loop work control reads may still take now
-        self.work_at: float | None = None
-        self.cost: dict[str, float] = {}  # path?query -> what its last read cost (an estimate)
-        self.paced_s = 0.0  # total time reads waited for the loop share
-
-    def work_turn(self, key: str, now: float) -> float | None:
-        """Reserve this read's estimated cost against READ_LOOP_SHARE: seconds it waits for
-        its turn (0: at once), or None: refuse it (the wait would pass READ_MAX_WAIT_S)."""
-        last = self.work_at if self.work_at is not None else now
-        self.work_at = now
-        self.work = min(READ_WORK_BURST_S, self.work + (now - last) * READ_LOOP_SHARE)
-        guess = self.cost.get(key, READ_OVERHEAD_S)
-        wait = max(0.0, guess - self.work) / READ_LOOP_SHARE
-        if wait > READ_MAX_WAIT_S:
-            self.refused += 1
-            return None
-        self.work -= guess
-        self.paced_s += wait
-        return wait
-
-    def spent(self, key: str, guess: float, cost: float) -> None:
-        """The read's measured cost replaces the guess made at its turn."""
-        self.work -= cost - guess
-        if len(self.cost) > 256:
-            self.cost.clear()
-        self.cost[key] = cost
-
-    def turn(self, who: str, now: float) -> float | None:
-        """Seconds this read waits for its turn (0: at once), or None: refuse it. Tokens may go
-        negative: each waiting read holds its place in the client's line."""
-        tokens, last = self.buckets.pop(who, (READ_BURST, now))
-        tokens = min(READ_BURST, tokens + (now - last) * READ_RATE) - 1.0
-        wait = -tokens / READ_RATE if tokens < 0 else 0.0
-        if wait > READ_MAX_WAIT_S:
-            tokens += 1.0  # refused: it takes no place
-            self.refused += 1
-            self.buckets[who] = (tokens, now)
-            return None
-        self.buckets[who] = (tokens, now)  # re-inserted: newest last
-        if len(self.buckets) > _MAX_CLIENTS:
-            del self.buckets[next(iter(self.buckets))]
-        return wait
-
-    def cached(self, key: str, now: float) -> bytes | None:
-        hit = self.cache.get(key)
-        if hit is not None and now - hit[0] < READ_SNAPSHOT_S and self.state.cluster.in_flight:
-            self.served_from_snapshot += 1
-            return hit[1]
-        return None
-
-    def keep(self, key: str, now: float, body: bytes) -> None:
-        if len(self.cache) > 256:  # distinct queries are few; a client inventing them gets no cache
-            self.cache.clear()
-        self.cache[key] = (now, body)
-
-
-def _guarded_read(handler):
-    """A control read: rate-limited per client, answered from a shared snapshot when busy."""
-    async def wrapped(request: web.Request) -> web.StreamResponse:
-        guard: ReadGuard = request.app[CONTROL].guard
-        now = time.monotonic()
-        wait = guard.turn(request.remote or "?", now)
-        if wait is None:
-            return error_response(429, f"more than {READ_RATE:g} control reads per second from this client; "
-                                       "use GET /kvtop/v1/events for a live view", headers={"Retry-After": "1"})
-        if wait:
-            await asyncio.sleep(wait)
-            now = time.monotonic()
-        key = request.path_qs
-        busy = request.app[STATE].cluster.in_flight > 0  # an idle router answers reads at once
-        guess = guard.cost.get(key, READ_OVERHEAD_S)
-        if busy:
-            pace = guard.work_turn(key, now)
-            if pace is None:
-                return error_response(429, "control reads are taking more than their share of the router "
-                                           "while it serves requests; use GET /kvtop/v1/events for a live view",
-                                      headers={"Retry-After": "1"})
-            if pace:
-                await asyncio.sleep(pace)
-                now = time.monotonic()
-        t0 = time.perf_counter()
-        body = guard.cached(key, now)
-        if body is not None:
-            resp = web.Response(body=body, content_type="application/json")
-        else:
-            resp = await handler(request)
-            if resp.status == 200 and isinstance(resp.body, bytes):
-                guard.keep(key, now, resp.body)
-        if busy:
-            size = len(resp.body) if isinstance(resp.body, bytes) else 0
-            guard.spent(key, guess, time.perf_counter() - t0 + READ_OVERHEAD_S + size * WRITE_S_PER_BYTE)
-        return resp
-    wrapped.__name__ = handler.__name__
-    return wrapped
-
-
-@_guarded_read
+@guarded_read
 async def get_state(request: web.Request) -> web.Response:
     return web.json_response(request.app[CONTROL].snapshot(), dumps=_dumps)
 
@@ -442,18 +269,18 @@ async def get_state(request: web.Request) -> web.Response:
 _dumps = dumps
 
 
-@_bad_params
+@bad_params
 async def get_events(request: web.Request) -> web.StreamResponse:
     ctl = request.app[CONTROL]
-    hz = _float_param(request, "hz", HZ_DEFAULT, HZ_MIN, HZ_MAX)
-    rate = _float_param(request, "decisions", DECISIONS_DEFAULT, 0.0, DECISIONS_MAX)
+    hz = float_param(request, "hz", HZ_DEFAULT, HZ_MIN, HZ_MAX)
+    rate = float_param(request, "decisions", DECISIONS_DEFAULT, 0.0, DECISIONS_MAX)
     types = DEFAULT_TYPES
     raw = request.query.get("types")
     if raw:
         asked = frozenset(t.strip() for t in raw.split(",") if t.strip())
         unknown = sorted(asked - set(EVENT_TYPES))
         if unknown:
-            raise _BadParam("types", f"unknown event type(s) {', '.join(unknown)}; "
+            raise BadParam("types", f"unknown event type(s) {', '.join(unknown)}; "
                                      f"allowed: {', '.join(EVENT_TYPES)}")
         types = asked
     if ctl.broadcaster.closing:
@@ -466,7 +293,7 @@ async def get_events(request: web.Request) -> web.StreamResponse:
     return await ctl.broadcaster.stream(request, viewer)
 
 
-@_guarded_read
+@guarded_read
 async def get_policies(request: web.Request) -> web.Response:
     slot = request.app[STATE].slot
     out = []
@@ -487,7 +314,7 @@ async def _json_body(request: web.Request) -> Any:
     try:
         return (await read_json(request, request.app[STATE].config.client_timeout_s))[1]
     except BadRequest as exc:
-        raise _BadParam("body", exc.message, status=exc.status) from None
+        raise BadParam("body", exc.message, status=exc.status) from None
 
 
 def _json_knob_types(name: str | None, knobs: Any, current: str) -> None:
@@ -517,7 +344,7 @@ def _swap_response(slot, features) -> web.Response:
                               "knobs": slot.policy.knobs, "features": features.knobs}, dumps=_dumps)
 
 
-@_bad_params
+@bad_params
 async def put_policy(request: web.Request) -> web.Response:
     ctl = request.app[CONTROL]
     denied = ctl.check_mutation(request)
@@ -525,13 +352,13 @@ async def put_policy(request: web.Request) -> web.Response:
         return denied
     body = await _json_body(request)
     if not isinstance(body, dict):
-        raise _BadParam("body", 'expected a JSON object {"name": POLICY, "knobs": {...}}')
+        raise BadParam("body", 'expected a JSON object {"name": POLICY, "knobs": {...}}')
     extra = sorted(set(body) - {"name", "knobs"})
     if extra:
-        raise _BadParam(extra[0], f"unknown field {extra[0]!r}; allowed fields: name, knobs")
+        raise BadParam(extra[0], f"unknown field {extra[0]!r}; allowed fields: name, knobs")
     name = body.get("name")
     if not isinstance(name, str) or not name:
-        raise _BadParam("name", "name must be a policy name; known: " + ", ".join(sorted(POLICIES)))
+        raise BadParam("name", "name must be a policy name; known: " + ", ".join(sorted(POLICIES)))
     knobs = body.get("knobs", {})
     if knobs is None:
         knobs = {}
@@ -547,7 +374,7 @@ async def put_policy(request: web.Request) -> web.Response:
     return _swap_response(slot, request.app[STATE].features)
 
 
-@_bad_params
+@bad_params
 async def patch_knobs(request: web.Request) -> web.Response:
     ctl = request.app[CONTROL]
     denied = ctl.check_mutation(request)
@@ -555,7 +382,7 @@ async def patch_knobs(request: web.Request) -> web.Response:
         return denied
     body = await _json_body(request)
     if not isinstance(body, dict):
-        raise _BadParam("body", "expected a JSON object of knob names to values")
+        raise BadParam("body", "expected a JSON object of knob names to values")
     try:
         _json_knob_types(None, body, request.app[STATE].slot.policy.name)
         slot = request.app[STATE].set_policy(None, body, _who(request), merge=True)
@@ -565,12 +392,12 @@ async def patch_knobs(request: web.Request) -> web.Response:
     return _swap_response(slot, request.app[STATE].features)
 
 
-@_guarded_read
+@guarded_read
 async def get_shadows(request: web.Request) -> web.Response:
     return web.json_response(request.app[STATE].shadows.summary(), dumps=_dumps)
 
 
-@_bad_params
+@bad_params
 async def put_shadows(request: web.Request) -> web.Response:
     """Replace the shadow policies: {"policies": ["leastwork", {"policy": P, "knobs": {...}}]}
     ([] turns shadowing off). A shadow kept with the same knobs keeps its counts."""
@@ -580,10 +407,10 @@ async def put_shadows(request: web.Request) -> web.Response:
         return denied
     body = await _json_body(request)
     if not isinstance(body, dict) or set(body) != {"policies"}:
-        raise _BadParam("body", 'expected a JSON object {"policies": [NAME or {"policy": NAME, "knobs": {...}}]}')
+        raise BadParam("body", 'expected a JSON object {"policies": [NAME or {"policy": NAME, "knobs": {...}}]}')
     specs = body["policies"]
     if not isinstance(specs, list):  # the CLI's "a,b" form is for --shadow, not this API
-        raise _BadParam("policies", 'policies must be a list of policy names or {"policy": NAME, '
+        raise BadParam("policies", 'policies must be a list of policy names or {"policy": NAME, '
                                     f'"knobs": {{...}}}} objects ([] for none), got {type(specs).__name__}')
     try:
         for s in specs:
@@ -607,18 +434,18 @@ async def get_auth(request: web.Request) -> web.Response:
     return web.json_response({"ok": True, "readonly": False})
 
 
-@_guarded_read
-@_bad_params
+@guarded_read
+@bad_params
 async def get_sessions(request: web.Request) -> web.Response:
     st = request.app[STATE]
-    limit = _int_param(request, "limit", 50, 1, 10_000)
+    limit = int_param(request, "limit", 50, 1, 10_000)
     sort = request.query.get("sort", "last_seen")
     if sort not in SESSION_SORTS:
-        raise _BadParam("sort", f"sort must be one of {', '.join(SESSION_SORTS)}, got {sort!r}")
+        raise BadParam("sort", f"sort must be one of {', '.join(SESSION_SORTS)}, got {sort!r}")
     names = [s.name for s in st.cluster.instances]
     only = request.query.get("instance")
     if only is not None and only not in names:
-        raise _BadParam("instance", f"unknown instance {only!r}; known: {', '.join(names)}")
+        raise BadParam("instance", f"unknown instance {only!r}; known: {', '.join(names)}")
     key = {"last_seen": lambda s: s.last_seen, "turns": lambda s: s.turns,
            "tokens": lambda s: s.total_input_tokens, "moves": lambda s: s.moves}[sort]
     sessions = st.cluster.sessions.values()
@@ -638,11 +465,11 @@ async def get_sessions(request: web.Request) -> web.Response:
                              dumps=_dumps)
 
 
-@_guarded_read
-@_bad_params
+@guarded_read
+@bad_params
 async def get_decisions(request: web.Request) -> web.Response:
     st = request.app[STATE]
-    limit = _int_param(request, "limit", 100, 1, max(1, st.ring.maxlen or 1))
+    limit = int_param(request, "limit", 100, 1, max(1, st.ring.maxlen or 1))
     filters = {k: request.query[k] for k in ("reason", "instance", "session") if k in request.query}
     out = []
     for ev in reversed(st.ring):
@@ -661,6 +488,7 @@ def setup(app: web.Application) -> None:
     tel = telemetry.setup(app, state)
     ctl = Control(state, tel)  # raises ValueError for a missing or empty token file
     app[CONTROL] = ctl
+    app[GUARD] = ctl.guard
     state.listeners.append(ctl.broadcaster)
     r = app.router
     r.add_get(PREFIX + "/state", get_state)

@@ -7,7 +7,8 @@ import asyncio
 import aiohttp
 
 from router.app import STATE, Backend, RouterConfig, create_app
-from router.control import CONTROL, READ_BURST
+from router.control import CONTROL
+from router.control_reads import READ_BURST
 
 
 async def start(router_client, fake_backends, tmp_path, **kw):
@@ -34,7 +35,7 @@ async def test_control_reads_are_paced_per_client_then_refused(router_client, fa
     READ_MAX_WAIT_S is refused with 429. The data plane is not affected."""
     import time
 
-    from router.control import READ_MAX_WAIT_S, READ_RATE
+    from router.control_reads import READ_MAX_WAIT_S, READ_RATE
 
     client, state = await start(router_client, fake_backends, tmp_path)
     t0 = time.monotonic()

@@ -254,7 +254,7 @@ def test_router_unchanged_after_fuzz(router):
     async def still_serves():
         # the fuzz spent this client's control-read allowance (router/control.py ReadGuard):
         # it refills within READ_BURST / READ_RATE seconds
-        from router.control import READ_BURST, READ_RATE
+        from router.control_reads import READ_BURST, READ_RATE
 
         await asyncio.sleep(READ_BURST / READ_RATE)
         async with client.get("/kvtop/v1/state") as r:

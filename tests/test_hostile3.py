@@ -522,7 +522,7 @@ def test_sim_instances_are_isolated_by_default():
 # -- observers paced: control reads and event-stream viewers take a bounded share ---------------
 
 def test_control_reads_keep_to_their_share_of_the_loop():
-    from router import control
+    from router import control_reads as control
 
     guard = control.ReadGuard(state=None)
     key = "/kvtop/v1/decisions?limit=2000"
@@ -541,7 +541,7 @@ def test_control_reads_keep_to_their_share_of_the_loop():
 
 
 async def test_control_read_loop_is_paced_while_requests_are_in_flight(router, monkeypatch):
-    from router import control
+    from router import control_reads as control
 
     state = router.server.app[STATE]
     monkeypatch.setattr(control, "READ_LOOP_SHARE", 0.01)
