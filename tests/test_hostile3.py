@@ -556,7 +556,7 @@ async def test_control_read_loop_is_paced_while_requests_are_in_flight(router, m
         took = asyncio.get_running_loop().time() - t0
     finally:
         state.cluster.in_flight = 0
-    guard = router.server.app[control.CONTROL].guard
+    guard = router.server.app[control.GUARD]
     # 30 reads of >= 5 ms at 1%: ~(30 x 5 ms - 50 ms burst) / 1% = 10 s of pacing, or 429s past 2 s waits
     assert guard.paced_s > 1.0 or statuses.count(429) > 0, (guard.paced_s, statuses)
     assert took > 1.0 or statuses.count(429) > 0
