@@ -271,12 +271,20 @@ def get_profile(name: str | Path) -> Profile:
     A name that is not built in is read as a path when it ends in ``.toml``, contains a path
     separator or names an existing file. Raises ``ProfileError`` (a KeyError) for an unknown
     name, or for a file that is missing or malformed, with a one-line message."""
+    if not isinstance(name, (str, Path)):  # a spec's `profile = [...]`, say
+        raise ProfileError(f"a profile is a name or a path, got {_short(name)}")
     key = str(name)
     if key in PROFILES:
         return PROFILES[key]
     path = Path(key).expanduser()
-    if key.endswith(".toml") or "/" in key or path.is_file():
+    try:
+        is_file = path.is_file()
+    except (OSError, ValueError):  # too long a name, a NUL byte: not a file, and not a profile
+        is_file = False
+    if key.endswith(".toml") or "/" in key or is_file:
         return load_profile_file(path)
+    if len(key) > 200:
+        key = key[:200] + "..."
     raise ProfileError(f"unknown profile {key!r}; known: {', '.join(PROFILES)}, "
                        "or the path of a profile file (.toml, `kvtop sim calibrate --out`)")
 
@@ -350,6 +358,8 @@ def load_profile_file(path: str | Path) -> Profile:
     is checked against ``check_profile``'s bounds; the file may be at most 1 MB."""
     path = Path(path)
     try:
+        if "\0" in str(path):
+            raise ProfileError(f"profile file {_short(str(path))}: a NUL byte in its name")
         if path.exists() and not path.is_file():
             raise ProfileError(f"profile file {str(path)!r} is not a regular file")
         with open(path, "rb") as f:
