@@ -135,10 +135,23 @@ knobs_body = st.one_of(
                             st.floats(min_value=-1e308, max_value=-1e-9), st.just(float("nan")),
                             st.just(1e400)).map(lambda v: dumps({k: v}))),
 )
-auth = st.sampled_from([
-    {}, {"Authorization": "Bearer"}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic " + TOKEN},
-    {"Authorization": "Bearer " + TOKEN[:-1]}, {"Authorization": "Bearer " + TOKEN + "x"},
-    {"Authorization": "bearer  "}, {"Authorization": TOKEN}])
+#: what a header value may carry on the wire: printable ASCII and Latin-1 (no CR, LF or NUL)
+header_text = st.text(st.characters(min_codepoint=0x20, max_codepoint=0xFF,
+                                    blacklist_categories=("Cc",)), max_size=80)
+auth = st.one_of(
+    st.sampled_from([
+        {}, {"Authorization": "Bearer"}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic " + TOKEN},
+        {"Authorization": "Bearer " + TOKEN[:-1]}, {"Authorization": "Bearer " + TOKEN + "x"},
+        {"Authorization": "bearer  "}, {"Authorization": TOKEN}, {"Authorization": "Bearer " + TOKEN + "\xe9"}]),
+    # generated: any scheme and credentials (never the token), a user header alongside
+    st.tuples(st.sampled_from(["Bearer ", "bearer ", "Basic ", "", "Bearer  "]),
+              header_text.filter(lambda t: t.strip() != TOKEN), header_text).map(
+        lambda t: {"Authorization": t[0] + t[1], "X-Kvtop-User": t[2]}),
+)
+#: every mutation the control API has: without a valid token each is a 401, whatever the body
+MUTATIONS = [("/kvtop/v1/policy", "PUT"), ("/kvtop/v1/knobs", "PATCH"), ("/kvtop/v1/shadows", "PUT"),
+             ("/kvtop/v1/fleet", "POST"), ("/kvtop/v1/fleet/i0/cordon", "POST"),
+             ("/kvtop/v1/fleet/i0/remove", "POST"), ("/kvtop/v1/auth", "GET")]
 bad_query_value = st.one_of(st.text(max_size=8), st.integers(min_value=10**6), st.integers(max_value=0),
                             st.sampled_from(["nan", "inf", "-1", "1e999", "0x10", " ", "1.5"])).map(
     lambda v: v if str(v) != "" else "x")  # an empty parameter means "the default", which is valid
@@ -147,12 +160,12 @@ bad_query_value = st.one_of(st.text(max_size=8), st.integers(min_value=10**6), s
 @st.composite
 def control_request(draw):
     kind = draw(st.integers(0, 5))
-    if kind == 0:  # mutation with a valid token and a bad body
+    if kind == 0:  # mutation with a valid token and a bad body, from any user name
         path, method = draw(st.sampled_from([("/kvtop/v1/policy", "PUT"), ("/kvtop/v1/knobs", "PATCH")]))
         body = draw(policy_body if method == "PUT" else knobs_body)
-        return method, path, {**JSON_CT, "Authorization": "Bearer " + TOKEN}, body
+        return method, path, {**JSON_CT, "Authorization": "Bearer " + TOKEN, "X-Kvtop-User": draw(header_text)}, body
     if kind == 1:  # mutation without a valid token: refused whatever the body
-        path, method = draw(st.sampled_from([("/kvtop/v1/policy", "PUT"), ("/kvtop/v1/knobs", "PATCH")]))
+        path, method = draw(st.sampled_from(MUTATIONS))
         return method, path, {**JSON_CT, **draw(auth)}, dumps({"name": "lmetric"})
     if kind == 2:
         limit = draw(bad_query_value.filter(lambda v: not _int_in(v, 1, 2000)))
