@@ -8,6 +8,7 @@ experiment can also drive the simulated engine's own waiting queue with it (``en
 - ``fifo`` takes the head while pending + cost fits ``budget``, and stops at the first misfit.
 - ``pack`` looks at the first ``lookahead`` waiting, greedily takes the cheapest that fit,
   and returns them in arrival order.
+- The queue is in service order: priority (lower first), then arrival (``AdmissionQueue``).
 - Round ``round_no`` with ``round_no % force_fifo_every == 0`` is FIFO. The caller moves to
   the next round only after a round admitted something, so a forced-FIFO round that cannot
   admit its head holds everyone behind it until the head fits (or nothing is pending): a long
@@ -16,6 +17,7 @@ experiment can also drive the simulated engine's own waiting queue with it (``en
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from typing import Any
 
@@ -82,27 +84,45 @@ def engine_hook(name: str, knobs: dict[str, Any] | None = None):
 
 
 class AdmissionQueue:
-    """Per-instance waiting lists and admitted-but-unprefilled tokens, without any clock."""
+    """Per-instance waiting lists and admitted-but-unprefilled tokens, without any clock.
+
+    A waiting list is in service order: by priority (lower first, as vLLM's priority
+    scheduler orders its own waiting queue), then arrival. Without the ``priority`` feature
+    every request has priority 0 and the order is arrival order (router/priority.py)."""
 
     def __init__(self, num_instances: int):
         self.waiting: list[list[tuple[Any, int]]] = [[] for _ in range(num_instances)]
+        self.ranks: list[list[tuple[int, int]]] = [[] for _ in range(num_instances)]  # (priority, arrival)
         self.admitted: list[dict[Any, int]] = [{} for _ in range(num_instances)]
         self.rounds = [1] * num_instances
+        self._arrivals = 0
 
     def add_instance(self) -> None:
         self.waiting.append([])
+        self.ranks.append([])
         self.admitted.append({})
         self.rounds.append(1)
 
     def pending(self, instance: int) -> int:
         return sum(self.admitted[instance].values())
 
-    def enqueue(self, instance: int, key: Any, cost: int) -> None:
-        self.waiting[instance].append((key, cost))
+    def enqueue(self, instance: int, key: Any, cost: int, priority: int = 0) -> None:
+        self._arrivals += 1
+        rank = (priority, self._arrivals)
+        ranks = self.ranks[instance]
+        k = bisect.bisect(ranks, rank)  # after every earlier arrival of the same priority
+        ranks.insert(k, rank)
+        self.waiting[instance].insert(k, (key, cost))
+
+    def _keep(self, instance: int, keep) -> None:
+        pairs = [(e, r) for k, (e, r) in enumerate(zip(self.waiting[instance], self.ranks[instance])) if keep(k, e)]
+        self.waiting[instance] = [e for e, _ in pairs]
+        self.ranks[instance] = [r for _, r in pairs]
 
     def remove(self, instance: int, key: Any) -> None:
         """Forget ``key`` whether it waits or is admitted (it reached its first token or ended)."""
-        self.waiting[instance] = [e for e in self.waiting[instance] if e[0] != key]
+        if any(e[0] == key for e in self.waiting[instance]):
+            self._keep(instance, lambda k, e: e[0] != key)
         self.admitted[instance].pop(key, None)
 
     def pump(self, instance: int, knobs: dict[str, Any]) -> list[Any]:
@@ -126,5 +146,5 @@ class AdmissionQueue:
             key, cost = q[k]
             self.admitted[instance][key] = cost
             out.append(key)
-        self.waiting[instance] = [e for k, e in enumerate(q) if k not in chosen]
+        self._keep(instance, lambda k, e: k not in chosen)
         return out

@@ -215,7 +215,10 @@ class Pipeline:
         self._flows[key] = flow
         flow.waiting = leg.ticket
         flow.wait_since = self.clock()
-        self.queue.enqueue(leg.instance, key, leg.ticket.new_prefill)
+        # in the order vLLM's priority scheduler would serve it (the priority feature's value;
+        # 0 without it, or where the client set its own)
+        self.queue.enqueue(leg.instance, key, leg.ticket.new_prefill,
+                           flow.decision.extra.get("priority") or 0)
         self._pump(leg.instance, notify=flow)
         return flow.waiting is None
 

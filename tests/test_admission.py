@@ -163,3 +163,71 @@ def test_kvtop_sim_admission_flag_gives_each_engine_its_own_hook():
     hooks = [i.engine.admission for i in insts]
     assert all(hooks) and hooks[0] is not hooks[1]
     assert build_instances(p.parse_args([]))[0].engine.admission is None
+
+
+def test_the_queue_serves_lower_priority_values_first_then_arrival():
+    """Issue 39: the router's admission queue orders as vLLM's priority scheduler does."""
+    from router.admission import AdmissionQueue
+
+    q = AdmissionQueue(1)
+    knobs = {"admission": "fifo", "admission_budget_tokens": 100, "admission_lookahead": 8,
+             "admission_force_fifo_every": 4}
+    for key, prio in (("late-session", 5), ("early-session", 1), ("late-2", 5), ("early-2", 1), ("none", 0)):
+        q.enqueue(0, key, 100, prio)
+    order = []
+    for _ in range(5):
+        got = q.pump(0, knobs)  # one fits at a time: each waits for the one before to finish
+        order += got
+        q.remove(0, got[0])
+    assert order == ["none", "early-session", "early-2", "late-session", "late-2"]
+    assert q.waiting == [[]] and q.ranks == [[]]
+
+
+def test_without_priorities_the_queue_is_arrival_order():
+    from router.admission import AdmissionQueue
+
+    q = AdmissionQueue(2)
+    for k in range(6):
+        q.enqueue(k % 2, f"r{k}", 10)
+    q.remove(0, "r2")
+    assert [k for k, _ in q.waiting[0]] == ["r0", "r4"] and [k for k, _ in q.waiting[1]] == ["r1", "r3", "r5"]
+
+
+def test_the_pipeline_admits_an_earlier_session_first_under_session_fcfs():
+    """With ``priority=session_fcfs`` a returning turn of the first session overtakes a later
+    session's request that waited longer, as the engine would order them."""
+    from router.cluster import Cluster
+    from router.core import RoutingCore
+    from router.features import Features
+    from router.pipeline import Pipeline
+    from router.policies import build_policy
+    from router.request import RouteRequest
+
+    class Sink:
+        def decision(self, d):
+            pass
+
+        def outcome(self, d, o):
+            pass
+
+    now = [0.0]
+    cluster = Cluster(["a"], block_size=16, capacity_blocks=1000, clock=lambda: now[0])
+    core = RoutingCore(cluster, build_policy("round_robin", {}), clock=lambda: now[0])
+    feats = Features.build({"admission": "fifo", "admission_budget_tokens": 1000, "priority": "session_fcfs"})
+    admitted = []
+    pipe = Pipeline(core, lambda: feats, Sink(), clock=lambda: now[0], on_admit=admitted.append)
+
+    def arrive(rid, session, tokens, base):
+        flow = pipe.receive(RouteRequest(rid, session, "header", tokens, list(range(base, base + tokens // 16)),
+                                         "tokens", "completions", True, 1))
+        pipe.route(flow)
+        return flow, pipe.admit(flow)
+
+    first, ok = arrive("s1-t1", "s1", 900, 0)  # session s1 comes first: rank 0
+    assert ok
+    later, ok_later = arrive("s2-t1", "s2", 800, 10_000)  # s2: rank 1, waits
+    back, ok_back = arrive("s1-t2", "s1", 800, 20_000)  # s1 again: rank 0, waits too
+    assert (ok_later, ok_back) == (False, False)
+    assert (later.decision.extra["priority"], back.decision.extra["priority"]) == (1, 0)
+    pipe.first_token(first)  # room for one of them: s1's turn, though s2 waited longer
+    assert admitted == [back]
