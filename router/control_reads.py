@@ -13,30 +13,26 @@ from aiohttp import web
 from router.http import error_response
 from router.state import STATE, RouterState
 
-def int_param(request: web.Request, name: str, default: int, lo: int, hi: int) -> int:
+
+def _param(request: web.Request, name: str, default, lo, hi, conv, what: str):
     raw = request.query.get(name)
     if raw is None or raw == "":
         return default
     try:
-        value = int(raw)
+        value = conv(raw)
     except ValueError:
-        raise BadParam(name, f"{name} must be an integer in [{lo}, {hi}], got {raw!r}") from None
-    if not lo <= value <= hi:
-        raise BadParam(name, f"{name} must be an integer in [{lo}, {hi}], got {value}")
+        value = None
+    if value is None or not lo <= value <= hi:  # NaN fails too
+        raise BadParam(name, f"{name} must be {what} in [{lo:g}, {hi:g}], got {raw!r}")
     return value
+
+
+def int_param(request: web.Request, name: str, default: int, lo: int, hi: int) -> int:
+    return _param(request, name, default, lo, hi, int, "an integer")
 
 
 def float_param(request: web.Request, name: str, default: float, lo: float, hi: float) -> float:
-    raw = request.query.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not lo <= value <= hi:  # NaN fails too
-        raise BadParam(name, f"{name} must be a number in [{lo:g}, {hi:g}], got {raw!r}")
-    return value
+    return _param(request, name, default, lo, hi, float, "a number")
 
 
 class BadParam(Exception):
