@@ -1,0 +1,355 @@
+"""Discovery (router/discovery.py, router/discovery_dns.py): a watched backends file and DNS names
+apply their edits to a running router through the fleet's own operations, within 2 s; a bad
+answer changes nothing and says why. Against a real file, and a real DNS server (dnslib) on
+loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+import pytest
+import sqlite_utils
+
+from router.app import STATE, Backend, RouterConfig, create_app
+from router.discovery import DiscoveryError, Reconciler, Status, parse_backends_file
+from router.fleet import ACTIVE, DRAINING, REMOVED, Fleet
+
+TOKEN = "discovery-token-0123456789"
+
+
+# -- the file's format ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text,expected", [
+    ("", []),
+    ("# the fleet\n\n  a=http://10.0.0.1:8000  # first\n", [("a", "http://10.0.0.1:8000")]),
+    # unnamed: named by host:port, so its name does not depend on its line
+    ("http://10.0.0.2:8000/\n", [("10.0.0.2:8000", "http://10.0.0.2:8000")]),
+    ("http://[::1]:8000\n", [("[::1]:8000", "http://[::1]:8000")]),
+    ("b=http://h:1@gpu=2@kv=tcp://h:5557\n", [("b", "http://h:1")]),
+])
+def test_file_format(text, expected):
+    assert [(b.name, b.url) for b in parse_backends_file(text)] == expected
+
+
+@pytest.mark.parametrize("text,words", [
+    ("a=http://h:1\na=http://h:2\n", "line 2: the name a is on line 1 already"),
+    ("a=http://h:1\nb=http://h:1\n", "line 2: http://h:1 is on line 1 already"),
+    ("a=ftp://h:1\n", "line 1: 'a=ftp://h:1': expected http://HOST:PORT"),
+    ("a=http://h:1 b=http://h:2\n", "line 1: one backend a line"),
+    ("a=http://h:1@gpu=x\n", "line 1: 'a=http://h:1@gpu=x': @gpu= needs an integer"),
+])
+def test_bad_file_says_which_line(text, words):
+    with pytest.raises(DiscoveryError) as exc:
+        parse_backends_file(text, "f.txt")
+    assert words in str(exc.value) and str(exc.value).startswith("f.txt line")
+
+
+# -- the reconciler, pure ------------------------------------------------------------------------
+
+class Inst:
+    def __init__(self, index, name, url):
+        self.index, self.name, self.url, self.num_requests = index, name, url, 0
+
+
+def b(name, port):
+    return Backend(name, f"http://h:{port}")
+
+
+@pytest.mark.parametrize("owned,fleet,desired,ops", [
+    # a new line: added
+    (["a"], {"a": 1}, ["a", "c"], [("add", "c")]),
+    # a line gone: drained (removed later, once idle)
+    (["a", "c"], {"a": 1, "c": 3}, ["a"], [("drain", "c")]),
+    # a line whose URL changed: the old one drains, the new one waits for its name
+    (["a", "c"], {"a": 1, "c": 3}, ["a", ("c", 4)], [("wait", "c"), ("drain", "c")]),
+    # an instance given by --backend that the file names too, at the same URL: adopted, no change
+    ([], {"x": 9}, ["x"], [("adopt", "x")]),
+    # a cordoned instance the file drops: drained too
+    (["a", "c"], {"a": 1, "c": (3, "cordon")}, ["a"], [("drain", "c")]),
+])
+def test_plan(owned, fleet, desired, ops):
+    insts, f = [], Fleet(0)
+    for name, port in fleet.items():
+        action = None
+        if isinstance(port, tuple):
+            port, action = port
+        insts.append(Inst(f.add(0.0), name, f"http://h:{port}"))
+        if action:
+            f.apply(f.plan(insts[-1].index, action), 0.0)
+    ports = {"a": 1, "c": 3, "x": 9}
+    rec = Reconciler(Status("file", "f"), [b(n, ports[n]) for n in owned])
+    want = [b(*d) if isinstance(d, tuple) else b(d, ports.get(d, 3)) for d in desired]
+    assert [(o.kind, o.name) for o in rec.plan(want, f, insts)] == ops
+
+
+@pytest.mark.parametrize("owned,fleet,desired,words", [
+    # the file names an instance someone else put there, at another URL
+    (["a"], {"a": 1, "x": 9}, ["a", ("x", 8)], "x (http://h:9) is in the fleet already, not from this file"),
+    # a URL another instance holds
+    (["a"], {"a": 1, "x": 9}, ["a", ("y", 9)], "x (http://h:9) is in the fleet already"),
+    # emptying the fleet
+    (["a"], {"a": 1}, [], "would leave no active instance"),
+])
+def test_plan_refuses_and_changes_nothing(owned, fleet, desired, words):
+    insts, f = [], Fleet(0)
+    for name, port in fleet.items():
+        insts.append(Inst(f.add(0.0), name, f"http://h:{port}"))
+    rec = Reconciler(Status("file", "f"), [b(n, fleet[n]) for n in owned])
+    with pytest.raises(DiscoveryError) as exc:
+        rec.plan([b(*d) if isinstance(d, tuple) else b(d, fleet[d]) for d in desired], f, insts)
+    assert words in str(exc.value)
+    assert f.states == [ACTIVE] * len(insts) and list(rec.owned) == owned
+
+
+# -- a watched file, live ------------------------------------------------------------------------
+
+async def until(cond, timeout_s: float):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if cond():
+            return time.monotonic() - t0
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"not within {timeout_s} s")
+
+
+def fleet_rows(state):
+    state.writer.flush()
+    return [r for r in sqlite_utils.Database(state.config.db)["config_events"].rows if r["kind"] == "fleet"]
+
+
+async def turn(client, session, text):
+    r = await client.post("/v1/completions", json={"model": "m", "prompt": text, "max_tokens": 3},
+                          headers={"X-Session-ID": session})
+    await r.read()
+    return r.status, r.headers.get("X-Kvtop-Instance")
+
+
+async def test_backends_file_edits_apply_within_2s(router_client, fake_backends, tmp_path, caplog):
+    fakes = await fake_backends(3, token_delay=0.01)
+    path = tmp_path / "backends.txt"
+    path.write_text(f"# fleet\na={fakes[0][1]}\nb={fakes[1][1]}\n")
+    found = parse_backends_file(path.read_text())
+    cfg = RouterConfig(backends=found, policy="leastwork", db=str(tmp_path / "kvtop.db"),
+                       state_dir=str(tmp_path / "state"), control_token=TOKEN, backends_file=str(path),
+                       discovered={"file": [x.name for x in found]})
+    client = await router_client(create_app(cfg))
+    state = client.server.app[STATE]
+    names = lambda: [(s.name, state.router.fleet.states[s.index]) for s in state.cluster.instances]  # noqa: E731
+    await asyncio.sleep(0.4)  # the watcher has looked once: the file as started changes nothing
+    assert names() == [("a", ACTIVE), ("b", ACTIVE)] and fleet_rows(state) == []
+
+    # a line added: the instance joins and takes traffic
+    path.write_text(path.read_text() + f"{fakes[2][1]}\n")
+    took = await until(lambda: len(state.cluster.instances) == 3, 2.0)
+    c_name = fakes[2][1].split("://")[1]
+    assert names()[2] == (c_name, ACTIVE) and took < 2.0
+    assert state.health.tasks is not None and 2 in state.health.tasks
+    for k in range(6):
+        assert (await turn(client, f"s{k}", f"hello {k} " * 30))[0] == 200
+    assert fakes[2][0].seen
+
+    # a bad edit (a duplicate name): nothing changes; the log, the state and /metrics say why
+    caplog.set_level(logging.WARNING, logger="kvtop.route")
+    good = path.read_text()
+    path.write_text(good + "a=http://127.0.0.1:9\n")
+    disc = None
+    for _ in range(100):
+        disc = (await (await client.get("/kvtop/v1/state")).json())["discovery"][0]
+        if not disc["ok"]:
+            break
+        await asyncio.sleep(0.02)
+    assert disc["source"] == "file" and disc["ok"] is False and disc["error"] == "line 5: the name a is on line 2 already"
+    assert "the fleet is unchanged" in caplog.text and "the name a is on line 2 already" in caplog.text
+    metrics = await (await client.get("/metrics")).text()
+    assert f'kvtop_discovery_ok{{source="file",target="{path}"}} 0.0' in metrics
+    assert f'kvtop_discovery_errors_total{{source="file",target="{path}"}} 1.0' in metrics
+    assert [n for n, _ in names()] == ["a", "b", c_name]
+
+    # b's line removed (and the file good again): b is drained, then removed once idle
+    path.write_text(good.replace(f"b={fakes[1][1]}\n", ""))
+    took = await until(lambda: state.router.fleet.states[1] == REMOVED, 2.0)
+    assert took < 2.0
+    disc = (await (await client.get("/kvtop/v1/state")).json())["discovery"][0]
+    assert disc["ok"] and disc["instances"] == sorted(["a", c_name]) and disc["leaving"] == []
+    seen_b = len(fakes[1][0].seen)
+    for k in range(4):
+        status, where = await turn(client, f"t{k}", f"again {k} " * 30)
+        assert status == 200 and where != "b"
+    assert len(fakes[1][0].seen) == seen_b and state.cluster.counters_zero()
+    rows = fleet_rows(state)
+    assert [(r["who"], json.loads(r["after"])["action"], json.loads(r["after"])["instance"]) for r in rows] == [
+        ("file", "add", c_name), ("file", "drain", "b"), ("file", "remove", "b")]
+    assert all(json.loads(r["after"])["source"] == "file" for r in rows)
+
+    # the line back: b returns in its old place
+    path.write_text(good)
+    await until(lambda: state.router.fleet.states[1] == ACTIVE, 2.0)
+    assert state.cluster.instances[1].url == fakes[1][1]
+
+
+async def test_file_drops_an_instance_with_a_request_in_flight(router_client, fake_backends, tmp_path):
+    """Drain-then-remove: the request in flight finishes where it is; the remove waits for it."""
+    fakes = await fake_backends(2, token_delay=0.05)
+    path = tmp_path / "backends.txt"
+    path.write_text(f"a={fakes[0][1]}\nb={fakes[1][1]}\n")
+    found = parse_backends_file(path.read_text())
+    cfg = RouterConfig(backends=found, policy="sticky", db=str(tmp_path / "kvtop.db"), control_token=TOKEN,
+                       state_dir=str(tmp_path / "state"), backends_file=str(path), discovered={"file": ["a", "b"]})
+    client = await router_client(create_app(cfg))
+    state = client.server.app[STATE]
+    r = asyncio.ensure_future(client.post("/v1/completions", json={"prompt": "x " * 40, "max_tokens": 30}))
+    await until(lambda: state.cluster.instances[0].num_requests == 1, 2.0)
+    path.write_text(f"b={fakes[1][1]}\n")
+    await until(lambda: state.router.fleet.states[0] == DRAINING, 2.0)
+    assert state.router.fleet.states[0] == DRAINING  # not removed while its request runs
+    resp = await r
+    assert resp.status == 200 and resp.headers["X-Kvtop-Instance"] == "a"
+    await until(lambda: state.router.fleet.states[0] == REMOVED, 2.0)
+    assert state.cluster.counters_zero()
+
+
+@pytest.mark.parametrize("argv,words", [
+    ([], "give at least one --backend, or a discovery source"),
+    (["--backends-file", "/nonexistent/backends"], "--backends-file /nonexistent/backends: cannot read"),
+    (["--backend-dns", "svc.local"], "expected NAME:PORT"),
+    (["--backend-srv", "_http._tcp.x", "--dns-server", "localhost:53"], "expected an IP address"),
+    (["--backend", "http://127.0.0.1:1", "--dns-server", "127.0.0.1:53"], "goes with --backend-dns"),
+])
+def test_cli_refuses_bad_discovery_flags(argv, words, capsys):
+    from kvtop.cli import main
+
+    assert main(["route", *argv, "--db", "none"]) == 2
+    err = capsys.readouterr().err
+    assert words in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_cli_refuses_a_bad_file_at_start(tmp_path, capsys):
+    from kvtop.cli import main
+
+    path = tmp_path / "b.txt"
+    path.write_text("a=http://127.0.0.1:1\na=http://127.0.0.1:2\n")
+    assert main(["route", "--backends-file", str(path), "--db", "none"]) == 2
+    assert "line 2: the name a is on line 1 already" in capsys.readouterr().err
+
+
+# -- DNS, against a real server on loopback ----------------------------------------------------
+
+class Zone:
+    """A dnslib resolver answering from a dict the test edits: (name, type) -> [rdata]."""
+
+    def __init__(self):
+        self.records: dict[tuple[str, str], list] = {}
+
+    def resolve(self, request, handler):
+        from dnslib import QTYPE, RCODE, RR
+
+        reply = request.reply()
+        q = request.q
+        name = str(q.qname).rstrip(".")
+        for rd in self.records.get((name, QTYPE[q.qtype]), []):
+            reply.add_answer(RR(q.qname, q.qtype, rdata=rd, ttl=1))
+        if not any(n == name for n, _ in self.records):
+            reply.header.rcode = RCODE.NXDOMAIN
+        return reply
+
+
+@pytest.fixture
+def dns_server():
+    from conftest import free_port
+    from dnslib.server import DNSLogger, DNSServer
+
+    zone = Zone()
+    port = free_port()
+    server = DNSServer(zone, port=port, address="127.0.0.1", logger=DNSLogger("-request,-reply,-truncated,-error,-recv,-send,-data", False))
+    server.start_thread()
+    try:
+        yield zone, f"127.0.0.1:{port}"
+    finally:
+        server.stop()
+
+
+async def fakes_on(aiohttp_server, hosts, port=None):
+    from conftest import free_port
+    from fakevllm import FakeVLLM
+
+    port = port or free_port()
+    out = []
+    for h in hosts:
+        fake = FakeVLLM(h)
+        await aiohttp_server(fake.app(), host=h, port=port)
+        out.append(fake)
+    return out, port
+
+
+async def test_dns_a_records_change_within_2s(router_client, aiohttp_server, dns_server, tmp_path):
+    """--backend-dns NAME:PORT: one instance per address; an address that appears joins, one
+    that goes is drained and removed; a failed lookup changes nothing."""
+    from dnslib import A
+
+    from router.discovery_dns import resolve_at_start
+
+    zone, server = dns_server
+    fakes, port = await fakes_on(aiohttp_server, ["127.0.0.2", "127.0.0.3"])
+    zone.records[("vllm.test", "A")] = [A("127.0.0.2")]
+    cfg = RouterConfig(backends=[], policy="leastwork", db=str(tmp_path / "kvtop.db"), control_token=TOKEN,
+                       state_dir=str(tmp_path / "state"), backend_dns=[f"vllm.test:{port}"], dns_server=server,
+                       dns_interval_s=0.2)
+    found = (await resolve_at_start(cfg))[("a", f"vllm.test:{port}")]
+    cfg.backends = found
+    cfg.discovered = {f"dns:vllm.test:{port}": [x.name for x in found]}
+    assert [x.name for x in found] == [f"127.0.0.2:{port}"]
+    client = await router_client(create_app(cfg))
+    state = client.server.app[STATE]
+    states = lambda: {s.name: state.router.fleet.states[s.index] for s in state.cluster.instances}  # noqa: E731
+
+    zone.records[("vllm.test", "A")] = [A("127.0.0.2"), A("127.0.0.3")]
+    took = await until(lambda: len(state.cluster.instances) == 2, 2.0)
+    assert took < 2.0 and states() == {f"127.0.0.2:{port}": ACTIVE, f"127.0.0.3:{port}": ACTIVE}
+    for k in range(4):
+        assert (await turn(client, f"s{k}", f"dns {k} " * 30))[0] == 200
+    assert fakes[1].seen
+
+    # the server stops answering for the name: nothing changes, the state says why
+    del zone.records[("vllm.test", "A")]
+    for _ in range(100):
+        disc = (await (await client.get("/kvtop/v1/state")).json())["discovery"][0]
+        if not disc["ok"]:
+            break
+        await asyncio.sleep(0.02)
+    assert disc["source"] == "dns" and "NXDOMAIN" in disc["error"]
+    assert set(states().values()) == {ACTIVE}
+
+    zone.records[("vllm.test", "A")] = [A("127.0.0.3")]
+    took = await until(lambda: states()[f"127.0.0.2:{port}"] == REMOVED, 2.0)
+    assert took < 2.0
+    rows = fleet_rows(state)
+    assert [(r["who"], json.loads(r["after"])["action"]) for r in rows] == [("dns", "add"), ("dns", "drain"),
+                                                                            ("dns", "remove")]
+    assert state.cluster.counters_zero()
+
+
+async def test_dns_srv_records(router_client, aiohttp_server, dns_server, tmp_path):
+    """--backend-srv NAME: each target's address on the record's port."""
+    from dnslib import A, SRV
+
+    from router.discovery_dns import resolve_at_start
+
+    zone, server = dns_server
+    f1, p1 = await fakes_on(aiohttp_server, ["127.0.0.1"])
+    f2, p2 = await fakes_on(aiohttp_server, ["127.0.0.1"])
+    zone.records[("a.test", "A")] = [A("127.0.0.1")]
+    zone.records[("_http._tcp.vllm.test", "SRV")] = [SRV(0, 1, p1, "a.test.")]
+    cfg = RouterConfig(backends=[], policy="leastwork", db=str(tmp_path / "kvtop.db"), control_token=TOKEN,
+                       state_dir=str(tmp_path / "state"), backend_srv=["_http._tcp.vllm.test"], dns_server=server,
+                       dns_interval_s=0.2)
+    found = (await resolve_at_start(cfg))[("srv", "_http._tcp.vllm.test")]
+    cfg.backends, cfg.discovered = found, {"srv:_http._tcp.vllm.test": [x.name for x in found]}
+    client = await router_client(create_app(cfg))
+    state = client.server.app[STATE]
+    zone.records[("_http._tcp.vllm.test", "SRV")] = [SRV(0, 1, p1, "a.test."), SRV(0, 1, p2, "a.test.")]
+    took = await until(lambda: len(state.cluster.instances) == 2, 2.0)
+    assert took < 2.0 and [s.url for s in state.cluster.instances] == [f"http://127.0.0.1:{p1}",
+                                                                      f"http://127.0.0.1:{p2}"]
