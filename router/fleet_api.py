@@ -37,10 +37,8 @@ async def change(st: Any, tel: Any, name: str, action: str, who: str, *, force: 
     (``note``, e.g. a discovery source, joins the row's ``after``). Raises FleetError (changing
     nothing). A remove also stops its health probes and KV-event subscriber and forgets what it
     cached."""
-    f = st.router.fleet
     i = fl.index_of([s.name for s in st.cluster.instances], name)
-    plan = f.plan(i, action, force=force, in_flight=st.cluster.instances[i].num_requests)
-    c = f.apply(plan, st.cluster.clock())
+    c = st.router.change_fleet(name, action, force=force)  # the rule, and a remove's forgetting
     if c.changed:
         st.record_config("fleet", who, {"instance": name, "state": c.before},
                          {"instance": name, "state": c.after, "action": action, "force": force, **(note or {})})
@@ -49,7 +47,6 @@ async def change(st: Any, tel: Any, name: str, action: str, who: str, *, force: 
         # connections are cut: each fails as when a backend drops it, and the retry rules apply
         if st.upstream is not None:
             st.upstream.cut_off(st.cluster.instances[i].url)
-        st.router.remove_instance(i)
         if st.health is not None:
             st.health.stop(i)
         if i < len(tel.instances):
