@@ -12,13 +12,15 @@ B=18100; K=18200
 timeout 400 kvtop sim --instances 4 --port-base $B --kv-events-port-base $K --profile h20 --speed 10 \
     --duration 380 > "$D/sim.log" 2>&1 &
 SIM=$!
-sleep 4
+# wait for what was started rather than for a fixed time: on a loaded host the sim took over 4 s
+up() { for _ in $(seq 600); do curl -sf -o /dev/null "$1" && return 0; sleep 0.1; done; echo "not up: $1"; return 1; }
+for k in 0 1 2 3; do up http://127.0.0.1:$((B+k))/health; done
 be() { echo "i$1=http://127.0.0.1:$((B+$1))@kv=tcp://127.0.0.1:$((K+2*$1))@kv-replay=tcp://127.0.0.1:$((K+2*$1+1))"; }
 EXTRA=(); [ -n "${STATIC4:-}" ] && EXTRA=(--backend "$(be 2)" --backend "$(be 3)")
 timeout 380 kvtop route --backend "$(be 0)" --backend "$(be 1)" "${EXTRA[@]}" --port 18000 --db "$D/kvtop.db" \
     --state-dir "$D/state" > "$D/route.log" 2>&1 &
 ROUTE=$!
-sleep 4
+up http://127.0.0.1:18000/health
 timeout 360 kvtop replay kvtop/data/sample_trace.jsonl.gz --target http://127.0.0.1:18000 --speed 10 \
     --out "$D/results.jsonl" --no-progress > "$D/replay.log" 2>&1 &
 REPLAY=$!

@@ -253,6 +253,29 @@ async def backend_models(backends: list[Backend], timeout: float = 3.0,
         pool.close()
 
 
+async def resolve_kv_sources(config: RouterConfig, timeout: float = 3.0) -> None:
+    """``@kv=auto``: each such backend's announced KV-event endpoints (router/kv_sources.py);
+    one that announces none is followed by the estimate, with a warning."""
+    from router import kv_sources
+
+    auto = [b for b in config.backends if b.kv_events == kv_sources.AUTO]
+    if not auto:
+        return
+    pool = Pool(connect_timeout=timeout, read_timeout=timeout, ssl_ca_file=config.backend_ca_file)
+    try:
+        found = await asyncio.gather(*(kv_sources.announced(pool, b.url, timeout) for b in auto))
+    finally:
+        pool.close()
+    for b, got in zip(auto, found):
+        b.kv_events, b.kv_replay = got if got is not None else (None, None)
+        if got is None:
+            log.warning("%s %s announces no KV events (GET %s); its hits come from the estimate",
+                        b.name, b.url, kv_sources.PATH)
+        else:
+            print(f"kvtop route: {b.name} announces KV events at {b.kv_events}"
+                  + (f" (replay {b.kv_replay})" if b.kv_replay else ""), flush=True)
+
+
 async def resolve_tokenizer(config: RouterConfig) -> None:
     """``--tokenizer auto`` or a directory to search: the tokenizer found, printed; none found
     is a warning and the approximation (router/tokenizer_find.py)."""
@@ -287,6 +310,7 @@ async def serve(config: RouterConfig, *, allow_unreachable: bool = False, drain_
             taken |= {b.name for b in new}
             config.backends += new
             config.discovered[f"{'dns' if kind == 'a' else 'srv'}:{spec}"] = [b.name for b in new]
+    await resolve_kv_sources(config)
     await resolve_tokenizer(config)
     try:
         app = create_app(config)

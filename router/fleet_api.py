@@ -12,11 +12,12 @@ from collections.abc import Callable
 from typing import Any
 
 import asyncio
+import logging
 
 from aiohttp import web
 from router import discovery
 from router import fleet as fl
-from router import kv_events
+from router import kv_events, kv_sources
 from router.fleet import FleetError
 from router.http import dumps, error_response, read_json
 from router.backends import parse_backend
@@ -25,6 +26,7 @@ from router.engine_metrics import InstanceTelemetry
 from store.errors import CliError
 
 PREFIX = "/kvtop/v1"
+log = logging.getLogger("kvtop.route")
 
 
 def instance_json(st: Any, i: int) -> dict[str, Any]:
@@ -73,6 +75,19 @@ async def add(st: Any, tel: Any, spec: str, who: str, *, note: dict[str, Any] | 
     for s in cl.instances:
         if f.states[s.index] != fl.REMOVED and (s.name == b.name or s.url == b.url):
             raise FleetError(f"{s.name} ({s.url}) is in the fleet already; remove it first to replace it")
+    if b.kv_events == kv_sources.AUTO:  # the engine's own announcement (GET /kv_event_sources)
+        if cl.exact is None:
+            raise FleetError("this router follows no KV events (no --backend had @kv=), so it has no exact index "
+                             "to add this instance's to; add it without @kv=", 400)
+        found = await kv_sources.announced(st.upstream, b.url) if st.upstream is not None else None
+        b.kv_events, b.kv_replay = found if found is not None else (None, None)
+        if found is None:
+            log.warning("%s %s announces no KV events (GET %s); its hits come from the estimate",
+                        b.name, b.url, kv_sources.PATH)
+        # the name or URL may have been taken while we asked
+        for s in cl.instances:
+            if f.states[s.index] != fl.REMOVED and (s.name == b.name or s.url == b.url):
+                raise FleetError(f"{s.name} ({s.url}) is in the fleet already; remove it first to replace it")
     if b.kv_events and cl.exact is None:
         raise FleetError("this router follows no KV events (no --backend had @kv=), so it has no exact index "
                          "to add this instance's to; add it without @kv=", 400)

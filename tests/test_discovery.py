@@ -353,3 +353,68 @@ async def test_dns_srv_records(router_client, aiohttp_server, dns_server, tmp_pa
     took = await until(lambda: len(state.cluster.instances) == 2, 2.0)
     assert took < 2.0 and [s.url for s in state.cluster.instances] == [f"http://127.0.0.1:{p1}",
                                                                       f"http://127.0.0.1:{p2}"]
+
+
+# -- KV-event endpoints the engine announces (@kv=auto) --------------------------------------------
+
+@pytest.mark.parametrize("answer,url,expected", [
+    # vLLM's current shape: a bare array, one entry per DP rank; rank 0's is followed, wildcard -> host
+    ([{"data_parallel_rank": 1, "endpoint": "tcp://*:5558", "replay_endpoint": None, "topic": ""},
+      {"data_parallel_rank": 0, "endpoint": "tcp://0.0.0.0:5557", "replay_endpoint": "tcp://*:5560", "topic": ""}],
+     "http://10.0.0.4:8000", ("tcp://10.0.0.4:5557", "tcp://10.0.0.4:5560")),
+    # an earlier revision's envelope; a concrete host is kept
+    ({"sources": [{"data_parallel_rank": 0, "endpoint": "tcp://10.1.1.1:5557", "replay_endpoint": None}]},
+     "http://h:8000", ("tcp://10.1.1.1:5557", None)),
+    ([{"endpoint": "tcp://*:5557"}], "http://[::1]:8000", ("tcp://[::1]:5557", None)),
+    ([], "http://h:1", None),  # KV events off
+    ({"detail": "Not Found"}, "http://h:1", None),
+    ([{"endpoint": "nats://x"}], "http://h:1", None),  # not a ZMQ endpoint kvtop can follow
+])
+def test_announced_kv_sources(answer, url, expected):
+    from router.kv_sources import pick
+
+    assert pick(answer, url) == expected
+
+
+async def test_an_instance_added_with_kv_auto_follows_what_it_announces(router_client, aiohttp_server, tmp_path):
+    from aiohttp import web
+
+    from fakevllm import FakeVLLM
+    from kvfake import FakePublisher, connected
+    from router.app import STATE
+
+    pubs = [FakePublisher(), FakePublisher()]
+    try:
+        urls = []
+        for k, pub in enumerate(pubs):
+            fake = FakeVLLM(f"f{k}")
+            app = fake.app()
+            port = pub.endpoint.rsplit(":", 1)[1]
+
+            async def sources(request, port=port, pub=pub):  # as vLLM: the bind address, a wildcard host
+                return web.json_response([{"data_parallel_rank": 0, "endpoint": f"tcp://*:{port}",
+                                           "replay_endpoint": pub.replay_endpoint, "topic": ""}])
+            app.router.add_get("/kv_event_sources", sources)
+            server = await aiohttp_server(app, host="127.0.0.1")
+            urls.append(str(server.make_url("")).rstrip("/"))
+        from router.cli import resolve_kv_sources
+
+        cfg = RouterConfig(backends=[Backend("i0", urls[0], kv_events="auto")], policy="leastwork",
+                           db=str(tmp_path / "kv.db"), control_token=TOKEN, state_dir=str(tmp_path / "state"))
+        await resolve_kv_sources(cfg)  # as kvtop route does before it starts
+        assert cfg.backends[0].kv_events == pubs[0].endpoint
+        client = await router_client(create_app(cfg))
+        state = client.server.app[STATE]
+        r = await client.post("/kvtop/v1/fleet", headers={"Authorization": f"Bearer {TOKEN}"},
+                              json={"backend": f"i1={urls[1]}@kv=auto"})
+        assert r.status == 200, await r.text()
+        sub = state.kv_subscribers[1]
+        assert sub is not None
+        await connected(sub, pubs[1])
+        state.writer.flush()
+        rows = [json.loads(r["after"]) for r in sqlite_utils.Database(cfg.db)["config_events"].rows
+                if r["kind"] == "fleet"]
+        assert rows[0]["kv_events"] == pubs[1].endpoint and rows[0]["kv_replay"] == pubs[1].replay_endpoint
+    finally:
+        for p in pubs:
+            await p.close()
