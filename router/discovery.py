@@ -328,7 +328,8 @@ class FileSource:
         return True
 
     async def run(self, rec: Reconciler, acts: Any) -> None:
-        self.changed()  # the file as it was read at start
+        # the first look reads the file again: an edit made since the router read it at start
+        # is applied (the same entries are no change)
         while True:
             await asyncio.sleep(FILE_POLL_S)
             if self.changed():
