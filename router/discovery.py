@@ -200,12 +200,15 @@ class Reconciler:
 
     async def apply(self, desired: list[Backend], acts: Any) -> int:
         """Plan and perform; returns how many fleet changes were made. DiscoveryError when the
-        set is refused (nothing changed). ``acts`` performs the fleet's operations
-        (router/fleet_api.Actions: the control API's own add and change)."""
+        set is refused (nothing changed), or when the fleet refused one of its operations (an
+        add the control API would refuse too: the rest is applied, that entry is not owned and
+        is tried again with the next answer that names it). ``acts`` performs the fleet's
+        operations (router/fleet_api.Actions: the control API's own add and change)."""
         ops = self.plan(desired, acts.fleet, acts.instances)
         now = time.time()
         made = 0
         want = {b.name: b for b in desired}
+        refused: list[str] = []
         # adds first: a drain must never find the fleet without an active instance
         for op in sorted(ops, key=lambda o: o.kind != "add"):
             try:
@@ -222,8 +225,11 @@ class Reconciler:
                     made += 1
                 elif op.kind == "wait":
                     self.waiting[op.name] = op.backend
-            except fl.FleetError as exc:  # the fleet changed under us between plan and act
+            except fl.FleetError as exc:  # the fleet's own refusal (or it changed between plan and act)
                 log.warning("%s %s: %s %s refused: %s", self.who, self.status.target, op.kind, op.name, exc.message)
+                refused.append(f"{op.kind} {op.name}: {exc.message}")
+                if op.kind == "add":
+                    want.pop(op.name, None)  # not there: tried again when an answer names it again
         for name in list(self.waiting):  # a name that left the set is not waited for any more
             if name not in want:
                 del self.waiting[name]
@@ -233,6 +239,8 @@ class Reconciler:
         if made:
             self.status.changed_at = time.time()
         self._sync()
+        if refused:  # applied but for these: shown until an answer applies whole
+            raise DiscoveryError("refused by the fleet: " + "; ".join(refused))
         return made
 
     async def tick(self, acts: Any) -> int:

@@ -76,12 +76,14 @@ async def add(st: Any, tel: Any, spec: str, who: str, *, note: dict[str, Any] | 
         if f.states[s.index] != fl.REMOVED and (s.name == b.name or s.url == b.url):
             raise FleetError(f"{s.name} ({s.url}) is in the fleet already; remove it first to replace it")
     if b.kv_events == kv_sources.AUTO:  # the engine's own announcement (GET /kv_event_sources)
-        if cl.exact is None:
-            raise FleetError("this router follows no KV events (no --backend had @kv=), so it has no exact index "
-                             "to add this instance's to; add it without @kv=", 400)
-        found = await kv_sources.announced(st.upstream, b.url) if st.upstream is not None else None
+        found = None
+        if cl.exact is None:  # nothing to follow them with: served from the estimate, as announced-none
+            log.warning("%s %s: @kv=auto on a router that follows no KV events (no --backend had @kv=); "
+                        "its hits come from the estimate", b.name, b.url)
+        elif st.upstream is not None:
+            found = await kv_sources.announced(st.upstream, b.url)
         b.kv_events, b.kv_replay = found if found is not None else (None, None)
-        if found is None:
+        if found is None and cl.exact is not None:
             log.warning("%s %s announces no KV events (GET %s); its hits come from the estimate",
                         b.name, b.url, kv_sources.PATH)
         # the name or URL may have been taken while we asked

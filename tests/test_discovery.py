@@ -418,3 +418,25 @@ async def test_an_instance_added_with_kv_auto_follows_what_it_announces(router_c
     finally:
         for p in pubs:
             await p.close()
+
+
+async def test_an_entry_the_fleet_refuses_is_not_owned_and_says_why(router_client, fake_backends, tmp_path):
+    """A line the control API would refuse (@kv= on a router that follows no KV events): the rest
+    of the edit applies, that entry is not taken as there, and the state says why."""
+    fakes = await fake_backends(3)
+    path = tmp_path / "backends.txt"
+    path.write_text(f"a={fakes[0][1]}\n")
+    cfg = RouterConfig(backends=parse_backends_file(path.read_text()), policy="leastwork", db="",
+                       control_token=TOKEN, state_dir=str(tmp_path / "state"), backends_file=str(path),
+                       discovered={"file": ["a"]})
+    client = await router_client(create_app(cfg))
+    state = client.server.app[STATE]
+    path.write_text(f"a={fakes[0][1]}\nb={fakes[1][1]}\nc={fakes[2][1]}@kv=tcp://127.0.0.1:1\n")
+    await until(lambda: len(state.cluster.instances) == 2, 2.0)
+    for _ in range(50):
+        disc = (await (await client.get("/kvtop/v1/state")).json())["discovery"][0]
+        if not disc["ok"]:
+            break
+        await asyncio.sleep(0.02)
+    assert disc["ok"] is False and "refused by the fleet: add c: this router follows no KV events" in disc["error"]
+    assert disc["instances"] == ["a", "b"] and [s.name for s in state.cluster.instances] == ["a", "b"]
