@@ -440,3 +440,28 @@ async def test_an_entry_the_fleet_refuses_is_not_owned_and_says_why(router_clien
         await asyncio.sleep(0.02)
     assert disc["ok"] is False and "refused by the fleet: add c: this router follows no KV events" in disc["error"]
     assert disc["instances"] == ["a", "b"] and [s.name for s in state.cluster.instances] == ["a", "b"]
+
+
+async def test_kvtop_sim_announces_its_kv_events_as_vllm_does():
+    """kvtop sim serves vLLM's GET /kv_event_sources; @kv=auto at start finds its publisher."""
+    from kvtop.sim.engine import Engine
+    from kvtop.sim.kv_publisher import KvEventPublisher
+    from kvtop.sim.server import SimInstance, serve
+    from router.cli import resolve_kv_sources
+
+    with_kv = SimInstance(Engine("h20", num_gpu_blocks=64), model="m", port=0, speed=1000.0)
+    with_kv.kv_publisher = KvEventPublisher(with_kv.engine, port=0, replay_port=0)
+    without = SimInstance(Engine("h20", num_gpu_blocks=64), model="m", port=0, speed=1000.0)
+    ready = asyncio.Event()
+    task = asyncio.get_running_loop().create_task(serve([with_kv, without], on_ready=lambda _: ready.set()))
+    try:
+        await ready.wait()
+        cfg = RouterConfig(backends=[Backend("a", f"http://127.0.0.1:{with_kv.port}", kv_events="auto"),
+                                     Backend("b", f"http://127.0.0.1:{without.port}", kv_events="auto")])
+        await resolve_kv_sources(cfg)
+        a, b_ = cfg.backends
+        assert (a.kv_events, a.kv_replay) == (with_kv.kv_publisher.endpoint, with_kv.kv_publisher.replay_endpoint)
+        assert (b_.kv_events, b_.kv_replay) == (None, None)  # announces none: the estimate serves it
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
