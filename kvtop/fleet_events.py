@@ -128,6 +128,18 @@ def check(events: list[FleetEvent], names: list[str], where: str = "--fleet-even
     return names
 
 
+def instance_names(n: int, events: Any = ()) -> list[str]:
+    """Every instance a simulation of ``n`` instances with ``events`` has: i0..i<n-1>, then each
+    added one, in the router's order (for per-instance figures such as the balance)."""
+    names = [f"i{i}" for i in range(n)]
+    for e in events:
+        if e.action == "add":
+            name = e.instance or f"i{len(names)}"
+            if name not in names:
+                names.append(name)
+    return names
+
+
 def load(path: str, names: list[str]) -> tuple[list[FleetEvent], list[str]]:
     """``--fleet-events PATH`` read, parsed and checked against a fleet of ``names``."""
     try:
