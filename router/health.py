@@ -171,11 +171,11 @@ class HealthChecker:
     async def probe(self, index: int) -> tuple[bool, bool, str | None]:
         """GET /health; a timeout is confirmed by a second try at once. Returns (ok, hard_failure, why).
 
-        The confirmation is for the router's own stalls: a timer that fires after the event
-        loop was blocked (a large KV replay, a loaded host) cancels a probe whose answer may
-        already be waiting in the socket; the router's own /health was seen taking 1.4 s
-        during a fleet change, and an idle instance (nothing completing, so nothing forgiven)
-        was taken out by such a timeout. A hung instance is still found, one timeout later."""
+        The confirmation is for a host that is slow for a moment: during a fleet_live.sh run at
+        load ~10, an outside client measured kvtop sim's /health at up to 1.7 s and the router's
+        own at up to 1.4 s (over the 1 s timeout), and an idle, freshly added instance (nothing
+        completing, so nothing forgiven) was taken out by such timeouts. A hung instance is
+        still found, one timeout later."""
         why = None
         for _ in range(2):
             ok, hard, why = await self._probe_once(index)
@@ -245,10 +245,10 @@ class HealthChecker:
         """Whether most healthy instances are failing their probes softly at the same time.
 
         Every /health timing out together says more about the router's host (an overloaded
-        machine, a stalled event loop: a timeout fires late, after the answer arrived) or the
-        network than about the instances; taking them all out turns a slow moment into 503s
-        for every request (fleet_live.sh saw 14 of them when every probe timed out at once
-        during a fleet change, on a host at load 10). As Envoy's panic threshold, then: with two
+        machine, a stalled event loop) or the network than about the instances; taking them all
+        out turns a slow moment into 503s for every request (fleet_live.sh saw 14 of them when
+        every probe timed out at once during a fleet change, on a host at load ~10 where
+        /health answers took up to 1.7 s). As Envoy's panic threshold, then: with two
         or more healthy instances and more than half of them in a soft-failure streak, a soft
         failure is held, up to CORRELATED_MAX_FAILURES in a row. A refused connection counts at
         once as always, and one instance failing alone goes down after FAIL_THRESHOLD."""
