@@ -132,7 +132,7 @@ class Status:
 
 @dataclass(frozen=True)
 class Op:
-    kind: str  # add | drain | uncordon
+    kind: str  # add | drain | uncordon | wait (add once the name or URL is free) | adopt (no change)
     name: str
     backend: Backend | None = None
 
@@ -178,7 +178,7 @@ class Reconciler:
             if holder is None:
                 ops.append(Op("add", name, b))
             elif holder.name in self.owned or holder.name in self.leaving:
-                if holder.name == name and holder.name in self.leaving and _same(holder, b):
+                if holder.name == name and holder.name in self.leaving and holder.url == b.url:
                     ops.append(Op("uncordon", name))  # it came back before it left
                 else:
                     ops.append(Op("wait", name, b))  # added once the one it replaces has left
@@ -297,10 +297,6 @@ class Reconciler:
         if not s.ok:
             log.info("%s %s: good again", s.source, s.target)
         s.ok, s.error, s.checked_at = True, None, time.time()
-
-
-def _same(inst: Any, b: Backend) -> bool:
-    return inst.url == b.url
 
 
 def _spec(b: Backend) -> str:

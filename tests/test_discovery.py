@@ -85,6 +85,16 @@ def test_plan(owned, fleet, desired, ops):
     assert [(o.kind, o.name) for o in rec.plan(want, f, insts)] == ops
 
 
+def test_an_entry_back_while_its_instance_drains_is_uncordoned():
+    insts, f = [Inst(0, "a", "http://h:1"), Inst(1, "c", "http://h:3")], Fleet(2)
+    f.apply(f.plan(1, "drain"), 0.0)
+    rec = Reconciler(Status("file", "f"), [b("a", 1)])
+    rec.leaving["c"] = 0.0  # the file dropped c: it drains
+    assert [(o.kind, o.name) for o in rec.plan([b("a", 1), b("c", 3)], f, insts)] == [("uncordon", "c")]
+    # back at another URL: it waits for the old one to leave
+    assert [(o.kind, o.name) for o in rec.plan([b("a", 1), b("c", 4)], f, insts)] == [("wait", "c")]
+
+
 @pytest.mark.parametrize("owned,fleet,desired,words", [
     # the file names an instance someone else put there, at another URL
     (["a"], {"a": 1, "x": 9}, ["a", ("x", 8)], "x (http://h:9) is in the fleet already, not from this file"),
