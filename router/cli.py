@@ -17,6 +17,7 @@ else approximated as 4 characters per token (each decision records which).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import asyncio
@@ -53,10 +54,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(docs/fleet.md)")
     p.add_argument("--backend-dns", action="append", default=[], metavar="NAME:PORT",
                    help="discover instances from NAME's A and AAAA records, each address an instance on "
-                        "PORT, looked up again every --dns-interval (repeatable; docs/fleet.md)")
+                        "PORT, looked up again every --dns-interval (repeatable; docs/fleet.md); "
+                        "NAME:PORT@kv=auto: each follows the KV events it announces")
     p.add_argument("--backend-srv", action="append", default=[], metavar="NAME",
                    help="discover instances from NAME's SRV records (e.g. _http._tcp.vllm.ns.svc.cluster.local): "
-                        "each target's addresses on its port (repeatable)")
+                        "each target's addresses on its port (repeatable; NAME@kv=auto as for --backend-dns)")
     p.add_argument("--dns-server", default=None, metavar="IP[:PORT]",
                    help="ask this DNS server for --backend-dns/--backend-srv (default: the system's resolvers)")
     p.add_argument("--dns-interval", type=float, default=1.0, metavar="S",
@@ -125,7 +127,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     backends = [parse_backend(s, i) for i, s in enumerate(args.backend)]
-    discovered: dict[str, list[str]] = {}
+    discovered: dict[str, list[Backend]] = {}
     if not (backends or args.backends_file or args.backend_dns or args.backend_srv):
         raise CliError("give at least one --backend, or a discovery source (--backends-file, --backend-dns, "
                        "--backend-srv)")
@@ -137,12 +139,15 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         except DiscoveryError as exc:
             raise CliError(f"--backends-file {args.backends_file}: {exc}") from None
         backends += found
-        discovered["file"] = [b.name for b in found]
+        # as the file says them (@kv=auto stays auto there; the router's copies get the endpoints)
+        discovered["file"] = [dataclasses.replace(b) for b in found]
     if args.backend_dns or args.backend_srv or args.dns_server:
-        from router.discovery_dns import make_resolver, parse_dns_target
+        from router.discovery_dns import make_resolver, parse_dns_target, split_kv
 
         for spec in args.backend_dns:
-            parse_dns_target(spec)
+            parse_dns_target(split_kv(spec)[0])
+        for spec in args.backend_srv:
+            split_kv(spec)
         if args.dns_server and not (args.backend_dns or args.backend_srv):
             raise CliError("--dns-server goes with --backend-dns or --backend-srv")
         make_resolver(args.dns_server)
@@ -309,7 +314,7 @@ async def serve(config: RouterConfig, *, allow_unreachable: bool = False, drain_
             new = [b for b in found if b.name not in taken]
             taken |= {b.name for b in new}
             config.backends += new
-            config.discovered[f"{'dns' if kind == 'a' else 'srv'}:{spec}"] = [b.name for b in new]
+            config.discovered[f"{'dns' if kind == 'a' else 'srv'}:{spec}"] = [dataclasses.replace(b) for b in new]
     await resolve_kv_sources(config)
     await resolve_tokenizer(config)
     try:

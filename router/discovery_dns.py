@@ -1,6 +1,7 @@
 """DNS discovery: ``--backend-dns NAME:PORT`` (A and AAAA records) and ``--backend-srv NAME``
 (SRV records: each target's host and port), re-resolved every ``--dns-interval`` seconds with
-dnspython's asyncio resolver, each answer applied by router/discovery.Reconciler.
+dnspython's asyncio resolver, each answer applied by router/discovery.Reconciler. Either may
+end in ``@kv=auto``: each instance found follows the KV events it announces.
 
 Every address is an instance, ``http://ADDRESS:PORT``, named ``ADDRESS:PORT`` (``[V6]:PORT``).
 SRV priorities and weights are not used: every target is an instance (as in a Kubernetes
@@ -25,6 +26,18 @@ from store.errors import CliError
 
 #: One lookup's limit (all its tries together), seconds.
 LOOKUP_TIMEOUT_S = 2.0
+
+
+def split_kv(spec: str) -> tuple[str, str | None]:
+    """``NAME...@kv=auto`` -> (NAME..., "auto"): discovered instances follow the KV events they
+    announce. CliError for any other option (DNS cannot say where an instance publishes)."""
+    target, sep, opt = spec.partition("@")
+    if not sep:
+        return spec, None
+    if opt != "kv=auto":
+        raise CliError(f"{spec!r}: the only option a DNS name takes is @kv=auto (each instance's announced "
+                       "KV events)")
+    return target, "auto"
 
 
 def parse_dns_target(spec: str) -> tuple[str, int]:
@@ -139,10 +152,15 @@ class DnsSource:
         return "dns" if self.kind == "a" else "srv"
 
     async def resolve(self) -> list[Backend]:
+        target, kv = split_kv(self.spec)
         if self.kind == "a":
-            name, port = parse_dns_target(self.spec)
-            return await resolve_a(self.resolver, name, port)
-        return await resolve_srv(self.resolver, self.spec)
+            name, port = parse_dns_target(target)
+            found = await resolve_a(self.resolver, name, port)
+        else:
+            found = await resolve_srv(self.resolver, target)
+        for b in found:
+            b.kv_events = kv  # "auto": each instance is asked when it joins (router/kv_sources.py)
+        return found
 
     async def run(self, rec: Reconciler, acts: Any) -> None:
         while True:
@@ -178,15 +196,14 @@ async def resolve_at_start(cfg: Any) -> dict[tuple[str, str], list[Backend]]:
     return out
 
 
-def sources(cfg: Any, acts: Any, owned: dict[str, list[str]],
-            by_name: dict[str, Backend]) -> list[tuple[Reconciler, Callable[[], Awaitable[None]]]]:
+def sources(cfg: Any, acts: Any, owned: dict[str, list[Backend]]) -> list[tuple[Reconciler, Callable[[], Awaitable[None]]]]:
     """router/fleet_api.setup_discovery's DNS half: a reconciler and a running loop per name."""
     resolver = make_resolver(cfg.dns_server)
     out = []
     for kind, spec in targets(cfg):
         src = DnsSource(kind, spec, resolver, cfg.dns_interval_s)
         key = f"{src.source}:{spec}"
-        start = [by_name[n] for n in owned.get(key, ()) if n in by_name]
+        start = list(owned.get(key, ()))
         src.last = start
         rec = Reconciler(Status(src.source, spec), start, drain_timeout_s=cfg.discovery_drain_timeout_s)
         out.append((rec, lambda src=src, rec=rec: src.run(rec, acts)))

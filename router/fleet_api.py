@@ -215,17 +215,15 @@ def setup_discovery(app: web.Application, ctl: Any) -> None:
     st.discovery = disc
     acts = Actions(st, ctl.tel)
     owned = cfg.discovered or {}
-    by_name = {b.name: b for b in cfg.backends}
     if cfg.backends_file:
         fsrc = discovery.FileSource(cfg.backends_file)
-        rec = discovery.Reconciler(discovery.Status("file", cfg.backends_file),
-                                   [by_name[n] for n in owned.get("file", ()) if n in by_name],
+        rec = discovery.Reconciler(discovery.Status("file", cfg.backends_file), owned.get("file", []),
                                    drain_timeout_s=cfg.discovery_drain_timeout_s)
         disc.sources.append((rec, lambda: fsrc.run(rec, acts)))
     if cfg.backend_dns or cfg.backend_srv:
         from router import discovery_dns
 
-        disc.sources += discovery_dns.sources(cfg, acts, owned, by_name)
+        disc.sources += discovery_dns.sources(cfg, acts, owned)
     if not disc.sources:
         return
 

@@ -107,14 +107,14 @@ class RouterConfig:
     shadows: list[str] = field(default_factory=list)
     shadow_budget_ms: float = 5.0
     # discovery (router/discovery.py, docs/fleet.md): a watched backends file, DNS names, and
-    # which of the starting backends each source put there (source -> names)
+    # the starting backends each source put there, as it said them (before @kv=auto was asked)
     backends_file: str | None = None
     backend_dns: list[str] = field(default_factory=list)
     backend_srv: list[str] = field(default_factory=list)
     dns_server: str | None = None
     dns_interval_s: float = 5.0
     discovery_drain_timeout_s: float = 300.0
-    discovered: dict[str, list[str]] = field(default_factory=dict)
+    discovered: dict[str, list[Backend]] = field(default_factory=dict)  # as each source said them
 
     @property
     def capacity_blocks(self) -> int:

@@ -144,7 +144,7 @@ async def test_backends_file_edits_apply_within_2s(router_client, fake_backends,
     found = parse_backends_file(path.read_text())
     cfg = RouterConfig(backends=found, policy="leastwork", db=str(tmp_path / "kvtop.db"),
                        state_dir=str(tmp_path / "state"), control_token=TOKEN, backends_file=str(path),
-                       discovered={"file": [x.name for x in found]})
+                       discovered={"file": found})
     client = await router_client(create_app(cfg))
     state = client.server.app[STATE]
     names = lambda: [(s.name, state.router.fleet.states[s.index]) for s in state.cluster.instances]  # noqa: E731
@@ -207,7 +207,7 @@ async def test_file_drops_an_instance_with_a_request_in_flight(router_client, fa
     path.write_text(f"a={fakes[0][1]}\nb={fakes[1][1]}\n")
     found = parse_backends_file(path.read_text())
     cfg = RouterConfig(backends=found, policy="sticky", db=str(tmp_path / "kvtop.db"), control_token=TOKEN,
-                       state_dir=str(tmp_path / "state"), backends_file=str(path), discovered={"file": ["a", "b"]})
+                       state_dir=str(tmp_path / "state"), backends_file=str(path), discovered={"file": found})
     client = await router_client(create_app(cfg))
     state = client.server.app[STATE]
     r = asyncio.ensure_future(client.post("/v1/completions", json={"prompt": "x " * 40, "max_tokens": 30}))
@@ -309,7 +309,7 @@ async def test_dns_a_records_change_within_2s(router_client, aiohttp_server, dns
                        dns_interval_s=0.2)
     found = (await resolve_at_start(cfg))[("a", f"vllm.test:{port}")]
     cfg.backends = found
-    cfg.discovered = {f"dns:vllm.test:{port}": [x.name for x in found]}
+    cfg.discovered = {f"dns:vllm.test:{port}": found}
     assert [x.name for x in found] == [f"127.0.0.2:{port}"]
     client = await router_client(create_app(cfg))
     state = client.server.app[STATE]
@@ -356,7 +356,7 @@ async def test_dns_srv_records(router_client, aiohttp_server, dns_server, tmp_pa
                        state_dir=str(tmp_path / "state"), backend_srv=["_http._tcp.vllm.test"], dns_server=server,
                        dns_interval_s=0.2)
     found = (await resolve_at_start(cfg))[("srv", "_http._tcp.vllm.test")]
-    cfg.backends, cfg.discovered = found, {"srv:_http._tcp.vllm.test": [x.name for x in found]}
+    cfg.backends, cfg.discovered = found, {"srv:_http._tcp.vllm.test": found}
     client = await router_client(create_app(cfg))
     state = client.server.app[STATE]
     zone.records[("_http._tcp.vllm.test", "SRV")] = [SRV(0, 1, p1, "a.test."), SRV(0, 1, p2, "a.test.")]
@@ -436,9 +436,10 @@ async def test_an_entry_the_fleet_refuses_is_not_owned_and_says_why(router_clien
     fakes = await fake_backends(3)
     path = tmp_path / "backends.txt"
     path.write_text(f"a={fakes[0][1]}\n")
-    cfg = RouterConfig(backends=parse_backends_file(path.read_text()), policy="leastwork", db="",
+    found = parse_backends_file(path.read_text())
+    cfg = RouterConfig(backends=found, policy="leastwork", db="",
                        control_token=TOKEN, state_dir=str(tmp_path / "state"), backends_file=str(path),
-                       discovered={"file": ["a"]})
+                       discovered={"file": found})
     client = await router_client(create_app(cfg))
     state = client.server.app[STATE]
     path.write_text(f"a={fakes[0][1]}\nb={fakes[1][1]}\nc={fakes[2][1]}@kv=tcp://127.0.0.1:1\n")
@@ -475,3 +476,63 @@ async def test_kvtop_sim_announces_its_kv_events_as_vllm_does():
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_file_entry_with_kv_auto_is_not_replaced_once_its_endpoints_are_found(
+        router_client, aiohttp_server, tmp_path):
+    """The file says @kv=auto; the router's copy gets the announced endpoints. The watcher
+    compares with what the file said, so its next look changes nothing (it did not drain and
+    re-add the instance)."""
+    import argparse
+
+    from aiohttp import web
+
+    from fakevllm import FakeVLLM
+    from kvfake import FakePublisher
+    from router.cli import add_arguments, config_from_args, resolve_kv_sources
+
+    pub = FakePublisher()
+    try:
+        app = FakeVLLM("f").app()
+
+        async def sources(request):
+            return web.json_response([{"data_parallel_rank": 0, "endpoint": pub.endpoint,
+                                       "replay_endpoint": None, "topic": ""}])
+        app.router.add_get("/kv_event_sources", sources)
+        server = await aiohttp_server(app, host="127.0.0.1")
+        path = tmp_path / "backends.txt"
+        path.write_text(f"a={str(server.make_url('')).rstrip('/')}@kv=auto\n")
+        p = argparse.ArgumentParser()
+        add_arguments(p)
+        cfg = config_from_args(p.parse_args(["--backends-file", str(path), "--db", str(tmp_path / "k.db"),
+                                             "--state-dir", str(tmp_path / "st")]))
+        await resolve_kv_sources(cfg)
+        assert cfg.backends[0].kv_events == pub.endpoint and cfg.discovered["file"][0].kv_events == "auto"
+        client = await router_client(create_app(cfg))
+        state = client.server.app[STATE]
+        await asyncio.sleep(0.6)  # two looks of the watcher
+        assert fleet_rows(state) == [] and state.kv_subscribers[0] is not None
+        disc = (await (await client.get("/kvtop/v1/state")).json())["discovery"][0]
+        assert disc["ok"] and disc["instances"] == ["a"]
+    finally:
+        await pub.close()
+
+
+@pytest.mark.parametrize("spec,expected", [
+    ("vllm.ns:8000", ("vllm.ns:8000", None)),
+    ("vllm.ns:8000@kv=auto", ("vllm.ns:8000", "auto")),
+    ("_http._tcp.vllm.ns@kv=auto", ("_http._tcp.vllm.ns", "auto")),
+])
+def test_dns_names_take_kv_auto(spec, expected):
+    from router.discovery_dns import split_kv
+
+    assert split_kv(spec) == expected
+
+
+def test_dns_names_take_no_other_option():
+    from router.discovery_dns import split_kv
+    from store.errors import CliError
+
+    with pytest.raises(CliError) as exc:
+        split_kv("vllm.ns:8000@kv=tcp://x:1")
+    assert "the only option a DNS name takes is @kv=auto" in str(exc.value)
