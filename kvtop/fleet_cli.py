@@ -3,6 +3,7 @@ traffic flows.
 
   kvtop fleet list                    each instance's fleet state, requests in flight, sessions homed
   kvtop fleet add i4=http://h:8000@kv=tcp://h:5557    a new instance, in `kvtop route --backend` syntax
+  kvtop fleet add i5=http://h:8001@kv=auto            ... following the KV events it announces
   kvtop fleet cordon i1               no new sessions on i1; its sessions keep coming
   kvtop fleet drain i1 --wait 300     no new requests on i1; wait until its in-flight ones are done
   kvtop fleet remove i1               out of the fleet (once drained: nothing in flight there)

@@ -115,7 +115,9 @@ def run_task(task: Task, simulate: Callable[..., Any] | None = None,
     if getattr(cfg, "path_jitter_s", 0):
         cfg = replace(cfg, path_seed=task.replica)   # replica 0 keeps the noise-free path
     records = simulate(requests, task.policy, cfg)
-    row = seed_row(records, instances=[f"i{i}" for i in range(task.config.instances)])
+    from kvtop.fleet_events import instance_names  # the starting instances and any fleet event added
+
+    row = seed_row(records, instances=instance_names(task.config.instances, getattr(cfg, "fleet_events", ())))
     return task, {k: row[k] for k, _ in METRICS} | {"apc": row["apc"], "errors": row["errors"],
                                                      "requests": len(records)}
 

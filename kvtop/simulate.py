@@ -81,6 +81,9 @@ class SimConfig:
     # the engines' --scheduling-policy (vLLM's fcfs or priority); the router's priority feature
     # sets each request's priority, which the engines then honour (kvtop/sim/engine.py)
     scheduling_policy: str = "fcfs"
+    # fleet changes at their times (kvtop/fleet_events.py: add, cordon, drain, uncordon, remove,
+    # fail), applied through the router's own fleet rules; every arm and replica gets the same
+    fleet_events: tuple = ()
 
 
 def _engine_factory(cfg: SimConfig, trace_block_size: int):
@@ -161,7 +164,9 @@ def simulate(requests: Sequence[Any], policy: str, cfg: SimConfig, *,
     upstream calls are engine requests. ``engines`` replaces the model engines (one per
     instance, the Engine interface; a test's scripted engines), and ``departures`` makes the
     client of trace request k leave ``departures[k]`` seconds after it arrived; ``decisions``,
-    when given, receives every decision row (the decision log's shape).
+    when given, receives every decision row (the decision log's shape). ``cfg.fleet_events``
+    (kvtop/fleet_events.FleetEvent, checked) change the fleet at their times, through the
+    router's own fleet rules (router/build.Router.change_fleet), as the control API does live.
     """
     young, *older = gc.get_threshold()
     gc.set_threshold(max(young, GC_YOUNG_THRESHOLD), *older)
@@ -177,6 +182,9 @@ def _simulate(requests: Sequence[Any], policy: str, cfg: SimConfig, given: Seque
 
     if not requests:
         return []
+    fleet_events = cfg.fleet_events
+    if fleet_events and given is not None and any(e.action == "add" for e in fleet_events):
+        raise ValueError("fleet events that add instances need the simulator's own engines")
     # A built stream can mix sources (64-token Claude Code ids, 512-token Mooncake ids): each
     # line is regrouped from its own block size; engines use the finest one present.
     make_engine, ebs, capacity_tokens = _engine_factory(cfg, min(r.block_size or 16 for r in requests))
@@ -214,6 +222,10 @@ def _simulate(requests: Sequence[Any], policy: str, cfg: SimConfig, given: Seque
     else:
         for k, r in enumerate(requests):
             push(r.arrival, "arrive", k)
+    for ev in fleet_events:
+        push(ev.t, "fleet", ev)
+    dead: set[int] = set()  # instances that failed: an engine request sent there fails at once
+    removing: list[Any] = []  # removes waiting for their instance's last request to end
 
     stepping = [False] * cfg.instances
     # The engines coalesce uneventful decode steps (Engine.step(coalesce=True)); a request
@@ -275,6 +287,8 @@ def _simulate(requests: Sequence[Any], policy: str, cfg: SimConfig, given: Seque
         res = in_flight[i]
         end = res.end_time if res is not None else None
         try:
+            if i in dead:
+                raise EngineFailed(f"instance {router.cluster.instances[i].name} failed (fleet event)")
             engines[i].add_request(ereq)
         except EngineRejected as exc:
             # as vLLM's 400: a refused prefill leg sends D to prefill itself, a refused serve
@@ -297,10 +311,65 @@ def _simulate(requests: Sequence[Any], policy: str, cfg: SimConfig, given: Seque
         upstream[key] = flow
         kick(i, t)
 
+    def fail_in_flight(i: int, t: float, why: str) -> None:
+        """Every engine request on instance ``i`` ends as when its backend drops it (the live
+        router's forced remove, or a dead engine): a prefill leg sends D to prefill itself, a
+        serve leg is retried elsewhere where the lifecycle may, else it fails."""
+        for key, flow in list(upstream.items()):
+            if flow.leg.instance != i:
+                continue
+            del upstream[key]
+            engines[i].abort(key, t)
+            if flow.leg.kind == PREFILL:
+                event: Any = PrefillAnswered(None)
+            elif life.may_retry(flow):
+                event = LegFailed(UPSTREAM_ERROR, why, 502)
+            else:
+                event = Ended(UPSTREAM_ERROR, http_status=502, error=why)
+            perform(flow, life.step(flow, event), t)
+
+    def fleet_event(ev: Any, t: float) -> None:
+        """One change to the fleet, through the router's own rules (router/fleet.py)."""
+        cl = router.cluster
+        if ev.action == "add":
+            name = ev.instance or f"i{len(cl.instances)}"
+            i = router.add_instance(name, capacity_blocks=max(1, capacity_tokens // cfg.router_block_size))
+            if i == len(engines):
+                engines.append(make_engine(i))
+                stepping.append(False)
+                in_flight.append(None)
+                generation.append(0)
+            else:  # a removed instance comes back: a fresh engine in its place
+                engines[i] = make_engine(i)
+                stepping[i], in_flight[i] = False, None
+                generation[i] += 1
+            dead.discard(i)
+            return
+        i = [s.name for s in cl.instances].index(ev.instance)
+        if ev.action == "fail":
+            dead.add(i)
+            cl.set_healthy(i, False)  # the live router's probes take it out
+            fail_in_flight(i, t, f"instance {ev.instance} failed")
+            return
+        if ev.action == "remove" and not ev.force and cl.instances[i].num_requests:
+            removing.append(ev)  # as `kvtop fleet drain --wait` then `remove`
+            return
+        if ev.action == "remove" and ev.force:
+            fail_in_flight(i, t, f"instance {ev.instance} removed with requests in flight")
+        router.change_fleet(ev.instance, ev.action, force=ev.force)
+
     while heap:
         t, _, kind, payload = heapq.heappop(heap)
         sim_time[0] = t
-        if kind == "arrive":
+        if removing:  # removes that waited: done once their instance has nothing in flight
+            for ev in list(removing):
+                i = [s.name for s in router.cluster.instances].index(ev.instance)
+                if not router.cluster.instances[i].num_requests:
+                    removing.remove(ev)
+                    router.change_fleet(ev.instance, "remove")
+        if kind == "fleet":
+            fleet_event(payload, t)
+        elif kind == "arrive":
             r = requests[payload]
             rid = f"{payload}"
             out = r.output_tokens if cfg.max_output_tokens is None else min(r.output_tokens, cfg.max_output_tokens)
@@ -432,6 +501,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--terminal-plot", choices=("auto", "always", "never"), default="auto",
                    help="with --repeats: forest plots of TTFT p90 and E2E p99 (means and 95%% intervals) "
                         "after the report; auto: when stdout is a terminal and --format is text")
+    p.add_argument("--fleet-events", default=None, metavar="FILE",
+                   help="change the fleet while the trace runs: JSON Lines of {\"t\": S, \"action\": add|cordon|"
+                        "drain|uncordon|remove|fail, \"instance\": NAME, \"force\": true} on the trace's "
+                        "clock, applied through the router's own fleet rules (docs/fleet.md); with --from-db "
+                        "the run's own recorded fleet changes are replayed instead")
     p.add_argument("--format", choices=("text", "md", "csv"), default="text")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="write each policy's results as DIR/<policy>.jsonl (for kvtop report)")
@@ -451,7 +525,7 @@ def run(args: argparse.Namespace) -> int:
         if args.trace is not None:
             raise CliError("give a trace or --from-db, not both")
         if (args.out or args.limit is not None or args.knob or args.workers is not None or args.ray
-                or args.path_jitter or args.plot or args.terminal_plot == "always"):
+                or args.path_jitter or args.plot or args.terminal_plot == "always" or args.fleet_events):
             raise CliError("--from-db takes --policies, --run, --speed, --profile, --mode, --repeats, "
                            "--jitter and --format (the run's own knobs are used)")
         from kvtop.whatif import run as whatif_run
@@ -499,6 +573,13 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(f"cannot write --plot {args.plot}: {folder} is not a writable folder")
     if args.ray is not None and args.repeats < 2:
         raise CliError("--ray runs --repeats replicas: give --repeats 2 or more")
+    fleet_events: tuple = ()
+    names = [f"i{i}" for i in range(args.instances)]
+    if args.fleet_events:  # checked against the router's fleet rules before the trace is read
+        from kvtop.fleet_events import load
+
+        events, names = load(args.fleet_events, names)
+        fleet_events = tuple(events)
     # the same results, cheaper to simulate (see dense_ids); converted as the lines are read,
     # so the trace's own ids are not all alive beside the dense ones (peak 227 MB, not 312)
     requests = dense_ids(islice(iter_trace(args.trace), args.limit))
@@ -525,7 +606,7 @@ def run(args: argparse.Namespace) -> int:
                                   engine_block_size=args.engine_block_size, knobs=_policy_knobs(settings[pol], knobs),
                                   max_output_tokens=args.max_output_tokens, features=features,
                                   admission=args.engine_admission, path_jitter_s=args.path_jitter,
-                                  scheduling_policy=args.scheduling_policy)
+                                  scheduling_policy=args.scheduling_policy, fleet_events=fleet_events)
                    for pol in policies}
         t0 = time.time()
         try:
@@ -554,7 +635,7 @@ def run(args: argparse.Namespace) -> int:
                         router_block_size=args.router_block_size, engine_block_size=args.engine_block_size,
                         knobs=_policy_knobs(settings[pol], knobs), max_output_tokens=args.max_output_tokens,
                         features=features, admission=args.engine_admission,
-                        scheduling_policy=args.scheduling_policy)
+                        scheduling_policy=args.scheduling_policy, fleet_events=fleet_events)
         t0 = time.process_time()
         try:
             records = simulate(requests, pol, cfg)
@@ -562,7 +643,7 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(str(exc)) from None
         cpu = time.process_time() - t0
         print(f"simulated {pol}: {len(records)} requests in {cpu:.1f} CPU s", file=sys.stderr)
-        rows.append((pol, seed_row(records, instances=[f"i{i}" for i in range(args.instances)])))
+        rows.append((pol, seed_row(records, instances=names)))
         classes.append((pol, class_rows(records)))
         arms.append((pol, records))
         if out_dir:

@@ -54,8 +54,11 @@ class RecordedRun:
     shadows: list[str]  # shadow policies recorded in the run
     skipped: dict[str, int] = field(default_factory=dict)  # why requests could not be re-run
     total: int = 0  # first attempts in the run
-    #: policy, knob and fleet changes made while it ran (ts, kind, who): not replayed
+    #: policy, knob and fleet changes made while it ran (ts, kind, who); the fleet's are replayed
     changes: list[tuple[float, str, str]] = field(default_factory=list)
+    #: the fleet's changes as recorded (ts, after): kvtop/fleet_events.from_config_events
+    fleet_changes: list[tuple[float, Any]] = field(default_factory=list)
+    t0: float = 0.0  # wall time of the first arrival re-run (the requests' time zero)
 
 
 def load_run(path: str | Path, run_id: str | None = None) -> RecordedRun:
@@ -124,7 +127,8 @@ def load_run(path: str | Path, run_id: str | None = None) -> RecordedRun:
             stream=o["stream"], t_done=last_done[sess], arm="recorded").as_record())
     return RecordedRun(run_id=rid, policies=policies, knobs=dict(config.get("knobs") or {}),
                        instances=instances, block_size=block_size, requests=requests, recorded=recorded,
-                       shadows=shadows, skipped=skipped, total=len(rows), changes=list(got.changes))
+                       shadows=shadows, skipped=skipped, total=len(rows), changes=list(got.changes),
+                       fleet_changes=list(got.fleet_changes), t0=t0)
 
 
 #: The block size of the chains handed to the simulator (see FineChains).
@@ -460,10 +464,14 @@ def format_report(run: RecordedRun, speed: float, speed_note: str, rows: list[tu
     lines.append(f"recorded policy: {', '.join(run.policies)}; instances: {len(run.instances)}; "
                  f"time scale: engine = wall x {speed:.4g} ({speed_note}); figures in the run's wall time")
     lines.append(f"router features, as recorded, in every arm: {features}")
-    if run.changes:
-        who = ", ".join(sorted({w for _, _, w in run.changes}))
-        what = "policy or knobs" if all(k != "fleet" for _, k, _ in run.changes) else "policy, knobs or fleet"
-        lines.append(f"note: the run's {what} changed {len(run.changes)} time(s) while it ran ({who}); "
+    fleet = [c for c in run.changes if c[1] == "fleet"]
+    if fleet:
+        lines.append(f"fleet changes replayed in every arm at their recorded times: {len(fleet)} "
+                     f"({', '.join(sorted({w for _, _, w in fleet}))})")
+    others = [c for c in run.changes if c[1] != "fleet"]
+    if others:
+        who = ", ".join(sorted({w for _, _, w in others}))
+        lines.append(f"note: the run's policy or knobs changed {len(others)} time(s) while it ran ({who}); "
                      "every arm re-runs its STARTING settings, so figures after the first change "
                      "compare different setups")
     if replicas > 1:
@@ -555,7 +563,14 @@ def run(args: Any, simulate: Any, sim_config: Any) -> int:
     sim_profile = prof if fit is None else fitted_profile(prof, fit)
     print(f"time scale x{speed:.4g} ({note}) in {time.process_time() - t0:.1f} CPU s", file=sys.stderr)
     requests = scaled(rec, speed)
-    names = rec.instances or sorted({r["instance"] for r in rec.recorded})
+    from kvtop.fleet_events import from_config_events
+
+    start = rec.instances or sorted({r["instance"] for r in rec.recorded})
+    # the run's fleet changes at their times in engine seconds, as the simulator's i<k> names;
+    # ``names`` is every instance the run had, in the router's order (the starting ones, then added)
+    fleet_events, start, names = from_config_events(rec.fleet_changes, rec.t0, speed, list(start)) \
+        if rec.instances else ([], list(start), list(start))
+    rec.instances = names  # the report's columns: every instance the run had
     rec_keys = ordinal_keys(rec.recorded)
     has_ttft = {k for k, r in zip(rec_keys, rec.recorded) if r["ttft_ms"] is not None}
     recorded_fig = figures(rec.recorded, names)
@@ -575,7 +590,7 @@ def run(args: Any, simulate: Any, sim_config: Any) -> int:
         canon = policy_class(pol).name
         knobs = {k: v for k, v in recorded_knobs.items()
                  if k in set(policy_class(pol).schema.names()) and k not in features}
-        cfg = sim_config(instances=len(names), profile=sim_profile, mode=args.mode,
+        cfg = sim_config(instances=len(start), profile=sim_profile, mode=args.mode, fleet_events=tuple(fleet_events),
                          router_block_size=rec.block_size, knobs=knobs, features=features,
                          # the recorded router set vLLM's priority: its engines ran priority scheduling
                          scheduling_policy="priority" if features.get("priority", "off") != "off" else "fcfs")

@@ -1,4 +1,5 @@
-"""``--backend`` specs: ``[NAME=]URL[@gpu=N][@kv=tcp://HOST:PORT][@kv-replay=tcp://HOST:PORT]``.
+"""``--backend`` specs: ``[NAME=]URL[@gpu=N][@kv=tcp://HOST:PORT|auto][@kv-replay=tcp://HOST:PORT]``
+(``@kv=auto``: the endpoints the engine announces, router/kv_sources.py).
 
 One parser for `kvtop route --backend` (router/cli.py) and an instance added to a running
 router (router/fleet_api.py), so both take and refuse the same specs with the same words.
@@ -30,10 +31,13 @@ def parse_backend(spec: str, index: int) -> Backend:
         except ValueError:
             raise CliError(f"--backend {spec!r}: @gpu= needs an integer GPU index") from None
     for key in ("kv", "kv-replay"):
-        if key in opts and not opts[key].startswith(("tcp://", "ipc://")):
-            raise CliError(f"--backend {spec!r}: @{key}= expects a ZMQ endpoint, tcp://HOST:PORT or ipc://PATH")
+        if key in opts and not opts[key].startswith(("tcp://", "ipc://")) and not (key == "kv" and opts[key] == "auto"):
+            raise CliError(f"--backend {spec!r}: @{key}= expects a ZMQ endpoint, tcp://HOST:PORT or ipc://PATH"
+                           + (", or auto (ask the engine: GET /kv_event_sources)" if key == "kv" else ""))
     if "kv-replay" in opts and "kv" not in opts:
         raise CliError(f"--backend {spec!r}: @kv-replay= needs @kv= (the event stream itself)")
+    if "kv-replay" in opts and opts["kv"] == "auto":
+        raise CliError(f"--backend {spec!r}: @kv=auto takes the replay endpoint the engine announces too")
     name = f"i{index}"
     head, sep, rest = url.partition("=")
     if sep and "://" not in head:

@@ -14,7 +14,7 @@ from typing import Any
 from router.calibration import DEFAULT_PRIOR, PrefillPrior
 from router.cluster import Cluster
 from router.core import PolicySlot, RoutingCore
-from router.fleet import Fleet
+from router.fleet import REMOVED, Change, Fleet, index_of
 from router.lifecycle import Lifecycle
 from router.pipeline import Flow, Pipeline, Sink
 from router.request import RouteRequest
@@ -70,6 +70,17 @@ class Router:
         self.pipeline.queue.add_instance()
         self.fleet.add(now)
         return i
+
+    def change_fleet(self, name: str, action: str, *, force: bool = False) -> Change:
+        """Cordon, drain, uncordon or remove the instance named ``name`` (router/fleet.py's rules;
+        FleetError changing nothing); a remove also forgets what it held. The control API
+        (router/fleet_api.py) and the simulator (kvtop/simulate.py) both change the fleet here."""
+        i = index_of([s.name for s in self.cluster.instances], name)
+        plan = self.fleet.plan(i, action, force=force, in_flight=self.cluster.instances[i].num_requests)
+        c = self.fleet.apply(plan, self.pipeline.clock())
+        if c.changed and c.after == REMOVED:
+            self.remove_instance(i)
+        return c
 
     def remove_instance(self, i: int) -> None:
         """Forget what instance ``i`` held; it keeps its index, marked removed, out of every pick.

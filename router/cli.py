@@ -17,6 +17,7 @@ else approximated as 4 characters per token (each decision records which).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import asyncio
@@ -41,10 +42,30 @@ log = logging.getLogger("kvtop.route")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     names = ", ".join(sorted(POLICIES) + sorted(ALIASES))
-    p.add_argument("--backend", action="append", default=[], metavar="URL", required=True,
+    p.add_argument("--backend", action="append", default=[], metavar="URL",
                    help="a vLLM instance: URL, name=URL, optionally @gpu=N, @kv=tcp://HOST:5557 (its KV "
                         "events: exact cache state, docs/kv-events.md) and @kv-replay=tcp://HOST:5558 "
-                        "(its replay endpoint, to fill gaps) (repeat for each)")
+                        "(its replay endpoint, to fill gaps) (repeat for each; at least one, or a "
+                        "discovery source below)")
+    p.add_argument("--backends-file", default=None, metavar="PATH",
+                   help="discover instances from a file, one --backend spec a line (# comments; without "
+                        "NAME= an entry is named HOST:PORT), watched while the router runs: a new line is "
+                        "added, a line gone is drained and then removed, a bad file changes nothing "
+                        "(docs/fleet.md)")
+    p.add_argument("--backend-dns", action="append", default=[], metavar="NAME:PORT",
+                   help="discover instances from NAME's A and AAAA records, each address an instance on "
+                        "PORT, looked up again every --dns-interval (repeatable; docs/fleet.md); "
+                        "NAME:PORT@kv=auto: each follows the KV events it announces")
+    p.add_argument("--backend-srv", action="append", default=[], metavar="NAME",
+                   help="discover instances from NAME's SRV records (e.g. _http._tcp.vllm.ns.svc.cluster.local): "
+                        "each target's addresses on its port (repeatable; NAME@kv=auto as for --backend-dns)")
+    p.add_argument("--dns-server", default=None, metavar="IP[:PORT]",
+                   help="ask this DNS server for --backend-dns/--backend-srv (default: the system's resolvers)")
+    p.add_argument("--dns-interval", type=float, default=1.0, metavar="S",
+                   help="seconds between DNS lookups of each discovered name (default 1)")
+    p.add_argument("--discovery-drain-timeout", type=float, default=300.0, metavar="S",
+                   help="an instance its discovery source dropped is drained, then removed once idle, or "
+                        "removed with its requests failing over after S seconds of draining (default 300)")
     p.add_argument("--policy", default=DEFAULT_POLICY,
                    help=f"routing policy ({names}); default {DEFAULT_POLICY} (docs/policies.md)")
     p.add_argument("--shadow", default=None, metavar="P1,P2",
@@ -106,9 +127,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     backends = [parse_backend(s, i) for i, s in enumerate(args.backend)]
+    discovered: dict[str, list[Backend]] = {}
+    if not (backends or args.backends_file or args.backend_dns or args.backend_srv):
+        raise CliError("give at least one --backend, or a discovery source (--backends-file, --backend-dns, "
+                       "--backend-srv)")
+    if args.backends_file:
+        from router.discovery import DiscoveryError, read_backends_file
+
+        try:
+            found = read_backends_file(args.backends_file)
+        except DiscoveryError as exc:
+            raise CliError(f"--backends-file {args.backends_file}: {exc}") from None
+        backends += found
+        # as the file says them (@kv=auto stays auto there; the router's copies get the endpoints)
+        discovered["file"] = [dataclasses.replace(b) for b in found]
+    if args.backend_dns or args.backend_srv or args.dns_server:
+        from router.discovery_dns import make_resolver, parse_dns_target, split_kv
+
+        for spec in args.backend_dns:
+            parse_dns_target(split_kv(spec)[0])
+        for spec in args.backend_srv:
+            split_kv(spec)
+        if args.dns_server and not (args.backend_dns or args.backend_srv):
+            raise CliError("--dns-server goes with --backend-dns or --backend-srv")
+        make_resolver(args.dns_server)
+    if not 0 < args.dns_interval < float("inf") or not 0 <= args.discovery_drain_timeout < float("inf"):
+        raise CliError("--dns-interval must be positive and --discovery-drain-timeout at least 0")
     names = [b.name for b in backends]
     if len(set(names)) != len(names):
-        raise CliError("backend names must be unique")
+        raise CliError("backend names must be unique" + (" (--backend and --backends-file together)"
+                                                         if args.backends_file else ""))
     if not 1 <= args.port <= 65535:
         raise CliError(f"--port {args.port}: expected 1-65535")
     for flag, value in (("--block-size", args.block_size), ("--capacity-tokens", args.capacity_tokens),
@@ -142,6 +190,9 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         assumed_prefill_tps=args.assumed_prefill_tps, tls_cert=args.tls_cert, tls_key=args.tls_key,
         backend_ca_file=args.backend_ca_file, kv_speculative_ttl_s=args.kv_speculative_ttl,
         shadows=shadows, shadow_budget_ms=args.shadow_budget_ms,
+        backends_file=args.backends_file, backend_dns=args.backend_dns, backend_srv=args.backend_srv,
+        dns_server=args.dns_server, dns_interval_s=args.dns_interval,
+        discovery_drain_timeout_s=args.discovery_drain_timeout, discovered=discovered,
         **limits.config_kwargs(args),
     )
 
@@ -207,6 +258,29 @@ async def backend_models(backends: list[Backend], timeout: float = 3.0,
         pool.close()
 
 
+async def resolve_kv_sources(config: RouterConfig, timeout: float = 3.0) -> None:
+    """``@kv=auto``: each such backend's announced KV-event endpoints (router/kv_sources.py);
+    one that announces none is followed by the estimate, with a warning."""
+    from router import kv_sources
+
+    auto = [b for b in config.backends if b.kv_events == kv_sources.AUTO]
+    if not auto:
+        return
+    pool = Pool(connect_timeout=timeout, read_timeout=timeout, ssl_ca_file=config.backend_ca_file)
+    try:
+        found = await asyncio.gather(*(kv_sources.announced(pool, b.url, timeout) for b in auto))
+    finally:
+        pool.close()
+    for b, got in zip(auto, found):
+        b.kv_events, b.kv_replay = got if got is not None else (None, None)
+        if got is None:
+            log.warning("%s %s announces no KV events (GET %s); its hits come from the estimate",
+                        b.name, b.url, kv_sources.PATH)
+        else:
+            print(f"kvtop route: {b.name} announces KV events at {b.kv_events}"
+                  + (f" (replay {b.kv_replay})" if b.kv_replay else ""), flush=True)
+
+
 async def resolve_tokenizer(config: RouterConfig) -> None:
     """``--tokenizer auto`` or a directory to search: the tokenizer found, printed; none found
     is a warning and the approximation (router/tokenizer_find.py)."""
@@ -232,6 +306,16 @@ async def resolve_tokenizer(config: RouterConfig) -> None:
 
 async def serve(config: RouterConfig, *, allow_unreachable: bool = False, drain_timeout: float = 30.0,
                 ready: asyncio.Event | None = None) -> int:
+    if config.backend_dns or config.backend_srv:  # the names' instances at start (router/discovery_dns.py)
+        from router.discovery_dns import resolve_at_start
+
+        taken = {b.name for b in config.backends}
+        for (kind, spec), found in (await resolve_at_start(config)).items():
+            new = [b for b in found if b.name not in taken]
+            taken |= {b.name for b in new}
+            config.backends += new
+            config.discovered[f"{'dns' if kind == 'a' else 'srv'}:{spec}"] = [dataclasses.replace(b) for b in new]
+    await resolve_kv_sources(config)
     await resolve_tokenizer(config)
     try:
         app = create_app(config)

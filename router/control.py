@@ -22,7 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
-from router import fleet, fleet_api, kv_wiring, telemetry
+from router import discovery, fleet, fleet_api, kv_wiring, telemetry
 from router.http import dumps, error_response, read_json
 from router.state import STATE, RouterState
 from router.config import KnobError
@@ -208,6 +208,7 @@ class Control:
             # losing rows: empty when all is well; the dashboard's header shows it
             "degraded": st.degraded(), "tasks": st.supervisor.snapshot(),
             "instances": instances, "totals": tot, "affinity": self.affinity(now),
+            "discovery": discovery.snapshot(st),  # the watched file and DNS names (router/discovery.py)
             "requests": dict(st.counts), "decisions_by_reason": dict(m.reasons),
             # exact hits need KV events and the engine's tokens: how many decisions had both
             "decisions_by_index_source": _by_first(m.sources),

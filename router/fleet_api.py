@@ -11,9 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import asyncio
+import logging
+
 from aiohttp import web
+from router import discovery
 from router import fleet as fl
-from router import kv_events
+from router import kv_events, kv_sources
 from router.fleet import FleetError
 from router.http import dumps, error_response, read_json
 from router.backends import parse_backend
@@ -22,29 +26,29 @@ from router.engine_metrics import InstanceTelemetry
 from store.errors import CliError
 
 PREFIX = "/kvtop/v1"
+log = logging.getLogger("kvtop.route")
 
 
 def instance_json(st: Any, i: int) -> dict[str, Any]:
     return fl.instance_json(st.router.fleet, st.cluster, i)
 
 
-async def change(st: Any, tel: Any, name: str, action: str, who: str, *, force: bool = False) -> dict[str, Any]:
-    """Apply a fleet action to the instance named ``name``; audited when it changes the state.
-    Raises FleetError (changing nothing). A remove also stops its health probes and KV-event
-    subscriber and forgets what it cached."""
-    f = st.router.fleet
+async def change(st: Any, tel: Any, name: str, action: str, who: str, *, force: bool = False,
+                 note: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Apply a fleet action to the instance named ``name``; audited when it changes the state
+    (``note``, e.g. a discovery source, joins the row's ``after``). Raises FleetError (changing
+    nothing). A remove also stops its health probes and KV-event subscriber and forgets what it
+    cached."""
     i = fl.index_of([s.name for s in st.cluster.instances], name)
-    plan = f.plan(i, action, force=force, in_flight=st.cluster.instances[i].num_requests)
-    c = f.apply(plan, st.cluster.clock())
+    c = st.router.change_fleet(name, action, force=force)  # the rule, and a remove's forgetting
     if c.changed:
         st.record_config("fleet", who, {"instance": name, "state": c.before},
-                         {"instance": name, "state": c.after, "action": action, "force": force})
+                         {"instance": name, "state": c.after, "action": action, "force": force, **(note or {})})
     if c.changed and c.after == fl.REMOVED:
         # closed to routing from here; with requests still in flight (a forced remove) their
         # connections are cut: each fails as when a backend drops it, and the retry rules apply
         if st.upstream is not None:
             st.upstream.cut_off(st.cluster.instances[i].url)
-        st.router.remove_instance(i)
         if st.health is not None:
             st.health.stop(i)
         if i < len(tel.instances):
@@ -57,7 +61,7 @@ async def change(st: Any, tel: Any, name: str, action: str, who: str, *, force: 
             **instance_json(st, i)}
 
 
-async def add(st: Any, tel: Any, spec: str, who: str) -> dict[str, Any]:
+async def add(st: Any, tel: Any, spec: str, who: str, *, note: dict[str, Any] | None = None) -> dict[str, Any]:
     """Add the instance ``spec`` names, in ``kvtop route --backend`` syntax (``[NAME=]URL[@kv=..]
     [@kv-replay=..][@gpu=N]``), active at once: every per-instance structure grows by one (or a
     removed instance of that name is revived in its place), its health probes, telemetry and
@@ -71,6 +75,21 @@ async def add(st: Any, tel: Any, spec: str, who: str) -> dict[str, Any]:
     for s in cl.instances:
         if f.states[s.index] != fl.REMOVED and (s.name == b.name or s.url == b.url):
             raise FleetError(f"{s.name} ({s.url}) is in the fleet already; remove it first to replace it")
+    if b.kv_events == kv_sources.AUTO:  # the engine's own announcement (GET /kv_event_sources)
+        found = None
+        if cl.exact is None:  # nothing to follow them with: served from the estimate, as announced-none
+            log.warning("%s %s: @kv=auto on a router that follows no KV events (no --backend had @kv=); "
+                        "its hits come from the estimate", b.name, b.url)
+        elif st.upstream is not None:
+            found = await kv_sources.announced(st.upstream, b.url)
+        b.kv_events, b.kv_replay = found if found is not None else (None, None)
+        if found is None and cl.exact is not None:
+            log.warning("%s %s announces no KV events (GET %s); its hits come from the estimate",
+                        b.name, b.url, kv_sources.PATH)
+        # the name or URL may have been taken while we asked
+        for s in cl.instances:
+            if f.states[s.index] != fl.REMOVED and (s.name == b.name or s.url == b.url):
+                raise FleetError(f"{s.name} ({s.url}) is in the fleet already; remove it first to replace it")
     if b.kv_events and cl.exact is None:
         raise FleetError("this router follows no KV events (no --backend had @kv=), so it has no exact index "
                          "to add this instance's to; add it without @kv=", 400)
@@ -88,7 +107,7 @@ async def add(st: Any, tel: Any, spec: str, who: str) -> dict[str, Any]:
         await sub.start()
         _put(st.kv_subscribers, i, sub)
     after = {"instance": b.name, "state": fl.ACTIVE, "action": "add", "url": b.url, "gpu": b.gpu,
-             "kv_events": b.kv_events, "kv_replay": b.kv_replay}
+             "kv_events": b.kv_events, "kv_replay": b.kv_replay, **(note or {})}
     st.record_config("fleet", who, None, after)
     return {"instance": b.name, "action": "add", "before": None, "after": fl.ACTIVE, "changed": True,
             "index": i, **instance_json(st, i)}
@@ -160,3 +179,63 @@ def setup(app: web.Application, ctl: Any, who: Callable[[web.Request], str]) -> 
     app.router.add_get(PREFIX + "/fleet", get_fleet)
     app.router.add_post(PREFIX + "/fleet", post_add)
     app.router.add_post(PREFIX + "/fleet/{instance}/{action}", post_action)
+    setup_discovery(app, ctl)
+
+
+# -- discovery: the watched file and DNS names, through the same operations (docs/fleet.md) ------
+
+class Actions:
+    """What a discovery source's reconciler (router/discovery.py) may do: this module's add and
+    change, on this router."""
+
+    def __init__(self, st: Any, tel: Any):
+        self.st, self.tel = st, tel
+
+    @property
+    def fleet(self) -> fl.Fleet:
+        return self.st.router.fleet
+
+    @property
+    def instances(self) -> list[Any]:
+        return self.st.cluster.instances
+
+    async def add(self, spec: str, who: str, *, note: dict[str, Any] | None = None) -> dict[str, Any]:
+        return await add(self.st, self.tel, spec, who, note=note)
+
+    async def change(self, name: str, action: str, who: str, *, force: bool = False,
+                     note: dict[str, Any] | None = None) -> dict[str, Any]:
+        return await change(self.st, self.tel, name, action, who, force=force, note=note)
+
+
+def setup_discovery(app: web.Application, ctl: Any) -> None:
+    """The configured discovery sources, each a supervised task started and stopped with the app."""
+    st = ctl.state
+    cfg = st.config
+    disc = discovery.Discovery()
+    st.discovery = disc
+    acts = Actions(st, ctl.tel)
+    owned = cfg.discovered or {}
+    if cfg.backends_file:
+        fsrc = discovery.FileSource(cfg.backends_file)
+        rec = discovery.Reconciler(discovery.Status("file", cfg.backends_file), owned.get("file", []),
+                                   drain_timeout_s=cfg.discovery_drain_timeout_s)
+        disc.sources.append((rec, lambda: fsrc.run(rec, acts)))
+    if cfg.backend_dns or cfg.backend_srv:
+        from router import discovery_dns
+
+        disc.sources += discovery_dns.sources(cfg, acts, owned)
+    if not disc.sources:
+        return
+
+    async def lifecycle(_app: web.Application):
+        tasks = [st.supervisor.spawn(f"discovery-{rec.status.source}-{k}", run, kind="discovery",
+                                     fallback="restarted; the fleet stays as it is meanwhile")
+                 for k, (rec, run) in enumerate(disc.sources)]
+        try:
+            yield
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    app.cleanup_ctx.append(lifecycle)

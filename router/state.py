@@ -106,6 +106,15 @@ class RouterConfig:
     # shadow policies (router/shadow.py): asked on every request, never applied
     shadows: list[str] = field(default_factory=list)
     shadow_budget_ms: float = 5.0
+    # discovery (router/discovery.py, docs/fleet.md): a watched backends file, DNS names, and
+    # the starting backends each source put there, as it said them (before @kv=auto was asked)
+    backends_file: str | None = None
+    backend_dns: list[str] = field(default_factory=list)
+    backend_srv: list[str] = field(default_factory=list)
+    dns_server: str | None = None
+    dns_interval_s: float = 5.0
+    discovery_drain_timeout_s: float = 300.0
+    discovered: dict[str, list[Backend]] = field(default_factory=dict)  # as each source said them
 
     @property
     def capacity_blocks(self) -> int:
@@ -143,6 +152,7 @@ class RouterState:
         self.upstream = None  # router.upstream.Pool: every call to a backend goes through it
         self.app = None
         self.health = None  # router.health.HealthChecker
+        self.discovery = None  # router.discovery.Discovery: the watched file and DNS names, if any
         self.ring: deque[dict[str, Any]] = deque(maxlen=config.decision_ring)
         #: Called with ("decision" | "outcome" | "config" | "health", payload) on the loop thread.
         self.listeners: list[Callable[[str, dict[str, Any]], None]] = []

@@ -209,6 +209,9 @@ def _fleet_families(st: Any) -> Iterator[Metric]:
     for i, wait in cluster.lookahead(loads(cluster), 0, None, None).wait_s.items():
         queue.add_metric([cluster.instances[i].name], wait)
     yield queue
+    from router.discovery import metric_families
+
+    yield from metric_families(st)  # kvtop_discovery_ok, _errors_total, _changes_total
 
 
 class RouterCollector:

@@ -32,6 +32,8 @@ class RecordedRows:
     #: the run's policy, knob and fleet changes made while it ran (config_events): (ts, kind, who);
     #: what-if replays the starting settings and says these were not replayed
     changes: list[tuple[float, str, str]] = field(default_factory=list)
+    #: the fleet's changes (config_events of kind fleet): (ts, after), which what-if replays
+    fleet_changes: list[tuple[float, Any]] = field(default_factory=list)
 
 
 def _connect(path: str | Path) -> sqlite3.Connection:
@@ -89,7 +91,17 @@ def read_recorded_run(path: str | Path, run_id: str | None = None) -> RecordedRo
             (r["ts"], r["kind"], r["who"]) for r in conn.execute(
                 "SELECT ts, kind, who FROM config_events WHERE run_id = ? AND kind IN ('policy', 'knobs', 'fleet') "
                 "ORDER BY ts", (rid,))]
+        fleet_changes = [] if "config_events" not in tables else [
+            (r["ts"], _json(r["after"])) for r in conn.execute(
+                "SELECT ts, after FROM config_events WHERE run_id = ? AND kind = 'fleet' ORDER BY ts", (rid,))]
     finally:
         conn.close()
     return RecordedRows(run_id=rid, config=config, backends=backends, decisions=rows, outcomes=outs,
-                        changes=changes)
+                        changes=changes, fleet_changes=fleet_changes)
+
+
+def _json(text: Any) -> Any:
+    try:
+        return json.loads(text) if isinstance(text, str) else None
+    except ValueError:
+        return None

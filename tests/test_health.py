@@ -152,6 +152,68 @@ async def test_soft_failures_need_a_streak(router_client, tmp_path):
     await server.close()
 
 
+async def test_timeouts_across_the_fleet_at_once_do_not_take_it_all_out(router_client, fake_backends, tmp_path):
+    """Every probe timing out together (an overloaded host, a stalled loop) is held, not counted:
+    the old rule marked the whole fleet down and answered 503 to every request. One instance
+    timing out alone still goes down after FAIL_THRESHOLD, and a fleet-wide streak past
+    CORRELATED_MAX_FAILURES counts."""
+    from router.health import CORRELATED_MAX_FAILURES
+
+    fakes = await fake_backends(3)
+    client, state, events = await start(router_client, [u for _, u in fakes], tmp_path, health_interval_s=0)
+    checker = app_checker(client)
+    insts = state.cluster.instances
+    timeout = "/health timed out after 1 s"
+    for _ in range(FAIL_THRESHOLD + 1):  # every instance, round after round
+        for i in range(3):
+            checker.after_probe(i, False, False, timeout)
+    assert all(s.healthy for s in insts) and all(checker.probes[i].held >= 1 for i in range(3))
+    r = await client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1})
+    assert r.status == 200
+    for i in range(3):
+        checker.after_probe(i, True, False, None)
+    assert checker.probes[0].held == 0
+    for _ in range(FAIL_THRESHOLD):  # i0 alone: it goes down as before
+        checker.after_probe(0, False, False, timeout)
+    assert not insts[0].healthy and insts[1].healthy and insts[2].healthy
+    for _ in range(CORRELATED_MAX_FAILURES):  # i1 and i2 together, for long: counted in the end
+        for i in (1, 2):
+            checker.after_probe(i, False, False, timeout)
+    assert not insts[1].healthy and not insts[2].healthy
+    assert state.cluster.counters_zero()
+
+
+async def test_a_timeout_is_confirmed_before_it_counts(router_client, tmp_path):
+    """One /health that times out (a stalled loop fires its timer late) and then answers at once
+    is not a failure; one that keeps hanging is."""
+    flaky = FlakyHealth()
+    server = TestServer(flaky.app(), host="127.0.0.1")
+    await server.start_server()
+    client, state, events = await start(router_client, [str(server.make_url("")).rstrip("/")], tmp_path,
+                                        health_interval_s=0, health_timeout_s=0.2)
+    checker = app_checker(client)
+    hung = {"n": 0}
+
+    async def once_slow(request):
+        hung["n"] += 1
+        if hung["n"] == 1:
+            await asyncio.sleep(1)
+        return web.Response(status=200)
+
+    app = web.Application()
+    app.router.add_get("/health", once_slow)
+    slow = TestServer(app, host="127.0.0.1")
+    await slow.start_server()
+    state.cluster.instances[0].url = str(slow.make_url("")).rstrip("/")
+    assert await checker.probe(0) == (True, False, None) and hung["n"] == 2
+    state.cluster.instances[0].url = str(server.make_url("")).rstrip("/")
+    flaky.hang = True
+    ok, hard, why = await checker.probe(0)
+    assert (ok, hard) == (False, False) and "timed out" in why
+    await slow.close()
+    await server.close()
+
+
 async def test_unhealthy_at_start_is_admitted_when_it_answers(router_client, fake_backends, tmp_path):
     """`kvtop route` marks a silent backend down at start; the checker brings it in later."""
     fakes = await fake_backends(1)

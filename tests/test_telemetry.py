@@ -197,13 +197,15 @@ def documented_metrics() -> dict[str, set[str]]:
 
 def test_every_documented_metric_is_exposed_with_its_labels():
     names = documented_metrics()
-    assert len(names) == 23, names  # the section was found and read whole (sessions: issue 37; fleet: 34)
+    assert len(names) == 26, names  # the section was found and read whole (sessions: issue 37; fleet, discovery: 34)
     tel = Telemetry(fake_router(["a", "b"]))
     # the fleet's families read a real cluster and the fleet (b draining: its drain gauge)
     tel.state.cluster = Cluster(["a", "b"])
     fleet = Fleet(2)
     fleet.apply(fleet.plan(1, "drain"), 0.0)
     tel.state.router = SimpleNamespace(fleet=fleet)
+    from router.discovery import Discovery, Reconciler, Status  # a discovery source's families
+    tel.state.discovery = Discovery([(Reconciler(Status("file", "backends.txt")), None)])
     tel.state.cluster.instances[0].input_tokens_total = 10  # est_hit_rate needs routed input
     tel.metrics("decision", {"policy": "lmetric@2", "reason": "argmin", "decision_us": 40})
     tel.metrics("outcome", {"status": "ok", "ttft_ms": 5, "e2e_ms": 9})

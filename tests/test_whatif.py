@@ -194,8 +194,11 @@ async def test_from_db_reruns_the_recorded_features_and_says_so(router, tmp_path
     assert "changed 1 time(s) while it ran (test)" in out
 
 
-async def test_a_fleet_change_during_the_run_is_named_as_not_replayed(router, capsys):
-    """What-if re-runs a recording on its starting instances: a drain made while it ran is named."""
+async def test_a_fleet_change_during_the_run_is_replayed(router, capsys, monkeypatch):
+    """What-if replays the fleet changes a run made (kvtop/fleet_events.py): a drain made while
+    it ran reaches every arm's simulation as a fleet event at its time, and the report says so."""
+    import kvtop.simulate as sim_mod
+
     from router import fleet_api
     from router.control import CONTROL
 
@@ -204,5 +207,16 @@ async def test_a_fleet_change_during_the_run_is_named_as_not_replayed(router, ca
     st = c.server.app[STATE]
     await fleet_api.change(st, c.server.app[CONTROL].tel, "i1", "drain", "ops")
     st.writer.flush()
+    seen = []
+    real = sim_mod.simulate
+
+    def spy(requests, policy, cfg, **kw):
+        seen.append(cfg)
+        return real(requests, policy, cfg, **kw)
+
+    monkeypatch.setattr(sim_mod, "simulate", spy)
     assert main(["simulate", "--from-db", db, "--speed", "1000", "--profile", "h20"]) == 0
-    assert "the run's policy, knobs or fleet changed 1 time(s) while it ran (ops)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "fleet changes replayed in every arm at their recorded times: 1 (ops)" in out
+    assert "STARTING settings" not in out
+    assert seen and all([(e.action, e.instance) for e in cfg.fleet_events] == [("drain", "i1")] for cfg in seen)

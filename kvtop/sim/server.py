@@ -614,6 +614,16 @@ async def model_info(request: web.Request) -> web.Response:
                               "architectures": ["KvtopSimulatedEngine"]})
 
 
+async def kv_event_sources(request: web.Request) -> web.Response:
+    """vLLM's ``GET /kv_event_sources``: the KV-event publisher, as the engine bound it (a bare
+    array, one entry per data-parallel rank; [] without KV events)."""
+    pub = request.app[INSTANCE].kv_publisher
+    if pub is None:
+        return web.json_response([])
+    return web.json_response([{"data_parallel_rank": 0, "endpoint": pub.endpoint,
+                               "replay_endpoint": pub.replay_endpoint, "topic": ""}])
+
+
 async def version(request: web.Request) -> web.Response:
     return web.json_response({"version": SIM_VERSION})
 
@@ -660,6 +670,7 @@ def create_app(instance: SimInstance) -> web.Application:
     r.add_get("/health", health)
     r.add_get("/metrics", metrics)
     r.add_get("/version", version)
+    r.add_get("/kv_event_sources", kv_event_sources)
     r.add_get("/load", load)
     for path in ("/server_info", "/get_server_info"):
         r.add_get(path, server_info)
