@@ -27,12 +27,15 @@ import os
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from router import fleet as fl
 from router.backends import parse_backend
 from router.state import Backend
 from store.errors import CliError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from router.state import RouterState
 
 log = logging.getLogger("kvtop.route")
 
@@ -358,13 +361,13 @@ class Discovery:
         return [rec.status.json() for rec, _ in self.sources]
 
 
-def snapshot(st: Any) -> list[dict[str, Any]]:
+def snapshot(st: RouterState) -> list[dict[str, Any]]:
     """``GET state``'s ``discovery``: one entry per source ([] when there is none)."""
     disc = getattr(st, "discovery", None)
     return disc.snapshot() if disc is not None else []
 
 
-def metric_families(st: Any) -> Iterator[Any]:
+def metric_families(st: RouterState) -> Iterator[Any]:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
     disc = getattr(st, "discovery", None)

@@ -9,7 +9,7 @@ each audited in ``config_events`` with kind ``fleet``. docs/control-api.md ("Fle
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import asyncio
 import logging
@@ -25,15 +25,19 @@ from router.request import BadRequest
 from router.engine_metrics import InstanceTelemetry
 from store.errors import CliError
 
+if TYPE_CHECKING:  # pragma: no cover
+    from router.state import RouterState
+    from router.telemetry import Telemetry
+
 PREFIX = "/kvtop/v1"
 log = logging.getLogger("kvtop.route")
 
 
-def instance_json(st: Any, i: int) -> dict[str, Any]:
+def instance_json(st: RouterState, i: int) -> dict[str, Any]:
     return fl.instance_json(st.router.fleet, st.cluster, i)
 
 
-async def change(st: Any, tel: Any, name: str, action: str, who: str, *, force: bool = False,
+async def change(st: RouterState, tel: Telemetry, name: str, action: str, who: str, *, force: bool = False,
                  note: dict[str, Any] | None = None) -> dict[str, Any]:
     """Apply a fleet action to the instance named ``name``; audited when it changes the state
     (``note``, e.g. a discovery source, joins the row's ``after``). Raises FleetError (changing
@@ -61,7 +65,7 @@ async def change(st: Any, tel: Any, name: str, action: str, who: str, *, force: 
             **instance_json(st, i)}
 
 
-async def add(st: Any, tel: Any, spec: str, who: str, *, note: dict[str, Any] | None = None) -> dict[str, Any]:
+async def add(st: RouterState, tel: Telemetry, spec: str, who: str, *, note: dict[str, Any] | None = None) -> dict[str, Any]:
     """Add the instance ``spec`` names, in ``kvtop route --backend`` syntax (``[NAME=]URL[@kv=..]
     [@kv-replay=..][@gpu=N]``), active at once: every per-instance structure grows by one (or a
     removed instance of that name is revived in its place), its health probes, telemetry and
@@ -120,7 +124,7 @@ def _put(items: list, i: int, value: Any) -> None:
     items[i] = value
 
 
-def listing(st: Any) -> dict[str, Any]:
+def listing(st: RouterState) -> dict[str, Any]:
     out = []
     for s in st.cluster.instances:
         out.append({"name": s.name, "url": s.url, "healthy": s.healthy, "num_requests": s.num_requests,
@@ -188,7 +192,7 @@ class Actions:
     """What a discovery source's reconciler (router/discovery.py) may do: this module's add and
     change, on this router."""
 
-    def __init__(self, st: Any, tel: Any):
+    def __init__(self, st: RouterState, tel: Telemetry):
         self.st, self.tel = st, tel
 
     @property

@@ -135,7 +135,7 @@ KV_EVENT_SERIES: tuple[tuple[str, str, str, Callable[[Any], float]], ...] = (
 KV_STATES = ("waiting", "exact", "replaying", "resync", "disconnected", "stopped")
 
 
-def _kv_families(st: Any) -> Iterator[Metric]:
+def _kv_families(st: RouterState) -> Iterator[Metric]:
     """The KV-event families: the exact gauge for every instance, the rest for those whose
     events the router follows (no sample for an instance without ``@kv=``)."""
     cluster = st.cluster
@@ -181,7 +181,7 @@ def _kv_families(st: Any) -> Iterator[Metric]:
     yield from (blocks, drift, drift_in, drift_n, share)
 
 
-def _fleet_families(st: Any) -> Iterator[Metric]:
+def _fleet_families(st: RouterState) -> Iterator[Metric]:
     """``kvtop_instance_fleet_state`` (one series per state, 1 for the current one, as
     kube-state-metrics does), the drain's sessions still homed, and the expected queue seconds
     per instance as the routing's lookahead prices it (a signal for autoscalers)."""
