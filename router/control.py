@@ -220,7 +220,7 @@ class Control:
         }
 
 
-def token_warning(st) -> str | None:
+def token_warning(st: RouterState) -> str | None:
     """Why KV events that flow cannot make text prompts exact, or None when they can."""
     followed = [b.name for b in st.config.backends if getattr(b, "kv_events", None)]
     if not followed or st.tokenizer is not None:

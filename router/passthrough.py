@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from typing import TYPE_CHECKING
 
 import orjson
 from aiohttp import web
@@ -26,6 +27,9 @@ from router.apis import MESSAGES, ResponseStore
 from router.forward import upstream_headers
 from router.http import error_response, parse_json, read_body, refusal
 from router.request import BadRequest
+
+if TYPE_CHECKING:  # pragma: no cover
+    from router.state import RouterState
 from router.upstream import UpstreamError
 
 log = logging.getLogger("kvtop.route")
@@ -85,7 +89,7 @@ async def unknown(request: web.Request) -> web.Response:
     return error_response(status, message, headers=headers)
 
 
-async def _count_tokens(request: web.Request, state) -> web.Response:
+async def _count_tokens(request: web.Request, state: RouterState) -> web.Response:
     """Anthropic's ``{"input_tokens": N}`` for a Messages body (``max_tokens`` not needed)."""
     try:
         raw = await read_body(request, state.config.client_timeout_s)
@@ -101,7 +105,7 @@ async def _count_tokens(request: web.Request, state) -> web.Response:
                              headers={"X-Kvtop-Token-Source": req.token_source})
 
 
-async def _response_op(request: web.Request, state, store: ResponseStore) -> web.StreamResponse:
+async def _response_op(request: web.Request, state: RouterState, store: ResponseStore) -> web.StreamResponse:
     """Relay a retrieve / delete / cancel to the instance holding the response."""
     rid = request.match_info["response_id"]
     insts = state.cluster.instances

@@ -74,3 +74,29 @@ def test_the_graph_sees_real_imports():
     assert "router.pipeline" in graph["kvtop.simulate"]
     assert "store.writer" in graph["router.state"]
     assert "router.control" in graph["router.app"]
+
+
+#: Issue 31: the router's and the store's modules stay small enough to read whole.
+MAX_LINES = 600
+STATE_NAMES = {"state", "st", "tel"}
+
+
+def test_no_router_or_store_module_is_over_the_line_bound():
+    long = {str(p.relative_to(ROOT)): n for pkg in ("router", "store") for p in (ROOT / pkg).rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"over {MAX_LINES} lines: {long}"
+
+
+def test_the_router_state_is_never_an_untyped_parameter():
+    """A function taking the router's state (``state``/``st``) or telemetry (``tel``) names its
+    type: ``Any`` there hides which object a handler may touch."""
+    untyped = []
+    for pkg in ("router", "store"):
+        for p in (ROOT / pkg).rglob("*.py"):
+            for node in ast.walk(ast.parse(p.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    for a in node.args.args + node.args.kwonlyargs:
+                        if a.arg in STATE_NAMES and (a.annotation is None and a.arg != "self"
+                                                     or isinstance(a.annotation, ast.Name) and a.annotation.id == "Any"):
+                            untyped.append(f"{p.relative_to(ROOT)}:{node.lineno} {node.name}({a.arg})")
+    assert not untyped, untyped

@@ -9,7 +9,8 @@ import random
 
 import pytest
 
-from router.cluster import AGE_OUT_PER_WALK, IDLE_GAPS, LOOKAHEAD_IDLE, Cluster
+from router.cluster import Cluster
+from router.lookahead import AGE_OUT_PER_WALK, IDLE_GAPS, LOOKAHEAD_IDLE
 from router.policies.base import AFFINITY_LOST, AFFINITY_NEW, AFFINITY_STICK, argmin_with_ties, terms_of
 from router.policies.expected_cost import ExpectedCost, queued_behind_s, session_odds
 

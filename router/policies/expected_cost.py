@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 
 from router.calibration import DEFAULT_PRIOR
-from router.cluster import Candidate, ClusterView, Lookahead, SessionInfo
+from router.cluster import Candidate, ClusterView
+from router.lookahead import Lookahead, SessionInfo
 from router.policies.base import (AFFINITY_LOST, AFFINITY_NEW, AFFINITY_STICK, Pick, Policy,
                                   argmin_with_ties, terms_of)
 
