@@ -51,3 +51,26 @@ def test_bench_sessions_in_process_grows_one_session_per_request():
     times = grown.grow(300)
     assert len(times) == 300 and all(t >= 0 for t in times)
     assert len(grown.cluster.sessions) == 300 and grown.cluster.counters_zero()
+
+
+def test_bench_decision_agentic_state_is_a_run_left_by_the_policy():
+    """--agentic (issue 38): sessions routed by the policy turn by turn with think times, so
+    the fleet has a mean gap, sessions bound where the policy put them, a third in flight."""
+    bench = _load("bench_decision")
+    import random
+
+    core, chains = bench.agentic_cluster("expected_cost", 4, 12, 8192, random.Random(1))
+    cl = core.cluster
+    assert len(chains) == 12 and len(cl.sessions) == 12
+    assert cl.gaps > 0 and all(s.turns >= 4 for s in cl.sessions.values())
+    assert cl.in_flight == 12 // 3
+    p50, p99 = bench.bench_pick("expected_cost", 4, 8192, 20, sessions=12, clock=bench.time.thread_time_ns)
+    assert 0 < p50 <= p99
+
+
+@pytest.mark.parametrize("argv", [["--instances", "0"], ["--prompts", "100"], ["--policies", "nope"],
+                                  ["--instances", "x"]])
+def test_bench_decision_refuses_bad_input(argv):
+    got = subprocess.run([sys.executable, str(BENCHMARKS / "bench_decision.py"), *argv, "--iterations", "1"],
+                         capture_output=True, text=True, timeout=60)
+    assert got.returncode == 2 and "error:" in got.stderr and "Traceback" not in got.stderr
