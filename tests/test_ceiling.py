@@ -93,6 +93,6 @@ async def test_report_db_shows_the_ceiling_from_the_block_chains(router, capsys)
     assert float(seed[0]["apc_ceiling"]) == pytest.approx(got["unified"])
     assert json.dumps(got)  # plain floats
     # the what-if report (kvtop simulate --from-db) sets each arm's APC against it too
-    assert main(["simulate", "--from-db", st.config.db, "--policies", "leastwork"]) == 0
+    assert main(["simulate", "--from-db", st.config.db, "--speed", "1000", "--policies", "leastwork"]) == 0
     out = capsys.readouterr().out
     assert "prefix ceiling of the re-run requests:" in out and "sim leastwork" in out.split("APC as its share:")[1]
