@@ -1,7 +1,8 @@
 """The prefix ceiling a report sets each arm's APC against (issue 38): the share of its input
 tokens an infinite contiguous prefix cache could have served (``kvtop trace stats``' figure).
 
-- ``kvtop simulate``: over the trace it ran (the trace's own block size);
+- ``kvtop simulate``: over the trace it ran (the trace's own block size); with ``--from-db``,
+  over the recorded requests it re-runs;
 - ``kvtop report`` on results files: over the trace named in the file's header, when that
   file is still there, the first as many requests as the file holds (``replay --limit``);
 - ``kvtop report --db``: over each policy's requests of the run, from the block chains the
