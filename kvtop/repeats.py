@@ -255,7 +255,7 @@ def paired(runs: dict[str, list[dict[str, Any]]], metric: str) -> tuple[str, lis
 
 
 def format_report(runs: dict[str, list[dict[str, Any]]], repeats: int, jitter_s: float, fmt: str = "text",
-                  path_jitter_s: float = 0.0) -> str:
+                  path_jitter_s: float = 0.0, ceiling: float | None = None) -> str:
     from kvtop.seedtable import _csv, _grid
 
     summary = summarize(runs)
@@ -269,11 +269,15 @@ def format_report(runs: dict[str, list[dict[str, Any]]], repeats: int, jitter_s:
         return f"{m / 1000:.3f} ± {h / 1000:.3f}"
 
     headers = ["policy"] + [label for _, label in METRICS] + ["APC"]
+    if ceiling:  # ``ceiling``: the trace's prefix ceiling (kvtop/ceiling.py)
+        headers.append(f"APC / ceiling {ceiling * 100:.1f}%")
     lines = []
     for pol, s in summary.items():
         apc = s["apc"]
         lines.append([pol] + [cell(k, s[k]) for k, _ in METRICS]
                      + ["-" if apc is None else f"{apc[0] * 100:.1f}% ± {apc[1] * 100:.1f}"])
+        if ceiling:
+            lines[-1].append("-" if apc is None else f"{apc[0] / ceiling * 100:.1f}%")
     table = _csv(headers, lines) if fmt == "csv" else _grid(headers, lines, fmt)
     path = (f" and each request's path time varied by up to ±{path_jitter_s / 2:g} s around the profile's "
             f"frontend time, never before its send" if path_jitter_s else "")

@@ -54,6 +54,8 @@ class Arm:
     cancelled: int = 0
     #: the arm's agent sessions (store.sessions), for the session table; None: not known
     sessions: list | None = None
+    #: the prefix ceiling of its traffic (kvtop/ceiling.py), for the APC column; None: not known
+    ceiling: float | None = None
 
     @property
     def requests(self) -> int:
@@ -99,8 +101,11 @@ def load_results(path: str) -> Arm:
     label = header.get("arm") or (base[:-6] if base.endswith(".jsonl") else base)
     from store import sessions
 
+    from kvtop import ceiling
+
     return Arm(str(label), seedtable.RecordColumns(records), header.get("engine_prefix_cache"),
-               sessions=sessions.from_records(records))
+               sessions=sessions.from_records(records),
+               ceiling=ceiling.of_trace_file(header.get("trace"), len(records)))
 
 
 def load_db_arms(db_paths: str | Sequence[str], run_id: str | None) -> list[Arm]:
@@ -139,12 +144,17 @@ def load_db_arms(db_paths: str | Sequence[str], run_id: str | None) -> list[Arm]
     except sqlite3.DatabaseError as exc:  # damaged past the pages opening it reads
         bad = db.damaged() if hasattr(db, "damaged") else paths
         raise CliError(f"{', '.join(bad) or ', '.join(paths)} damaged or unreadable: {exc}") from None
+    # The prefix ceiling per policy, from one log's block chains (several logs: not merged here).
+    from kvtop import ceiling
+
+    ceilings = ceiling.of_log(paths[0], run_id) if len(paths) == 1 else {}
     # A log's arm answers the seed table from SQL (``columns``); its records, a dict per
     # request, are built only if --plot asks. Stand-ins without ``columns`` give records.
     return [Arm(a.label, getattr(a, "columns", None) or seedtable.RecordColumns(a.records), a.apc,
                 lambda a=a: a.records, getattr(a, "cancelled", 0),
                 by_segment.get((getattr(a, "run_id", None), getattr(a, "policy", None),
-                                getattr(a, "policy_version", None)))) for a in arms]
+                                getattr(a, "policy_version", None))),
+                ceilings.get(getattr(a, "policy", None))) for a in arms]
 
 
 def _db_sessions(db: Any, arms: Sequence[Any]) -> dict[tuple, list]:
@@ -179,7 +189,7 @@ def render(arms: Sequence[Arm], fmt: str = "text") -> str:
     """The seed table, the per-class TTFT table, then (when known) the session table, in ``fmt``."""
     from store.sessions import summarize
 
-    seed = [(a.label, seedtable.seed_row(a.columns, a.apc)) for a in arms]
+    seed = [(a.label, seedtable.seed_row(a.columns, a.apc, ceiling=a.ceiling)) for a in arms]
     classes = [(a.label, seedtable.class_rows(a.columns)) for a in arms]
     seed_text = seedtable.format_seed_table(seed, fmt)
     class_text = seedtable.format_class_table(classes, fmt)

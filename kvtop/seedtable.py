@@ -221,12 +221,13 @@ def balance(records: Iterable[Mapping[str, Any]] | RequestColumns,
 
 
 def seed_row(records: Sequence[Mapping[str, Any]] | RequestColumns,
-             apc: Mapping[str, Any] | None = None, *, instances: Iterable[str] | None = None
-             ) -> dict[str, Any]:
+             apc: Mapping[str, Any] | None = None, *, instances: Iterable[str] | None = None,
+             ceiling: float | None = None) -> dict[str, Any]:
     """One arm's row of the seed table, from records or any ``RequestColumns``.
 
     Latencies are over ok requests only (an error has no meaningful TTFT); TPOT only over
     requests with more than one output token, since it is undefined for the others.
+    ``ceiling``: the traffic's prefix ceiling (kvtop/ceiling.py), shown beside the APC.
     """
     source = _columns(records)
     requests, ok = source.counts()
@@ -245,6 +246,7 @@ def seed_row(records: Sequence[Mapping[str, Any]] | RequestColumns,
         "tpot_p90_ms": ranked_percentile(source.ok_values("tpot_ms"), 90),
         "apc": apc_value,
         "apc_source": apc_source,
+        "apc_ceiling": ceiling,
         "balance": bal,
         "requests_per_instance": per_instance,
         "balance_note": bal_note,
@@ -281,7 +283,13 @@ def _seconds(ms: float | None) -> str:
 
 
 def _apc(row: Mapping[str, Any]) -> str:
-    return "-" if row["apc"] is None else f"{row['apc'] * 100:.1f}% ({row['apc_source']})"
+    if row["apc"] is None:
+        return "-"
+    text = f"{row['apc'] * 100:.1f}% ({row['apc_source']})"
+    ceiling = row.get("apc_ceiling")
+    if ceiling:  # the share of the ceiling reached, then the ceiling
+        text += f" = {row['apc'] / ceiling * 100:.1f}% of {ceiling * 100:.1f}%"
+    return text
 
 
 def _balance(row: Mapping[str, Any]) -> str:
@@ -351,9 +359,9 @@ def _csv(headers: list[str], lines: list[list[Any]]) -> str:
 def format_seed_table(rows: Sequence[tuple[str, Mapping[str, Any]]], fmt: str = "text") -> str:
     """The seed table, one line per ``(arm label, seed_row)``, as ``text``, ``md`` or ``csv``."""
     if fmt == "csv":
-        return _csv(["arm"] + SEED_CSV_HEADERS + ["apc_source"],
-                    [[label] + [csv_of(r) for _, _, csv_of in SEED_COLUMNS] + [r["apc_source"]]
-                     for label, r in rows])
+        return _csv(["arm"] + SEED_CSV_HEADERS + ["apc_source", "apc_ceiling"],
+                    [[label] + [csv_of(r) for _, _, csv_of in SEED_COLUMNS]
+                     + [r["apc_source"], r.get("apc_ceiling")] for label, r in rows])
     _check_fmt(fmt)
     return _grid(["arm"] + [h for h, _, _ in SEED_COLUMNS],
                  [[label] + [show(r) for _, show, _ in SEED_COLUMNS] for label, r in rows], fmt)

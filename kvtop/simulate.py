@@ -617,7 +617,10 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(str(exc)) from None
         print(f"simulated {len(policies)} policies x {args.repeats} replicas in {time.time() - t0:.1f} s wall",
               file=sys.stderr)
-        report = format_report(runs, args.repeats, args.jitter, args.format, args.path_jitter)
+        from kvtop.ceiling import of_requests
+
+        report = format_report(runs, args.repeats, args.jitter, args.format, args.path_jitter,
+                               ceiling=of_requests(requests))
         print(report)
         if args.terminal_plot == "always" or (args.terminal_plot == "auto" and args.format == "text"
                                               and sys.stdout.isatty()):
@@ -630,6 +633,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"wrote {args.plot}", file=sys.stderr)
         return 0
     rows, classes, arms = [], [], []
+    from kvtop.ceiling import of_requests
+
+    ceiling = of_requests(requests)  # APC is shown against it
     for pol in policies:
         cfg = SimConfig(instances=args.instances, profile=args.profile, mode=args.mode,
                         router_block_size=args.router_block_size, engine_block_size=args.engine_block_size,
@@ -643,7 +649,7 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(str(exc)) from None
         cpu = time.process_time() - t0
         print(f"simulated {pol}: {len(records)} requests in {cpu:.1f} CPU s", file=sys.stderr)
-        rows.append((pol, seed_row(records, instances=names)))
+        rows.append((pol, seed_row(records, instances=names, ceiling=ceiling)))
         classes.append((pol, class_rows(records)))
         arms.append((pol, records))
         if out_dir:

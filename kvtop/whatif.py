@@ -464,6 +464,14 @@ def format_report(run: RecordedRun, speed: float, speed_note: str, rows: list[tu
     lines.append(f"recorded policy: {', '.join(run.policies)}; instances: {len(run.instances)}; "
                  f"time scale: engine = wall x {speed:.4g} ({speed_note}); figures in the run's wall time")
     lines.append(f"router features, as recorded, in every arm: {features}")
+    from kvtop.ceiling import of_requests
+
+    ceiling = of_requests(run.requests)
+    if ceiling:  # APC against what an infinite cache could have served of these requests
+        shares = ", ".join(f"{label} {f['apc'] / ceiling * 100:.1f}%" for label, f in rows
+                           if f.get("apc") is not None)
+        lines.append(f"prefix ceiling of the re-run requests: {ceiling * 100:.1f}% of input tokens"
+                     + (f"; APC as its share: {shares}" if shares else ""))
     fleet = [c for c in run.changes if c[1] == "fleet"]
     if fleet:
         lines.append(f"fleet changes replayed in every arm at their recorded times: {len(fleet)} "

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Sequence
-from itertools import islice, repeat
+from functools import reduce
+from itertools import groupby, islice, repeat
+from operator import or_
 
 #: Blocks a ``flush_step`` adds (and about as many it evicts): about a millisecond of the loop.
 STEP_BLOCKS = 1024
@@ -42,6 +44,10 @@ class PrefixIndex:
         self._owners: dict[int, int] = {}  # block hash -> bitmask of instances
         self._tags: dict[int, str] = {}  # block hash -> the session that last inserted it (lookahead)
         self._evictions = [0] * num_instances
+        #: Per instance, its LRU's tags from the oldest end as runs [(tag, blocks)], built on
+        #: first read and dropped when its LRU or the tag of a block it holds changes (the
+        #: lookahead reads every candidate's oldest blocks per decision: see ``oldest_tags``).
+        self._runs: list[list[tuple[str | None, int]] | None] = [None] * num_instances
         #: An insert not applied yet (see ``insert``): every read applies it first.
         self._pending: tuple[int, Sequence[int], str | None] | None = None
         #: Inserts being applied in steps (``flush_step``), oldest first: [instance, blocks,
@@ -221,7 +227,16 @@ class PrefixIndex:
                 h = exc.args[0]
                 lru[h] = None
                 owners[h] = owners.get(h, 0) | bit
+        runs = self._runs
+        runs[instance] = None
         if tag is not None:
+            # a retag changes what the other instances holding these blocks would evict, by tag
+            # (the distinct owner masks first: a set pass is cheaper than an OR per block)
+            others = reduce(or_, set(map(owners.get, blocks, repeat(0))), 0) & ~bit
+            while others:
+                low = others & -others
+                runs[low.bit_length() - 1] = None
+                others ^= low
             self._tags.update(zip(blocks, repeat(tag)))
         over = len(lru) - self.capacity[instance]
         if over > 0:
@@ -242,21 +257,32 @@ class PrefixIndex:
         """The next ``count`` blocks ``instance`` would evict, counted by tag (session).
 
         Blocks tagged ``skip`` (the session being routed: its blocks are touched, not evicted)
-        are passed over. O(count) over the LRU's oldest end."""
+        are passed over. O(the runs of equal tags among them): the LRU's tags are read as
+        runs once per change of the instance (``_tag_runs``), not block by block per read;
+        the counts, and their order (first seen from the oldest end), are the walk's."""
         self._settle()
         out: dict[str | None, int] = {}
         if count <= 0:
             return out
-        tags = self._tags
-        for h in self._lru[instance]:
-            t = tags.get(h)
+        for t, n in self._tag_runs(instance):
             if t is not None and t == skip:
                 continue
-            out[t] = out.get(t, 0) + 1
-            count -= 1
-            if count == 0:
+            if n >= count:
+                out[t] = out.get(t, 0) + count
                 break
+            out[t] = out.get(t, 0) + n
+            count -= n
         return out
+
+    def _tag_runs(self, instance: int) -> list[tuple[str | None, int]]:
+        """``instance``'s LRU from the oldest end as runs of equal tags: rebuilt (one C-level
+        pass) after an insert into it, or a retag of a block it holds (an insert elsewhere
+        under another session), or a reset; kept otherwise."""
+        runs = self._runs[instance]
+        if runs is None:
+            runs = [(t, len(list(g))) for t, g in groupby(map(self._tags.get, self._lru[instance]))]
+            self._runs[instance] = runs
+        return runs
 
     def add_instance(self, capacity_blocks: int) -> int:
         """A new instance, caching nothing yet (the fleet grew); returns its index."""
@@ -264,6 +290,7 @@ class PrefixIndex:
             raise ValueError("capacity must be positive")
         self.capacity.append(capacity_blocks)
         self._lru.append(OrderedDict())
+        self._runs.append(None)
         self._evictions.append(0)
         return len(self._lru) - 1
 
@@ -280,6 +307,7 @@ class PrefixIndex:
                 owners.pop(h, None)
                 self._tags.pop(h, None)
         self._lru[instance].clear()
+        self._runs[instance] = None
 
 
 def _held_prefix(lru: OrderedDict[int, None], blocks: Sequence[int]) -> int:

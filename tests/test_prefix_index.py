@@ -130,6 +130,7 @@ class _PerBlockIndex(PrefixIndex):
     reference the fast insert must equal, state for state."""
 
     def insert(self, instance, blocks, tag=None):
+        self._runs = [None] * len(self._lru)  # oldest_tags reads its LRU afresh (issue 38's runs)
         lru = self._lru[instance]
         owners = self._owners
         bit = 1 << instance

@@ -17,6 +17,15 @@ What it does, in order:
 
 Everything binds 127.0.0.1 (peers get ``--host`` and ``--prometheus-host`` 127.0.0.1 and
 distinct Prometheus ports).
+
+``--offline`` (issue 38) runs the same comparison in virtual time instead, for fleets the
+machine cannot drive live: ``kvtop simulate`` over the same built trace, kvtop's arms as they
+are and the peers through their models (``cache_aware`` for sglang-router's and
+vllm-router's cache_aware, kvtop's own ``round_robin`` for sglang's round_robin: the same
+rule), no venv, engines or routers; ``--repeats N`` adds replicas with error bars.
+
+    python benchmarks/peers/run.py --offline --instances 32 --sessions 96 --stagger 1.25 \
+        --max-turns 12 --seed 23 --policies expected_cost --out peers32
 """
 
 from __future__ import annotations
@@ -179,7 +188,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-format", choices=("text", "tokens"), default="text",
                    help="how prompts are sent (default text: sglang-router rejects token ids; "
                         "tokens: kvtop arms only, no tokenizing anywhere on the path)")
+    p.add_argument("--offline", action="store_true",
+                   help="kvtop simulate instead of live engines and routers; the peers through their "
+                        "models (see above)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="--offline: replicas per arm (kvtop simulate --repeats; default 1)")
     args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
+    if args.offline:
+        return offline(args, p)
     if args.prompt_format == "tokens" and any(a.kind != "kvtop" for a in parse_arms(args)):
         raise SystemExit("--prompt-format tokens is for kvtop arms only (give --peers \"\"): "
                          "sglang-router rejects token ids")
@@ -246,6 +264,55 @@ def main(argv: list[str] | None = None) -> int:
     subprocess.run([sys.executable, "-m", "kvtop", "report", *results, "--format", "md",
                     "--out", str(out / "report.md")], check=True)
     print((out / "report.md").read_text())
+    return 0
+
+
+#: What each peer arm is offline: the kvtop policy (or peer model) that follows its rule.
+PEER_MODELS = {"sglang:cache_aware": "cache_aware", "vllm:cache_aware": "cache_aware",
+               "sglang:round_robin": "round_robin", "vllm:round_robin": "round_robin"}
+
+
+def offline(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
+    """The comparison in virtual time: one ``kvtop simulate`` over every arm, then the report."""
+    policies = [x for x in args.policies.split(",") if x]
+    for spec in (x for x in args.peers.split(",") if x):
+        model = PEER_MODELS.get(spec)
+        if model is None:
+            p.error(f"--offline has no model of peer arm {spec!r} (known: {', '.join(PEER_MODELS)})")
+        if model not in policies:
+            policies.append(model)
+    if not policies:
+        p.error("no arm to run")
+    args.cache.mkdir(parents=True, exist_ok=True)
+    out = args.out
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    trace = args.trace or build_trace(args, out)
+    cmd = [sys.executable, "-m", "kvtop", "simulate", str(trace), "--policies", ",".join(policies),
+           "--instances", str(args.instances), "--profile", args.profile, "--mode", "closed",
+           "--format", "md"]
+    if args.repeats > 1:
+        cmd += ["--repeats", str(args.repeats), "--terminal-plot", "never"]
+    else:
+        cmd += ["--out", str(out / "sim")]
+    log(f"offline: {' '.join(cmd[2:])}")
+    got = subprocess.run(cmd, capture_output=True, text=True)
+    if got.returncode != 0:
+        sys.stderr.write(got.stderr)
+        return got.returncode
+    if args.repeats > 1:
+        report = got.stdout
+    else:  # one results file per arm: kvtop report (the ceiling from the trace they name)
+        subprocess.run([sys.executable, "-m", "kvtop", "report",
+                        *sorted(str(x) for x in (out / "sim").glob("*.jsonl")),
+                        "--format", "md", "--out", str(out / "report.md")], check=True)
+        report = (out / "report.md").read_text()
+    header = (f"# Offline: {args.instances} instances, {args.profile}, engine seconds\n\n"
+              f"`{' '.join(cmd[2:])}`; peers as models: "
+              f"{', '.join(f'{k} = {v}' for k, v in PEER_MODELS.items() if k in args.peers.split(','))}\n\n")
+    (out / "report.md").write_text(header + report)
+    print(header + report)
     return 0
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from router.config import KnobError
 from router.policies.base import REASONS, Pick, Policy
+from router.policies.cache_aware import CacheAware
 from router.policies.expected_cost import ExpectedCost
 from router.policies.leastwork import LeastWork
 from router.policies.leastwork_kappa import LeastWorkKappa
@@ -30,12 +31,16 @@ POLICIES: dict[str, type[Policy]] = {
                 ExpectedCost)
 }
 ALIASES: dict[str, str] = {alias: cls.name for cls in POLICIES.values() for alias in cls.aliases}
+#: Models of the peer routers' policies, to compare with them offline (`kvtop simulate
+#: --policies expected_cost,cache_aware`; docs/peers.md). They build and run like any policy
+#: but are not kvtop's own: not listed in POLICIES (GET policies, the dashboard, sweeps).
+PEER_MODELS: dict[str, type[Policy]] = {cls.name: cls for cls in (CacheAware,)}
 
 
 def policy_class(name: str) -> type[Policy]:
     canonical = ALIASES.get(name, name)
     try:
-        return POLICIES[canonical]
+        return POLICIES.get(canonical) or PEER_MODELS[canonical]
     except KeyError:
         known = ", ".join(sorted(POLICIES) + sorted(ALIASES))
         raise KnobError("policy", f"unknown policy {name!r}; known policies: {known}") from None
@@ -48,4 +53,4 @@ def build_policy(name: str, knobs: dict[str, Any] | None = None) -> Policy:
     return policy_class(name)(knobs)
 
 
-__all__ = ["DEFAULT_POLICY", "POLICIES", "ALIASES", "REASONS", "Pick", "Policy", "build_policy", "policy_class"]
+__all__ = ["DEFAULT_POLICY", "POLICIES", "PEER_MODELS", "ALIASES", "REASONS", "Pick", "Policy", "build_policy", "policy_class"]

@@ -27,6 +27,10 @@ OVERLOAD_BREAK = "overload_break"  # the session's instance is over the overload
 CACHE_GATE_MISS = "cache_gate_miss"  # too little of the prompt is cached on the session's instance
 MIGRATE = "migrate"  # unified_ab moved a heavy session off an overloaded instance
 RETRY = "retry"  # a second attempt after the first instance failed before any byte
+# the peer model cache_aware's three branches (router/policies/cache_aware.py)
+CACHE_MATCH = "cache_match"  # longest prefix in its own tree, over the cache threshold
+SMALLEST_TREE = "smallest_tree"  # no match over the threshold; the instance with the smallest tree
+LOAD_BALANCE = "load_balance"  # the fleet's BS spread over both balance bounds; the least loaded
 
 REASONS: dict[str, str] = {
     ROUND_ROBIN: "next instance in turn",
@@ -40,6 +44,9 @@ REASONS: dict[str, str] = {
     CACHE_GATE_MISS: "session's cached share at or below the gate; fell back to the score",
     MIGRATE: "heavy session migrated off an overloaded instance",
     RETRY: "second attempt after the first instance failed before any byte was sent",
+    CACHE_MATCH: "cache_aware: longest prefix in its own tree, over the cache threshold",
+    SMALLEST_TREE: "cache_aware: no prefix over the threshold; the smallest tree",
+    LOAD_BALANCE: "cache_aware: load over both balance bounds; the least loaded",
 }
 
 

@@ -104,10 +104,11 @@ class ExpectedCost(Policy):
         parts = [self._today(c, la) for c in cands]
         lower = [sum(p.values()) for p in parts]
         best = float("inf")
+        odds_of: dict[str, float] = {}
         for k in sorted(range(len(cands)), key=lower.__getitem__):
             if lower[k] > best:
                 break
-            parts[k].update(self._future(cands[k], la, p_next, length, parts[k]))
+            parts[k].update(self._future(cands[k], la, p_next, length, parts[k], odds_of))
             best = min(best, sum(parts[k].values()))
         scores: list[float] = []
         terms: list[dict] = []
@@ -144,11 +145,18 @@ class ExpectedCost(Policy):
 
     @staticmethod
     def _future(c: Candidate, la: Lookahead | None, p_next: float, length: int,
-                today: dict[str, float]) -> dict[str, float]:
+                today: dict[str, float], odds_of: dict[str, float] | None = None) -> dict[str, float]:
+        """The terms of the next turns on ``c``. ``odds_of`` memoises each session's odds of
+        return for one decision (a session bound to i is priced in queue_i, keep_i and evict_i;
+        its odds depend on it and the decision's time alone)."""
         if la is None:
             return {"queue_s": 0.0, "evict_s": 0.0, "keep_s": 0.0}
+        if odds_of is None:
+            odds_of = {}
         cal = la.calibration
         i = c.index
+        scale = cal.scale(i)
+        prior = cal.prior.seconds  # cal.seconds(i, q, h) is scale * prior(q, h): the same product
         own = today["own_s"]
         wait = today["wait_s"]
         now = la.now
@@ -158,19 +166,24 @@ class ExpectedCost(Policy):
         demand = la.settled(i)
         for s in la.bound(i):
             g = s.gap_sum / s.gaps if s.gaps else fleet_gap
-            odds = return_odds(s.turns, s.gap_sum, s.gaps, s.idle_s(now), fleet_gap)
+            odds = odds_of.get(s.session_id)
+            if odds is None:
+                odds = odds_of[s.session_id] = return_odds(s.turns, s.gap_sum, s.gaps, s.idle_s(now), fleet_gap)
             if own > 0 and g:  # no gap seen anywhere yet: no evidence of returns to price
                 held = queued_behind_s(wait, own, g)
-                queue += odds * min(held, cal.seconds(i, s.last_input_tokens, 0))
+                queue += odds * min(held, scale * prior(s.last_input_tokens, 0))
             demand += odds * s.last_input_tokens
         evict = 0.0
         for s, lost in la.victims(i):
             ctx = s.last_input_tokens
             lost = min(lost, ctx)
-            evict += session_odds(s, la) * cal.seconds(i, lost, ctx - lost)
+            odds = odds_of.get(s.session_id)
+            if odds is None:
+                odds = odds_of[s.session_id] = session_odds(s, la)
+            evict += odds * (scale * prior(lost, ctx - lost))
         keep = 0.0
         if p_next > 0:
             lost = min(length, max(0, int(demand + length - la.capacity_tokens[i])))
             if lost:
-                keep = p_next * cal.seconds(i, lost, length - lost)
+                keep = p_next * (scale * prior(lost, length - lost))
         return {"queue_s": queue, "evict_s": evict, "keep_s": keep}
