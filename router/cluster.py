@@ -311,6 +311,7 @@ class Cluster:
                 sess.in_flight -= 1
                 sess.last_done = self.clock()
                 if sess.in_flight == 0:
+                    sess.fleet_s += sess.last_done - sess.busy_since  # a busy period closes
                     i = sess.instance
                     self._busy[i].pop(sess.session_id, None)
                     self._idle[i][sess.session_id] = sess  # the most recently active now
@@ -359,15 +360,18 @@ class Cluster:
 
     # -- sessions -------------------------------------------------------------------
     def bind_session(self, session_id: str, instance: int, input_tokens: int, est_hit: int,
-                     *, new_turn: bool = True) -> SessionInfo:
+                     *, new_turn: bool = True, arrival: float | None = None) -> SessionInfo:
         """Record a session's request on ``instance`` (dispatched now): its turn, its gap since
         its last answer, its move if it moved. The cluster holds at most ``max_sessions``
         records; past that the least recently active is forgotten (its next request is a first
-        turn). A record is a fixed set of numbers: the memory per session is bounded."""
+        turn). A record is a fixed set of numbers: the memory per session is bounded.
+        ``arrival``: the request's receipt (``t_recv``, before parsing and admission), from
+        which its session's first_seen and busy time count, as in the log (store/sessions.py)."""
         now = self.clock()
+        start = now if arrival is None else min(arrival, now)
         sess = self.sessions.get(session_id)
         if sess is None:
-            sess = SessionInfo(session_id, instance, first_seen=now, bound_since=now)
+            sess = SessionInfo(session_id, instance, first_seen=start, bound_since=now)
             self.sessions[session_id] = sess
             self.instances[instance].sessions += 1
             if len(self.sessions) > self.max_sessions:
@@ -396,6 +400,8 @@ class Cluster:
         sess.last_input_tokens = input_tokens
         sess.last_est_hit_tokens = est_hit
         sess.last_seen = now
+        if sess.in_flight == 0:  # a busy period opens (after the last one's end: the union)
+            sess.busy_since = max(start, sess.last_done)
         sess.in_flight += 1
         self._busy[instance][session_id] = sess
         self._weigh(sess, 1)

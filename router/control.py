@@ -22,7 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
-from router import discovery, fleet, fleet_api, kv_wiring, telemetry
+from router import discovery, fleet, fleet_api, kv_wiring, session_metrics, telemetry
 from router.http import dumps, error_response, read_json
 from router.state import STATE, RouterState
 from router.config import KnobError
@@ -41,7 +41,7 @@ PREFIX = "/kvtop/v1"
 TOKEN_ENV = "KVTOP_CONTROL_TOKEN"
 USER_HEADER = "X-Kvtop-User"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-SESSION_SORTS = ("last_seen", "turns", "tokens", "moves")
+SESSION_SORTS = ("last_seen", "turns", "tokens", "moves", "completion")
 
 
 class Control:
@@ -447,22 +447,25 @@ async def get_sessions(request: web.Request) -> web.Response:
     only = request.query.get("instance")
     if only is not None and only not in names:
         raise BadParam("instance", f"unknown instance {only!r}; known: {', '.join(names)}")
+    now = st.cluster.clock()
     key = {"last_seen": lambda s: s.last_seen, "turns": lambda s: s.turns,
-           "tokens": lambda s: s.total_input_tokens, "moves": lambda s: s.moves}[sort]
+           "tokens": lambda s: s.total_input_tokens, "moves": lambda s: s.moves,
+           "completion": lambda s: s.figures(now)[0]}[sort]
     sessions = st.cluster.sessions.values()
     if only is not None:
         idx = names.index(only)
         sessions = [s for s in sessions if s.instance == idx]
     top = heapq.nlargest(limit, sessions, key=key)
-    now = st.cluster.clock()
     rows = [{"session": s.session_id, "instance": names[s.instance], "turns": s.turns,
              "tokens": s.total_input_tokens, "last_input_tokens": s.last_input_tokens,
              "last_est_hit_tokens": s.last_est_hit_tokens,
              "est_hit_rate": s.last_est_hit_tokens / s.last_input_tokens if s.last_input_tokens else None,
              "first_seen": s.first_seen, "last_seen": s.last_seen, "idle_s": now - s.last_seen,
-             "bound_since": s.bound_since, "bound_for_s": now - s.bound_since, "moves": s.moves}
+             "bound_since": s.bound_since, "bound_for_s": now - s.bound_since, "moves": s.moves,
+             **session_metrics.row(s, now)}
             for s in top]
-    return web.json_response({"total": len(st.cluster.sessions), "sort": sort, "sessions": rows},
+    return web.json_response({"total": len(st.cluster.sessions), "sort": sort, "sessions": rows,
+                              "summary": session_metrics.summary(st.cluster.sessions.values(), now)},
                              dumps=_dumps)
 
 

@@ -147,16 +147,17 @@ class RoutingCore:
             index_source=source, estimate_hit_tokens=estimate, view=view,
         )
 
-    def dispatch(self, d: Decision, *, new_turn: bool = True) -> Ticket:
+    def dispatch(self, d: Decision, *, new_turn: bool = True, arrival: float | None = None) -> Ticket:
         """Charge the chosen instance and bind the session: the request has started.
 
-        ``new_turn`` is False for a retry, which is the same turn on another instance.
+        ``new_turn`` is False for a retry, which is the same turn on another instance;
+        ``arrival`` the request's receipt (``Cluster.bind_session``).
         """
         r = d.request
         d.ticket = self.cluster.dispatch(d.instance, r.input_tokens, d.est_hit_tokens, r.blocks,
                                          session_id=r.session_id, exact=r.token_source != "text_approx")
         self.cluster.bind_session(r.session_id, d.instance, r.input_tokens, d.est_hit_tokens,
-                                  new_turn=new_turn)
+                                  new_turn=new_turn, arrival=arrival)
         return d.ticket
 
     def route(self, req: RouteRequest, **kw) -> Decision:

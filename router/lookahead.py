@@ -31,6 +31,21 @@ class SessionInfo:
     gaps: int = 0
     in_flight: int = 0  # its requests dispatched and not yet finished
     last_done: float = float("-inf")  # when its last request finished
+    busy_since: float = 0.0  # when its in_flight last went from 0 to 1 (the arrival of that request)
+    fleet_s: float = 0.0  # its closed busy periods, summed: the union of its finished requests' [arrival, end]
+
+    def figures(self, now: float) -> tuple[float, float, float]:
+        """``(completion_s, fleet_s, client_s)`` as of ``now`` (store/sessions.py's figures,
+        live): first arrival to its last answer's end (to now while a request is in flight);
+        the time with a request of its own in the fleet; the rest, the client's own time."""
+        fleet = self.fleet_s
+        if self.in_flight > 0:
+            end = now
+            fleet += now - self.busy_since
+        else:
+            end = max(self.last_done, self.last_seen)
+        completion = max(0.0, end - self.first_seen)
+        return completion, fleet, max(0.0, completion - fleet)
 
     def idle_s(self, now: float) -> float:
         """Seconds it has been free to send a turn: since its last answer ended, or its last

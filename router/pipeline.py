@@ -181,7 +181,7 @@ class Pipeline:
                 d.extra["route_class"] = off.route_class
             if off.prefill_instance is not None:
                 d.extra["prefill_instance"] = cluster.instances[off.prefill_instance].name
-        self.core.dispatch(d, new_turn=attempt == 1)
+        self.core.dispatch(d, new_turn=attempt == 1, arrival=flow.t_recv)
         if feats.knobs.get("priority", "off") != "off":  # vLLM's priority for the request (router/priority.py)
             d.extra["priority"] = priority_for(feats.knobs["priority"], d, self.session_order)
         serve = Leg(SERVE, d.instance, d.ticket)
