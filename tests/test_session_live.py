@@ -86,3 +86,51 @@ def test_summary_over_sessions_matches_the_stores_summary():
         for stat in ("mean", "p50", "p90", "max"):
             assert got[fig][stat] == pytest.approx(want[fig][stat]), (fig, stat)
     assert session_metrics.summary([], 0.0)["completion_s"]["mean"] is None
+
+
+async def test_sessions_endpoint_agrees_with_the_log(router_client, fake_backends, tmp_path):
+    """A router over a fake engine: session A (a turn, a pause, then two turns together, as an
+    agent's sub-agents) and session B (one turn during A's first). GET sessions's figures are
+    store/sessions.py's from the same run's log, to the millisecond."""
+    import asyncio
+
+    from router.app import STATE, Backend, RouterConfig, create_app
+    from store.logs import open_logs
+
+    fakes = await fake_backends(2, token_delay=0.01)
+    cfg = RouterConfig(backends=[Backend(f"i{k}", u) for k, (_, u) in enumerate(fakes)],
+                       db=str(tmp_path / "kvtop.db"), state_dir=str(tmp_path / "state"))
+    client = await router_client(create_app(cfg))
+    state = client.server.app[STATE]
+
+    async def turn(session: str, n: int, out: int) -> None:
+        body = {"prompt": list(range(n)), "max_tokens": out, "stream": True}
+        r = await client.post("/v1/completions", json=body, headers={"X-Session-ID": session})
+        assert r.status == 200
+        await r.read()
+
+    await asyncio.gather(turn("A", 600, 8), turn("B", 300, 4))
+    await asyncio.sleep(0.15)  # A's tool call
+    await asyncio.gather(turn("A", 900, 6), turn("A", 700, 12))
+    body = await (await client.get("/kvtop/v1/sessions?sort=completion")).json()
+    live = {s["session"]: s for s in body["sessions"]}
+    assert [s["session"] for s in body["sessions"]] == ["A", "B"]  # the longest first
+    assert all(s["in_flight"] == 0 for s in body["sessions"])
+
+    state.writer.flush()
+    db = open_logs(cfg.db)
+    (logged,) = store_sessions.from_db(db, state.run_id).values()
+    assert {s.session for s in logged} == {"A", "B"}
+    for s in logged:
+        row = live[s.session]
+        for fig in session_metrics.FIGURES:
+            assert row[fig] == pytest.approx(getattr(s, fig), abs=0.003), (s.session, fig)
+    a = live["A"]
+    assert a["client_s"] >= 0.14 and a["fleet_s"] > 0.1  # the pause is the client's
+    want = store_sessions.summarize(logged)
+    assert body["summary"]["sessions"] == 2
+    for fig in session_metrics.FIGURES:
+        for stat in ("mean", "p50", "p90", "max"):
+            assert body["summary"][fig][stat] == pytest.approx(want[fig][stat], abs=0.003), (fig, stat)
+    bad = await client.get("/kvtop/v1/sessions?sort=nope")
+    assert bad.status == 400 and "completion" in (await bad.json())["error"]["message"]
