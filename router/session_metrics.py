@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from router.lookahead import SessionInfo
-from store.stats import percentile
+from store.stats import ranked_percentile
 
 #: The figures of a session, in the order of ``SessionInfo.figures`` (store/sessions.py's).
 FIGURES = ("completion_s", "fleet_s", "client_s")
@@ -28,17 +28,30 @@ def row(s: SessionInfo, now: float) -> dict[str, Any]:
 
 def summary(sessions: Iterable[SessionInfo], now: float) -> dict[str, Any]:
     """``{"sessions": n, <figure>: {mean, p50, p90, max}}`` over ``sessions`` (None stats when
-    there are none): store/sessions.py's ``summarize`` shape, less its request count."""
-    cols: tuple[list[float], ...] = ([], [], [])
+    there are none): store/sessions.py's ``summarize`` shape, less its request count.
+
+    One pass and one sort per figure (``SessionInfo.figures`` inlined): a router holding its
+    200,000 sessions answers in a few hundred ms, the page's own walk's order."""
+    comp: list[float] = []
+    fleet: list[float] = []
     for s in sessions:
-        for col, v in zip(cols, s.figures(now)):
-            col.append(v)
-    out: dict[str, Any] = {"sessions": len(cols[0])}
-    for fig, values in zip(FIGURES, cols):
+        if s.in_flight > 0:
+            f = s.fleet_s + now - s.busy_since
+            c = now - s.first_seen
+        else:
+            f = s.fleet_s
+            c = max(s.last_done, s.last_seen) - s.first_seen
+        comp.append(c if c > 0.0 else 0.0)
+        fleet.append(f)
+    client = [c - f if c > f else 0.0 for c, f in zip(comp, fleet)]
+    out: dict[str, Any] = {"sessions": len(comp)}
+    for fig, values in zip(FIGURES, (comp, fleet, client)):
+        values.sort()
+        n = len(values)
         out[fig] = {
-            "mean": math.fsum(values) / len(values) if values else None,
-            "p50": percentile(values, 50),
-            "p90": percentile(values, 90),
-            "max": max(values) if values else None,
+            "mean": math.fsum(values) / n if n else None,
+            "p50": ranked_percentile(n, 50, lambda lo, hi: (values[lo], values[hi])),
+            "p90": ranked_percentile(n, 90, lambda lo, hi: (values[lo], values[hi])),
+            "max": values[-1] if n else None,
         }
     return out

@@ -134,3 +134,44 @@ async def test_sessions_endpoint_agrees_with_the_log(router_client, fake_backend
             assert body["summary"][fig][stat] == pytest.approx(want[fig][stat], abs=0.003), (fig, stat)
     bad = await client.get("/kvtop/v1/sessions?sort=nope")
     assert bad.status == 400 and "completion" in (await bad.json())["error"]["message"]
+
+
+def _body(summary: bool) -> dict:
+    rows = [{"session": "agent-1", "instance": "vllm-0", "turns": 3, "tokens": 1200, "est_hit_rate": 0.5,
+             "bound_for_s": 10.0, "idle_s": 1.0, "moves": 0, "completion_s": 75.0, "fleet_s": 42.5,
+             "client_s": 32.5, "in_flight": 0},
+            {"session": "agent-2", "instance": "vllm-1", "turns": 1, "tokens": 900, "est_hit_rate": None,
+             "bound_for_s": 1.0, "idle_s": 0.0, "moves": 0, "completion_s": 0.4, "fleet_s": 0.4,
+             "client_s": 0.0, "in_flight": 1}]
+    body = {"total": 2, "sort": "last_seen", "sessions": rows}
+    if summary:
+        body["summary"] = {"sessions": 2, "completion_s": {"mean": 37.7, "p50": 37.7, "p90": 67.54, "max": 75.0},
+                           "fleet_s": {"mean": 21.45, "p50": 21.45, "p90": 38.29, "max": 42.5},
+                           "client_s": {"mean": 16.25, "p50": 16.25, "p90": 29.25, "max": 32.5}}
+    return body
+
+
+@pytest.mark.parametrize("summary", [True, False])
+async def test_the_sessions_tab_shows_the_session_times(summary):
+    from test_tui import make_app, settle, wait_group
+
+    app, feed = make_app(steps=2, decisions=3)
+    feed.sessions_body = _body(summary)
+    async with app.run_test(size=(140, 42)) as pilot:
+        await settle(pilot, app)
+        await pilot.press("3")
+        app._fetch_sessions()
+        await wait_group(app, "sessions")
+        await settle(pilot, app)
+        line = str(app.query_one("#session-summary").render())
+        if summary:
+            assert line == ("sessions 2  completion mean 37s p90 1m07s max 1m15s  "
+                            "fleet mean 21s  client mean 16s")
+        else:  # a router from before issue 39: said, not a row of dashes
+            assert line == "session times: not reported by this router"
+        table = app.query_one("#session-table")
+        labels = [str(c.label) for c in table.columns.values()]
+        assert labels[-3:] == ["completion", "fleet", "client"]
+        cells = {str(table.get_row_at(i)[0]): [str(v) for v in table.get_row_at(i)[-3:]]
+                 for i in range(table.row_count)}
+        assert cells == {"agent-1": ["1m15s", "42s", "32s"], "agent-2": ["0.4s", "0.4s", "0.0s"]}

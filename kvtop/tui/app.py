@@ -222,7 +222,7 @@ class KvtopApp(App):
         s = self.query_one("#session-table", DataTable)
         for key, label in [("session", "session"), ("instance", "instance"), ("turns", "turns"),
                            ("tokens", "tokens"), ("hit", "last hit%"), ("bound", "stayed"), ("idle", "idle"),
-                           ("moves", "moves")]:
+                           ("moves", "moves"), ("completion", "completion"), ("fleet", "fleet"), ("client", "client")]:
             s.add_column(label, key=key)
         k = self.query_one("#knob-table", DataTable)
         for key, label in [("knob", "knob"), ("value", "value"), ("default", "default"), ("range", "range"),

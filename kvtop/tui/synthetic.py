@@ -126,5 +126,14 @@ def sessions(count: int = 60, n: int = 4) -> dict[str, Any]:
         rows.append({"session": f"sess-{k:03d}", "instance": f"vllm-{k % n}", "turns": 40 - k // 2,
                      "tokens": 9_000_000 - k * 120_000, "last_input_tokens": 150_000, "last_est_hit_tokens": 140_000,
                      "est_hit_rate": 0.93 - k * 0.01, "first_seen": 0, "last_seen": 0, "idle_s": k * 3.0,
-                     "bound_since": 0, "bound_for_s": 1800 - k * 25.0, "moves": k % 3})
-    return {"total": count, "sort": "tokens", "sessions": rows}
+                     "bound_since": 0, "bound_for_s": 1800 - k * 25.0, "moves": k % 3,
+                     "completion_s": 1900 - k * 20.0, "fleet_s": 1200 - k * 15.0, "client_s": 700 - k * 5.0,
+                     "in_flight": k % 2})
+    # the summary of a router holding these sessions (GET sessions's, issue 39)
+    summary: dict[str, Any] = {"sessions": count}
+    for fig in ("completion_s", "fleet_s", "client_s"):
+        values = sorted(r[fig] for r in rows)
+        summary[fig] = {"mean": sum(values) / count, "p50": values[int(0.5 * (count - 1))],
+                        "p90": values[int(0.9 * (count - 1))], "max": values[-1]} if values else \
+            {"mean": None, "p50": None, "p90": None, "max": None}
+    return {"total": count, "sort": "tokens", "sessions": rows, "summary": summary}

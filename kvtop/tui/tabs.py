@@ -449,7 +449,33 @@ class SessionsTab(TabPane):
 
     def compose(self) -> ComposeResult:
         yield Static(id="affinity")
+        yield Static(id="session-summary")
         yield LiveTable(id="session-table", cursor_type="row", zebra_stripes=True)
+
+    @staticmethod
+    def fmt_secs(v: Any) -> str:
+        """A session time: tenths of a second under 10 s (a short session reads 0.4s, not 0s)."""
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 10:
+            return f"{v:.1f}s"
+        return fmt_duration(v)
+
+    def summary_text(self) -> Text:
+        """Over every session the router holds (GET sessions's ``summary``, issue 39): how long
+        a session took, first request to last answer, and how much of it was the fleet's."""
+        app: Any = self.app
+        summ = app.sessions_body.get("summary")
+        if not isinstance(summ, dict):
+            # several routers: their percentiles do not merge, and each holds its own sessions
+            why = "per router only (attach one for its summary)" if app.multi else "not reported by this router"
+            return Text(f"session times: {why}", style="dim")
+
+        def stat(fig: str, name: str) -> str:
+            d = summ.get(fig)
+            return self.fmt_secs(d.get(name) if isinstance(d, dict) else None)
+
+        return Text(f"sessions {fmt_int(summ.get('sessions', 0))}  completion mean {stat('completion_s', 'mean')} "
+                    f"p90 {stat('completion_s', 'p90')} max {stat('completion_s', 'max')}  "
+                    f"fleet mean {stat('fleet_s', 'mean')}  client mean {stat('client_s', 'mean')}")
 
     def draw_affinity(self) -> None:
         app: Any = self.app
@@ -468,6 +494,7 @@ class SessionsTab(TabPane):
 
     def draw_sessions(self) -> None:
         app: Any = self.app
+        app._update_static("#session-summary", self.summary_text())
         table = self.query_one("#session-table", DataTable)
         query = app.filters["sessions"].lower()
         rows = [s for s in app.sessions_body.get("sessions", [])
@@ -476,13 +503,15 @@ class SessionsTab(TabPane):
         for key in [k for k in table.rows if k.value not in keep]:
             table.remove_row(key)
         # Whole ids where the width allows (two sessions cut to one prefix read as one).
-        id_width = max(24, app.size.width - 72)
+        id_width = max(24, app.size.width - 97)
         for s in rows:
             # Text, not str: a client's session id is data, never markup for DataTable to read.
             cells = {"session": Text(fit_id(str(s["session"]), id_width)), "instance": Text(str(s.get("instance"))),
                      "turns": str(s.get("turns", 0)), "tokens": fmt_int(s.get("tokens")),
                      "hit": fmt_pct(s.get("est_hit_rate")), "bound": fmt_duration(s.get("bound_for_s")),
-                     "idle": fmt_duration(s.get("idle_s")), "moves": str(s.get("moves", 0))}
+                     "idle": fmt_duration(s.get("idle_s")), "moves": str(s.get("moves", 0)),
+                     "completion": self.fmt_secs(s.get("completion_s")), "fleet": self.fmt_secs(s.get("fleet_s")),
+                     "client": self.fmt_secs(s.get("client_s"))}
             key = str(s["session"])
             if key in table.rows:
                 table.set_cells(key, {col: val for col, val in cells.items() if table.get_cell(key, col) != val})
