@@ -450,7 +450,7 @@ async def get_sessions(request: web.Request) -> web.Response:
     now = st.cluster.clock()
     key = {"last_seen": lambda s: s.last_seen, "turns": lambda s: s.turns,
            "tokens": lambda s: s.total_input_tokens, "moves": lambda s: s.moves,
-           "completion": lambda s: s.figures(now)[0]}[sort]
+           "completion": lambda s: (now if s.in_flight > 0 else max(s.last_done, s.last_seen)) - s.first_seen}[sort]
     sessions = st.cluster.sessions.values()
     if only is not None:
         idx = names.index(only)
