@@ -454,8 +454,9 @@ def backlog_rows(a: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             firsts = [r["arrival"] + r["ttft_s"] for r in recs if r and r.get("ttft_s") is not None]
             drained = (max(firsts) - clocks[k]) / speed if firsts and k < len(clocks) else client
             shown = inst["backlog_s"]
+            rate = f"{inst.get('backlog_source', 'assumed')} {inst.get('backlog_prefill_tps') or 0:,.0f}/s"
             out.append((f"backlog seconds at the peak, {shape}, {inst['name']} ({inst['pending_prefill_tokens']:,} "
-                        f"tokens, {inst.get('backlog_source', 'assumed')} {inst.get('backlog_prefill_tps') or 0:,.0f}/s)",
+                        f"tokens, {rate})",
                         f"{shown:.3f} s", f"{drained:.3f} s drained (client's clock {client:.3f} s)",
                         f"{100 * (shown - drained) / drained:+.0f}%" if drained > 0 else "n/a"))
     return out
