@@ -432,31 +432,49 @@ def compare(a: dict[str, Any]) -> list[tuple[str, str, str, str]]:
 
 
 def backlog_rows(a: dict[str, Any]) -> list[tuple[str, str, str, str]]:
-    """Per burst, at the moment its backlog peaked in the state, each instance's backlog seconds
+    """Per burst and instance, at the moment the backlog peaked in the state, its backlog seconds
     against the time its engine then took to drain it: from its engine clock at that moment to
     the engine's first token of the last burst request it held (the engine's own account, in
     wall seconds at its --speed). The client's clock is shown too: on a loaded host it differs
     by the host's lag (an engine behind its wall clock catches up: that is the host's time, not
-    the engine's)."""
+    the engine's).
+
+    The peak is taken among the moments the state's pending tokens were the engine's within one
+    request (the burst requests whose first token the engine had not yet produced, by its own
+    records): at --speed 20 the router's view of a burst can lag its engine by whole requests
+    (one event loop parses 24 bodies of 6,000 tokens while the engines' clocks run on), and a
+    count the engine has already drained in part says nothing of the rate. Where no moment
+    agrees, the largest count is used and the row says "(view lagging)"."""
     out = []
     speed = a.get("speed") or 1.0
     for shape, seen in a.get("backlog_seen") or []:
         burst = [(s, a["decisions"].get(s.request_id)) for s in a["sent"] if s.shape == shape and s.status == 200]
         if not seen or not burst:
             continue
-        t_peak, snap, clocks = max(seen, key=lambda x: x[1]["totals"]["pending_prefill_tokens"])
-        for k, inst in enumerate(snap["instances"]):
-            mine = [s for s, d in burst if d is not None and d["instance"] == inst["name"] and s.ttft_s is not None]
-            if not mine or not inst["pending_prefill_tokens"] or inst["backlog_s"] is None:
+        names = [i["name"] for i in seen[0][1]["instances"]]
+        for k, name in enumerate(names):
+            mine = [s for s, d in burst if d is not None and d["instance"] == name and s.ttft_s is not None]
+            recs = [r for r in (a["truth"].get(s.request_id) for s in mine) if r and r.get("ttft_s") is not None]
+            if not mine or not recs or k >= len(seen[0][2]):
                 continue
+
+            def engine_pending(clock: float) -> int:
+                return sum(r["prefill_tokens"] for r in recs if clock < r["arrival"] + r["ttft_s"])
+
+            views = [(t, snap["instances"][k], clocks[k]) for t, snap, clocks in seen
+                     if k < len(snap["instances"]) and snap["instances"][k]["backlog_s"] is not None
+                     and snap["instances"][k]["pending_prefill_tokens"] > 0]
+            if not views:
+                continue
+            one = max(r["prefill_tokens"] for r in recs)
+            agree = [v for v in views if abs(v[1]["pending_prefill_tokens"] - engine_pending(v[2])) <= one]
+            t_peak, inst, clock = max(agree or views, key=lambda v: v[1]["pending_prefill_tokens"])
             client = max(s.t_sent + s.ttft_s for s in mine) - t_peak
-            recs = [a["truth"].get(s.request_id) for s in mine]
-            firsts = [r["arrival"] + r["ttft_s"] for r in recs if r and r.get("ttft_s") is not None]
-            drained = (max(firsts) - clocks[k]) / speed if firsts and k < len(clocks) else client
+            drained = (max(r["arrival"] + r["ttft_s"] for r in recs) - clock) / speed
             shown = inst["backlog_s"]
             rate = f"{inst.get('backlog_source', 'assumed')} {inst.get('backlog_prefill_tps') or 0:,.0f}/s"
-            out.append((f"backlog seconds at the peak, {shape}, {inst['name']} ({inst['pending_prefill_tokens']:,} "
-                        f"tokens, {rate})",
+            out.append((f"backlog seconds at the peak, {shape}, {name} ({inst['pending_prefill_tokens']:,} "
+                        f"tokens, {rate}){'' if agree else ' (view lagging)'}",
                         f"{shown:.3f} s", f"{drained:.3f} s drained (client's clock {client:.3f} s)",
                         f"{100 * (shown - drained) / drained:+.0f}%" if drained > 0 else "n/a"))
     return out
