@@ -208,23 +208,26 @@ async def completions(c: Client, turns: int, sid: str, seed: int) -> None:
         ids = ids + [(seed + t * 7 + k) % 30_000 for k in range(300)]
 
 
-async def burst(c: Client, n: int, tokens: int, seed: int) -> None:
+async def burst(c: Client, n: int, tokens: int, seed: int, shape: str = "backlog_burst") -> None:
     """Cold prompts at once (token ids: nothing cached), so a backlog forms and drains."""
-    await asyncio.gather(*(c.post("backlog_burst", "/v1/completions",
+    await asyncio.gather(*(c.post(shape, "/v1/completions",
                                   {"model": "sim-model", "prompt": [(seed + k * 101 + j * 7) % 30_000 for j in range(tokens)],
                                    "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}},
                                   headers={"X-Session-ID": f"burst-{seed}-{k}"})
                            for k in range(n)))
 
 
-async def watch_backlog(url: str, stop: asyncio.Event) -> list[tuple[float, dict]]:
-    """The state's per-instance backlog while a burst runs: (monotonic time, state)."""
+async def watch_backlog(url: str, stop: asyncio.Event, insts: list | None = None) -> list[tuple]:
+    """The state's per-instance backlog while a burst runs: (monotonic time, state, each
+    engine's clock then: the mean of its clock before and after the state was read)."""
     seen = []
     async with aiohttp.ClientSession() as http:
         while not stop.is_set():
             t = time.monotonic()
+            before = [i.engine_clock() for i in insts or ()]
             snap = await (await http.get(url + "/kvtop/v1/state")).json()
-            seen.append((t, snap))
+            clocks = [(b + i.engine_clock()) / 2 for b, i in zip(before, insts or ())]
+            seen.append((t, snap, clocks))
             await asyncio.sleep(0.005)
     return seen
 
@@ -293,17 +296,23 @@ async def audit(turns: int = 6, *, speed: float = 20.0, blocks: int = 4000, tmp:
         finally:
             sys.setswitchinterval(switch)
 
-        async def bursts() -> list[Sent]:
-            async with aiohttp.ClientSession() as http:
-                c = Client(url, http)
-                await burst(c, 16, 6000, 7)
-                return c.sent
+        # Two bursts of cold prompts, one after the other: the first on a router that has seen
+        # no backlog drain yet (its backlog seconds rest on first tokens of idle instances), the
+        # second once one has drained. Each instance's state is watched while they run.
+        backlog_seen: list[tuple[str, list]] = []
+        burst_sent: list[Sent] = []
+        for name, n, seed in (("backlog_burst_1", 16, 7), ("backlog_burst_2", 24, 11)):
+            async def bursts(name=name, n=n, seed=seed) -> list[Sent]:
+                async with aiohttp.ClientSession() as http:
+                    c = Client(url, http)
+                    await burst(c, n, 6000, seed, name)
+                    return c.sent
 
-        stop = asyncio.Event()
-        watcher = asyncio.ensure_future(watch_backlog(url, stop))
-        burst_sent = await asyncio.to_thread(asyncio.run, bursts())
-        stop.set()
-        backlog_seen = await watcher
+            stop = asyncio.Event()
+            watcher = asyncio.ensure_future(watch_backlog(url, stop, insts))
+            burst_sent += await asyncio.to_thread(asyncio.run, bursts())
+            stop.set()
+            backlog_seen.append((name, await watcher))
         sent = sent + burst_sent
         await asyncio.sleep(0.5)  # the last outcomes are recorded, the telemetry poller runs
         async with aiohttp.ClientSession() as http:
@@ -332,7 +341,7 @@ async def audit(turns: int = 6, *, speed: float = 20.0, blocks: int = 4000, tmp:
 
     summary = store_summary.summary(db, None)
     report_csv = render(load_db_arms(db, None), "csv")
-    return {"report_csv": report_csv, "sent": sent, "backlog_seen": backlog_seen, "truth": truth, "decisions": decisions, "outcomes": outcomes, "state": snap,
+    return {"speed": speed, "report_csv": report_csv, "sent": sent, "backlog_seen": backlog_seen, "truth": truth, "decisions": decisions, "outcomes": outcomes, "state": snap,
             "metrics": metrics, "summary": summary, "summary_text": format_summary(summary), "db": db}
 
 
@@ -423,25 +432,51 @@ def compare(a: dict[str, Any]) -> list[tuple[str, str, str, str]]:
 
 
 def backlog_rows(a: dict[str, Any]) -> list[tuple[str, str, str, str]]:
-    """At the moment the burst's backlog peaked in the state, each instance's backlog seconds
-    against the time its engine then took to drain it: until the last first token of the burst
-    requests it held (the client's clock)."""
-    seen = a.get("backlog_seen") or []
-    burst = [(s, a["decisions"].get(s.request_id)) for s in a["sent"] if s.shape == "backlog_burst" and s.status == 200]
-    if not seen or not burst:
-        return []
-    t_peak, snap = max(seen, key=lambda x: x[1]["totals"]["pending_prefill_tokens"])
+    """Per burst and instance, at the moment the backlog peaked in the state, its backlog seconds
+    against the time its engine then took to drain it: from its engine clock at that moment to
+    the engine's first token of the last burst request it held (the engine's own account, in
+    wall seconds at its --speed). The client's clock is shown too: on a loaded host it differs
+    by the host's lag (an engine behind its wall clock catches up: that is the host's time, not
+    the engine's).
+
+    The peak is taken among the moments the state's pending tokens were the engine's within one
+    request (the burst requests whose first token the engine had not yet produced, by its own
+    records): at --speed 20 the router's view of a burst can lag its engine by whole requests
+    (one event loop parses 24 bodies of 6,000 tokens while the engines' clocks run on), and a
+    count the engine has already drained in part says nothing of the rate. Where no moment
+    agrees, the largest count is used and the row says "(view lagging)"."""
     out = []
-    for inst in snap["instances"]:
-        mine = [s for s, d in burst if d is not None and d["instance"] == inst["name"] and s.ttft_s is not None]
-        if not mine or not inst["pending_prefill_tokens"]:
+    speed = a.get("speed") or 1.0
+    for shape, seen in a.get("backlog_seen") or []:
+        burst = [(s, a["decisions"].get(s.request_id)) for s in a["sent"] if s.shape == shape and s.status == 200]
+        if not seen or not burst:
             continue
-        drained = max(s.t_sent + s.ttft_s for s in mine) - t_peak
-        shown = inst["backlog_s"]
-        out.append((f"backlog seconds at the peak, {inst['name']} ({inst['pending_prefill_tokens']:,} tokens, "
-                    f"rate {inst.get('backlog_source', 'assumed')} {inst.get('backlog_prefill_tps') or 0:,.0f}/s)",
-                    f"{shown:.3f} s", f"{drained:.3f} s drained",
-                    f"{100 * (shown - drained) / drained:+.0f}%" if drained > 0 else "n/a"))
+        names = [i["name"] for i in seen[0][1]["instances"]]
+        for k, name in enumerate(names):
+            mine = [s for s, d in burst if d is not None and d["instance"] == name and s.ttft_s is not None]
+            recs = [r for r in (a["truth"].get(s.request_id) for s in mine) if r and r.get("ttft_s") is not None]
+            if not mine or not recs or k >= len(seen[0][2]):
+                continue
+
+            def engine_pending(clock: float) -> int:
+                return sum(r["prefill_tokens"] for r in recs if clock < r["arrival"] + r["ttft_s"])
+
+            views = [(t, snap["instances"][k], clocks[k]) for t, snap, clocks in seen
+                     if k < len(snap["instances"]) and snap["instances"][k]["backlog_s"] is not None
+                     and snap["instances"][k]["pending_prefill_tokens"] > 0]
+            if not views:
+                continue
+            one = max(r["prefill_tokens"] for r in recs)
+            agree = [v for v in views if abs(v[1]["pending_prefill_tokens"] - engine_pending(v[2])) <= one]
+            t_peak, inst, clock = max(agree or views, key=lambda v: v[1]["pending_prefill_tokens"])
+            client = max(s.t_sent + s.ttft_s for s in mine) - t_peak
+            drained = (max(r["arrival"] + r["ttft_s"] for r in recs) - clock) / speed
+            shown = inst["backlog_s"]
+            rate = f"{inst.get('backlog_source', 'assumed')} {inst.get('backlog_prefill_tps') or 0:,.0f}/s"
+            out.append((f"backlog seconds at the peak, {shape}, {name} ({inst['pending_prefill_tokens']:,} "
+                        f"tokens, {rate}){'' if agree else ' (view lagging)'}",
+                        f"{shown:.3f} s", f"{drained:.3f} s drained (client's clock {client:.3f} s)",
+                        f"{100 * (shown - drained) / drained:+.0f}%" if drained > 0 else "n/a"))
     return out
 
 

@@ -45,6 +45,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from router.engine_fit import EngineFit
+
 
 @dataclass(frozen=True, slots=True)
 class PrefillPrior:
@@ -85,6 +87,7 @@ class Calibration:
     def __init__(self, num_instances: int, prior: PrefillPrior = DEFAULT_PRIOR):
         self.prior = prior
         self._inst = [_Instance() for _ in range(num_instances)]
+        self.engine = EngineFit(num_instances)  # the engine's scale without per-request overheads
         self._scale: list[float] | None = None  # computed on first read after a change
         self._tps: list[float] = []
         self._weight: list[float] = []
@@ -94,13 +97,17 @@ class Calibration:
         """A first token seen on ``instance``; returns the service time recorded, if any."""
         st = self._inst[instance]
         start = max(dispatched, st.last_first)
+        if new_tokens > 0:
+            # the engine's own scale, for backlog seconds (router/engine_fit.py): was a backlog
+            # standing (this request waiting while the previous first token came)?
+            t0 = self.prior.seconds(new_tokens, cached_tokens)
+            self.engine.observe(instance, t0, max(first_token - start, 0.0), dispatched < st.last_first)
         st.last_first = max(st.last_first, first_token)
         if new_tokens <= 0:
             return None
         service = first_token - start
         if service <= 0:  # overtaken inside one step: no time of its own to attribute
             return None
-        t0 = self.prior.seconds(new_tokens, cached_tokens)
         x = math.log(service / t0)
         st.n += 1
         st.sum_q += new_tokens
@@ -114,11 +121,13 @@ class Calibration:
     def add_instance(self) -> None:
         """A new instance, measured from nothing (the fleet's estimate until it has samples)."""
         self._inst.append(_Instance())
+        self.engine.add_instance()
         self._scale = None
 
     def forget(self, instance: int) -> None:
         """Start over on ``instance`` (it restarted: its speed may have changed)."""
         self._inst[instance] = _Instance()
+        self.engine.forget(instance)
         self._scale = None
 
     def _refresh(self) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 from aiohttp import web
 
 from router import discovery, fleet, fleet_api, kv_wiring, session_metrics, telemetry
+from router.backlog import instance_backlog
 from router.http import dumps, error_response, read_json
 from router.state import STATE, RouterState
 from router.config import KnobError
@@ -149,27 +150,21 @@ class Control:
         tot = {"num_requests": 0, "pending_prefill_tokens": 0, "decode_requests": 0, "decode_tokens": 0,
                "routed_total": 0, "input_tokens_total": 0, "est_hit_tokens_total": 0, "errors_total": 0,
                "request_rate": 0.0, "healthy_instances": 0}
-        cal = st.cluster.calibration
         backlog_total = 0.0
         for i, s in enumerate(st.cluster.instances):
             it = self.tel.instances[i]
             rates = self.tel.instance_rates(i, now)
-            # backlog seconds at the prefill rate the router measures (router/calibration.py:
-            # the instance's own first tokens, shrunk toward the fleet's while it has few),
-            # the assumed rate only before any instance has a sample; "backlog_source" says which
-            if cal.measured:
-                rate, source = cal.tps(i), ("measured" if cal.samples(i) else "fleet")
-            else:
-                rate, source = tps, "assumed"
-            backlog_s = s.pending_prefill_tokens / rate if rate > 0 else None
+            # backlog seconds at the rate a backlog drains at on it (router/backlog.py: drain,
+            # fleet, measured or assumed, as "backlog_source" says), its head's prefill so far off
+            backlog = instance_backlog(st.cluster, i, tps, st.cluster.clock())
+            backlog_s = backlog["backlog_s"]
             backlog_total += backlog_s or 0.0
             errors = {"requests_total": s.errors_total, "scrape": it.scrape_error,
                       "scrape_total": it.scrape_errors_total, "gpu": it.gpu_error}
             instances.append({
                 "name": s.name, "url": s.url, "healthy": s.healthy,
                 "num_requests": s.num_requests, "pending_prefill_tokens": s.pending_prefill_tokens,
-                "backlog_s": backlog_s, "backlog_source": source,
-                "backlog_prefill_tps": round(rate, 1) if rate > 0 else None,
+                **backlog,  # backlog_s, backlog_source, backlog_prefill_tps
                 "decode_requests": s.decode_requests, "decode_tokens": s.ongoing_decode_tokens,
                 "ongoing_tokens": s.ongoing_tokens, "routed_total": s.routed_total,
                 "input_tokens_total": s.input_tokens_total, "est_hit_tokens_total": s.est_hit_tokens_total,

@@ -47,7 +47,8 @@ COLUMN_HELP: dict[str, tuple[str, str]] = {
                          "failing); the reason is under the table"),
     "requests": ("requests", "requests in flight on the instance (BS)"),
     "backlog_tokens": ("prefill backlog", "prompt tokens sent whose first token has not come back (P)"),
-    "backlog_s": ("backlog seconds", "that backlog in seconds at the router's assumed prefill rate"),
+    "backlog_s": ("backlog seconds", "that backlog in seconds at the engine's measured prefill speed "
+                  "(the state's backlog_source says which)"),
     "decode_requests": ("decoding requests", "requests past their first token, decoding"),
     "decode_tokens": ("decoding tokens", "context tokens of the decoding requests (D)"),
     "est_hit": ("router est. hit %", "the router's estimated prefix-cache hit rate, recent requests"),
