@@ -26,7 +26,7 @@ import socket
 import sqlite3
 import sys
 
-from router import limits
+from router import limits, replicas
 from router.app import STATE, create_app, start_server, tls_context
 from router.config import KnobError, parse_knob_args
 from router.policies import ALIASES, DEFAULT_POLICY, POLICIES
@@ -102,6 +102,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let in-flight requests finish (default 30)")
     limits.add_arguments(p)
+    replicas.add_arguments(p)
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
@@ -131,6 +132,10 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         raise CliError(f"--shadow: {exc}") from None
     if not args.shadow_budget_ms > 0:
         raise CliError("--shadow-budget-ms must be positive")
+    try:
+        replica_kwargs = replicas.config_kwargs(args)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
     return RouterConfig(
         backends=backends, policy=args.policy, knobs=knobs, host=args.host, port=args.port,
         db=None if args.db.lower() == "none" else args.db, block_size=args.block_size,
@@ -142,7 +147,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         assumed_prefill_tps=args.assumed_prefill_tps, tls_cert=args.tls_cert, tls_key=args.tls_key,
         backend_ca_file=args.backend_ca_file, kv_speculative_ttl_s=args.kv_speculative_ttl,
         shadows=shadows, shadow_budget_ms=args.shadow_budget_ms,
-        **limits.config_kwargs(args),
+        **limits.config_kwargs(args), **replica_kwargs,
     )
 
 
