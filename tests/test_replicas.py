@@ -246,3 +246,22 @@ async def test_a_taken_bind_port_is_a_startup_error():
     finally:
         s.close()
         taken.term()
+
+
+async def test_attach_once_shows_each_replicas_view(replica_pair, capsys):
+    from kvtop.cli import main
+
+    a, b = replica_pair
+    st_a, st_b = a.server.app[STATE], b.server.app[STATE]
+    await until(lambda: st_b.replicas.mode == rp.SHARED and st_a.replicas.mode == rp.SHARED,
+                what="both replicas sharing")
+    urls = [f"http://127.0.0.1:{c.port}" for c in (a, b)]
+    assert await asyncio.to_thread(main, ["attach", "--once", "--readonly", *urls]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("r1 ") and lines[0].endswith("shared view 1/1 peers fresh")
+    assert lines[1].startswith("r2 ") and lines[1].endswith("shared view 1/1 peers fresh")
+    await st_a.replicas.stop()
+    await until(lambda: st_b.replicas.degraded(), timeout=STALE_S * 10, what="B noticing A is gone")
+    assert await asyncio.to_thread(main, ["attach", "--once", "--readonly", *urls]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].endswith(f"OWN VIEW 0/1 peers fresh (lost: {st_b.config.replica_peers[0]})")

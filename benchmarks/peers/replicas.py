@@ -102,6 +102,12 @@ def replay_spread(trace: str, targets: list[str], spread: str, args: argparse.Na
     }
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a live process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def wait_shared(url: str, peers: int, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -155,6 +161,7 @@ def run_once(label: str, rep: int, trace: str, args: argparse.Namespace) -> dict
                 wait_shared(f"http://127.0.0.1:{port}/kvtop/v1/state", n_routers - 1)
         log(f"{run_label}: {n_routers} router(s), spread {spread}, shared view {shared}; replaying")
         row = replay_spread(trace, [f"http://127.0.0.1:{p}" for p in ports], spread, args, run_label, urls, model)
+        row["router_cpu_s"] = round(sum(cpu_seconds(p.pid) for p, _ in procs[1:]), 1)  # all routers together
         for k, port in enumerate(ports):
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/kvtop/v1/state", timeout=10) as r:
                 st = json.loads(r.read())
