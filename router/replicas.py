@@ -47,6 +47,8 @@ MAX_MESSAGE_BYTES = 1 << 20
 ZMQ_MAX_MESSAGE_BYTES = 4 << 20
 MAX_INSTANCES = 4096
 DEFAULT_INTERVAL_S = 0.05
+#: Decisions publish at once, but at most one snapshot per this many seconds.
+MIN_GAP_S = 0.005
 DEFAULT_STALE_S = 0.5
 #: The load fields a snapshot carries per instance, in the order ``_Load`` keeps them.
 FIELDS = ("pending_prefill_tokens", "num_requests", "ongoing_decode_tokens", "decode_requests", "wait_s")
@@ -111,6 +113,8 @@ class Replicas:
         self._pub = None
         self._subs: list[Any] = []
         self._tasks: list[asyncio.Task] = []
+        self._soon = False  # a publish is scheduled for the end of this turn of the loop
+        self._sent_at = -math.inf
 
     # -- the hot path: what a decision adds -----------------------------------------
     def apply(self, view: ClusterView) -> str:
@@ -133,6 +137,20 @@ class Replicas:
                 for i, a in add.items():
                     if i in wait:
                         wait[i] += a[4]
+        if self._pub is not None and not self._soon:
+            # the request this view prices is dispatched in the same turn of the loop: publish
+            # right after it, so peers learn of new load in milliseconds, not an interval (at
+            # most one snapshot per MIN_GAP_S: a burst of decisions shares one)
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # no loop (a unit test driving the router directly)
+                return self.mode
+            wait = self._sent_at + MIN_GAP_S - self.clock()
+            if wait > 0:
+                loop.call_later(wait, self._send)
+            else:
+                loop.call_soon(self._send)
+            self._soon = True
         return self.mode
 
     def refresh(self) -> None:
@@ -330,30 +348,27 @@ class Replicas:
             self.receive(peer, frames)
 
     async def _publish(self) -> None:
-        """Publish when the counters changed (checked every interval / 5) or an interval
-        passed; check freshness on the way, so a lost peer is reported without a decision."""
-        import zmq
-
-        tick = self.interval_s / 5
-        last: list | None = None
-        sent_at = -math.inf
+        """Every interval: publish (the heartbeat, and what finishes and first tokens changed)
+        and check freshness, so a lost peer is reported without a decision. A decision
+        publishes at once besides (``apply``)."""
         while True:
-            await asyncio.sleep(tick)
+            await asyncio.sleep(self.interval_s)
             if self.clock() >= self._expires or (self.peers and self._expires == math.inf):
                 self.refresh()
-            if self._pub is None:
-                continue
-            loads = self.own_loads()
-            counters = [e["load"][:4] for e in loads]
-            now = self.clock()
-            if counters == last and now - sent_at < self.interval_s:
-                continue
-            try:
-                self._pub.send_multipart([TOPIC, self.message(loads)], flags=zmq.NOBLOCK)
-            except zmq.Again:  # no room at a slow subscriber: the next snapshot replaces this one
-                continue
-            self.published += 1
-            last, sent_at = counters, now
+            self._send()
+
+    def _send(self) -> None:
+        import zmq
+
+        self._soon = False
+        if self._pub is None:
+            return
+        self._sent_at = self.clock()
+        try:
+            self._pub.send_multipart([TOPIC, self.message(self.own_loads())], flags=zmq.NOBLOCK)
+        except zmq.Again:  # no room at a slow subscriber: the next snapshot replaces this one
+            return
+        self.published += 1
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -473,7 +488,8 @@ def add_arguments(p) -> None:
                    help="another replica's --replica-bind: its in-flight load is added to this one's when "
                         "pricing (repeat for each peer)")
     p.add_argument("--replica-interval-ms", type=float, default=DEFAULT_INTERVAL_S * 1e3, metavar="MS",
-                   help="publish at least this often, and within a fifth of it after a change (default 50)")
+                   help="publish at least this often (the heartbeat, and what finishes changed); "
+                        "every decision publishes at once besides (default 50)")
     p.add_argument("--replica-stale-ms", type=float, default=DEFAULT_STALE_S * 1e3, metavar="MS",
                    help="a peer unheard this long is left out; none fresh: routing on the own view "
                         "(default 500)")
