@@ -14,7 +14,11 @@ them, from one client process:
 - ``3-session-own`` / ``3-session-shared``: each session to one router (sessions dealt round
   robin in order of first arrival), as a load balancer with session affinity does;
 - ``3-request-own`` / ``3-request-shared``: each request to the next
-  router in turn, as a plain round-robin load balancer does.
+  router in turn, as a plain round-robin load balancer does;
+- ``3-one-own`` (a control, not in the default arms): three routers running, following every
+  engine's KV events, but every request to the first: what running three routers costs the
+  host (on 2 cores the engines' simulation shares the CPU with them), without any routing
+  effect.
 
 It prints, per arm and run, TTFT p50/p90 and E2E p99 (seconds), APC (the engines' prefix-cache
 hits over queries, scraped before and after) and errors, and each 3-router run's TTFT p90 and
@@ -49,12 +53,12 @@ ARMS = ("1", "3-session-own", "3-session-shared", "3-request-own", "3-request-sh
 
 
 def parse_arm(label: str) -> tuple[int, str, bool]:
-    """``1`` or ``N-session|request-own|shared`` -> (routers, spread, shared)."""
+    """``1`` or ``N-session|request|one-own|shared`` -> (routers, spread, shared)."""
     if label.isdigit():
         return int(label), "session", False
     n, spread, view = label.split("-")
-    if spread not in ("session", "request") or view not in ("own", "shared") or not n.isdigit():
-        raise SystemExit(f"bad arm {label!r}: want 1 or N-session|request-own|shared")
+    if spread not in ("session", "request", "one") or view not in ("own", "shared") or not n.isdigit():
+        raise SystemExit(f"bad arm {label!r}: want 1 or N-session|request|one-own|shared")
     return int(n), spread, view == "shared"
 
 
@@ -74,6 +78,8 @@ def replay_spread(trace: str, targets: list[str], spread: str, args: argparse.Na
             if spread == "request":
                 target = targets[self.turn % len(targets)]
                 self.turn += 1
+            elif spread == "one":
+                target = targets[0]
             else:
                 target = self.by_session.setdefault(str(req.session), targets[len(self.by_session) % len(targets)])
             # _Runner._request reads self.url before its first await: this request's router
