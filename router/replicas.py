@@ -273,7 +273,7 @@ class Replicas:
             return "not_json"
         if not isinstance(msg, dict) or "kvtop_replica" not in msg:
             return "malformed"
-        if msg["kvtop_replica"] != VERSION:
+        if not _int(msg["kvtop_replica"]) or msg["kvtop_replica"] != VERSION:  # true == 1 in Python
             return "version"
         replica, seq, ts, insts = msg.get("replica"), msg.get("seq"), msg.get("ts"), msg.get("instances")
         if not (isinstance(replica, str) and 0 < len(replica) <= 200 and _int(seq) and _num(ts)

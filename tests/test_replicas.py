@@ -27,7 +27,7 @@ from router.supervise import Supervisor
 from test_control import TOKEN, complete, fake_vllm
 
 INTERVAL_S = 0.02
-STALE_S = 0.15
+STALE_S = 0.3
 
 
 def free_port() -> int:
@@ -40,7 +40,7 @@ def endpoint() -> str:
     return f"tcp://127.0.0.1:{free_port()}"
 
 
-async def until(cond, timeout: float = 3.0, what: str = "condition") -> float:
+async def until(cond, timeout: float = 10.0, what: str = "condition") -> float:
     """Wait for ``cond()``; returns the seconds it took."""
     t0 = time.monotonic()
     while not cond():
@@ -138,7 +138,7 @@ async def test_losing_every_peer_falls_back_to_own_view_says_so_and_recovers(rep
     assert ring[0]["replica_view"] == "shared"
 
     await st_a.replicas.stop()  # A's publisher (and its subscriber) go away
-    await until(lambda: st_b.replicas.degraded(), timeout=STALE_S * 10, what="B noticing A is gone")
+    await until(lambda: st_b.replicas.degraded(), what="B noticing A is gone")
     s = await state(b)
     assert s["replicas"]["mode"] == "own" and s["replicas"]["peers_fresh"] == 0
     lost = [d for d in s["degraded"] if d["kind"] == "replica-peer"]
@@ -194,7 +194,8 @@ async def test_bad_peer_input_is_dropped_and_counted_never_fatal():
                                                                           "url": "", "name": ""}]}).encode()],
                           [rp.TOPIC, b"[1, 2]"]],
             "not_json": [[rp.TOPIC, b"\xff\xfe{"], [rp.TOPIC, b"[" * 200_000]],
-            "version": [snap(seq + 1, kvtop_replica=2)],
+            "version": [snap(seq + 1, kvtop_replica=2), snap(seq + 1, kvtop_replica=True),
+                        snap(seq + 1, kvtop_replica=1.0)],
             "too_large": [[rp.TOPIC, b" " * (rp.MAX_MESSAGE_BYTES + 1)]],
             "self": [snap(seq + 1, replica="B")],
             "old_seq": [snap(seq)],
@@ -261,7 +262,7 @@ async def test_attach_once_shows_each_replicas_view(replica_pair, capsys):
     assert lines[0].startswith("r1 ") and lines[0].endswith("shared view 1/1 peers fresh")
     assert lines[1].startswith("r2 ") and lines[1].endswith("shared view 1/1 peers fresh")
     await st_a.replicas.stop()
-    await until(lambda: st_b.replicas.degraded(), timeout=STALE_S * 10, what="B noticing A is gone")
+    await until(lambda: st_b.replicas.degraded(), what="B noticing A is gone")
     assert await asyncio.to_thread(main, ["attach", "--once", "--readonly", *urls]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[1].endswith(f"OWN VIEW 0/1 peers fresh (lost: {st_b.config.replica_peers[0]})")
