@@ -4,8 +4,8 @@ Every replica sees the engines' caches (KV events) but only its own requests' lo
 each replica publishes, over ZeroMQ PUB/SUB (brokerless: no daemon to run; pyzmq already
 carries the KV events), a snapshot of its own per-instance accounting (router/cluster.py:
 pending prefill tokens, requests, decoding tokens and requests, and the seconds of prefill
-it has queued there) every ``interval_s`` and within ``interval_s / 5`` of any change of the
-counters. Each replica subscribes to the others and, when it prices a request, adds the
+it has queued there) right after each of its decisions (at most one snapshot per
+``MIN_GAP_S``) and every ``interval_s`` (the heartbeat). Each replica subscribes to the others and, when it prices a request, adds the
 latest fresh snapshot of every peer to its own exact counters (``Replicas.apply``, called
 from ``RoutingCore.view``: every policy and shadow sees the sum). Its own requests stay
 exact; a peer's contribution is at most one interval (plus the network) old.
@@ -50,7 +50,7 @@ DEFAULT_INTERVAL_S = 0.05
 #: Decisions publish at once, but at most one snapshot per this many seconds.
 MIN_GAP_S = 0.005
 DEFAULT_STALE_S = 0.5
-#: The load fields a snapshot carries per instance, in the order ``_Load`` keeps them.
+#: The load fields a snapshot carries per instance (its ``load`` list), in this order.
 FIELDS = ("pending_prefill_tokens", "num_requests", "ongoing_decode_tokens", "decode_requests", "wait_s")
 ENDPOINT = re.compile(r"^(tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.*-]+):\d{1,5}|ipc://.+)$")
 
@@ -109,7 +109,8 @@ class Replicas:
         self._expires = math.inf  # when the freshest-to-expire peer in the sum goes stale
         self._keys: dict[str, int] = {}
         self._keyed_for = -1
-        self._ctx = None
+        self._ctx = None  # the publisher's (plain) ZeroMQ context
+        self._actx = None  # the subscribers' (asyncio) one
         self._pub = None
         self._subs: list[Any] = []
         self._tasks: list[asyncio.Task] = []
@@ -382,7 +383,7 @@ class Replicas:
         for s in self._subs:
             s.close()
         self._subs = []
-        if getattr(self, "_actx", None) is not None:
+        if self._actx is not None:
             self._actx.term()
             self._actx = None
         if self._pub is not None:
