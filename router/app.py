@@ -24,7 +24,8 @@ from router import kv_wiring
 from router import passthrough, proxy
 from router.apis import ResponseStore
 from router.http import error_response, json_errors
-from router import control
+from router import control, replicas
+from router.telemetry import TELEMETRY
 from router.state import STATE, DEFAULT_CAPACITY_TOKENS, Backend, RouterConfig, RouterState  # noqa: F401 (re-exported)
 from router.upstream import Pool, UpstreamError
 from router.request import BadRequest
@@ -97,6 +98,7 @@ def create_app(config: RouterConfig) -> web.Application:
     app.cleanup_ctx.append(_resources)
     backend_health.setup(app, state)
     control.setup(app)
+    replicas.setup(app, state, app[TELEMETRY].registry)  # after control, which made the telemetry
     passthrough.setup(app, STATE, responses)  # count_tokens, /v1/responses/{id}, /, unknown paths: last
     return app
 

@@ -27,7 +27,7 @@ import socket
 import sqlite3
 import sys
 
-from router import limits
+from router import limits, replicas
 from router.app import STATE, create_app, start_server, tls_context
 from router.config import KnobError, parse_knob_args
 from router.policies import ALIASES, DEFAULT_POLICY, POLICIES
@@ -123,6 +123,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let in-flight requests finish (default 30)")
     limits.add_arguments(p)
+    replicas.add_arguments(p)
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
@@ -179,6 +180,10 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         raise CliError(f"--shadow: {exc}") from None
     if not args.shadow_budget_ms > 0:
         raise CliError("--shadow-budget-ms must be positive")
+    try:
+        replica_kwargs = replicas.config_kwargs(args)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
     return RouterConfig(
         backends=backends, policy=args.policy, knobs=knobs, host=args.host, port=args.port,
         db=None if args.db.lower() == "none" else args.db, block_size=args.block_size,
@@ -193,7 +198,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         backends_file=args.backends_file, backend_dns=args.backend_dns, backend_srv=args.backend_srv,
         dns_server=args.dns_server, dns_interval_s=args.dns_interval,
         discovery_drain_timeout_s=args.discovery_drain_timeout, discovered=discovered,
-        **limits.config_kwargs(args),
+        **limits.config_kwargs(args), **replica_kwargs,
     )
 
 

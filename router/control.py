@@ -210,6 +210,7 @@ class Control:
             "decisions_by_token_source": _by_second(m.sources),
             "outcomes_by_status": dict(st.outcome_counts),
             "shadows": st.shadows.summary(),
+            "replicas": st.replicas.snapshot() if st.replicas is not None else None,  # router/replicas.py
             "hit_tokens": {"input": m.input_tokens, "estimated": m.est_hit_tokens, "best": m.best_hit_tokens,
                            "delivered": m.delivered_hit_tokens},
         }

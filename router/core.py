@@ -100,6 +100,8 @@ class RoutingCore:
         self.cluster = cluster
         self.slot = PolicySlot(policy, 1)
         self.clock = clock
+        #: router/replicas.Replicas: adds the peer replicas' in-flight load to every view; None alone
+        self.peers: Any = None
 
     def swap(self, policy: Policy) -> PolicySlot:
         """Install a fully built policy; the version goes up by one."""
@@ -112,6 +114,8 @@ class RoutingCore:
                                  exact=req.token_source != "text_approx", lookahead=lookahead)
         if exclude:
             view.candidates = [c for c in view.candidates if c.index not in exclude]
+        if self.peers is not None:
+            self.peers.apply(view)
         return view
 
     def decide(self, req: RouteRequest, *, exclude: tuple[int, ...] = (), attempt: int = 1,
@@ -145,6 +149,7 @@ class RoutingCore:
             decision_us=elapsed_us, ts=self.clock(), attempt=attempt,
             migrated_from=names[pick.migrated_from].name if pick.migrated_from is not None else None,
             index_source=source, estimate_hit_tokens=estimate, view=view,
+            extra={} if self.peers is None else {"replica_view": self.peers.mode},
         )
 
     def dispatch(self, d: Decision, *, new_turn: bool = True, arrival: float | None = None) -> Ticket:

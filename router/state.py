@@ -25,6 +25,7 @@ from router.features import Features
 from router.kv_wiring import attach_index
 from router.lifecycle import Lifecycle
 from router.pipeline import Outcome, Pipeline
+from router import replicas
 from router.shadow import Shadows, parse_specs
 from router.supervise import Supervisor
 from router.policies import DEFAULT_POLICY
@@ -115,6 +116,11 @@ class RouterConfig:
     dns_interval_s: float = 5.0
     discovery_drain_timeout_s: float = 300.0
     discovered: dict[str, list[Backend]] = field(default_factory=dict)  # as each source said them
+    # router replicas (router/replicas.py, docs/replicas.md): share in-flight load with peers
+    replica_bind: str | None = None
+    replica_peers: list[str] = field(default_factory=list)
+    replica_interval_s: float = 0.05
+    replica_stale_s: float = 0.5
 
     @property
     def capacity_blocks(self) -> int:
@@ -140,6 +146,9 @@ class RouterState:
         self.kv_index = attach_index(self.cluster, config.backends,
                                      speculative_ttl_s=config.kv_speculative_ttl_s)
         self.kv_subscribers: list = []  # router/kv_events.Subscriber per backend (None: no events)
+        #: the peers' in-flight load, added to every view (router/replicas.py); None: one router
+        self.replicas = replicas.from_config(self.cluster, config)
+        self.router.core.peers = self.replicas
         self.chains = ChainEncoder()  # compact block chains in decision rows (store/chains.py)
         self.tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer else None
         self.parser = BodyParser(config, self.tokenizer)
@@ -192,6 +201,8 @@ class RouterState:
         log losing rows: what /health, the state snapshot (``degraded``), /metrics and the
         dashboard's header show. Empty when all is well."""
         out = self.supervisor.degraded()
+        if self.replicas is not None:
+            out += self.replicas.degraded()
         w = self.writer.health() if self.writer is not None else None
         if w is not None and w["degraded"]:
             out.append({"task": "decision-log", "kind": "writer", "deaths": w.get("thread_deaths", 0),

@@ -591,6 +591,9 @@ class KvtopApp(App):
             up, n = r.get("healthy_instances"), r.get("instances") or 0
             t.append(f"  {up if is_number(up) else '?'}/{n} up",
                      style="" if up == n else f"bold {self._color('error')}")
+            if r.get("replicas"):  # router replicas: the shared view, or the own view when peers are lost
+                t.append(f"  {r['replicas']}", style="" if r["replicas"].startswith("shared") and "lost" not in
+                         r["replicas"] else f"bold {self._color('error')}")
             problem = getattr(link.feed, "control_problem", None)
             if self.readonly_flag or r.get("readonly"):
                 t.append("  read-only", style="dim")

@@ -156,6 +156,7 @@ def run_several(args: argparse.Namespace, urls: list[str], *, hz: float, max_dec
         merged = merge_router_snapshots(snaps)
         lines = [f"{r['label']} {t.url}  policy {r['policy']}  {float(r['request_rate'] or 0):.2f} req/s  "
                  f"in flight {r['in_flight'] or 0}  {r['healthy_instances']}/{r['instances']} up"
+                 + (f"  {r['replicas']}" if r.get("replicas") else "")
                  for r, t in zip(merged["routers"], targets)]
         share = [f"{i['name']}: " + " ".join(f"{lb}={n}" for lb, n in i["routers"].items())
                  for i in merged["instances"]]

@@ -822,7 +822,8 @@ def merge_router_snapshots(snaps: list[tuple[str, dict[str, Any] | None]], selec
                           "request_rate": tot.get("request_rate"), "in_flight": tot.get("in_flight"),
                           "healthy_instances": tot.get("healthy_instances"),
                           "instances": len((snap or {}).get("instances", [])), "readonly": r.get("readonly"),
-                          "draining": r.get("draining"), "selected": k == selected, "seen": snap is not None})
+                          "draining": r.get("draining"), "selected": k == selected, "seen": snap is not None,
+                          "replicas": replica_view(snap)})
     out = dict(pick)
     out.update({"ts": max((float(s.get("ts") or 0) for _, _, s in live), default=0.0) or None,
                 "instances": instances, "totals": totals, "affinity": affinity, "routers": summaries, **counts})
@@ -889,3 +890,17 @@ def degraded_tasks(snap: dict[str, Any]) -> list[str]:
             name = d.get("task") or d.get("name") or d.get("component") or "?"
             out.append(str(name))
     return out
+
+
+def replica_view(snap: dict[str, Any] | None) -> str | None:
+    """``state.replicas`` (router replicas, docs/replicas.md) in a few words: the view the router
+    prices with and its peers fresh, the lost ones named; None for a router without replicas."""
+    rep = (snap or {}).get("replicas")
+    if not isinstance(rep, dict):
+        return None
+    peers = [p for p in rep.get("peers") or [] if isinstance(p, dict)] if isinstance(rep.get("peers"), list) else []
+    fresh = sum(1 for p in peers if p.get("fresh") is True)
+    lost = [str(p.get("endpoint")) for p in peers if p.get("fresh") is not True]
+    text = (f"shared view {fresh}/{len(peers)} peers fresh" if rep.get("mode") == "shared"
+            else f"OWN VIEW {fresh}/{len(peers)} peers fresh")
+    return text + (f" (lost: {', '.join(lost)})" if lost else "")
