@@ -98,7 +98,7 @@ def create_app(config: RouterConfig) -> web.Application:
     app.cleanup_ctx.append(_resources)
     backend_health.setup(app, state)
     control.setup(app)
-    replicas.setup(app, state, app[TELEMETRY].registry)  # after control, which made the telemetry
+    replicas.setup(app, state.replicas, state.supervisor, app[TELEMETRY].registry)  # after control, which made the telemetry
     passthrough.setup(app, STATE, responses)  # count_tokens, /v1/responses/{id}, /, unknown paths: last
     return app
 

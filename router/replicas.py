@@ -520,17 +520,16 @@ def from_config(cluster: Cluster, config) -> Replicas | None:
                     interval_s=config.replica_interval_s, stale_s=config.replica_stale_s)
 
 
-def setup(app, state, registry) -> None:
+def setup(app, rep: Replicas | None, supervisor: Supervisor, registry) -> None:
     """Bind the publisher (a start-up error if it cannot), add the metrics to ``registry``
-    (the telemetry's), run the sockets with the app."""
-    rep = state.replicas
+    (the telemetry's), run the sockets with the app under the router's ``supervisor``."""
     if rep is None:
         return
     rep.open_publisher()
     registry.register(_Collector(rep))
 
     async def sockets(_app) -> AsyncIterator[None]:
-        await rep.start(state.supervisor)
+        await rep.start(supervisor)
         try:
             yield
         finally:
