@@ -27,7 +27,7 @@ from textual.widgets import Button, DataTable, Footer, Input, Static, TabbedCont
 from kvtop.tui.feed import ControlError
 from kvtop.tui.model import (COLUMN_HELP, COMPACT_MIN, DEFAULT_SORT, INSTANCE_COLUMNS, MEASURED_TPS_COLUMN,
                              OPTIONAL_COLUMNS, SORT_KEYS, Collected, column_legend, degraded_tasks, doc_summary,
-                             fit_segments, fmt_duration, fmt_pct, health_line, health_state, is_number)
+                             fit_segments, fleet_state, fmt_duration, fmt_pct, health_line, health_state, is_number)
 from kvtop.tui.screens import ConfirmScreen, HelpScreen, KnobForm, PolicyPicker
 from kvtop.tui.tabs import ChartsTab, DecisionsTab, OverviewTab, PolicyTab, SessionsTab
 
@@ -517,7 +517,8 @@ class KvtopApp(App):
         if dead:
             mark(f"⚠ {len(dead)} task{'s' if len(dead) > 1 else ''} down: {', '.join(dead)}"[:48],
                  f"bold reverse {self._color('error')}", 85)
-        down = [health_state(i)[0] for i in snap.get("instances", []) if not i.get("healthy")]
+        down = [health_state(i)[0] for i in snap.get("instances", [])
+                if not i.get("healthy") and fleet_state(i) != "removed"]
         if down.count("ejected"):
             mark(f"⏏ {down.count('ejected')} ejected", f"bold reverse {self._color('error')}" if not stale else live, 75)
         if down.count("down"):

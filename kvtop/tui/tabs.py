@@ -22,7 +22,8 @@ from kvtop.tui.axis import set_y_ticks
 from kvtop.tui.model import (MISSING, DRIFT_COLUMN, FLEET_MIN, GPU_BUSY_PCT, INSTANCE_COLUMNS, LOW_HIT_RATE,
                              MEASURED_TPS_COLUMN, SHARE_COLUMN, THRESHOLDS, column_legend, config_change_text,
                              decision_matches,
-                             doc_summary, drift_of, fit_id, fleet_strips, fmt_drift, fmt_duration, fmt_int,
+                             doc_summary, drain_progress, drift_of, fit_id, fleet_note, fleet_state,
+                             fleet_strips, fmt_drift, fmt_duration, fmt_int,
                              fmt_latency, fmt_pct, fmt_secs, gpu_cells, health_state, instance_values, is_number,
                              natural_key, sort_value, sparkline, terms_summary)
 from kvtop.tui.screens import ReceiptScreen, SessionScreen
@@ -115,12 +116,56 @@ class OverviewTab(TabPane):
             return Text(f"{text}{arrow}", style=f"bold {app._color('warning')}")
         return Text(f"{text}{arrow}")
 
-    def _instance_cells(self, inst: dict[str, Any], prev: dict[str, Any] | None) -> dict[str, tuple]:
-        """Column key -> (comparable, renderable)."""
+    def _instance_values(self, inst: dict[str, Any], now: float) -> dict[str, Any]:
+        """The row's raw values (what sorts and what the arrows compare), its health or fleet
+        note and its optional columns' values: cheap, for every instance on every frame."""
         app: Any = self.app
-        snap_ts = (app.collected.snapshot or {}).get("ts")
-        now = float(snap_ts) if is_number(snap_ts) else app.clock()
         v = instance_values(inst, app.collected.instance_ttft(str(inst.get("name")), now))
+        name = v["name"]
+        state, reason = health_state(inst)
+        fleet = fleet_state(inst)
+        v["_health"] = (state, fleet, drain_progress(inst) if fleet == "draining" else None)
+        if fleet == "removed":
+            note = fleet_note(inst)
+        elif reason:
+            note = f"{name} {'ejected' if state == 'ejected' else 'down'}: {reason}"
+        else:
+            per = ((app.collected.snapshot or {}).get("affinity") or {}).get("per_instance") or {}
+            note = fleet_note(inst, per.get(name))
+        if note:
+            self._health_notes[name] = note
+        else:
+            self._health_notes.pop(name, None)
+        share, source = drift_of(inst)
+        if share is not None or source is not None:
+            v["drift"] = share
+            v["_drift"] = (share, source)
+        routers = inst.get("routers")
+        if isinstance(routers, dict) and routers:
+            v["share"] = tuple(int(n) if is_number(n) else 0 for n in routers.values())
+        return v
+
+    def _health_cell(self, v: dict[str, Any]) -> tuple:
+        """The health column: a problem first (down, ejected), then the fleet state, with a glyph
+        and a word (colour is never the only signal)."""
+        app: Any = self.app
+        state, fleet, drain = v["_health"]
+        if fleet == "removed":
+            return (v["_health"], Text("✕ removed", style="dim"))
+        if state != "up":
+            return (v["_health"], Text("⏏ ejected" if state == "ejected" else "✖ DOWN",
+                                       style=f"bold reverse {app._color('error')}"))
+        if fleet == "draining":
+            return (v["_health"], Text("⇣ drained" if drain and drain[2] else "⇣ draining",
+                                       style=f"bold {app._color('warning')}"))
+        if fleet == "cordoned":
+            return (v["_health"], Text("⊘ cordoned", style=f"bold {app._color('warning')}"))
+        return (v["_health"], Text("● up", style=app._color("success")))
+
+    def _instance_cells(self, inst: dict[str, Any], v: dict[str, Any], prev: dict[str, Any] | None
+                        ) -> dict[str, tuple]:
+        """Column key -> (comparable, renderable): only for the rows on the table."""
+        app: Any = self.app
 
         def arrow(key: str) -> str:
             if prev is None or prev.get(key) is None or v[key] is None:
@@ -129,15 +174,8 @@ class OverviewTab(TabPane):
 
         util, mem, why = gpu_cells(inst.get("gpu"))
         cells: dict[str, tuple] = {}
-        state, reason = health_state(inst)
         cells["name"] = (v["name"], v["name"])
-        cells["health"] = (state, Text("● up", style=app._color("success")) if state == "up"
-                           else Text("⏏ ejected" if state == "ejected" else "✖ DOWN",
-                                     style=f"bold reverse {app._color('error')}"))
-        if reason:
-            self._health_notes[v["name"]] = f"{v['name']} {'ejected' if state == 'ejected' else 'down'}: {reason}"
-        else:
-            self._health_notes.pop(v["name"], None)
+        cells["health"] = self._health_cell(v)
         for key in ("ttft_p50", "ttft_p90"):
             cells[key] = (v[key], fmt_latency(v[key]))
         errors = v["errors"]
@@ -145,21 +183,18 @@ class OverviewTab(TabPane):
                            else Text("0" if errors == 0 else "–", style="dim"))
         if v["prefill_tps"] is not None:
             cells["prefill_tps"] = (v["prefill_tps"], fmt_int(v["prefill_tps"]))
-        share, source = drift_of(inst)
-        if share is not None or source is not None:
-            v["drift"] = share
+        if "_drift" in v:
+            share, source = v["_drift"]
             # an estimate that is off, or an index that is not exact, is worth a look
             bad = (share is not None and share >= 0.05) or source not in (None, "exact")
             cells["drift"] = ((share, source), self._levelled(fmt_drift(share, source), 1) if bad
                               else fmt_drift(share, source))
-        routers = inst.get("routers")
-        if isinstance(routers, dict) and routers:
-            counts = [int(n) if is_number(n) else 0 for n in routers.values()]
+        if "share" in v:
+            counts = v["share"]
             total = sum(counts)
             text = "/".join(map(str, counts)) + (
                 "  " + "/".join(f"{100 * n / total:.0f}" for n in counts) + "%" if total else "")
-            v["share"] = tuple(counts)
-            cells["share"] = (tuple(counts), text)
+            cells["share"] = (counts, text)
         lv = THRESHOLDS["requests"].level(v["requests"])
         a = arrow("requests")
         cells["requests"] = ((v["requests"], a, lv), self._levelled(str(v["requests"]), lv, a))
@@ -186,7 +221,6 @@ class OverviewTab(TabPane):
         ring = app.collected.backlog.get(v["name"])
         spark = sparkline([x for _, x in list(ring)[-12:]]) if ring else ""
         cells["trend"] = (spark, spark)
-        self._sort_values[v["name"]] = v
         stale = app.stale_s
         if stale is not None:
             # The router is unreachable: every figure is the last snapshot's. Grey, and the
@@ -209,7 +243,7 @@ class OverviewTab(TabPane):
         if query:
             insts = [i for i in insts if query in str(i.get("name", "")).lower()]
         names = {i["name"] for i in insts}
-        prev_values = dict(self._sort_values)
+        prev_values = self._sort_values
         sort_changed = False
         for key in [k for k in table.rows if k.value not in names]:
             table.remove_row(key)
@@ -229,17 +263,17 @@ class OverviewTab(TabPane):
                     table.add_column(label, key=key, width=max(width, len(label) + 1), default="–")
                 self._cells.clear()  # every row gets the new cell
         columns = self.visible_columns()
-        computed = {}
-        for inst in insts:
-            cells = self._instance_cells(inst, prev_values.get(inst["name"]))
-            for key, _, _ in self._optional:
-                cells.setdefault(key, (None, "–"))
-            computed[inst["name"]] = cells
+        snap_ts = snap.get("ts")
+        now = float(snap_ts) if is_number(snap_ts) else app.clock()
+        # Values for every instance (the sort, the notes, the condensed summary need them);
+        # cells, the costly part, only for the rows on the table.
+        values = {inst["name"]: self._instance_values(inst, now) for inst in insts}
+        self._sort_values = values
         self._hidden = []
         if app.compact_active(len(snap.get("instances", []))):
             # Condensed: the rows that fit, busiest first by the current sort; the rest are
             # summed on one line under the table (and drawn in the fleet strips above it).
-            order = sorted(computed, key=self._sort_key(), reverse=app.sort_reverse)
+            order = sorted(values, key=self._sort_key(), reverse=app.sort_reverse)
             shown = set(order[:self.compact_rows()])
             self._hidden = [i for i in insts if i["name"] not in shown]
             insts = [i for i in insts if i["name"] in shown]
@@ -248,7 +282,9 @@ class OverviewTab(TabPane):
                 self._cells.pop(str(key.value), None)
         for inst in insts:
             name = inst["name"]
-            cells = computed[name]
+            cells = self._instance_cells(inst, values[name], prev_values.get(name))
+            for key, _, _ in self._optional:
+                cells.setdefault(key, (None, "–"))
             old = self._cells.get(name)
             if name not in table.rows:
                 table.add_row(*[cells[k][1] for k in columns], key=name)
@@ -259,7 +295,7 @@ class OverviewTab(TabPane):
                 table.set_cells(name, changed)
                 if app.sort_key in changed or (app.sort_key == "backlog_s" and "backlog_tokens" in changed):
                     sort_changed = True
-                if prev_values.get(name, {}).get(app.sort_key) != self._sort_values[name].get(app.sort_key):
+                if prev_values.get(name, {}).get(app.sort_key) != values[name].get(app.sort_key):
                     sort_changed = True
             self._cells[name] = cells
         if sort_changed:
