@@ -445,6 +445,14 @@ class RouterFeed:
         """Replace the shadow set: ``[NAME or {"policy": NAME, "knobs": {...}}]`` (audited by the router)."""
         return await self.request("PUT", "/shadows", {"policies": specs}, auth=True)
 
+    async def fleet_action(self, instance: str, action: str, force: bool = False) -> dict[str, Any]:
+        """Cordon, drain, uncordon or remove an instance (``POST fleet/{instance}/{action}``,
+        audited by the router as a ``fleet`` change); ``force`` cuts off its in-flight requests."""
+        from urllib.parse import quote
+
+        return await self.request("POST", f"/fleet/{quote(instance, safe='')}/{action}",
+                                  {"force": True} if force else None, auth=True)
+
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
@@ -519,6 +527,13 @@ class FakeFeed:
                  "knobs": {} if isinstance(s, str) else dict(s.get("knobs") or {}), "picks": 0, "agree": 0,
                  "agreement": None} for s in specs]
         return {"shadows": rows, "dropped": []}
+
+    async def fleet_action(self, instance: str, action: str, force: bool = False) -> dict[str, Any]:
+        self.calls.append(("fleet_action", (instance, action, force)))
+        if self.fail_with is not None:
+            raise self.fail_with
+        after = {"cordon": "cordoned", "drain": "draining", "uncordon": "active", "remove": "removed"}[action]
+        return {"instance": instance, "action": action, "after": after, "changed": True}
 
     async def close(self) -> None:
         pass
@@ -680,6 +695,9 @@ class MultiFeed:
 
     async def put_shadows(self, specs: list[Any]) -> dict[str, Any]:
         return await self.current.feed.put_shadows(specs)
+
+    async def fleet_action(self, instance: str, action: str, force: bool = False) -> dict[str, Any]:
+        return await self.current.feed.fleet_action(instance, action, force)
 
     async def close(self) -> None:
         for r in self.routers:

@@ -243,6 +243,7 @@ def health_state(inst: dict[str, Any]) -> tuple[str, str | None]:
 
 #: The router's fleet states (router/fleet.py) and the dashboard's keys that change them.
 FLEET_STATES = ("active", "cordoned", "draining", "removed")
+FLEET_AFTER = {"cordon": "cordoned", "drain": "draining", "uncordon": "active", "remove": "removed"}
 FLEET_VERBS = {"cordon": "no new sessions; its sessions keep coming",
                "drain": "no new requests: each of its sessions moves at its next turn, in-flight requests finish",
                "uncordon": "back in rotation for new sessions and requests",
@@ -617,6 +618,12 @@ def config_change_text(ev: dict[str, Any]) -> str:
         return head + f"{after.get('instance', '?')} {state}"
     if kind == "shadow":
         return head + shadow_change_text(ev.get("before"), ev.get("after"))
+    if kind == "fleet":
+        name = after.get("instance") or before.get("instance") or "?"
+        if after.get("action") == "add":
+            return head + f"fleet: added {name} ({after.get('url') or '?'})"
+        forced = " (forced: its in-flight requests were cut off)" if after.get("force") else ""
+        return head + f"fleet: {name} {before.get('state', '?')} → {after.get('state', '?')}{forced}"
     if kind == "restart":  # added by the dashboard when the run id changes under it
         return f"{when} ── the router restarted (run {after.get('run_id', '?')}, {after.get('policy', '?')}): " \
                "the changes above were the old run's"
