@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from test_control import router  # noqa: F401  (the router fixture)
+
 
 # -- the first frame -------------------------------------------------------------------------------
 
@@ -61,3 +63,57 @@ def test_no_frame_when_the_output_is_not_a_terminal(tmp_path):
     with open(tmp_path / "out", "w") as f:
         assert not splash.connecting_frame("http://x", out=f)
     assert (tmp_path / "out").read_text() == ""
+
+
+# -- shadow agreement: counted against one active policy ------------------------------------------
+
+async def test_a_policy_switch_starts_every_shadows_count_again_against_the_new_policy(router):
+    """Agreement is with the active policy: counts carried across a switch mixed two policies
+    (issue 35). Each shadow starts again, labelled with the policy@version it compares with;
+    a knob change of the active policy is a new policy too; a feature knob is not."""
+    from router.app import STATE
+    from test_control import AUTH, complete
+    from test_shadow import _drain
+
+    c = await router(3, shadows=["leastwork", "round_robin"])
+    for k in range(4):
+        assert (await complete(c, f"s{k % 2}"))["status"] == 200
+    await _drain(c)
+    before = {s["policy"]: s for s in (await (await c.get("/kvtop/v1/shadows")).json())["shadows"]}
+    assert before["leastwork"]["picks"] == 4 and before["leastwork"]["against"] == "unified@1"
+    r = await c.put("/kvtop/v1/policy", json={"name": "lmetric", "knobs": {}}, headers=AUTH)
+    assert r.status == 200
+    after = {s["policy"]: s for s in (await (await c.get("/kvtop/v1/shadows")).json())["shadows"]}
+    assert all(s["picks"] == 0 and s["agreement"] is None and s["against"] == "lmetric@2" for s in after.values())
+    assert after["leastwork"]["since"] > before["leastwork"]["since"]
+    assert (await complete(c, "s9"))["status"] == 200
+    await _drain(c)
+    counted = (await (await c.get("/kvtop/v1/shadows")).json())["shadows"]
+    assert [s["picks"] for s in counted] == [1, 1]
+    r = await c.patch("/kvtop/v1/knobs", json={"offload_mode": "simple"}, headers=AUTH)  # a router feature
+    assert r.status == 200
+    assert [s["picks"] for s in (await (await c.get("/kvtop/v1/shadows")).json())["shadows"]] == [1, 1]
+    st = c.server.app[STATE]
+    st.set_policy("unified", {"overload_factor": 3.0}, "test")
+    assert [s.picks for s in st.shadows.shadows.values()] == [0, 0]
+
+
+async def test_the_shadow_panel_says_what_the_counts_compare_with():
+    import copy
+
+    from kvtop.tui import synthetic as syn
+    from kvtop.tui.feed import FakeFeed
+    from test_tui import make_app, settle
+
+    snap = syn.snapshot(4, 0.0)
+    snap["shadows"] = {"shadows": [{"policy": "leastwork", "knobs": {}, "picks": 12, "agree": 9, "agreement": 0.75,
+                                    "since": 1_700_000_000.0, "against": "lmetric@2"}], "dropped": []}
+    feed = FakeFeed(policies=copy.deepcopy(syn.POLICIES))
+    feed.push("state", snap)
+    app, _ = make_app(feed)
+    async with app.run_test(size=(140, 42)) as pilot:
+        await settle(pilot, app)
+        await pilot.press("5")
+        await settle(pilot, app)
+        panel = str(app.query_one("#shadow-panel").render())
+        assert "agrees 75.0% of 12 against lmetric@2 since" in panel, panel

@@ -710,6 +710,8 @@ class PolicyTab(TabPane):
             out.append(f"  {r['policy']:<16}", style="bold")
             out.append(f"agrees {fmt_pct(agree) + '%' if is_number(agree) else '–'} of {fmt_num(picks)}",
                        style="dim" if stale else "")
+            if isinstance(r.get("against"), str):  # counted against this active policy@version only
+                out.append(f" against {r['against']}", style="dim")
             if is_number(r.get("since")):
                 out.append(time.strftime(" since %H:%M:%S", time.localtime(float(r["since"]))), style="dim")
             by_class = r.get("disagree_by_class") if isinstance(r.get("disagree_by_class"), dict) else {}
