@@ -117,3 +117,27 @@ async def test_the_shadow_panel_says_what_the_counts_compare_with():
         await settle(pilot, app)
         panel = str(app.query_one("#shadow-panel").render())
         assert "agrees 75.0% of 12 against lmetric@2 since" in panel, panel
+
+
+# -- receipts: one precision a column --------------------------------------------------------------
+
+@pytest.mark.parametrize("values, expected", [
+    ([0, 16_600, 3], ["0", "16,600", "3"]),                      # whole numbers: integers, as before
+    ([5000.0, 4000.0], ["5,000", "4,000"]),                      # integral floats too
+    ([0.3412, 1.3648, 12.5, 0.0], ["0.341", "1.365", "12.500", "0.000"]),  # was 0.3412, 1.36, 12.50, 0
+    ([49_800, 1_600, 0.0523], ["49,800.0000", "1,600.0000", "0.0523"]),    # the smallest sets the decimals
+    ([None, 2.5, "n/a"], ["–", "2.50", "n/a"]),                 # missing and text pass through
+])
+def test_a_receipt_column_has_one_precision(values, expected):
+    from kvtop.receipt import candidates
+
+    terms = [{"instance": f"i{k}", "x": v} for k, v in enumerate(values)]
+    _, rows = candidates(terms, "i0")
+    assert [cells[1] for _, cells in rows] == expected
+
+
+def test_the_receipt_head_says_the_policy_time_in_the_timelines_precision():
+    from kvtop.receipt import head_lines
+    from kvtop.tui import synthetic as syn
+
+    assert any(line.endswith("policy ran 41.5 µs") for line in head_lines(syn.decision(7, 4)))

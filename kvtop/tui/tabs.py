@@ -66,6 +66,17 @@ def draw_backlog(app: Any, backlog: PlotextPlot) -> None:
     backlog.refresh()
 
 
+class BacklogPlot(PlotextPlot):
+    """The overview's backlog plot: its y ticks are chosen for its height (``set_y_ticks``), so a
+    change of height (the notes under the table grow or shrink) draws it again at once rather
+    than at the next 1 Hz plot frame, with ticks for the old height until then."""
+
+    def on_resize(self, event: Any) -> None:
+        pane = next((a for a in self.ancestors if isinstance(a, OverviewTab)), None)
+        if pane is not None and getattr(self.app, "collected", None) is not None:
+            pane.draw_backlog()
+
+
 class OverviewTab(TabPane):
     """Instances table, fleet strips, totals and the backlog plot."""
 
@@ -85,7 +96,7 @@ class OverviewTab(TabPane):
         yield Static(id="fleet")
         yield LiveTable(id="instances", cursor_type="row", zebra_stripes=True, fixed_columns=1)
         yield Static(id="totals")
-        yield PlotextPlot(id="overview-backlog")
+        yield BacklogPlot(id="overview-backlog")
 
     def on_mount(self) -> None:
         self.watch(self.query_one("#instances", DataTable), "hover_coordinate", self._header_tooltip, init=False)
