@@ -163,3 +163,38 @@ async def test_a_token_the_router_refuses_is_said_in_its_words(aiohttp_server, f
         refused = [n for n in app._notifications if "refused to cordon i0" in str(n.title)]
         assert refused and "token" in str(refused[0].message).lower()
     await server.close()
+
+
+async def test_condensed_overview_keeps_the_rows_of_instances_out_of_rotation():
+    """At 64 instances the overview shows the busiest rows; a drained (idle) or cordoned
+    instance keeps its row, so the operator sees it and can act on it (u, x)."""
+    feed = FakeFeed(policies=copy.deepcopy(syn.POLICIES))
+    snap = syn.snapshot(64, 0.0, fleet={40: "draining", 41: "cordoned"})
+    for k in (40, 41):
+        snap["instances"][k].update(num_requests=0, pending_prefill_tokens=0)
+        snap["instances"][k]["drain"] = {"sessions_homed": 2, "in_flight": 0, "drained": True} if k == 40 else None
+    feed.push("state", snap)
+    app, _ = make_app(feed)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot, app)
+        table = app.query_one("#instances")
+        assert table.row_count < 64  # condensed
+        assert _cell(app, "vllm-40") == "⇣ drained" and _cell(app, "vllm-41") == "⊘ cordoned"
+
+
+async def test_the_selected_instance_stays_selected_while_condensed_rows_come_and_go():
+    """The fleet keys act on the selected row: it keeps its row in the condensed table however
+    idle it gets, and rows leaving above the cursor do not move the selection onto another
+    instance."""
+    feed = FakeFeed(policies=copy.deepcopy(syn.POLICIES))
+    feed.push("state", syn.snapshot(64, 0.0))
+    app, _ = make_app(feed)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot, app)
+        table = app.query_one("#instances")
+        table.move_cursor(row=table.row_count - 1, animate=False)
+        chosen = app._fleet_target()
+        for t in range(1, 12):  # the busiest rows change every snapshot
+            feed.push("state", syn.snapshot(64, t * 7.0))
+            await settle(pilot, app)
+            assert app._fleet_target() == chosen, t

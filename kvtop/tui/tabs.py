@@ -256,6 +256,8 @@ class OverviewTab(TabPane):
         names = {i["name"] for i in insts}
         prev_values = self._sort_values
         sort_changed = False
+        # rows removed above the cursor would move it onto another instance: remember which
+        selected = self._selected()
         for key in [k for k in table.rows if k.value not in names]:
             table.remove_row(key)
             self._cells.pop(str(key.value), None)
@@ -285,7 +287,15 @@ class OverviewTab(TabPane):
             # Condensed: the rows that fit, busiest first by the current sort; the rest are
             # summed on one line under the table (and drawn in the fleet strips above it).
             order = sorted(values, key=self._sort_key(), reverse=app.sort_reverse)
-            shown = set(order[:self.compact_rows()])
+            rows = self.compact_rows()
+            # instances out of rotation (cordoned, draining) or down keep their rows, up to half
+            # of them, however idle: they are what the operator is watching (and acting on)
+            watched = [n for n in order if values[n]["_health"][1] in ("cordoned", "draining")
+                       or (values[n]["_health"][0] != "up" and values[n]["_health"][1] != "removed")][:rows // 2]
+            if selected is not None and str(selected.value) in values:
+                watched.append(str(selected.value))  # the selected row stays: the keys act on it
+            shown = set(watched)
+            shown.update([n for n in order if n not in shown][:rows - len(shown)])
             self._hidden = [i for i in insts if i["name"] not in shown]
             insts = [i for i in insts if i["name"] in shown]
             for key in [k for k in table.rows if k.value not in shown]:
@@ -310,7 +320,9 @@ class OverviewTab(TabPane):
                     sort_changed = True
             self._cells[name] = cells
         if sort_changed:
-            self.sort_instances()
+            self.sort_instances(selected)
+        elif selected is not None and selected in table.rows and self._selected() != selected:
+            table.move_cursor(row=table.get_row_index(selected), animate=False)
 
     def visible_columns(self) -> list[str]:
         """The column keys on screen: every column but those the chooser hid (the name stays)."""
@@ -357,18 +369,23 @@ class OverviewTab(TabPane):
 
         return by
 
-    def sort_instances(self) -> None:
+    def _selected(self) -> Any:
+        """The row key under the cursor (None: an empty table)."""
+        table = self.query_one("#instances", DataTable)
+        if table.row_count and table.cursor_row >= 0:
+            try:
+                return table.coordinate_to_cell_key(table.cursor_coordinate).row_key
+            except Exception:  # no cell at the cursor (an empty table)
+                return None
+        return None
+
+    def sort_instances(self, selected: Any = None) -> None:
         app: Any = self.app
         key = app.sort_key
         by = self._sort_key()
         table = self.query_one("#instances", DataTable)
         # The selection stays on its instance while rows move under it.
-        selected = None
-        if table.row_count and table.cursor_row >= 0:
-            try:
-                selected = table.coordinate_to_cell_key(table.cursor_coordinate).row_key
-            except Exception:  # no cell at the cursor (an empty table)
-                selected = None
+        selected = selected if selected is not None else self._selected()
         table.sort("name", key=by, reverse=app.sort_reverse)
         if selected is not None and selected in table.rows:
             table.move_cursor(row=table.get_row_index(selected), animate=False)
