@@ -239,20 +239,13 @@ class KvtopApp(App):
         self.query_one("#routers", Static).display = self.multi
         t.focus()
         self._refresh_controls()
+        self._read_feed()
+        self._load_policies()
         if self.poll_sessions_s > 0:
             self.set_interval(self.poll_sessions_s, self._poll_sessions)
         if self.apply_timer:
             self._timer = self.set_interval(1 / self.hz, self._tick)
         self.apply(force=True)
-
-    def on_ready(self) -> None:
-        """The first frame ("connecting") is on the screen: only now does the feed import its
-        HTTP client and connect, which on a loaded host took seconds before that frame."""
-        self._start_feed()
-
-    def _start_feed(self) -> None:
-        self._read_feed()
-        self._load_policies()
 
     async def on_unmount(self) -> None:
         await self.feed.close()

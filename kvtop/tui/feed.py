@@ -9,8 +9,10 @@ Nothing here imports Textual, so ``attach --once`` stays light.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import os
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -296,6 +298,10 @@ class RouterFeed:
         self._backfilled = False
 
     async def _http(self):
+        if "aiohttp" not in sys.modules:
+            # imported off the event loop: on a loaded host the import took long enough to hold
+            # back the dashboard's first frame ("connecting")
+            await asyncio.to_thread(importlib.import_module, "aiohttp")
         import aiohttp
 
         if self._session is None or self._session.closed:
@@ -308,12 +314,12 @@ class RouterFeed:
             self._reconnect.set()
 
     async def events(self) -> AsyncIterator[tuple[str, Any]]:
-        import aiohttp
-
         delay = 0.5
         while True:
             self._reconnect.clear()
             http = await self._http()
+            import aiohttp
+
             try:
                 async with http.get(f"{self.url}{PREFIX}/events",
                                     params={"hz": f"{self.hz:g}", "types": EVENT_TYPES}) as resp:
@@ -411,9 +417,8 @@ class RouterFeed:
         return result
 
     async def _send(self, method: str, path: str, body: Any = None, *, auth: bool = False) -> Any:
-        import aiohttp
-
         http = await self._http()
+        import aiohttp
         headers = {"X-Kvtop-User": "kvtop-attach"}
         if auth and self.token:
             headers["Authorization"] = f"Bearer {self.token}"
