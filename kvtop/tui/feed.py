@@ -702,7 +702,10 @@ class MultiFeed:
         return await self.current.feed.put_shadows(specs)
 
     async def fleet_action(self, instance: str, action: str, force: bool = False) -> dict[str, Any]:
-        return await self.current.feed.fleet_action(instance, action, force)
+        """On the selected router, under its own name for the instance (matched by URL)."""
+        url = next((u for r in self.routers for n, u in (r.names or {}).items() if n == instance), None)
+        own = next((n for n, u in (self.current.names or {}).items() if u == url), instance)
+        return await self.current.feed.fleet_action(own, action, force)
 
     async def close(self) -> None:
         for r in self.routers:

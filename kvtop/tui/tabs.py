@@ -409,7 +409,7 @@ class OverviewTab(TabPane):
         label_w = 9
         styles = {0: "", 1: f"bold {app._color('warning')}", 2: f"bold reverse {app._color('error')}"}
         t = Text(no_wrap=True)
-        down = sum(1 for i in insts if not i.get("healthy"))
+        down = sum(1 for i in insts if not i.get("healthy") and fleet_state(i) != "removed")
         lines = fleet_strips(insts, app.size.width - label_w - 3)
         for n, (label, cells) in enumerate(lines):
             if n:
@@ -440,7 +440,7 @@ class OverviewTab(TabPane):
             line.append("reasons " + "  ".join(f"{k} {v}" for k, v in top), style="dim")
         if self._hidden:
             hidden = self._hidden
-            down = sum(1 for i in hidden if not i.get("healthy"))
+            down = sum(1 for i in hidden if not i.get("healthy") and fleet_state(i) != "removed")
             busy = sum(1 for i in hidden if i.get("num_requests"))
             line.append(f"{chr(10) if line.plain else ''}+{len(hidden)} more instances (condensed; z shows every row): "
                         f"{busy} busy, {sum(int(i.get('num_requests') or 0) for i in hidden)} requests, backlog "
