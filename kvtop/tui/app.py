@@ -907,7 +907,8 @@ class KvtopApp(App):
         def diff() -> list[tuple[str, Any, Any]]:
             # drawn again on every refresh while the dialog is open: a drain's progress keeps moving
             cur = self._instance(name) or inst
-            out: list[tuple[str, Any, Any]] = [("fleet state", fleet_state(cur), after), ("what it means", "", FLEET_VERBS[verb])]
+            out: list[tuple[str, Any, Any]] = [("fleet state", fleet_state(cur), after),
+                                               ("what it means", "", FLEET_VERBS[verb])]
             homed = (((self.collected.snapshot or {}).get("affinity") or {}).get("per_instance") or {}).get(name)
             n = cur.get("num_requests") if is_number(cur.get("num_requests")) else 0
             if verb in ("drain", "remove"):
