@@ -3,8 +3,9 @@
 For each size (80x24, 140x42) and fleet (4, 64 instances): ``kvtop sim`` + ``kvtop route``
 (unified, offload on, a custom knob) + a replay of the bundled trace, and ``kvtop attach`` in a
 detached tmux session. Through send-keys it goes through every tab, the help, a receipt, an
-instance detail, a policy switch from the palette, a shadow add / promote / remove, and a
-router restart with other settings, and asserts on every captured screen:
+instance detail, a cordon / drain / uncordon of the selected instance, a policy switch from the
+palette, a shadow add / promote / remove, and a router restart with other settings, and asserts
+on every captured screen:
 
   - the header is one line and the tab bar never moves (header height constant),
   - the fleet's one-line health ("N/N up ... in flight") is on screen,
@@ -183,6 +184,17 @@ def run_one(width: int, height: int, n: int, keep: Path | None) -> dict:
         s.keys("Enter", pause=1.0)
         s.check("instance detail", s.wait("an instance detail", lambda t: "KV index" in t), modal=True)
         s.keys("Escape", pause=0.6)
+        # the fleet keys on the selected row: cordon, drain, uncordon, each confirmed (issue 34)
+        for key, verb, shown in (("c", "Cordon", "1 cordoned"), ("d", "Drain", "1 draining"), ("u", "Uncordon", None)):
+            s.keys(key, pause=0.8)
+            s.check(f"confirm {verb}", s.wait(f"the {verb} dialog", lambda t, v=verb: f"{v} instance" in t
+                                              and "Apply (y)" in t), modal=True)
+            s.keys("y", pause=0.5)
+            if shown:
+                s.check(f"{verb}ed", s.wait(f"{shown} in the health line", lambda t, w=shown: w in t, timeout=10))
+            else:
+                s.check("uncordoned", s.wait("every instance active", lambda t: "cordoned" not in t
+                                             and "draining" not in t and "drained" not in t, timeout=10))
 
         def palette(command: str) -> None:
             s.keys("C-p", pause=0.6)

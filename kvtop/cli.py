@@ -32,7 +32,9 @@ VERBS: list[tuple[str, str, str]] = [
 from store.errors import CliError  # noqa: E402  (the one user-facing error, shared by every layer)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line, or (``only``) just that verb's: running a verb imports its module
+    alone, so ``kvtop demo`` draws its first frame without importing the router's server first."""
     parser = argparse.ArgumentParser(
         prog="kvtop",
         description="kvtop: KV-cache-aware routing for agentic LLM traffic across vLLM instances.",
@@ -40,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
     for verb, module_name, help_text in VERBS:
+        if only is not None and verb != only:
+            continue
         try:
             module = importlib.import_module(module_name)
         except Exception as exc:
@@ -79,7 +83,9 @@ def _version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    args_in = sys.argv[1:] if argv is None else argv
+    verb = args_in[0] if args_in and any(args_in[0] == v for v, _, _ in VERBS) else None
+    parser = build_parser(only=verb)
     args = parser.parse_args(argv)
     if not getattr(args, "_run", None):
         parser.print_help()

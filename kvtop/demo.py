@@ -327,12 +327,20 @@ def _headless(args: argparse.Namespace, stack: Stack, trace: str, url: str, work
 def _with_tui(args: argparse.Namespace, stack: Stack, trace: str, workdir: Path, db: str) -> int:
     """The dashboard first (its first frame says "connecting"), the cluster behind it."""
     from kvtop.cli import CliError
-    from kvtop.tui.app import KvtopApp, theme_names
-    from kvtop.tui.config import ConfigError, config_path, load_config
-    from kvtop.tui.feed import RouterFeed
+    from kvtop.tui import splash
 
     plan = port_plan(args)
     url = f"http://127.0.0.1:{plan[2]}"
+    # the first frame before Textual is imported (seconds on a loaded host); Textual draws over it
+    shown = splash.connecting_frame(url, f"kvtop demo: starting {args.instances} instances and the router")
+    try:
+        from kvtop.tui.app import KvtopApp, theme_names
+        from kvtop.tui.config import ConfigError, config_path, load_config
+        from kvtop.tui.feed import RouterFeed
+    except BaseException:
+        if shown:
+            splash.leave()
+        raise
     locator = state_dir_of(args) / f"router-{plan[2]}.json"
 
     def token_loader() -> str | None:

@@ -5,8 +5,9 @@ The same decision reaches us in two shapes: the router's event (``session``, ``c
 ``est_hit``; docs/control-api.md) and the decision log's row (``session_id``,
 ``route_class``, ``est_hit_tokens``; docs/decision-log.md). ``from_row`` turns a row into the
 event shape, and everything else here reads that one shape. One number format throughout:
-integers with thousands separators, never exponent notation; times as local wall clock
-plus milliseconds from the router's receipt of the request.
+integers with thousands separators, never exponent notation, one precision per column of
+the candidates table; times as local wall clock plus milliseconds from the router's receipt
+of the request.
 """
 
 from __future__ import annotations
@@ -62,6 +63,29 @@ def fmt_num(v: Any) -> str:
     return f"{v:,}"
 
 
+def _is_whole(v: Any) -> bool:
+    return isinstance(v, int) or (isinstance(v, float) and math.isfinite(v) and v.is_integer() and abs(v) < 1e18)
+
+
+def column_decimals(values: list[Any]) -> int | None:
+    """The one precision for a column of a receipt: None when every number in it is whole
+    (``fmt_num``'s integers), else the decimals that give its smallest non-zero magnitude three
+    significant digits (0 to 6), so ``0.341``, ``1.365`` and ``12.500`` line up in one column
+    instead of ``0.3412``, ``1.36`` and ``12.50``."""
+    nums = [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
+    if all(_is_whole(v) for v in nums):
+        return None
+    smallest = min((abs(v) for v in nums if v), default=1.0)
+    return max(0, min(6, 2 - math.floor(math.log10(smallest))))
+
+
+def fmt_in_column(v: Any, decimals: int | None) -> str:
+    """``v`` in its column's precision (``column_decimals``); text and None as ``fmt_num``."""
+    if decimals is None or isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        return fmt_num(v)
+    return f"{v:,.{decimals}f}"
+
+
 def fmt_clock(ts: Any, *, millis: bool = True) -> str:
     """Local wall-clock time of a Unix timestamp: ``14:03:05.123``."""
     if not isinstance(ts, (int, float)) or isinstance(ts, bool) or not math.isfinite(ts) or ts <= 0:
@@ -75,6 +99,13 @@ def fmt_ms(ms: Any) -> str:
     if not isinstance(ms, (int, float)) or isinstance(ms, bool) or not math.isfinite(ms):
         return "–"
     return f"{ms:,.1f} ms" if abs(ms) < 10_000 else f"{ms:,.0f} ms"
+
+
+def fmt_us(us: Any) -> str:
+    """A short duration in microseconds, in the timeline's precision: ``41.5 µs``."""
+    if not isinstance(us, (int, float)) or isinstance(us, bool) or not math.isfinite(us):
+        return "–"
+    return f"{us:,.1f} µs"
 
 
 def from_row(row: dict[str, Any], outcome: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -117,7 +148,8 @@ def timeline_line(ev: dict[str, Any]) -> str:
 
 def candidates(terms: Any, chosen: Any) -> tuple[list[str], list[tuple[bool, list[str]]]]:
     """Column names and one row per candidate (is it the chosen one, its cells), every
-    term of every candidate in ``fmt_num``'s format, in the order the policy listed them."""
+    term of every candidate in its column's one precision (``column_decimals``), in the order
+    the policy listed them."""
     rows = [t for t in terms if isinstance(t, dict)] if isinstance(terms, list) else []
     cols: list[str] = []
     for t in rows:
@@ -127,7 +159,8 @@ def candidates(terms: Any, chosen: Any) -> tuple[list[str], list[tuple[bool, lis
     if "instance" in cols:
         cols.remove("instance")
         cols.insert(0, "instance")
-    return cols, [(t.get("instance") == chosen, [fmt_num(t.get(c)) for c in cols]) for t in rows]
+    decimals = {c: column_decimals([t.get(c) for t in rows]) for c in cols}
+    return cols, [(t.get("instance") == chosen, [fmt_in_column(t.get(c), decimals[c]) for c in cols]) for t in rows]
 
 
 #: How the input was counted (a decision's token_source), in words.
@@ -145,7 +178,7 @@ def head_lines(ev: dict[str, Any]) -> list[str]:
              f"→ {ev.get('instance', '?')}  reason {reason_text(ev.get('reason', '?'))}",
              f"est hit {fmt_num(ev.get('est_hit'))} tok ({source_text(ev)})  "
              f"best {fmt_num(ev.get('best_hit'))} on {ev.get('best_hit_instance') or '–'}  "
-             f"new prefill {fmt_num(ev.get('new_prefill'))}  policy ran {fmt_num(ev.get('decision_us'))} µs"]
+             f"new prefill {fmt_num(ev.get('new_prefill'))}  policy ran {fmt_us(ev.get('decision_us'))}"]
     if ev.get("migrated_from"):
         lines.append(f"migrated from {ev['migrated_from']}")
     shadow = shadow_text(ev.get("shadow"))

@@ -81,10 +81,11 @@ def parse_specs(specs: Any) -> list[tuple[str, dict[str, Any]]]:
 
 class _Shadow:
     __slots__ = ("policy", "picks", "agree", "by_class", "real_at", "shadow_at", "saved", "gap_sum",
-                 "gap_n", "us_sum", "us_max", "slow_run", "added_at")
+                 "gap_n", "us_sum", "us_max", "slow_run", "added_at", "against")
 
-    def __init__(self, policy: Policy, now: float):
+    def __init__(self, policy: Policy, now: float, against: str | None = None):
         self.policy = policy
+        self.against = against  # the active policy@version its counts compare with (None: not known)
         self.picks = 0
         self.agree = 0
         self.by_class: dict[str, int] = {}  # disagreements per route class
@@ -101,7 +102,8 @@ class _Shadow:
     def json(self) -> dict[str, Any]:
         p = self.policy
         return {
-            "policy": p.name, "knobs": dict(p.knobs), "since": self.added_at, "picks": self.picks,
+            "policy": p.name, "knobs": dict(p.knobs), "since": self.added_at, "against": self.against,
+            "picks": self.picks,
             "agree": self.agree, "agreement": self.agree / self.picks if self.picks else None,
             "disagree": self.picks - self.agree, "disagree_by_class": dict(self.by_class),
             "disagree_real_instance": dict(self.real_at), "disagree_shadow_instance": dict(self.shadow_at),
@@ -128,6 +130,7 @@ class Shadows:
         self.on_drop = on_drop or (lambda name, why: None)
         self.clock = clock
         self.shadows: dict[str, _Shadow] = {}
+        self.against: str | None = None  # the active policy@version the counts compare with
         self.dropped: list[dict[str, Any]] = []  # {"policy", "why", "ts"}, the latest last
         self.set(specs or [])
 
@@ -150,8 +153,16 @@ class Shadows:
         for name, knobs in specs:
             policy = build_policy(name, knobs)
             old = self.shadows.get(name)
-            new[name] = old if old is not None and old.policy.knobs == policy.knobs else _Shadow(policy, now)
+            new[name] = old if old is not None and old.policy.knobs == policy.knobs else _Shadow(policy, now,
+                                                                                                 self.against)
         self.shadows = new
+
+    def restart(self, against: str) -> None:
+        """The active policy (or its knobs) changed: agreement with the old one says nothing
+        about the new one, so every shadow counts again from now, against ``against``."""
+        self.against = against
+        now = self.clock()
+        self.shadows = {name: _Shadow(sh.policy, now, against) for name, sh in self.shadows.items()}
 
     def evaluate(self, d: Any, view: Any) -> list[dict[str, Any]]:
         """Ask every shadow for its pick on ``view`` (the one decision ``d`` was made on)."""

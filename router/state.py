@@ -143,6 +143,7 @@ class RouterState:
             prefill_prior=PrefillPrior(config.assumed_prefill_tps, DEFAULT_PRIOR.attention_tokens),
             clock=time.time, on_admit=_wake, shadows=self.shadows, defer=self.deferred,
             background=_Steps(), full=self.full_instances)
+        self.shadows.restart(self.router.slot.label)  # no counts yet: names what they compare with
         self.kv_index = attach_index(self.cluster, config.backends,
                                      speculative_ttl_s=config.kv_speculative_ttl_s)
         self.kv_subscribers: list = []  # router/kv_events.Subscriber per backend (None: no events)
@@ -286,6 +287,8 @@ class RouterState:
         before = {"policy": current.policy.name, "version": current.version, "knobs": current.policy.knobs,
                   "features": old_settings.features.knobs}
         slot = self.router.apply(new)
+        if (slot.policy.name, slot.policy.knobs) != (current.policy.name, current.policy.knobs):
+            self.shadows.restart(slot.label)  # agreement is with the active policy: a new one, new counts
         after = {"policy": slot.policy.name, "version": slot.version, "knobs": slot.policy.knobs,
                  "features": new.features.knobs}
         self.record_config("policy" if new.policy != current.policy.name else "knobs", who, before, after)

@@ -103,11 +103,12 @@ def test_why_shows_every_attempt_and_every_candidate(why_log, capsys):
     assert any(l.startswith("request req-retry-1  attempt 2") for l in lines)
     assert "outcome upstream_error  HTTP 502" in out and "error: i0 closed the connection" in out
     assert "→ i0  reason overload_break (session's instance over the overload bound" in out
-    # every candidate of attempt 1, the chosen one marked, one number format (no 1.66e+04)
+    # every candidate of attempt 1, the chosen one marked, one number format (no 1.66e+04) and
+    # one precision a column: the score column's 0.0523 sets its decimals
     table = lines[lines.index("candidates (3; ▶ chosen)") + 1:][:4]
     assert table[0].split() == ["instance", "hit", "new", "P", "BS", "D", "score"]
-    assert table[1].split() == ["▶", "i0", "0", "16,600", "11,776", "3", "1,536", "49,800"]
-    assert table[2].split() == ["i1", "15,000", "1,600", "0", "1", "0", "1,600"]
+    assert table[1].split() == ["▶", "i0", "0", "16,600", "11,776", "3", "1,536", "49,800.0000"]
+    assert table[2].split() == ["i1", "15,000", "1,600", "0", "1", "0", "1,600.0000"]
     assert table[3].split()[-1] == "0.0523"
     assert "e+" not in out
     # times in local time with milliseconds from the receipt, never raw epoch seconds

@@ -851,22 +851,32 @@ def test_snapshot_overview_80x24(snap_compare):
 
 
 def _view_app(view, n):
-    """The overview, a receipt or the Policy tab (issue 35: each at 80x24 and 140x42)."""
+    """The overview, a receipt or the Policy tab (issue 35: each at 80x24 and 140x42); the
+    overview with a cordoned and a draining instance (issue 34)."""
     from kvtop.tui.screens import ReceiptScreen
 
-    app, run_tab = _snap_app("policy" if view == "policy" else "overview", n=n)
+    feed = None
+    if view == "fleet":
+        feed = FakeFeed(policies=copy.deepcopy(syn.POLICIES), sessions=syn.sessions(60, n))
+        for t in range(40):
+            feed.push("state", syn.snapshot(n, float(t), fleet={1: "cordoned", 2: "draining"}))
+        for k in range(60):
+            feed.push("decision", syn.decision(k, n))
+            feed.push("outcome", syn.outcome(k, n))
+    app, run_tab = _snap_app("policy" if view == "policy" else "overview", n=n, feed=feed)
 
     async def run_before(pilot):
         await run_tab(pilot)
         if view == "receipt":
-            app.push_screen(ReceiptScreen(syn.decision(7, n)))
+            app.push_screen(ReceiptScreen(syn.decision(7, n, seconds=True)))  # expected_cost's terms
             await pilot.pause()
 
     return app, run_before
 
 
 @pytest.mark.parametrize("size", [(80, 24), (140, 42)])
-@pytest.mark.parametrize("view, n", [("overview", 4), ("overview", 64), ("receipt", 4), ("policy", 4)])
+@pytest.mark.parametrize("view, n", [("overview", 4), ("overview", 64), ("receipt", 4), ("policy", 4),
+                                     ("fleet", 4)])
 def test_snapshot_views_at_both_sizes(snap_compare, view, n, size):
     app, run_before = _view_app(view, n)
     assert snap_compare(app, terminal_size=size, run_before=run_before)

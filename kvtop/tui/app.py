@@ -25,9 +25,10 @@ from textual.theme import Theme
 from textual.widgets import Button, DataTable, Footer, Input, Static, TabbedContent
 
 from kvtop.tui.feed import ControlError
-from kvtop.tui.model import (COLUMN_HELP, COMPACT_MIN, DEFAULT_SORT, INSTANCE_COLUMNS, MEASURED_TPS_COLUMN,
+from kvtop.tui.model import (COLUMN_HELP, COMPACT_MIN, DEFAULT_SORT, FLEET_AFTER, FLEET_VERBS, INSTANCE_COLUMNS,
+                             MEASURED_TPS_COLUMN,
                              OPTIONAL_COLUMNS, SORT_KEYS, Collected, column_legend, degraded_tasks, doc_summary,
-                             fit_segments, fmt_duration, fmt_pct, health_line, health_state, is_number)
+                             fit_segments, fleet_state, fmt_duration, fmt_pct, health_line, health_state, is_number)
 from kvtop.tui.screens import ConfirmScreen, HelpScreen, KnobForm, PolicyPicker
 from kvtop.tui.tabs import ChartsTab, DecisionsTab, OverviewTab, PolicyTab, SessionsTab
 
@@ -123,6 +124,11 @@ class KvtopApp(App):
         Binding("S", "shadows", "shadows", show=False, id="kvtop.promote_shadow"),
         # attach URL URL ...: which router the policy and knob actions act on
         Binding("R", "next_router", "next router", show=False, id="kvtop.next_router"),
+        # the selected instance (an overview row, or its detail): out of rotation and back
+        Binding("c", "fleet('cordon')", "cordon", show=False, id="kvtop.fleet.cordon"),
+        Binding("d", "fleet('drain')", "drain", show=False, id="kvtop.fleet.drain"),
+        Binding("u", "fleet('uncordon')", "uncordon", show=False, id="kvtop.fleet.uncordon"),
+        Binding("x", "fleet('remove')", "remove", show=False, id="kvtop.fleet.remove"),
         Binding("z", "compact", "condense", show=False, id="kvtop.compact"),
         Binding("C", "columns", "columns", show=False, id="kvtop.columns"),
         Binding("1", "tab('overview')", "overview", show=False, id="kvtop.tab.overview"),
@@ -517,7 +523,8 @@ class KvtopApp(App):
         if dead:
             mark(f"⚠ {len(dead)} task{'s' if len(dead) > 1 else ''} down: {', '.join(dead)}"[:48],
                  f"bold reverse {self._color('error')}", 85)
-        down = [health_state(i)[0] for i in snap.get("instances", []) if not i.get("healthy")]
+        down = [health_state(i)[0] for i in snap.get("instances", [])
+                if not i.get("healthy") and fleet_state(i) != "removed"]
         if down.count("ejected"):
             mark(f"⏏ {down.count('ejected')} ejected", f"bold reverse {self._color('error')}" if not stale else live, 75)
         if down.count("down"):
@@ -851,6 +858,90 @@ class KvtopApp(App):
         self.notify(f"policy and knob changes now act{self.on_router()}", timeout=3)
         self.apply(force=True)
 
+    # -- fleet: cordon, drain, uncordon, remove the selected instance ------------------------------
+    def _fleet_target(self) -> str | None:
+        """The instance the fleet keys act on: the open instance detail's, else the overview's
+        selected row; None elsewhere."""
+        from kvtop.tui.screens import InstanceScreen
+
+        if isinstance(self.screen, InstanceScreen):
+            return self.screen.instance
+        if len(self.screen_stack) > 1 or self.query_one(TabbedContent).active != "overview":
+            return None
+        table = self.query_one("#instances", DataTable)
+        if not table.row_count or table.cursor_row < 0:
+            return None
+        try:
+            return str(table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value)
+        except Exception:  # no cell at the cursor
+            return None
+
+    def _instance(self, name: str) -> dict[str, Any] | None:
+        return next((i for i in (self.collected.snapshot or {}).get("instances", []) if i.get("name") == name), None)
+
+    def action_fleet(self, verb: str) -> None:
+        """Cordon, drain, uncordon or remove the selected instance: a confirmation that says
+        what changes (a drain's progress, kept live), then ``POST fleet/{instance}/{verb}``."""
+        name = self._fleet_target()
+        if name is None:
+            self.notify(f"{verb}: select an instance first (a row of the overview, 1, or its detail, Enter)",
+                        severity="warning", timeout=5)
+            return
+        if self.readonly:
+            self.notify(f"read-only: fleet changes are off, {name} is not changed", severity="warning", timeout=8)
+            return
+        if not self.can_control:
+            self.notify(f"cannot {verb} {name}: no control token for this router. Pass --token-file or set "
+                        "$KVTOP_CONTROL_TOKEN (kvtop fleet needs it too)", title="read-only", severity="error",
+                        timeout=10)
+            return
+        inst = self._instance(name)
+        if inst is None:
+            self.notify(f"{name} is not in the router's latest snapshot", severity="warning")
+            return
+        before, after = fleet_state(inst), FLEET_AFTER[verb]
+        if before == after or before == "removed":
+            self.notify(f"{name} is {before} already" if before == after
+                        else f"{name} was removed: add it again with kvtop fleet add", severity="warning")
+            return
+        in_flight = inst.get("num_requests") if is_number(inst.get("num_requests")) else 0
+        force = verb == "remove" and in_flight > 0  # the dialog says so: they are cut off
+
+        def diff() -> list[tuple[str, Any, Any]]:
+            # drawn again on every refresh while the dialog is open: a drain's progress keeps moving
+            cur = self._instance(name) or inst
+            out: list[tuple[str, Any, Any]] = [("fleet state", fleet_state(cur), after),
+                                               ("what it means", "", FLEET_VERBS[verb])]
+            homed = (((self.collected.snapshot or {}).get("affinity") or {}).get("per_instance") or {}).get(name)
+            n = cur.get("num_requests") if is_number(cur.get("num_requests")) else 0
+            if verb in ("drain", "remove"):
+                out.append(("requests in flight", n, "cut off: each is retried elsewhere if nothing reached its "
+                            "client yet (forced remove)" if force else "finish there"))
+            if is_number(homed) and verb != "uncordon":
+                out.append(("sessions homed there", homed, "each moves at its next turn"
+                            if verb != "cordon" else "keep coming"))
+            return out
+
+        def confirmed(ok: bool | None) -> None:
+            if ok:
+                self._apply_fleet(name, verb, force)
+
+        title = f"{'Force-remove' if force else verb.capitalize()} instance {name}{self.on_router()}"
+        self.push_screen(ConfirmScreen(title, diff), confirmed)
+
+    @work(exclusive=True, group="control")
+    async def _apply_fleet(self, name: str, verb: str, force: bool) -> None:
+        try:
+            out = await self.feed.fleet_action(name, verb, force)
+        except ControlError as exc:
+            self.last_error = exc.message
+            self.notify(exc.message, title=f"the router refused to {verb} {name}{self.on_router()}",
+                        severity="error", timeout=15)
+            return
+        self.last_error = None
+        self.notify(f"{name}: {out.get('before') or '?'} → {out.get('after') or '?'}{self.on_router()}",
+                    title="applied", timeout=4)
+
     def action_columns(self) -> None:
         """Choose the instance table's columns; the choice is saved to the config file."""
         from kvtop.tui.screens import ColumnChooser
@@ -1041,6 +1132,8 @@ class KvtopApp(App):
                 key_line(self.key_names(b.id, b.key), f"{b.description:<10}", b.id)
         key_line("enter", "on an instance: its detail (sessions, decisions, KV, GPU, errors); on a decision: "
                           "its receipt; on a session: its turns")
+        key_line("c d u x", "cordon, drain, uncordon, remove the selected instance (an overview row or its "
+                            "detail): each shows what changes and asks first; needs the control token")
         key_line("c", "in a receipt or a session: copy its id")
         if not self.multi:
             key_line("R", "next router (with several URLs: attach URL URL ...)")

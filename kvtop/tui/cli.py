@@ -2,8 +2,8 @@
 
 URL defaults to the newest live router found in the state dir (router-<port>.json, written by
 `kvtop route`), else http://127.0.0.1:8000. The bearer token for policy and knob changes comes
-from --token-file, else $KVTOP_CONTROL_TOKEN, else the token file the locator names; without a
-token the dashboard is read-only.
+from --token-file, else $KVTOP_CONTROL_TOKEN, else the token file the locator names (policy,
+knob, shadow and fleet changes need it); without a token the dashboard is read-only.
 
   kvtop attach                      # the router on this machine
   kvtop attach http://127.0.0.1:8001 --readonly
@@ -18,7 +18,8 @@ on the selected router (marked ▶); R selects the next one.
 Keys: ? help, p pause, s/r sort, / filter, +/- refresh rate, [/] chart window,
 1-5 tabs, z condensed/every instance row (condensed from 64 instances), C columns, Enter an
 instance's detail, a decision's receipt or a session's detail (c copies its id), P policy,
-k knobs, S shadows (add, remove, promote), R next router (several URLs), ctrl+p command
+k knobs, S shadows (add, remove, promote), c/d/u/x cordon, drain, uncordon or remove the
+selected instance (confirmed; needs the token), R next router (several URLs), ctrl+p command
 palette (the same, and themes). Disconnected, every figure is greyed with its age ("stale
 12s") until the router is back. docs/tui.md has the rest.
 

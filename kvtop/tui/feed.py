@@ -9,8 +9,10 @@ Nothing here imports Textual, so ``attach --once`` stays light.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import os
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -296,6 +298,10 @@ class RouterFeed:
         self._backfilled = False
 
     async def _http(self):
+        if "aiohttp" not in sys.modules:
+            # imported off the event loop: on a loaded host the import took long enough to hold
+            # back the dashboard's first frame ("connecting")
+            await asyncio.to_thread(importlib.import_module, "aiohttp")
         import aiohttp
 
         if self._session is None or self._session.closed:
@@ -308,12 +314,12 @@ class RouterFeed:
             self._reconnect.set()
 
     async def events(self) -> AsyncIterator[tuple[str, Any]]:
-        import aiohttp
-
         delay = 0.5
         while True:
             self._reconnect.clear()
             http = await self._http()
+            import aiohttp
+
             try:
                 async with http.get(f"{self.url}{PREFIX}/events",
                                     params={"hz": f"{self.hz:g}", "types": EVENT_TYPES}) as resp:
@@ -411,9 +417,8 @@ class RouterFeed:
         return result
 
     async def _send(self, method: str, path: str, body: Any = None, *, auth: bool = False) -> Any:
-        import aiohttp
-
         http = await self._http()
+        import aiohttp
         headers = {"X-Kvtop-User": "kvtop-attach"}
         if auth and self.token:
             headers["Authorization"] = f"Bearer {self.token}"
@@ -444,6 +449,14 @@ class RouterFeed:
     async def put_shadows(self, specs: list[Any]) -> dict[str, Any]:
         """Replace the shadow set: ``[NAME or {"policy": NAME, "knobs": {...}}]`` (audited by the router)."""
         return await self.request("PUT", "/shadows", {"policies": specs}, auth=True)
+
+    async def fleet_action(self, instance: str, action: str, force: bool = False) -> dict[str, Any]:
+        """Cordon, drain, uncordon or remove an instance (``POST fleet/{instance}/{action}``,
+        audited by the router as a ``fleet`` change); ``force`` cuts off its in-flight requests."""
+        from urllib.parse import quote
+
+        return await self.request("POST", f"/fleet/{quote(instance, safe='')}/{action}",
+                                  {"force": True} if force else None, auth=True)
 
     async def close(self) -> None:
         if self._session is not None:
@@ -519,6 +532,13 @@ class FakeFeed:
                  "knobs": {} if isinstance(s, str) else dict(s.get("knobs") or {}), "picks": 0, "agree": 0,
                  "agreement": None} for s in specs]
         return {"shadows": rows, "dropped": []}
+
+    async def fleet_action(self, instance: str, action: str, force: bool = False) -> dict[str, Any]:
+        self.calls.append(("fleet_action", (instance, action, force)))
+        if self.fail_with is not None:
+            raise self.fail_with
+        after = {"cordon": "cordoned", "drain": "draining", "uncordon": "active", "remove": "removed"}[action]
+        return {"instance": instance, "action": action, "after": after, "changed": True}
 
     async def close(self) -> None:
         pass
@@ -680,6 +700,12 @@ class MultiFeed:
 
     async def put_shadows(self, specs: list[Any]) -> dict[str, Any]:
         return await self.current.feed.put_shadows(specs)
+
+    async def fleet_action(self, instance: str, action: str, force: bool = False) -> dict[str, Any]:
+        """On the selected router, under its own name for the instance (matched by URL)."""
+        url = next((u for r in self.routers for n, u in (r.names or {}).items() if n == instance), None)
+        own = next((n for n, u in (self.current.names or {}).items() if u == url), instance)
+        return await self.current.feed.fleet_action(own, action, force)
 
     async def close(self) -> None:
         for r in self.routers:

@@ -44,7 +44,9 @@ DEFAULT_SORT = "backlog_tokens"
 COLUMN_HELP: dict[str, tuple[str, str]] = {
     "name": ("instance", "the vLLM instance's name"),
     "health": ("health", "● up; ✖ DOWN (its probe or a connect failed); ⏏ ejected (its requests kept "
-                         "failing); the reason is under the table"),
+                         "failing); ⊘ cordoned (no new sessions); ⇣ draining / drained (no new requests; "
+                         "its sessions move at their next turn); ✕ removed; the reason or the drain's "
+                         "progress is under the table"),
     "requests": ("requests", "requests in flight on the instance (BS)"),
     "backlog_tokens": ("prefill backlog", "prompt tokens sent whose first token has not come back (P)"),
     "backlog_s": ("backlog seconds", "that backlog in seconds at the engine's measured prefill speed "
@@ -238,6 +240,48 @@ def health_state(inst: dict[str, Any]) -> tuple[str, str | None]:
         left = h.get("ejected_for_s")
         return "ejected", (why or "failed requests") + (f" (back in {left:.0f} s)" if is_number(left) else "")
     return "down", why or "not answering"
+
+
+#: The router's fleet states (router/fleet.py) and the dashboard's keys that change them.
+FLEET_STATES = ("active", "cordoned", "draining", "removed")
+FLEET_AFTER = {"cordon": "cordoned", "drain": "draining", "uncordon": "active", "remove": "removed"}
+FLEET_VERBS = {"cordon": "no new sessions; its sessions keep coming",
+               "drain": "no new requests: each of its sessions moves at its next turn, in-flight requests finish",
+               "uncordon": "back in rotation for new sessions and requests",
+               "remove": "out of the fleet: its prefix index, sessions and counters are forgotten"}
+
+
+def fleet_state(inst: dict[str, Any]) -> str:
+    """The instance's fleet state; ``active`` when the router does not report one (an older router)."""
+    s = inst.get("fleet_state")
+    return s if s in FLEET_STATES else "active"
+
+
+def drain_progress(inst: dict[str, Any]) -> tuple[int | None, int | None, bool]:
+    """(sessions still homed, requests in flight, drained) of a draining instance (``state.drain``)."""
+    d = inst.get("drain") if isinstance(inst.get("drain"), dict) else {}
+    homed = d.get("sessions_homed") if is_number(d.get("sessions_homed")) else None
+    in_flight = d.get("in_flight") if is_number(d.get("in_flight")) else inst.get("num_requests")
+    in_flight = int(in_flight) if is_number(in_flight) else None
+    return (int(homed) if homed is not None else None), in_flight, bool(d.get("drained")) or in_flight == 0
+
+
+def fleet_note(inst: dict[str, Any], sessions: Any = None) -> str | None:
+    """One line on an instance out of rotation, under the table: a drain's progress (sessions
+    still homed there, requests in flight), a cordon's sessions; None while it is active."""
+    name, state = inst.get("name", "?"), fleet_state(inst)
+    if state == "draining":
+        homed, in_flight, drained = drain_progress(inst)
+        homed_s = f"{fmt_int(homed)} session{'' if homed == 1 else 's'} still homed (each moves at its next turn)"
+        if drained:
+            return f"{name} drained: nothing in flight, {homed_s}; x removes it"
+        return f"{name} draining: {fmt_int(in_flight)} request{'' if in_flight == 1 else 's'} in flight, {homed_s}"
+    if state == "cordoned":
+        n = f"its {fmt_int(sessions)} sessions keep coming" if is_number(sessions) else "its sessions keep coming"
+        return f"{name} cordoned: no new sessions, {n}; u uncordons"
+    if state == "removed":
+        return f"{name} removed"
+    return None
 
 
 def instance_values(inst: dict[str, Any], ttft: tuple[float | None, float | None] = (None, None)
@@ -575,6 +619,12 @@ def config_change_text(ev: dict[str, Any]) -> str:
         return head + f"{after.get('instance', '?')} {state}"
     if kind == "shadow":
         return head + shadow_change_text(ev.get("before"), ev.get("after"))
+    if kind == "fleet":
+        name = after.get("instance") or before.get("instance") or "?"
+        if after.get("action") == "add":
+            return head + f"fleet: added {name} ({after.get('url') or '?'})"
+        forced = " (forced: its in-flight requests were cut off)" if after.get("force") else ""
+        return head + f"fleet: {name} {before.get('state', '?')} → {after.get('state', '?')}{forced}"
     if kind == "restart":  # added by the dashboard when the run id changes under it
         return f"{when} ── the router restarted (run {after.get('run_id', '?')}, {after.get('policy', '?')}): " \
                "the changes above were the old run's"
@@ -862,6 +912,8 @@ def health_line(snap: dict[str, Any]) -> str:
     """The fleet's health in one line (the overview keeps it whatever the size or fleet)."""
     tot = snap.get("totals") or {}
     insts = snap.get("instances") or []
+    states = [fleet_state(i) for i in insts]
+    insts = [i for i, s in zip(insts, states) if s != "removed"]  # out of the fleet: neither up nor down
     n = len(insts)
     down = [health_state(i)[0] for i in insts if not i.get("healthy")]
     parts = [f"{tot.get('healthy_instances', n - len(down)) if is_number(tot.get('healthy_instances')) else n - len(down)}"
@@ -870,6 +922,9 @@ def health_line(snap: dict[str, Any]) -> str:
         parts.append(f"✖ {down.count('down')} down")
     if down.count("ejected"):
         parts.append(f"⏏ {down.count('ejected')} ejected")
+    for state, mark in (("cordoned", "⊘"), ("draining", "⇣"), ("removed", "✕")):
+        if states.count(state):
+            parts.append(f"{mark} {states.count(state)} {state}")
     parts.append(f"in flight {fmt_int(tot.get('in_flight'))}")
     parts.append(f"backlog {fmt_int(tot.get('pending_prefill_tokens'))} tok {fmt_secs(tot.get('backlog_s'))} s")
     parts.append(f"decode {fmt_int(tot.get('decode_requests'))}")

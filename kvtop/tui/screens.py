@@ -432,7 +432,12 @@ class InstanceScreen(ModalScreen[None]):
     again from the latest snapshot on every refresh (``refresh_live``); Enter on a decision
     opens its receipt."""
 
-    BINDINGS = [Binding("escape,q", "dismiss", "close", id="kvtop.instance.close")]
+    BINDINGS = [Binding("escape,q", "dismiss", "close", id="kvtop.instance.close"),
+                # the app's fleet keys, on this instance (a modal screen does not pass keys on)
+                Binding("c", "app.fleet('cordon')", "cordon", show=False, id="kvtop.instance.cordon"),
+                Binding("d", "app.fleet('drain')", "drain", show=False, id="kvtop.instance.drain"),
+                Binding("u", "app.fleet('uncordon')", "uncordon", show=False, id="kvtop.instance.uncordon"),
+                Binding("x", "app.fleet('remove')", "remove", show=False, id="kvtop.instance.remove")]
 
     def __init__(self, name: str):
         super().__init__()
@@ -489,7 +494,7 @@ class InstanceScreen(ModalScreen[None]):
         self.query_one("#instance-sessions", Static).update(t)
 
     def head_text(self) -> Text:
-        from kvtop.tui.model import (drift_of, fmt_drift, fmt_int, fmt_pct, fmt_secs, gpu_cells,
+        from kvtop.tui.model import (drift_of, fleet_note, fmt_drift, fmt_int, fmt_pct, fmt_secs, gpu_cells,
                                      health_state, is_number)
 
         app: Any = self.app
@@ -513,6 +518,11 @@ class InstanceScreen(ModalScreen[None]):
         h = inst.get("health") or {}
         if is_number(h.get("ejections")):
             t.append(f"  ejections {fmt_int(h['ejections'])}")
+        per = (snap.get("affinity") or {}).get("per_instance") or {}
+        note = fleet_note(inst, per.get(self.instance))
+        t.append("\nfleet    ")
+        t.append(note.removeprefix(f"{self.instance} ") if note else "active (c cordon, d drain, x remove)",
+                 style="bold" if note else "")
         t.append("\nload     ")
         t.append(f"{fmt_int(inst.get('num_requests'))} in flight  backlog {fmt_int(inst.get('pending_prefill_tokens'))} "
                  f"tok / {fmt_secs(inst.get('backlog_s'))} s  decoding {fmt_int(inst.get('decode_requests'))} req "

@@ -31,8 +31,11 @@ POLICIES = {
 
 
 def snapshot(n: int = 4, t: float = 0.0, *, start: float = 1_700_000_000.0, sessions: int = 120,
-             seed: int = 1, gpu: bool = False, readonly: bool = False, policy: str = "unified@3") -> dict[str, Any]:
-    """A router state snapshot at ``t`` seconds after ``start``; loads move smoothly with t."""
+             seed: int = 1, gpu: bool = False, readonly: bool = False, policy: str = "unified@3",
+             fleet: dict[int, str] | None = None) -> dict[str, Any]:
+    """A router state snapshot at ``t`` seconds after ``start``; loads move smoothly with t.
+    ``fleet``: instance index -> fleet state (cordoned, draining, removed), as router/fleet.py
+    reports it; the others active."""
     rng = random.Random(seed * 1000 + int(t * 10))
     instances = []
     tot = {"num_requests": 0, "pending_prefill_tokens": 0, "decode_requests": 0, "decode_tokens": 0,
@@ -75,6 +78,19 @@ def snapshot(n: int = 4, t: float = 0.0, *, start: float = 1_700_000_000.0, sess
     tot["in_flight"] = tot["num_requests"]
     name, _, version = policy.partition("@")
     per = {f"vllm-{i}": sessions // n + (1 if i < sessions % n else 0) for i in range(n)}
+    for i, state in (fleet or {}).items():
+        inst = instances[i]
+        inst["fleet_state"], inst["fleet_since"] = state, start + t - 42
+        if state == "draining":
+            inst["drain"] = {"sessions_homed": per[inst["name"]], "in_flight": inst["num_requests"],
+                             "drained": not inst["num_requests"]}
+        if state == "removed":
+            inst["healthy"] = False
+    if fleet:
+        for inst in instances:
+            inst.setdefault("fleet_state", "active")
+            inst.setdefault("fleet_since", None)
+            inst.setdefault("drain", None)
     return {
         "schema_version": 1, "ts": start + t,
         "router": {"url": "http://127.0.0.1:8000", "uptime_s": 3723 + t, "started_at": start - 3723,
@@ -95,7 +111,8 @@ def snapshot(n: int = 4, t: float = 0.0, *, start: float = 1_700_000_000.0, sess
 REASONS = ["affinity_stick", "affinity_stick", "argmin", "affinity_new", "overload_break", "cache_gate_miss"]
 
 
-def decision(k: int, n: int = 4, *, start: float = 1_700_000_000.0) -> dict[str, Any]:
+def decision(k: int, n: int = 4, *, start: float = 1_700_000_000.0, seconds: bool = False) -> dict[str, Any]:
+    """A decision event; ``seconds``: expected_cost's terms (seconds with several magnitudes)."""
     rng = random.Random(k)
     inst = rng.randrange(n)
     inp = rng.choice([3_000, 12_000, 45_000, 90_000, 160_000])
@@ -104,6 +121,13 @@ def decision(k: int, n: int = 4, *, start: float = 1_700_000_000.0) -> dict[str,
         hit = int(inp * 0.9) if i == inst else rng.randrange(0, inp // 3)
         terms.append({"instance": f"vllm-{i}", "hit": hit, "new": inp - hit, "P": rng.randrange(0, 80_000),
                       "BS": rng.randrange(1, 30), "D": rng.randrange(0, 900_000), "score": rng.random() * 1e6})
+        if seconds:
+            t = terms[-1]
+            del t["score"]
+            t["tps"] = 5_000.0
+            t.update(wait_s=t["P"] / 5_000, own_s=t["new"] / 5_000, interf_s=t["BS"] * t["new"] / 5_000,
+                     queue_s=0.0 if i == inst else rng.random() * 3, evict_s=rng.random() / 20)
+            t["cost"] = t["wait_s"] + t["own_s"] + t["interf_s"] + t["queue_s"] + t["evict_s"]
     cls = "WARM" if inp < 5000 else "MEDIUM" if inp < 20000 else "HEAVY" if inp < 50000 else "HEAVY+"
     return {"ts": start + k * 0.25, "request_id": f"req-{k:06d}", "attempt": 0, "session": f"sess-{k % 37:03d}",
             "turn": 1 + k // 37, "class": cls, "input_tokens": inp, "instance": f"vllm-{inst}",

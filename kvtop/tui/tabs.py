@@ -22,7 +22,8 @@ from kvtop.tui.axis import set_y_ticks
 from kvtop.tui.model import (MISSING, DRIFT_COLUMN, FLEET_MIN, GPU_BUSY_PCT, INSTANCE_COLUMNS, LOW_HIT_RATE,
                              MEASURED_TPS_COLUMN, SHARE_COLUMN, THRESHOLDS, column_legend, config_change_text,
                              decision_matches,
-                             doc_summary, drift_of, fit_id, fleet_strips, fmt_drift, fmt_duration, fmt_int,
+                             doc_summary, drain_progress, drift_of, fit_id, fleet_note, fleet_state,
+                             fleet_strips, fmt_drift, fmt_duration, fmt_int,
                              fmt_latency, fmt_pct, fmt_secs, gpu_cells, health_state, instance_values, is_number,
                              natural_key, sort_value, sparkline, terms_summary)
 from kvtop.tui.screens import ReceiptScreen, SessionScreen
@@ -65,6 +66,17 @@ def draw_backlog(app: Any, backlog: PlotextPlot) -> None:
     backlog.refresh()
 
 
+class BacklogPlot(PlotextPlot):
+    """The overview's backlog plot: its y ticks are chosen for its height (``set_y_ticks``), so a
+    change of height (the notes under the table grow or shrink) draws it again at once rather
+    than at the next 1 Hz plot frame, with ticks for the old height until then."""
+
+    def on_resize(self, event: Any) -> None:
+        pane = next((a for a in self.ancestors if isinstance(a, OverviewTab)), None)
+        if pane is not None and getattr(self.app, "collected", None) is not None:
+            pane.draw_backlog()
+
+
 class OverviewTab(TabPane):
     """Instances table, fleet strips, totals and the backlog plot."""
 
@@ -84,7 +96,7 @@ class OverviewTab(TabPane):
         yield Static(id="fleet")
         yield LiveTable(id="instances", cursor_type="row", zebra_stripes=True, fixed_columns=1)
         yield Static(id="totals")
-        yield PlotextPlot(id="overview-backlog")
+        yield BacklogPlot(id="overview-backlog")
 
     def on_mount(self) -> None:
         self.watch(self.query_one("#instances", DataTable), "hover_coordinate", self._header_tooltip, init=False)
@@ -115,12 +127,56 @@ class OverviewTab(TabPane):
             return Text(f"{text}{arrow}", style=f"bold {app._color('warning')}")
         return Text(f"{text}{arrow}")
 
-    def _instance_cells(self, inst: dict[str, Any], prev: dict[str, Any] | None) -> dict[str, tuple]:
-        """Column key -> (comparable, renderable)."""
+    def _instance_values(self, inst: dict[str, Any], now: float) -> dict[str, Any]:
+        """The row's raw values (what sorts and what the arrows compare), its health or fleet
+        note and its optional columns' values: cheap, for every instance on every frame."""
         app: Any = self.app
-        snap_ts = (app.collected.snapshot or {}).get("ts")
-        now = float(snap_ts) if is_number(snap_ts) else app.clock()
         v = instance_values(inst, app.collected.instance_ttft(str(inst.get("name")), now))
+        name = v["name"]
+        state, reason = health_state(inst)
+        fleet = fleet_state(inst)
+        v["_health"] = (state, fleet, drain_progress(inst) if fleet == "draining" else None)
+        if fleet == "removed":
+            note = fleet_note(inst)
+        elif reason:
+            note = f"{name} {'ejected' if state == 'ejected' else 'down'}: {reason}"
+        else:
+            per = ((app.collected.snapshot or {}).get("affinity") or {}).get("per_instance") or {}
+            note = fleet_note(inst, per.get(name))
+        if note:
+            self._health_notes[name] = note
+        else:
+            self._health_notes.pop(name, None)
+        share, source = drift_of(inst)
+        if share is not None or source is not None:
+            v["drift"] = share
+            v["_drift"] = (share, source)
+        routers = inst.get("routers")
+        if isinstance(routers, dict) and routers:
+            v["share"] = tuple(int(n) if is_number(n) else 0 for n in routers.values())
+        return v
+
+    def _health_cell(self, v: dict[str, Any]) -> tuple:
+        """The health column: a problem first (down, ejected), then the fleet state, with a glyph
+        and a word (colour is never the only signal)."""
+        app: Any = self.app
+        state, fleet, drain = v["_health"]
+        if fleet == "removed":
+            return (v["_health"], Text("✕ removed", style="dim"))
+        if state != "up":
+            return (v["_health"], Text("⏏ ejected" if state == "ejected" else "✖ DOWN",
+                                       style=f"bold reverse {app._color('error')}"))
+        if fleet == "draining":
+            return (v["_health"], Text("⇣ drained" if drain and drain[2] else "⇣ draining",
+                                       style=f"bold {app._color('warning')}"))
+        if fleet == "cordoned":
+            return (v["_health"], Text("⊘ cordoned", style=f"bold {app._color('warning')}"))
+        return (v["_health"], Text("● up", style=app._color("success")))
+
+    def _instance_cells(self, inst: dict[str, Any], v: dict[str, Any], prev: dict[str, Any] | None
+                        ) -> dict[str, tuple]:
+        """Column key -> (comparable, renderable): only for the rows on the table."""
+        app: Any = self.app
 
         def arrow(key: str) -> str:
             if prev is None or prev.get(key) is None or v[key] is None:
@@ -129,15 +185,8 @@ class OverviewTab(TabPane):
 
         util, mem, why = gpu_cells(inst.get("gpu"))
         cells: dict[str, tuple] = {}
-        state, reason = health_state(inst)
         cells["name"] = (v["name"], v["name"])
-        cells["health"] = (state, Text("● up", style=app._color("success")) if state == "up"
-                           else Text("⏏ ejected" if state == "ejected" else "✖ DOWN",
-                                     style=f"bold reverse {app._color('error')}"))
-        if reason:
-            self._health_notes[v["name"]] = f"{v['name']} {'ejected' if state == 'ejected' else 'down'}: {reason}"
-        else:
-            self._health_notes.pop(v["name"], None)
+        cells["health"] = self._health_cell(v)
         for key in ("ttft_p50", "ttft_p90"):
             cells[key] = (v[key], fmt_latency(v[key]))
         errors = v["errors"]
@@ -145,21 +194,18 @@ class OverviewTab(TabPane):
                            else Text("0" if errors == 0 else "–", style="dim"))
         if v["prefill_tps"] is not None:
             cells["prefill_tps"] = (v["prefill_tps"], fmt_int(v["prefill_tps"]))
-        share, source = drift_of(inst)
-        if share is not None or source is not None:
-            v["drift"] = share
+        if "_drift" in v:
+            share, source = v["_drift"]
             # an estimate that is off, or an index that is not exact, is worth a look
             bad = (share is not None and share >= 0.05) or source not in (None, "exact")
             cells["drift"] = ((share, source), self._levelled(fmt_drift(share, source), 1) if bad
                               else fmt_drift(share, source))
-        routers = inst.get("routers")
-        if isinstance(routers, dict) and routers:
-            counts = [int(n) if is_number(n) else 0 for n in routers.values()]
+        if "share" in v:
+            counts = v["share"]
             total = sum(counts)
             text = "/".join(map(str, counts)) + (
                 "  " + "/".join(f"{100 * n / total:.0f}" for n in counts) + "%" if total else "")
-            v["share"] = tuple(counts)
-            cells["share"] = (tuple(counts), text)
+            cells["share"] = (counts, text)
         lv = THRESHOLDS["requests"].level(v["requests"])
         a = arrow("requests")
         cells["requests"] = ((v["requests"], a, lv), self._levelled(str(v["requests"]), lv, a))
@@ -186,7 +232,6 @@ class OverviewTab(TabPane):
         ring = app.collected.backlog.get(v["name"])
         spark = sparkline([x for _, x in list(ring)[-12:]]) if ring else ""
         cells["trend"] = (spark, spark)
-        self._sort_values[v["name"]] = v
         stale = app.stale_s
         if stale is not None:
             # The router is unreachable: every figure is the last snapshot's. Grey, and the
@@ -209,8 +254,10 @@ class OverviewTab(TabPane):
         if query:
             insts = [i for i in insts if query in str(i.get("name", "")).lower()]
         names = {i["name"] for i in insts}
-        prev_values = dict(self._sort_values)
+        prev_values = self._sort_values
         sort_changed = False
+        # rows removed above the cursor would move it onto another instance: remember which
+        selected = self._selected()
         for key in [k for k in table.rows if k.value not in names]:
             table.remove_row(key)
             self._cells.pop(str(key.value), None)
@@ -229,18 +276,26 @@ class OverviewTab(TabPane):
                     table.add_column(label, key=key, width=max(width, len(label) + 1), default="–")
                 self._cells.clear()  # every row gets the new cell
         columns = self.visible_columns()
-        computed = {}
-        for inst in insts:
-            cells = self._instance_cells(inst, prev_values.get(inst["name"]))
-            for key, _, _ in self._optional:
-                cells.setdefault(key, (None, "–"))
-            computed[inst["name"]] = cells
+        snap_ts = snap.get("ts")
+        now = float(snap_ts) if is_number(snap_ts) else app.clock()
+        # Values for every instance (the sort, the notes, the condensed summary need them);
+        # cells, the costly part, only for the rows on the table.
+        values = {inst["name"]: self._instance_values(inst, now) for inst in insts}
+        self._sort_values = values
         self._hidden = []
         if app.compact_active(len(snap.get("instances", []))):
             # Condensed: the rows that fit, busiest first by the current sort; the rest are
             # summed on one line under the table (and drawn in the fleet strips above it).
-            order = sorted(computed, key=self._sort_key(), reverse=app.sort_reverse)
-            shown = set(order[:self.compact_rows()])
+            order = sorted(values, key=self._sort_key(), reverse=app.sort_reverse)
+            rows = self.compact_rows()
+            # instances out of rotation (cordoned, draining) or down keep their rows, up to half
+            # of them, however idle: they are what the operator is watching (and acting on)
+            watched = [n for n in order if values[n]["_health"][1] in ("cordoned", "draining")
+                       or (values[n]["_health"][0] != "up" and values[n]["_health"][1] != "removed")][:rows // 2]
+            if selected is not None and str(selected.value) in values:
+                watched.append(str(selected.value))  # the selected row stays: the keys act on it
+            shown = set(watched)
+            shown.update([n for n in order if n not in shown][:rows - len(shown)])
             self._hidden = [i for i in insts if i["name"] not in shown]
             insts = [i for i in insts if i["name"] in shown]
             for key in [k for k in table.rows if k.value not in shown]:
@@ -248,7 +303,9 @@ class OverviewTab(TabPane):
                 self._cells.pop(str(key.value), None)
         for inst in insts:
             name = inst["name"]
-            cells = computed[name]
+            cells = self._instance_cells(inst, values[name], prev_values.get(name))
+            for key, _, _ in self._optional:
+                cells.setdefault(key, (None, "–"))
             old = self._cells.get(name)
             if name not in table.rows:
                 table.add_row(*[cells[k][1] for k in columns], key=name)
@@ -259,11 +316,13 @@ class OverviewTab(TabPane):
                 table.set_cells(name, changed)
                 if app.sort_key in changed or (app.sort_key == "backlog_s" and "backlog_tokens" in changed):
                     sort_changed = True
-                if prev_values.get(name, {}).get(app.sort_key) != self._sort_values[name].get(app.sort_key):
+                if prev_values.get(name, {}).get(app.sort_key) != values[name].get(app.sort_key):
                     sort_changed = True
             self._cells[name] = cells
         if sort_changed:
-            self.sort_instances()
+            self.sort_instances(selected)
+        elif selected is not None and selected in table.rows and self._selected() != selected:
+            table.move_cursor(row=table.get_row_index(selected), animate=False)
 
     def visible_columns(self) -> list[str]:
         """The column keys on screen: every column but those the chooser hid (the name stays)."""
@@ -310,18 +369,23 @@ class OverviewTab(TabPane):
 
         return by
 
-    def sort_instances(self) -> None:
+    def _selected(self) -> Any:
+        """The row key under the cursor (None: an empty table)."""
+        table = self.query_one("#instances", DataTable)
+        if table.row_count and table.cursor_row >= 0:
+            try:
+                return table.coordinate_to_cell_key(table.cursor_coordinate).row_key
+            except Exception:  # no cell at the cursor (an empty table)
+                return None
+        return None
+
+    def sort_instances(self, selected: Any = None) -> None:
         app: Any = self.app
         key = app.sort_key
         by = self._sort_key()
         table = self.query_one("#instances", DataTable)
         # The selection stays on its instance while rows move under it.
-        selected = None
-        if table.row_count and table.cursor_row >= 0:
-            try:
-                selected = table.coordinate_to_cell_key(table.cursor_coordinate).row_key
-            except Exception:  # no cell at the cursor (an empty table)
-                selected = None
+        selected = selected if selected is not None else self._selected()
         table.sort("name", key=by, reverse=app.sort_reverse)
         if selected is not None and selected in table.rows:
             table.move_cursor(row=table.get_row_index(selected), animate=False)
@@ -345,7 +409,7 @@ class OverviewTab(TabPane):
         label_w = 9
         styles = {0: "", 1: f"bold {app._color('warning')}", 2: f"bold reverse {app._color('error')}"}
         t = Text(no_wrap=True)
-        down = sum(1 for i in insts if not i.get("healthy"))
+        down = sum(1 for i in insts if not i.get("healthy") and fleet_state(i) != "removed")
         lines = fleet_strips(insts, app.size.width - label_w - 3)
         for n, (label, cells) in enumerate(lines):
             if n:
@@ -376,7 +440,7 @@ class OverviewTab(TabPane):
             line.append("reasons " + "  ".join(f"{k} {v}" for k, v in top), style="dim")
         if self._hidden:
             hidden = self._hidden
-            down = sum(1 for i in hidden if not i.get("healthy"))
+            down = sum(1 for i in hidden if not i.get("healthy") and fleet_state(i) != "removed")
             busy = sum(1 for i in hidden if i.get("num_requests"))
             line.append(f"{chr(10) if line.plain else ''}+{len(hidden)} more instances (condensed; z shows every row): "
                         f"{busy} busy, {sum(int(i.get('num_requests') or 0) for i in hidden)} requests, backlog "
@@ -703,6 +767,8 @@ class PolicyTab(TabPane):
             out.append(f"  {r['policy']:<16}", style="bold")
             out.append(f"agrees {fmt_pct(agree) + '%' if is_number(agree) else '–'} of {fmt_num(picks)}",
                        style="dim" if stale else "")
+            if isinstance(r.get("against"), str):  # counted against this active policy@version only
+                out.append(f" against {r['against']}", style="dim")
             if is_number(r.get("since")):
                 out.append(time.strftime(" since %H:%M:%S", time.localtime(float(r["since"]))), style="dim")
             by_class = r.get("disagree_by_class") if isinstance(r.get("disagree_by_class"), dict) else {}

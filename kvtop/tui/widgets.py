@@ -33,6 +33,51 @@ from textual.widgets import DataTable
 _FIXED_META = Style.from_meta({"fixed": True})
 
 
+_JOIN = Text("")
+
+
+def fast_cell_segments(console: Any, value: Any, width: int, padding: int, pre: Style, post: Style
+                       ) -> list[Segment] | None:
+    """The segments ``Styled(Padding(cell_renderable(value), (0, padding)), pre, post)`` renders,
+    made directly for the common cell: one line of text (a ``Text`` or a str without markup)
+    that fits its width, left-justified. None for anything else (Rich renders it then).
+
+    Rendering through Rich's Padding and Styled costs about ten times as much, and at 256
+    instances the overview re-renders every visible cell a frame. tests/test_tui.py checks
+    every line against ``DataTable``'s own.
+    """
+    if isinstance(value, str):
+        if "[" in value or not value.isprintable():
+            return None  # markup, a line break, a tab, a control code: Rich's rules
+        text = Text(value)
+    elif type(value) is Text:
+        text = value
+        if text.justify not in (None, "default", "left") or text.overflow == "ignore":
+            return None
+        plain = text.plain
+        if not plain.isprintable():
+            return None
+    else:
+        return None
+    inner = width - 2 * padding
+    length = text.cell_len
+    if inner < 1 or length > inner:
+        return None  # cut to the width: Rich's overflow rules
+    segments: list[Segment] = []
+    add = segments.append
+    side = pre + post if post else pre
+    if padding:
+        add(Segment(" " * padding, side))
+    # as Text.__rich_console__ renders one line: its own style becomes a span (Text.join)
+    for seg in (_JOIN.join([text]) if text.style else text).render(console):
+        style = pre + seg.style if seg.style else pre
+        add(Segment(seg.text, style + post if post else style))
+    rest = inner - length + padding
+    if rest:
+        add(Segment(" " * rest, side))
+    return segments
+
+
 def cell_renderable(value: Any) -> Any:
     """A cell's value as ``DataTable`` displays a one-line cell (its ``default_cell_formatter``)."""
     if value is None:
@@ -218,11 +263,14 @@ class LiveTable(DataTable):
                 post += Style.from_color(color=component.color)
             if self.cursor_background_priority == "css":
                 post += Style.from_color(bgcolor=component.bgcolor)
-            options = self.app.console_options.update_dimensions(width, 1).update(no_wrap=True)
-            lines = self.app.console.render_lines(
-                Styled(Padding(cell_renderable(value), (0, self.cell_padding)), pre_style=row_style + component,
-                       post_style=post), options)
-            segments = lines[0] if lines else [Segment(" " * width, row_style)]
+            segments = fast_cell_segments(self.app.console, value, width, self.cell_padding,
+                                          row_style + component, post)
+            if segments is None:
+                options = self.app.console_options.update_dimensions(width, 1).update(no_wrap=True)
+                lines = self.app.console.render_lines(
+                    Styled(Padding(cell_renderable(value), (0, self.cell_padding)), pre_style=row_style + component,
+                           post_style=post), options)
+                segments = lines[0] if lines else [Segment(" " * width, row_style)]
         meta = self._meta.get((row_index, column_index))
         if meta is None:
             meta = self._meta[(row_index, column_index)] = Style.from_meta({"row": row_index, "column": column_index})
