@@ -297,6 +297,20 @@ def _simulate(requests: Sequence[Any], policy: str, cfg: SimConfig, given: Seque
         upstream[key] = flow
         kick(i, t)
 
+    def step(i: int, t: float) -> None:
+        eng = engines[i]
+        res = eng.step(t, coalesce=True)
+        if res.idle:
+            stepping[i] = False
+            nxt = eng.next_event_time()
+            if nxt is not None and eng.has_work():
+                stepping[i] = True
+                push(max(nxt, t), "step", i)
+            return
+        in_flight[i] = res
+        generation[i] += 1
+        push(res.end_time, "step_end", (i, res, generation[i]))
+
     while heap:
         t, _, kind, payload = heapq.heappop(heap)
         sim_time[0] = t
@@ -330,19 +344,7 @@ def _simulate(requests: Sequence[Any], policy: str, cfg: SimConfig, given: Seque
                         engines[flow.leg.instance].abort(key, t)
                 perform(flow, life.step(flow, ClientGone("in the simulation")), t)
         elif kind == "step":
-            i = payload
-            eng = engines[i]
-            res = eng.step(t, coalesce=True)
-            if res.idle:
-                stepping[i] = False
-                nxt = eng.next_event_time()
-                if nxt is not None and eng.has_work():
-                    stepping[i] = True
-                    push(max(nxt, t), "step", i)
-                continue
-            in_flight[i] = res
-            generation[i] += 1
-            push(res.end_time, "step_end", (i, res, generation[i]))
+            step(payload, t)
         else:  # step_end
             i, res, gen = payload
             if gen != generation[i]:
@@ -363,7 +365,12 @@ def _simulate(requests: Sequence[Any], policy: str, cfg: SimConfig, given: Seque
                     perform(flow, life.step(flow, Ended(OK, output_tokens=fin.num_output_tokens,
                                                         cached_tokens=fin.num_cached_tokens)), t)
             stepping[i] = False
-            kick(i, t)   # an engine with no work waits for the next arrival to kick it
+            if heap and heap[0][0] <= t:
+                kick(i, t)   # an engine with no work waits for the next arrival to kick it
+            elif engines[i].has_work():
+                # the step event kick would push is the next one popped: step now, without it
+                stepping[i] = True
+                step(i, t)
     if not router.pipeline.idle():  # a bug, not a user error: say so loudly
         raise RuntimeError("simulation ended with counters not at zero")
     return results.records
