@@ -428,6 +428,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "sent: with the built-in profiles' frontend time of 0, only later), the same "
                         "for every policy in a replica: the run-to-run noise of a live path (measure "
                         "it, docs/simulator.md; default 0)")
+    p.add_argument("--fingerprint", action="store_true",
+                   help="also print each policy's records as a SHA-256 on stderr (with --repeats, over "
+                        "all its replicas): equal on two versions of kvtop that simulate the same thing")
     p.add_argument("--workers", type=int, default=None, metavar="N",
                    help="processes for --repeats (default: one per core; with --ray, one actor per CPU "
                         "of the cluster)")
@@ -525,7 +528,7 @@ def run(args: argparse.Namespace) -> int:
     if args.repeats > 1:
         if out_dir:
             raise CliError("--out writes one run's records; use it without --repeats")
-        from kvtop.repeats import format_report, run_replicas, task_progress, terminal_plot, write_svg
+        from kvtop.repeats import fingerprints, format_report, run_replicas, task_progress, terminal_plot, write_svg
 
         configs = {pol: SimConfig(instances=args.instances, profile=args.profile, mode=args.mode,
                                   router_block_size=args.router_block_size,
@@ -538,13 +541,16 @@ def run(args: argparse.Namespace) -> int:
         try:
             with task_progress(len(configs) * args.repeats, "simulating") as progress:
                 runs = run_replicas(simulate, requests, configs, args.repeats, args.jitter, args.workers,
-                                    args.ray, progress)
+                                    args.ray, progress, fingerprint=args.fingerprint)
         except ValueError as exc:
             raise CliError(str(exc)) from None
         print(f"simulated {len(policies)} policies x {args.repeats} replicas in {time.time() - t0:.1f} s wall",
               file=sys.stderr)
         report = format_report(runs, args.repeats, args.jitter, args.format, args.path_jitter)
         print(report)
+        if args.fingerprint:
+            for pol, digest in fingerprints(runs).items():
+                print(f"fingerprint {pol} {digest} ({args.repeats} replicas)", file=sys.stderr)
         if args.terminal_plot == "always" or (args.terminal_plot == "auto" and args.format == "text"
                                               and sys.stdout.isatty()):
             print(terminal_plot(runs))
@@ -569,6 +575,10 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(str(exc)) from None
         cpu = time.process_time() - t0
         print(f"simulated {pol}: {len(records)} requests in {cpu:.1f} CPU s", file=sys.stderr)
+        if args.fingerprint:
+            from kvtop.repeats import records_digest
+
+            print(f"fingerprint {pol} {records_digest(records)}", file=sys.stderr)
         rows.append((pol, seed_row(records, instances=[f"i{i}" for i in range(args.instances)])))
         classes.append((pol, class_rows(records)))
         arms.append((pol, records))
