@@ -461,7 +461,7 @@ def run(args: argparse.Namespace) -> int:
         if args.trace is not None:
             raise CliError("give a trace or --from-db, not both")
         if (args.out or args.limit is not None or args.knob or args.workers is not None or args.ray
-                or args.path_jitter or args.plot or args.terminal_plot == "always"):
+                or args.path_jitter or args.plot or args.terminal_plot == "always" or args.fingerprint):
             raise CliError("--from-db takes --policies, --run, --speed, --profile, --mode, --repeats, "
                            "--jitter and --format (the run's own knobs are used)")
         from kvtop.whatif import run as whatif_run

@@ -148,3 +148,6 @@ def test_fingerprint_is_each_replicas_records_digest_and_the_cli_prints_it(tmp_p
     assert "fingerprint" not in out.out   # the report itself is unchanged
     assert main(["simulate", str(path), "--policies", "leastwork", "--instances", "2", "--fingerprint"]) == 0
     assert f"fingerprint leastwork {rows[0]['sha256']}" in capsys.readouterr().err
+    # what-if (--from-db) has no fingerprint: refused with the flags it takes, not ignored
+    assert main(["simulate", "--from-db", str(tmp_path / "none.db"), "--fingerprint"]) == 2
+    assert "--from-db takes --policies" in capsys.readouterr().err
