@@ -83,6 +83,8 @@ class Task:
     jitter_s: float = 0.0
     rate_scale: float = 1.0
     tag: Any = None
+    #: also return the records' SHA-256 (``records_digest``) in the row, as ``sha256``
+    fingerprint: bool = False
 
 
 #: The traces and the simulate function of the current run, set before the worker processes
@@ -118,8 +120,29 @@ def run_task(task: Task, simulate: Callable[..., Any] | None = None,
     from kvtop.fleet_events import instance_names  # the starting instances and any fleet event added
 
     row = seed_row(records, instances=instance_names(task.config.instances, getattr(cfg, "fleet_events", ())))
-    return task, {k: row[k] for k, _ in METRICS} | {"apc": row["apc"], "errors": row["errors"],
-                                                     "requests": len(records)}
+    out = {k: row[k] for k, _ in METRICS} | {"apc": row["apc"], "errors": row["errors"], "requests": len(records)}
+    if task.fingerprint:
+        out["sha256"] = records_digest(records)
+    return task, out
+
+
+def records_digest(records: Sequence[dict[str, Any]]) -> str:
+    """One simulation's records as a SHA-256 of their JSON (16 hex digits), as
+    ``benchmarks/bench_sim_server.py fingerprint`` prints it: equal on two versions of the code
+    when they simulate the same thing (same decisions, same numbers)."""
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps(records, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def fingerprints(runs: dict[str, list[dict[str, Any]]]) -> dict[str, str]:
+    """{policy: SHA-256 of its replicas' record digests, in replica order} for rows run with
+    ``fingerprint``: one line per policy that changes when any record of any replica does."""
+    import hashlib
+
+    return {pol: hashlib.sha256(" ".join(r["sha256"] for r in rows).encode()).hexdigest()[:16]
+            for pol, rows in runs.items()}
 
 
 def _run_indexed(item: tuple[int, Task]) -> tuple[int, dict[str, Any]]:
@@ -185,10 +208,13 @@ def run_tasks(simulate: Callable[..., Any], traces: dict[str, Sequence[Any]], ta
 def run_replicas(simulate: Callable[..., list[dict[str, Any]]], requests: Sequence[Any],
                  configs: dict[str, Any], repeats: int, jitter_s: float,
                  workers: int | None = None, ray_address: str | None = None,
-                 progress: Callable[[int, int], None] | None = None) -> dict[str, list[dict[str, Any]]]:
+                 progress: Callable[[int, int], None] | None = None,
+                 fingerprint: bool = False) -> dict[str, list[dict[str, Any]]]:
     """{policy: [row of replica 0, 1, ...]} for ``configs`` ({policy: SimConfig}); ``simulate`` is
-    kvtop.simulate.simulate (passed in: that module imports this one)."""
-    tasks = [Task("trace", pol, cfg, r, jitter_s) for pol, cfg in configs.items() for r in range(repeats)]
+    kvtop.simulate.simulate (passed in: that module imports this one). ``fingerprint``: each row
+    also holds its records' ``sha256`` (see ``fingerprints``)."""
+    tasks = [Task("trace", pol, cfg, r, jitter_s, fingerprint=fingerprint)
+             for pol, cfg in configs.items() for r in range(repeats)]
     rows = run_tasks(simulate, {"trace": requests}, tasks, workers, ray_address, progress)
     out: dict[str, list[dict[str, Any]]] = {pol: [] for pol in configs}
     for task, row in zip(tasks, rows):

@@ -358,6 +358,20 @@ def _simulate(requests: Sequence[Any], policy: str, cfg: SimConfig, given: Seque
             fail_in_flight(i, t, f"instance {ev.instance} removed with requests in flight")
         router.change_fleet(ev.instance, ev.action, force=ev.force)
 
+    def step(i: int, t: float) -> None:
+        eng = engines[i]
+        res = eng.step(t, coalesce=True)
+        if res.idle:
+            stepping[i] = False
+            nxt = eng.next_event_time()
+            if nxt is not None and eng.has_work():
+                stepping[i] = True
+                push(max(nxt, t), "step", i)
+            return
+        in_flight[i] = res
+        generation[i] += 1
+        push(res.end_time, "step_end", (i, res, generation[i]))
+
     while heap:
         t, _, kind, payload = heapq.heappop(heap)
         sim_time[0] = t
@@ -399,19 +413,7 @@ def _simulate(requests: Sequence[Any], policy: str, cfg: SimConfig, given: Seque
                         engines[flow.leg.instance].abort(key, t)
                 perform(flow, life.step(flow, ClientGone("in the simulation")), t)
         elif kind == "step":
-            i = payload
-            eng = engines[i]
-            res = eng.step(t, coalesce=True)
-            if res.idle:
-                stepping[i] = False
-                nxt = eng.next_event_time()
-                if nxt is not None and eng.has_work():
-                    stepping[i] = True
-                    push(max(nxt, t), "step", i)
-                continue
-            in_flight[i] = res
-            generation[i] += 1
-            push(res.end_time, "step_end", (i, res, generation[i]))
+            step(payload, t)
         else:  # step_end
             i, res, gen = payload
             if gen != generation[i]:
@@ -432,7 +434,12 @@ def _simulate(requests: Sequence[Any], policy: str, cfg: SimConfig, given: Seque
                     perform(flow, life.step(flow, Ended(OK, output_tokens=fin.num_output_tokens,
                                                         cached_tokens=fin.num_cached_tokens)), t)
             stepping[i] = False
-            kick(i, t)   # an engine with no work waits for the next arrival to kick it
+            if heap and heap[0][0] <= t:
+                kick(i, t)   # an engine with no work waits for the next arrival to kick it
+            elif engines[i].has_work():
+                # the step event kick would push is the next one popped: step now, without it
+                stepping[i] = True
+                step(i, t)
     if not router.pipeline.idle():  # a bug, not a user error: say so loudly
         raise RuntimeError("simulation ended with counters not at zero")
     return results.records
@@ -490,6 +497,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "sent: with the built-in profiles' frontend time of 0, only later), the same "
                         "for every policy in a replica: the run-to-run noise of a live path (measure "
                         "it, docs/simulator.md; default 0)")
+    p.add_argument("--fingerprint", action="store_true",
+                   help="also print each policy's records as a SHA-256 on stderr (with --repeats, over "
+                        "all its replicas): equal on two versions of kvtop that simulate the same thing")
     p.add_argument("--workers", type=int, default=None, metavar="N",
                    help="processes for --repeats (default: one per core; with --ray, one actor per CPU "
                         "of the cluster)")
@@ -525,7 +535,8 @@ def run(args: argparse.Namespace) -> int:
         if args.trace is not None:
             raise CliError("give a trace or --from-db, not both")
         if (args.out or args.limit is not None or args.knob or args.workers is not None or args.ray
-                or args.path_jitter or args.plot or args.terminal_plot == "always" or args.fleet_events):
+                or args.path_jitter or args.plot or args.terminal_plot == "always" or args.fleet_events
+                or args.fingerprint):
             raise CliError("--from-db takes --policies, --run, --speed, --profile, --mode, --repeats, "
                            "--jitter and --format (the run's own knobs are used)")
         from kvtop.whatif import run as whatif_run
@@ -599,7 +610,7 @@ def run(args: argparse.Namespace) -> int:
     if args.repeats > 1:
         if out_dir:
             raise CliError("--out writes one run's records; use it without --repeats")
-        from kvtop.repeats import format_report, run_replicas, task_progress, terminal_plot, write_svg
+        from kvtop.repeats import fingerprints, format_report, run_replicas, task_progress, terminal_plot, write_svg
 
         configs = {pol: SimConfig(instances=args.instances, profile=args.profile, mode=args.mode,
                                   router_block_size=args.router_block_size,
@@ -612,7 +623,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             with task_progress(len(configs) * args.repeats, "simulating") as progress:
                 runs = run_replicas(simulate, requests, configs, args.repeats, args.jitter, args.workers,
-                                    args.ray, progress)
+                                    args.ray, progress, fingerprint=args.fingerprint)
         except ValueError as exc:
             raise CliError(str(exc)) from None
         print(f"simulated {len(policies)} policies x {args.repeats} replicas in {time.time() - t0:.1f} s wall",
@@ -622,6 +633,9 @@ def run(args: argparse.Namespace) -> int:
         report = format_report(runs, args.repeats, args.jitter, args.format, args.path_jitter,
                                ceiling=of_requests(requests))
         print(report)
+        if args.fingerprint:
+            for pol, digest in fingerprints(runs).items():
+                print(f"fingerprint {pol} {digest} ({args.repeats} replicas)", file=sys.stderr)
         if args.terminal_plot == "always" or (args.terminal_plot == "auto" and args.format == "text"
                                               and sys.stdout.isatty()):
             print(terminal_plot(runs))
@@ -649,6 +663,10 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(str(exc)) from None
         cpu = time.process_time() - t0
         print(f"simulated {pol}: {len(records)} requests in {cpu:.1f} CPU s", file=sys.stderr)
+        if args.fingerprint:
+            from kvtop.repeats import records_digest
+
+            print(f"fingerprint {pol} {records_digest(records)}", file=sys.stderr)
         rows.append((pol, seed_row(records, instances=names, ceiling=ceiling)))
         classes.append((pol, class_rows(records)))
         arms.append((pol, records))

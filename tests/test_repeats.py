@@ -111,3 +111,43 @@ def test_cli_repeats_reports_intervals(tmp_path, capsys):
                  "--plot", str(tmp_path / "no" / "such" / "dir.svg")]) == 2
     err = capsys.readouterr().err   # refused before any simulation ran
     assert err.startswith("kvtop simulate: cannot write --plot") and err.count("\n") == 1
+
+
+def test_fingerprint_is_each_replicas_records_digest_and_the_cli_prints_it(tmp_path, capsys):
+    # `kvtop simulate --repeats N --fingerprint`: what shows that two versions of kvtop simulate
+    # the same thing over a whole --repeats run, not only replica 0 (issue 37's must-hold)
+    import json
+
+    from kvtop.cli import main
+    from kvtop.repeats import fingerprints, records_digest
+
+    reqs = trace()
+    cfg = SimConfig(instances=2, profile="h20")
+    runs = run_replicas(simulate, reqs, {"leastwork": cfg}, 2, 2.0, workers=1, fingerprint=True)
+    rows = runs["leastwork"]
+    assert rows[0]["sha256"] == records_digest(simulate(reqs, "leastwork", cfg))
+    assert rows[1]["sha256"] == records_digest(simulate(perturb(reqs, 1, 2.0), "leastwork", cfg))
+    assert rows[0]["sha256"] != rows[1]["sha256"]   # the replicas differ, and so do their prints
+    assert run_replicas(simulate, reqs, {"leastwork": cfg}, 2, 2.0, workers=2, fingerprint=True) == runs
+    other = run_replicas(simulate, reqs, {"leastwork": SimConfig(instances=3, profile="h20")}, 2, 2.0,
+                         workers=1, fingerprint=True)
+    assert fingerprints(other) != fingerprints(runs)   # another simulation, another print
+    assert "sha256" not in run_replicas(simulate, reqs, {"leastwork": cfg}, 1, 2.0, workers=1)["leastwork"][0]
+
+    path = tmp_path / "t.jsonl"
+    with open(path, "w") as f:
+        for r in reqs:
+            f.write(json.dumps({"arrival": r.arrival, "session": r.session, "turn": r.turn,
+                                "input_tokens": r.input_tokens, "output_tokens": r.output_tokens,
+                                "hash_ids": r.hash_ids, "block_size": r.block_size}) + "\n")
+    capsys.readouterr()
+    assert main(["simulate", str(path), "--policies", "leastwork", "--instances", "2", "--repeats", "2",
+                 "--workers", "1", "--fingerprint"]) == 0
+    out = capsys.readouterr()
+    assert f"fingerprint leastwork {fingerprints(runs)['leastwork']} (2 replicas)" in out.err
+    assert "fingerprint" not in out.out   # the report itself is unchanged
+    assert main(["simulate", str(path), "--policies", "leastwork", "--instances", "2", "--fingerprint"]) == 0
+    assert f"fingerprint leastwork {rows[0]['sha256']}" in capsys.readouterr().err
+    # what-if (--from-db) has no fingerprint: refused with the flags it takes, not ignored
+    assert main(["simulate", "--from-db", str(tmp_path / "none.db"), "--fingerprint"]) == 2
+    assert "--from-db takes --policies" in capsys.readouterr().err

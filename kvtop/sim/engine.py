@@ -627,7 +627,7 @@ class Engine:
             if num_new > budget:
                 num_new = budget
             need = -(-(computed + num_new) // bs) - len(req.blocks)
-            if need > self._num_free:
+            if need > 0 and need > self._num_free:   # (need > 0: no attribute read mid-block)
                 while need > self._num_free:
                     if given is None:
                         victim = running.pop()
@@ -713,12 +713,13 @@ class Engine:
         # 3. Sample: every request whose pending tokens are all computed gets one token.
         emitted = result.emitted
         any_finished = False
+        sampled = 0
         for req in scheduled:
             if req.computed < req.num_tokens:
                 continue  # a non-final prefill chunk
             req.output += 1
             req.num_tokens += 1
-            self.generation_tokens += 1
+            sampled += 1
             emitted[req.id] = req.output
             if req.first_token_time is None:
                 req.first_token_time = end
@@ -730,6 +731,7 @@ class Engine:
                 params = self._transfer_params(req) if req.remote_decode else None
                 self._free_blocks(req)
                 result.finished.append(self._finish(req, "stop" if req.stops else "length", end, params))
+        self.generation_tokens += sampled
         if any_finished:
             self.running = [r for r in self.running if r.state == _RUNNING]
         elif (coalesce and not attn_sum and len(scheduled) == len(running) and not result.first_token
