@@ -28,6 +28,10 @@ from operator import or_
 
 #: Blocks a ``flush_step`` adds (and about as many it evicts): about a millisecond of the loop.
 STEP_BLOCKS = 1024
+#: The least of an instance's LRU (from the oldest end) read into tag runs at once.
+RUNS_MIN_BLOCKS = 512
+#: ``oldest_tags`` walks this few blocks one by one instead of reading runs.
+DIRECT_WALK_BLOCKS = 256
 
 
 class PrefixIndex:
@@ -47,7 +51,8 @@ class PrefixIndex:
         #: Per instance, its LRU's tags from the oldest end as runs [(tag, blocks)], built on
         #: first read and dropped when its LRU or the tag of a block it holds changes (the
         #: lookahead reads every candidate's oldest blocks per decision: see ``oldest_tags``).
-        self._runs: list[list[tuple[str | None, int]] | None] = [None] * num_instances
+        self._runs: list[tuple[list[tuple[str | None, int]], bool, int] | None] = [None] * num_instances
+        self._runs_want = [0] * num_instances  # blocks a read needed past the runs it found
         #: An insert not applied yet (see ``insert``): every read applies it first.
         self._pending: tuple[int, Sequence[int], str | None] | None = None
         #: Inserts being applied in steps (``flush_step``), oldest first: [instance, blocks,
@@ -264,25 +269,52 @@ class PrefixIndex:
         out: dict[str | None, int] = {}
         if count <= 0:
             return out
-        for t, n in self._tag_runs(instance):
-            if t is not None and t == skip:
-                continue
-            if n >= count:
-                out[t] = out.get(t, 0) + count
-                break
-            out[t] = out.get(t, 0) + n
-            count -= n
-        return out
+        if count <= DIRECT_WALK_BLOCKS:  # a few blocks: the walk itself is cheaper than runs
+            tags = self._tags
+            for h in self._lru[instance]:
+                t = tags.get(h)
+                if t is not None and t == skip:
+                    continue
+                out[t] = out.get(t, 0) + 1
+                count -= 1
+                if count == 0:
+                    break
+            return out
+        while True:
+            runs, whole = self._tag_runs(instance, count)
+            left = count
+            part: dict[str | None, int] = {}
+            for t, n in runs:
+                if t is not None and t == skip:
+                    continue
+                if n >= left:
+                    part[t] = part.get(t, 0) + left
+                    left = 0
+                    break
+                part[t] = part.get(t, 0) + n
+                left -= n
+            if left == 0 or whole:
+                return part
+            # the runs read so far held too few blocks not tagged ``skip``: read further
+            self._runs[instance] = None
+            count_read = sum(n for _, n in runs)
+            self._runs_want[instance] = 2 * max(count_read, count)
 
-    def _tag_runs(self, instance: int) -> list[tuple[str | None, int]]:
-        """``instance``'s LRU from the oldest end as runs of equal tags: rebuilt (one C-level
-        pass) after an insert into it, or a retag of a block it holds (an insert elsewhere
-        under another session), or a reset; kept otherwise."""
-        runs = self._runs[instance]
-        if runs is None:
-            runs = [(t, len(list(g))) for t, g in groupby(map(self._tags.get, self._lru[instance]))]
-            self._runs[instance] = runs
-        return runs
+    def _tag_runs(self, instance: int, count: int) -> tuple[list[tuple[str | None, int]], bool]:
+        """``instance``'s LRU from the oldest end as runs of equal tags, and whether they cover
+        the whole LRU: read (one C-level pass) as far as a read has needed, at least
+        ``RUNS_MIN_BLOCKS`` and twice ``count``, after an insert into it, a retag of a block
+        it holds (an insert elsewhere under another session) or a reset; kept otherwise. Reading
+        only the oldest part keeps a small eviction cheap on a large cache."""
+        got = self._runs[instance]
+        if got is not None and (got[1] or got[2] >= count):
+            return got[0], got[1]
+        lru = self._lru[instance]
+        want = max(RUNS_MIN_BLOCKS, 2 * count, self._runs_want[instance])
+        runs = [(t, len(list(g))) for t, g in groupby(map(self._tags.get, islice(lru, want)))]
+        whole = want >= len(lru)
+        self._runs[instance] = (runs, whole, min(want, len(lru)))
+        return runs, whole
 
     def add_instance(self, capacity_blocks: int) -> int:
         """A new instance, caching nothing yet (the fleet grew); returns its index."""
@@ -291,6 +323,7 @@ class PrefixIndex:
         self.capacity.append(capacity_blocks)
         self._lru.append(OrderedDict())
         self._runs.append(None)
+        self._runs_want.append(0)
         self._evictions.append(0)
         return len(self._lru) - 1
 
