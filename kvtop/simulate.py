@@ -81,6 +81,9 @@ class SimConfig:
     # the engines' --scheduling-policy (vLLM's fcfs or priority); the router's priority feature
     # sets each request's priority, which the engines then honour (kvtop/sim/engine.py)
     scheduling_policy: str = "fcfs"
+    # the engines keep a finished request's KV pinned for this many engine seconds (0: vLLM's
+    # plain LRU; a feature vLLM lacks, modelled to measure it: kvtop/sim/engine.py, docs/simulator.md)
+    kv_pin_ttl_s: float = 0.0
     # fleet changes at their times (kvtop/fleet_events.py: add, cordon, drain, uncordon, remove,
     # fail), applied through the router's own fleet rules; every arm and replica gets the same
     fleet_events: tuple = ()
@@ -105,7 +108,8 @@ def _engine_factory(cfg: SimConfig, trace_block_size: int):
 
     def make(i: int) -> Engine:
         return Engine(prof, block_size=ebs, num_gpu_blocks=capacity_tokens // ebs, engine_id=str(i),
-                      admission=make_hook(), scheduling_policy=cfg.scheduling_policy)
+                      admission=make_hook(), scheduling_policy=cfg.scheduling_policy,
+                      kv_pin_ttl_s=cfg.kv_pin_ttl_s)
 
     return make, ebs, capacity_tokens
 
@@ -482,6 +486,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
                    help="the engines' vLLM --scheduling-policy (default fcfs); --knob priority=... needs "
                         "priority, as a live vLLM does")
+    p.add_argument("--kv-pin-ttl", type=float, default=0.0, metavar="S",
+                   help="model an engine feature vLLM lacks: keep a finished request's KV blocks pinned "
+                        "for S engine seconds (a session's tool-call pause), evicted only when no unpinned "
+                        "block is free (default 0: vLLM's plain LRU; at most 86400; docs/simulator.md)")
     p.add_argument("--engine-admission", choices=("fifo", "pack"), default=None,
                    help="order each simulated engine's own waiting queue with router/admission.py "
                         "(an experiment on the engine; --knob admission=... queues in the router, as live)")
@@ -562,6 +570,12 @@ def run(args: argparse.Namespace) -> int:
         get_profile(args.profile)
     except KeyError as exc:
         raise CliError(str(exc.args[0])) from None
+    from kvtop.sim.engine import check_kv_pin_ttl
+
+    try:
+        check_kv_pin_ttl(args.kv_pin_ttl)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
     for flag, value in (("--instances", args.instances), ("--limit", args.limit),
                         ("--router-block-size", args.router_block_size),
                         ("--engine-block-size", args.engine_block_size),
@@ -617,7 +631,8 @@ def run(args: argparse.Namespace) -> int:
                                   engine_block_size=args.engine_block_size, knobs=_policy_knobs(settings[pol], knobs),
                                   max_output_tokens=args.max_output_tokens, features=features,
                                   admission=args.engine_admission, path_jitter_s=args.path_jitter,
-                                  scheduling_policy=args.scheduling_policy, fleet_events=fleet_events)
+                                  scheduling_policy=args.scheduling_policy, fleet_events=fleet_events,
+                                  kv_pin_ttl_s=args.kv_pin_ttl)
                    for pol in policies}
         t0 = time.time()
         try:
@@ -655,7 +670,8 @@ def run(args: argparse.Namespace) -> int:
                         router_block_size=args.router_block_size, engine_block_size=args.engine_block_size,
                         knobs=_policy_knobs(settings[pol], knobs), max_output_tokens=args.max_output_tokens,
                         features=features, admission=args.engine_admission,
-                        scheduling_policy=args.scheduling_policy, fleet_events=fleet_events)
+                        scheduling_policy=args.scheduling_policy, fleet_events=fleet_events,
+                        kv_pin_ttl_s=args.kv_pin_ttl)
         t0 = time.process_time()
         try:
             records = simulate(requests, pol, cfg)
