@@ -106,6 +106,48 @@ def test_a_running_request_takes_pinned_blocks_rather_than_stall():
     assert e.lookup_cached_tokens(a.block_hashes, 65) == 32
 
 
+def test_the_per_request_hint_overrides_the_engine_ttl():
+    # kv_pin_s: the API hint (a turn its session follows); 0 pins nothing under an engine TTL,
+    # a positive one pins under an engine without one
+    e = Engine("h20", block_size=BS, num_gpu_blocks=10, kv_pin_ttl_s=30.0)
+    last = request("last", 64, seed=1, arrival=0.0)
+    last.kv_pin_s = 0.0
+    e.add_request(last)
+    drive(e, 0.0)
+    assert e.num_pinned_blocks == 0
+    e = Engine("h20", block_size=BS, num_gpu_blocks=10)
+    more = request("more", 64, seed=1, arrival=0.0)
+    more.kv_pin_s = 30.0
+    e.add_request(more)
+    drive(e, 0.0)
+    assert e.num_pinned_blocks == 4
+
+
+def test_simulate_pins_only_continuing_turns(monkeypatch):
+    import kvtop.sim.engine as eng
+    from kvtop.simulate import SimConfig, simulate
+
+    seen = {}
+    real = eng.Engine.add_request
+
+    def spy(self, request):
+        seen[request.request_id] = request.kv_pin_s
+        return real(self, request)
+
+    monkeypatch.setattr(eng.Engine, "add_request", spy)
+    reqs = session_trace(sessions=2, turns=3)
+    simulate(reqs, "leastwork", SimConfig(instances=2, mode="closed", kv_pin_ttl_s=7.0,
+                                          kv_pin_scope="continuing"))
+    last = {}
+    for r in reqs:
+        last[r.session] = max(r.turn, last.get(r.session, 0))
+    want = {str(k): (0.0 if r.turn == last[r.session] else 7.0) for k, r in enumerate(reqs)}
+    assert seen == want and 0.0 in seen.values() and 7.0 in seen.values()
+    seen.clear()
+    simulate(reqs, "leastwork", SimConfig(instances=2, mode="closed", kv_pin_ttl_s=7.0))
+    assert set(seen.values()) == {None}   # scope all: the engine's own TTL for every request
+
+
 def test_ttl_zero_pins_nothing():
     e, done = scenario(ttl=0.0, pause=1.0)
     assert e.num_pinned_blocks == 0 and not e._pinned

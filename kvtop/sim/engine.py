@@ -129,6 +129,10 @@ class EngineRequest:
     #: vLLM's per-request ``priority``: lower is served first under the priority policy
     #: (ignored under fcfs, where the server refuses a nonzero one as vLLM does)
     priority: int = 0
+    # the KV pin's TTL for this request (the per-request hint a real API would take: a client
+    # whose answer ends in a tool call knows its session continues); None: the engine's
+    # kv_pin_ttl_s. 0: no pin.
+    kv_pin_s: float | None = None
 
 
 class WaitingView(NamedTuple):
@@ -307,7 +311,7 @@ class _Req:
     __slots__ = ("id", "prompt", "hashes", "max_tokens", "arrival", "num_tokens", "computed",
                  "output", "blocks", "registered", "state", "cached_tokens", "queued_time",
                  "scheduled_time", "first_token_time", "preemptions", "counted", "remote_decode",
-                 "remote_prefill", "ready_at", "stops", "priority")
+                 "remote_prefill", "ready_at", "stops", "priority", "pin_s")
 
     def __init__(self, r: EngineRequest, ready_at: float):
         self.id = r.request_id
@@ -333,6 +337,7 @@ class _Req:
         self.ready_at = ready_at
         self.stops = False           # max_tokens is the natural end (stop_at), not the cap
         self.priority = r.priority
+        self.pin_s = r.kv_pin_s
 
 
 #: ``Engine(kv_pin_ttl_s=...)``'s bound: a pin of a day is already no pin but a leak.
@@ -815,8 +820,9 @@ class Engine:
                 any_finished = True
                 req.state = _DONE
                 params = self._transfer_params(req) if req.remote_decode else None
-                if self.kv_pin_ttl_s:
-                    self._free_blocks(req, end + self.kv_pin_ttl_s)
+                pin_s = self.kv_pin_ttl_s if req.pin_s is None else req.pin_s
+                if pin_s:
+                    self._free_blocks(req, end + pin_s)
                 else:
                     self._free_blocks(req)
                 result.finished.append(self._finish(req, "stop" if req.stops else "length", end, params))
