@@ -500,8 +500,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "priority, as a live vLLM does")
     p.add_argument("--kv-pin-ttl", type=float, default=0.0, metavar="S",
                    help="model an engine feature vLLM lacks: keep a finished request's KV blocks pinned "
-                        "for S engine seconds (a session's tool-call pause), evicted only when no unpinned "
-                        "block is free (default 0: vLLM's plain LRU; at most 86400; docs/simulator.md)")
+                        "for S engine seconds (a session's tool-call pause): a new request may not take them "
+                        "and waits, a running one may (default 0: vLLM's plain LRU; at most 86400; "
+                        "docs/simulator.md \"KV pin\")")
     p.add_argument("--kv-pin-scope", choices=("all", "continuing"), default="all",
                    help="with --kv-pin-ttl: pin every finished request (all, default), or only a turn its "
                         "session follows with another (continuing: the per-request hint of a client whose "
@@ -592,6 +593,8 @@ def run(args: argparse.Namespace) -> int:
         check_kv_pin_ttl(args.kv_pin_ttl)
     except ValueError as exc:
         raise CliError(str(exc)) from None
+    if args.kv_pin_scope != "all" and not args.kv_pin_ttl:
+        raise CliError("--kv-pin-scope chooses what --kv-pin-ttl pins: give --kv-pin-ttl S too")
     for flag, value in (("--instances", args.instances), ("--limit", args.limit),
                         ("--router-block-size", args.router_block_size),
                         ("--engine-block-size", args.engine_block_size),

@@ -170,6 +170,19 @@ def test_simulate_cli_refuses_a_bad_ttl(tmp_path, capsys, value):
     assert "--kv-pin-ttl must be a number of seconds from 0 to 86400" in err and err.count("\n") == 1
 
 
+def test_simulate_cli_refuses_a_scope_without_a_ttl(tmp_path, capsys):
+    path = tmp_path / "t.jsonl"
+    write_trace(path, session_trace(sessions=1, turns=1))
+    assert main(["simulate", str(path), "--kv-pin-scope", "continuing"]) == 2
+    err = capsys.readouterr().err
+    assert "give --kv-pin-ttl S too" in err and err.count("\n") == 1
+
+
+def test_simulate_from_db_refuses_a_pin(tmp_path, capsys):
+    assert main(["simulate", "--from-db", str(tmp_path / "x.db"), "--kv-pin-ttl", "5"]) == 2
+    assert "--from-db takes" in capsys.readouterr().err
+
+
 def test_sim_cli_refuses_a_bad_ttl(capsys):
     assert main(["sim", "--kv-pin-ttl", "-2", "--duration", "1"]) == 2
     err = capsys.readouterr().err

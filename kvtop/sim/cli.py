@@ -127,9 +127,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "short of blocks preempts the lowest-priority one)")
     parser.add_argument("--kv-pin-ttl", type=float, default=0.0, metavar="S",
                         help="model an engine feature vLLM lacks: keep a finished request's KV blocks "
-                             "pinned for S engine seconds (a session's tool-call pause), evicted only when "
-                             "no unpinned block is free (default 0: vLLM's plain LRU; at most 86400; "
-                             "docs/simulator.md)")
+                             "pinned for S engine seconds (a session's tool-call pause): a new request may "
+                             "not take them and waits, a running one may (default 0: vLLM's plain LRU; "
+                             "at most 86400; docs/simulator.md \"KV pin\")")
     parser.add_argument("--kv-events-port-base", type=int, default=None, metavar="PORT",
                         help="where the vLLM KV events go: instance i publishes on tcp://HOST:PORT+2i, "
                              "its replay endpoint on PORT+2i+1 (default: the ports right after the HTTP "
