@@ -12,7 +12,9 @@ ones, the turns their session follows with another (a per-request hint: a client
 ends in a tool call knows it will be back).
 
 Per arm: APC (cached / input tokens), TTFT p50 / p90 of returning turns (turn >= 2), session
-completion mean / p90 (store/sessions.py: first arrival to last answer end, engine seconds).
+completion mean / p90 (store/sessions.py: first arrival to last answer end, engine seconds),
+and "moved": the share of returning turns the router sent to another instance than their
+previous turn (whose pin, if any, it left behind).
 
     python benchmarks/bench_kv_pin.py --seeds 23 29 31 --sessions 48 --out /tmp/kvpin
 """
@@ -53,11 +55,15 @@ def run_arm(requests, ttl: float, scope: str, args) -> dict:
     ok = [r for r in recs if r.get("status") == "ok"]
     back = [r["ttft_ms"] / 1000 for r in ok if (r.get("turn") or 1) >= 2 and r.get("ttft_ms") is not None]
     s = sessions.summarize(sessions.from_records(recs))
+    # returning turns served on another instance than their previous turn: a pin left behind
+    where = {(r.get("session"), r.get("turn")): r.get("instance") for r in ok}
+    ret = [(k, v) for k, v in where.items() if (k[1] or 1) >= 2 and (k[0], k[1] - 1) in where]
+    moved = sum(1 for (ses, turn), inst in ret if where[(ses, turn - 1)] != inst)
     return {"ttl_s": ttl, "scope": scope, "requests": len(recs), "errors": len(recs) - len(ok),
             "apc": sum(r.get("cached_tokens") or 0 for r in ok) / max(1, sum(r["input_tokens"] for r in ok)),
             "ttft_p50_ret": percentile(back, 50), "ttft_p90_ret": percentile(back, 90),
             "done_mean": s["completion_s"]["mean"], "done_p90": s["completion_s"]["p90"],
-            "cpu_s": round(cpu, 1)}
+            "moved": moved / max(1, len(ret)), "cpu_s": round(cpu, 1)}
 
 
 def main() -> int:
@@ -102,10 +108,10 @@ def main() -> int:
             rows.append(row)
             print(json.dumps(row), flush=True)
     (args.out / "kv_pin.json").write_text(json.dumps(rows, indent=1))
-    print(f"\n{'seed':>4} {'scope':<10} {'TTL s':>6} {'APC':>6} {'TTFT p50/p90 ret s':>19} {'done mean/p90 s':>16} {'err':>4}")
+    print(f"\n{'seed':>4} {'scope':<10} {'TTL s':>6} {'APC':>6} {'TTFT p50/p90 ret s':>19} {'done mean/p90 s':>16} {'moved':>6} {'err':>4}")
     for r in rows:
         print(f"{r['seed']:>4} {r['scope']:<10} {r['ttl_s']:>6.2f} {r['apc']:>6.3f} {r['ttft_p50_ret']:>8.2f}/{r['ttft_p90_ret']:<9.2f}"
-              f" {r['done_mean']:>7.1f}/{r['done_p90']:<7.1f} {r['errors']:>4}")
+              f" {r['done_mean']:>7.1f}/{r['done_p90']:<7.1f} {r['moved']:>6.2f} {r['errors']:>4}")
     return 0
 
 

@@ -189,6 +189,18 @@ def test_sim_cli_refuses_a_bad_ttl(capsys):
     assert "--kv-pin-ttl must be a number of seconds from 0 to 86400" in err and err.count("\n") == 1
 
 
+def test_sim_children_get_the_pin():
+    import argparse
+
+    from kvtop.sim.cli import _child_argv, add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    argv = _child_argv(parser.parse_args(["--instances", "2", "--kv-pin-ttl", "7.5"]), 1)
+    assert argv[argv.index("--kv-pin-ttl") + 1] == "7.5"
+    assert "--kv-pin-ttl" not in _child_argv(parser.parse_args(["--instances", "2"]), 1)
+
+
 def test_simulate_runs_with_a_pin(tmp_path, capsys):
     path = tmp_path / "t.jsonl"
     write_trace(path, session_trace())
