@@ -40,7 +40,7 @@ def pauses(requests) -> list[float]:
     return [r.think_time for r in requests if r.turn >= 2 and r.think_time is not None]
 
 
-def run_arm(requests, ttl: float, scope: str, args) -> dict:
+def run_arm(requests, ttl: float, scope: str, args, share: float = 1.0) -> dict:
     from kvtop.sim.profiles import get_profile
     from kvtop.simulate import SimConfig, simulate
 
@@ -48,7 +48,7 @@ def run_arm(requests, ttl: float, scope: str, args) -> dict:
     if args.num_gpu_blocks:
         prof = prof.with_overrides(num_gpu_blocks=args.num_gpu_blocks)
     cfg = SimConfig(instances=args.instances, profile=prof, mode="closed", kv_pin_ttl_s=ttl,
-                    kv_pin_scope=scope)
+                    kv_pin_scope=scope, kv_pin_max_share=share)
     t0 = time.process_time()
     recs = simulate(requests, args.policy, cfg)
     cpu = time.process_time() - t0
@@ -59,7 +59,7 @@ def run_arm(requests, ttl: float, scope: str, args) -> dict:
     where = {(r.get("session"), r.get("turn")): r.get("instance") for r in ok}
     ret = [(k, v) for k, v in where.items() if (k[1] or 1) >= 2 and (k[0], k[1] - 1) in where]
     moved = sum(1 for (ses, turn), inst in ret if where[(ses, turn - 1)] != inst)
-    return {"ttl_s": ttl, "scope": scope, "requests": len(recs), "errors": len(recs) - len(ok),
+    return {"ttl_s": ttl, "scope": scope, "share": share, "requests": len(recs), "errors": len(recs) - len(ok),
             "apc": sum(r.get("cached_tokens") or 0 for r in ok) / max(1, sum(r["input_tokens"] for r in ok)),
             "ttft_p50_ret": percentile(back, 50), "ttft_p90_ret": percentile(back, 90),
             "done_mean": s["completion_s"]["mean"], "done_p90": s["completion_s"]["p90"],
@@ -82,6 +82,9 @@ def main() -> int:
     ap.add_argument("--scopes", nargs="+", default=["all", "continuing"], choices=("all", "continuing"),
                     help="which finished requests are pinned: all, or only turns their session continues "
                          "after (the per-request hint; default both)")
+    ap.add_argument("--max-shares", type=float, nargs="+", default=[1.0],
+                    help="kv_pin_max_share values: at most this share of an engine's blocks pinned, "
+                         "the oldest pins ending early past it (default 1: no cap)")
     ap.add_argument("--num-gpu-blocks", type=int, default=None,
                     help="KV per engine in the profile's blocks (default the profile's: h20 265k tokens)")
     ap.add_argument("--profile", default="h20")
@@ -102,15 +105,17 @@ def main() -> int:
         med = statistics.median(gaps)
         print(f"seed {seed}: {len(requests)} requests, pause median {med:.2f} s p90 "
               f"{percentile(gaps, 90):.2f} s", file=sys.stderr, flush=True)
-        for x, scope in [(0.0, "all"), *[(x, sc) for sc in args.scopes for x in args.ttl_x]]:
+        arms = [(0.0, "all", 1.0), *[(x, sc, sh) for sh in args.max_shares for sc in args.scopes
+                                     for x in args.ttl_x]]
+        for x, scope, share in arms:
             row = {"seed": seed, "pause_median_s": round(med, 2), "pause_p90_s": round(percentile(gaps, 90), 2),
-                   "ttl_x": x, **run_arm(requests, round(x * med, 2), scope, args)}
+                   "ttl_x": x, **run_arm(requests, round(x * med, 2), scope, args, share)}
             rows.append(row)
             print(json.dumps(row), flush=True)
     (args.out / "kv_pin.json").write_text(json.dumps(rows, indent=1))
-    print(f"\n{'seed':>4} {'scope':<10} {'TTL s':>6} {'APC':>6} {'TTFT p50/p90 ret s':>19} {'done mean/p90 s':>16} {'moved':>6} {'err':>4}")
+    print(f"\n{'seed':>4} {'scope':<10} {'share':>5} {'TTL s':>6} {'APC':>6} {'TTFT p50/p90 ret s':>19} {'done mean/p90 s':>16} {'moved':>6} {'err':>4}")
     for r in rows:
-        print(f"{r['seed']:>4} {r['scope']:<10} {r['ttl_s']:>6.2f} {r['apc']:>6.3f} {r['ttft_p50_ret']:>8.2f}/{r['ttft_p90_ret']:<9.2f}"
+        print(f"{r['seed']:>4} {r['scope']:<10} {r['share']:>5.2f} {r['ttl_s']:>6.2f} {r['apc']:>6.3f} {r['ttft_p50_ret']:>8.2f}/{r['ttft_p90_ret']:<9.2f}"
               f" {r['done_mean']:>7.1f}/{r['done_p90']:<7.1f} {r['moved']:>6.2f} {r['errors']:>4}")
     return 0
 

@@ -87,6 +87,8 @@ class SimConfig:
     # which finished requests it pins: "all", or "continuing", only a turn its session follows
     # with another (what a client knows when its answer ends in a tool call: the API hint)
     kv_pin_scope: str = "all"
+    # at most this share of an engine's blocks pinned; past it the oldest pins end early
+    kv_pin_max_share: float = 1.0
     # fleet changes at their times (kvtop/fleet_events.py: add, cordon, drain, uncordon, remove,
     # fail), applied through the router's own fleet rules; every arm and replica gets the same
     fleet_events: tuple = ()
@@ -112,7 +114,7 @@ def _engine_factory(cfg: SimConfig, trace_block_size: int):
     def make(i: int) -> Engine:
         return Engine(prof, block_size=ebs, num_gpu_blocks=capacity_tokens // ebs, engine_id=str(i),
                       admission=make_hook(), scheduling_policy=cfg.scheduling_policy,
-                      kv_pin_ttl_s=cfg.kv_pin_ttl_s)
+                      kv_pin_ttl_s=cfg.kv_pin_ttl_s, kv_pin_max_share=cfg.kv_pin_max_share)
 
     return make, ebs, capacity_tokens
 

@@ -207,3 +207,18 @@ def test_simulate_runs_with_a_pin(tmp_path, capsys):
     assert main(["simulate", str(path), "--policies", "leastwork", "--instances", "2",
                  "--kv-pin-ttl", "5"]) == 0
     assert "leastwork" in capsys.readouterr().out
+
+
+def test_a_cap_on_the_pinned_share_ends_the_oldest_pins_early():
+    # a 10-block cache, at most 50% pinned: a (4 blocks) then c (4 blocks) finish; c's pin
+    # would make 8 pinned, so a's (the oldest) ends early, back in the free queue in order
+    e = Engine("h20", block_size=BS, num_gpu_blocks=10, kv_pin_ttl_s=60.0, kv_pin_max_share=0.5)
+    e.add_request(request("a", 64, seed=1, arrival=0.0))
+    t, _ = drive(e, 0.0)
+    assert e.num_pinned_blocks == 4
+    e.add_request(request("c", 64, seed=2, arrival=t))
+    drive(e, t)
+    assert e.num_pinned_blocks == 4
+    assert [r.rid for r in e._pinned] == [max(r.rid for r in e._pinned)]   # c's run alone
+    with pytest.raises(ValueError):
+        Engine("h20", kv_pin_max_share=0)

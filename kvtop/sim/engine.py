@@ -387,7 +387,7 @@ class Engine:
                  prefix_metrics: str = "after_alloc", admission: AdmissionHook | None = None,
                  admission_window: int = 64, engine_id: str = "0",
                  busy_window_s: float = 5.0, scheduling_policy: str = "fcfs",
-                 kv_pin_ttl_s: float = 0.0):
+                 kv_pin_ttl_s: float = 0.0, kv_pin_max_share: float = 1.0):
         if isinstance(profile, str):
             profile = get_profile(profile)
         if prefix_metrics not in ("after_alloc", "at_lookup"):
@@ -396,6 +396,9 @@ class Engine:
             raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
                              f"not {scheduling_policy!r}")
         self.kv_pin_ttl_s = check_kv_pin_ttl(kv_pin_ttl_s)
+        if not 0 < kv_pin_max_share <= 1:
+            raise ValueError(f"kv_pin_max_share must be in (0, 1], not {kv_pin_max_share!r}")
+        self.kv_pin_max_share = kv_pin_max_share
         self.scheduling_policy = scheduling_policy
         self._by_priority = scheduling_policy == "priority"
         self.profile = profile.with_overrides(
@@ -439,6 +442,7 @@ class Engine:
         # free (refcount 0, counted in _num_free, found by lookups) like any free block.
         self._pinned: deque[_Run] = deque()
         self._num_pinned = 0    # the free blocks in them
+        self._pin_cap = int(kv_pin_max_share * n)   # kv_pin_max_share: at most this many pinned
         self._pin_blocked = False   # the last admission that failed failed only for pinned blocks
         self._next_rid = 2
         self._num_free = n
@@ -634,7 +638,7 @@ class Engine:
         pin a run is evicted exactly when it would have been."""
         pinned = self._pinned
         runs = self._runs
-        while pinned and pinned[0].expiry <= now:
+        while pinned and (pinned[0].expiry <= now or self._num_pinned > self._pin_cap):
             run = pinned.popleft()
             self._num_pinned -= self._live(run)
             run.expiry = None
@@ -1390,6 +1394,8 @@ class Engine:
             run.expiry = pin_until
             self._pinned.append(run)
             self._num_pinned += len(q)
+            if self._num_pinned > self._pin_cap:   # over kv_pin_max_share: the oldest pins end now
+                self._expire_pins(float("-inf"))
         self._run_of[rid] = run
         self._num_free += len(q)
 
