@@ -81,6 +81,14 @@ class SimConfig:
     # the engines' --scheduling-policy (vLLM's fcfs or priority); the router's priority feature
     # sets each request's priority, which the engines then honour (kvtop/sim/engine.py)
     scheduling_policy: str = "fcfs"
+    # the engines keep a finished request's KV pinned for this many engine seconds (0: vLLM's
+    # plain LRU; a feature vLLM lacks, modelled to measure it: kvtop/sim/engine.py, docs/simulator.md)
+    kv_pin_ttl_s: float = 0.0
+    # which finished requests it pins: "all", or "continuing", only a turn its session follows
+    # with another (what a client knows when its answer ends in a tool call: the API hint)
+    kv_pin_scope: str = "all"
+    # at most this share of an engine's blocks pinned; past it the oldest pins end early
+    kv_pin_max_share: float = 1.0
     # fleet changes at their times (kvtop/fleet_events.py: add, cordon, drain, uncordon, remove,
     # fail), applied through the router's own fleet rules; every arm and replica gets the same
     fleet_events: tuple = ()
@@ -105,7 +113,8 @@ def _engine_factory(cfg: SimConfig, trace_block_size: int):
 
     def make(i: int) -> Engine:
         return Engine(prof, block_size=ebs, num_gpu_blocks=capacity_tokens // ebs, engine_id=str(i),
-                      admission=make_hook(), scheduling_policy=cfg.scheduling_policy)
+                      admission=make_hook(), scheduling_policy=cfg.scheduling_policy,
+                      kv_pin_ttl_s=cfg.kv_pin_ttl_s, kv_pin_max_share=cfg.kv_pin_max_share)
 
     return make, ebs, capacity_tokens
 
@@ -235,6 +244,14 @@ def _simulate(requests: Sequence[Any], policy: str, cfg: SimConfig, given: Seque
     generation = [0] * cfg.instances
     upstream: dict[str, Flow] = {}  # engine request id -> its flow
     meta: dict[str, tuple[int, int, list[int]]] = {}  # request id -> (trace index, output tokens, engine hashes)
+    if cfg.kv_pin_scope not in ("all", "continuing"):
+        raise ValueError(f"kv_pin_scope must be 'all' or 'continuing', not {cfg.kv_pin_scope!r}")
+    pin_continuing: set[int] | None = None   # kv_pin_scope continuing: the trace indices to pin
+    if cfg.kv_pin_ttl_s and cfg.kv_pin_scope == "continuing":
+        last_turn: dict[Any, int] = {}
+        for r in requests:
+            last_turn[r.session] = max(r.turn, last_turn.get(r.session, r.turn))
+        pin_continuing = {k for k, r in enumerate(requests) if r.turn < last_turn[r.session]}
     kv_params: dict[str, dict] = {}
 
     def kick(i: int, t: float) -> None:
@@ -278,12 +295,13 @@ def _simulate(requests: Sequence[Any], policy: str, cfg: SimConfig, given: Seque
             eng = engines[i]
             at = t + max(u, -(eng.frontend_overhead_s + eng.profile.frontend_s_per_token * flow.request.input_tokens))
         prio = flow.decision.extra.get("priority") or 0  # the router's priority feature, as live
+        pin = None if pin_continuing is None else (cfg.kv_pin_ttl_s if k in pin_continuing else 0.0)
         if leg.kind == PREFILL:  # P prefills (one token, KV kept for a remote decode)
             ereq = EngineRequest(key, flow.request.input_tokens, hashes, 1, at,
                                  kv_transfer_params={"do_remote_decode": True}, priority=prio)
         else:
             ereq = EngineRequest(rid, flow.request.input_tokens, hashes, out, at,
-                                 kv_transfer_params=kv_params.pop(rid, None), priority=prio)
+                                 kv_transfer_params=kv_params.pop(rid, None), priority=prio, kv_pin_s=pin)
         res = in_flight[i]
         end = res.end_time if res is not None else None
         try:
@@ -482,6 +500,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
                    help="the engines' vLLM --scheduling-policy (default fcfs); --knob priority=... needs "
                         "priority, as a live vLLM does")
+    p.add_argument("--kv-pin-ttl", type=float, default=0.0, metavar="S",
+                   help="model an engine feature vLLM lacks: keep a finished request's KV blocks pinned "
+                        "for S engine seconds (a session's tool-call pause): a new request may not take them "
+                        "and waits, a running one may (default 0: vLLM's plain LRU; at most 86400; "
+                        "docs/simulator.md \"KV pin\")")
+    p.add_argument("--kv-pin-scope", choices=("all", "continuing"), default="all",
+                   help="with --kv-pin-ttl: pin every finished request (all, default), or only a turn its "
+                        "session follows with another (continuing: the per-request hint of a client whose "
+                        "answer ends in a tool call)")
     p.add_argument("--engine-admission", choices=("fifo", "pack"), default=None,
                    help="order each simulated engine's own waiting queue with router/admission.py "
                         "(an experiment on the engine; --knob admission=... queues in the router, as live)")
@@ -536,7 +563,7 @@ def run(args: argparse.Namespace) -> int:
             raise CliError("give a trace or --from-db, not both")
         if (args.out or args.limit is not None or args.knob or args.workers is not None or args.ray
                 or args.path_jitter or args.plot or args.terminal_plot == "always" or args.fleet_events
-                or args.fingerprint):
+                or args.fingerprint or args.kv_pin_ttl):
             raise CliError("--from-db takes --policies, --run, --speed, --profile, --mode, --repeats, "
                            "--jitter and --format (the run's own knobs are used)")
         from kvtop.whatif import run as whatif_run
@@ -562,6 +589,14 @@ def run(args: argparse.Namespace) -> int:
         get_profile(args.profile)
     except KeyError as exc:
         raise CliError(str(exc.args[0])) from None
+    from kvtop.sim.engine import check_kv_pin_ttl
+
+    try:
+        check_kv_pin_ttl(args.kv_pin_ttl)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    if args.kv_pin_scope != "all" and not args.kv_pin_ttl:
+        raise CliError("--kv-pin-scope chooses what --kv-pin-ttl pins: give --kv-pin-ttl S too")
     for flag, value in (("--instances", args.instances), ("--limit", args.limit),
                         ("--router-block-size", args.router_block_size),
                         ("--engine-block-size", args.engine_block_size),
@@ -617,7 +652,8 @@ def run(args: argparse.Namespace) -> int:
                                   engine_block_size=args.engine_block_size, knobs=_policy_knobs(settings[pol], knobs),
                                   max_output_tokens=args.max_output_tokens, features=features,
                                   admission=args.engine_admission, path_jitter_s=args.path_jitter,
-                                  scheduling_policy=args.scheduling_policy, fleet_events=fleet_events)
+                                  scheduling_policy=args.scheduling_policy, fleet_events=fleet_events,
+                                  kv_pin_ttl_s=args.kv_pin_ttl, kv_pin_scope=args.kv_pin_scope)
                    for pol in policies}
         t0 = time.time()
         try:
@@ -655,7 +691,8 @@ def run(args: argparse.Namespace) -> int:
                         router_block_size=args.router_block_size, engine_block_size=args.engine_block_size,
                         knobs=_policy_knobs(settings[pol], knobs), max_output_tokens=args.max_output_tokens,
                         features=features, admission=args.engine_admission,
-                        scheduling_policy=args.scheduling_policy, fleet_events=fleet_events)
+                        scheduling_policy=args.scheduling_policy, fleet_events=fleet_events,
+                        kv_pin_ttl_s=args.kv_pin_ttl, kv_pin_scope=args.kv_pin_scope)
         t0 = time.process_time()
         try:
             records = simulate(requests, pol, cfg)

@@ -125,6 +125,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "priority is refused, as vLLM does) or priority (waiting requests by "
                              "their body's priority, lower first, then arrival; a running request "
                              "short of blocks preempts the lowest-priority one)")
+    parser.add_argument("--kv-pin-ttl", type=float, default=0.0, metavar="S",
+                        help="model an engine feature vLLM lacks: keep a finished request's KV blocks "
+                             "pinned for S engine seconds (a session's tool-call pause): a new request may "
+                             "not take them and waits, a running one may (default 0: vLLM's plain LRU; "
+                             "at most 86400; docs/simulator.md \"KV pin\")")
     parser.add_argument("--kv-events-port-base", type=int, default=None, metavar="PORT",
                         help="where the vLLM KV events go: instance i publishes on tcp://HOST:PORT+2i, "
                              "its replay endpoint on PORT+2i+1 (default: the ports right after the HTTP "
@@ -165,6 +170,12 @@ def build_instances(args: argparse.Namespace):
         v = getattr(args, flag)
         if v is not None and v <= 0:
             raise CliError(f"--{flag.replace('_', '-')} must be positive")
+    from kvtop.sim.engine import check_kv_pin_ttl
+
+    try:
+        kv_pin_ttl = check_kv_pin_ttl(getattr(args, "kv_pin_ttl", 0.0))
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
     if getattr(args, "admission_lookahead", 8) < 1:
         raise CliError("--admission-lookahead must be at least 1")
     if getattr(args, "no_kv_events", False) and getattr(args, "kv_events_port_base", None) is not None:
@@ -204,7 +215,8 @@ def build_instances(args: argparse.Namespace):
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         prefix_metrics=args.prefix_metrics, engine_id=f"kvtop-sim-{port}",
                         admission=_admission_hook(args),
-                        scheduling_policy=getattr(args, "scheduling_policy", "fcfs"))
+                        scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),
+                        kv_pin_ttl_s=kv_pin_ttl)
         instances.append(SimInstance(engine, model=model, host=args.host, port=port,
                                      speed=args.speed, stream_interval_ms=args.stream_interval_ms,
                                      engine_label=str(off + i), output_lengths=lengths))
@@ -362,6 +374,8 @@ def _child_argv(args: argparse.Namespace, i: int) -> list[str]:
         argv.append("--no-kv-events")
     if getattr(args, "scheduling_policy", "fcfs") != "fcfs":
         argv += ["--scheduling-policy", args.scheduling_policy]
+    if getattr(args, "kv_pin_ttl", 0.0):
+        argv += ["--kv-pin-ttl", repr(args.kv_pin_ttl)]
     return argv
 
 

@@ -31,6 +31,17 @@ What it follows (vllm/v1/core/sched/scheduler.py, kv_cache_manager.py, block_poo
   soon as they are scheduled full, even mid-prefill. Freed blocks (refcount 0) go to the tail
   of an LRU free queue in reverse order and keep their hash; allocation pops the head and
   evicts its hash; a hit on a free block takes it out of the queue.
+* ``kv_pin_ttl_s`` > 0 models an engine feature vLLM does not have (a session's KV kept
+  across its tool-call pause): the blocks a request releases when it FINISHES (not when it is
+  preempted or aborted) are pinned until ``finish time + kv_pin_ttl_s``. A WAITING request may
+  not take a pinned block for its new KV (its own prefix hit on pinned blocks is fine: that is
+  the returning turn the pin is for), so admission waits for a pin to end, which is at most
+  the TTL away (``next_event_time`` includes it); a RUNNING request short of blocks takes
+  pinned ones, the oldest pin's first, when no unpinned block is free, so a pin never
+  preempts or stalls work already admitted (no deadlock, no lost progress). When a pin ends,
+  its blocks rejoin the free queue where they would have been without it (release order).
+  The turn that took pinned blocks pins them again when it finishes. The P/D pull path
+  ignores pins. 0 (the default) is exactly vLLM's LRU.
 * A token is sampled at the end of the step that computes a request's last pending token:
   the first token ends the last prefill chunk, then one token per decode step; the request
   finishes at ``max_tokens`` (``length``), or at ``stop_at`` if that comes first (``stop``:
@@ -64,6 +75,7 @@ from kvtop.sim.profiles import DEFAULT_PROFILE, Profile, get_profile
 __all__ = [
     "Engine",
     "check_priority",
+    "check_kv_pin_ttl",
     "EngineRequest",
     "EngineRejected",
     "RequestTooLong",
@@ -117,6 +129,10 @@ class EngineRequest:
     #: vLLM's per-request ``priority``: lower is served first under the priority policy
     #: (ignored under fcfs, where the server refuses a nonzero one as vLLM does)
     priority: int = 0
+    # the KV pin's TTL for this request (the per-request hint a real API would take: a client
+    # whose answer ends in a tool call knows its session continues); None: the engine's
+    # kv_pin_ttl_s. 0: no pin.
+    kv_pin_s: float | None = None
 
 
 class WaitingView(NamedTuple):
@@ -264,13 +280,14 @@ class _Run:
     took out one by one stay in ``q`` as stale ones until allocation filters the run
     (``dirty``); a hit that takes the run's tail, the common case, slices it off."""
 
-    __slots__ = ("rid", "q", "head", "dirty")
+    __slots__ = ("rid", "q", "head", "dirty", "expiry")
 
     def __init__(self, rid: int, q: list[int]):
         self.rid = rid
         self.q = q
         self.head = 0
         self.dirty = False
+        self.expiry: float | None = None   # a pinned run (kv_pin_ttl_s): when its pin ends
 
 
 class _Stretch:
@@ -294,7 +311,7 @@ class _Req:
     __slots__ = ("id", "prompt", "hashes", "max_tokens", "arrival", "num_tokens", "computed",
                  "output", "blocks", "registered", "state", "cached_tokens", "queued_time",
                  "scheduled_time", "first_token_time", "preemptions", "counted", "remote_decode",
-                 "remote_prefill", "ready_at", "stops", "priority")
+                 "remote_prefill", "ready_at", "stops", "priority", "pin_s")
 
     def __init__(self, r: EngineRequest, ready_at: float):
         self.id = r.request_id
@@ -320,6 +337,20 @@ class _Req:
         self.ready_at = ready_at
         self.stops = False           # max_tokens is the natural end (stop_at), not the cap
         self.priority = r.priority
+        self.pin_s = r.kv_pin_s
+
+
+#: ``Engine(kv_pin_ttl_s=...)``'s bound: a pin of a day is already no pin but a leak.
+MAX_KV_PIN_TTL_S = 86400.0
+
+def check_kv_pin_ttl(value: Any) -> float:
+    """``kv_pin_ttl_s`` (the CLIs' --kv-pin-ttl) as a float; ValueError with a one-line reason
+    unless it is a number in 0..MAX_KV_PIN_TTL_S."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not 0 <= value <= MAX_KV_PIN_TTL_S:   # (a NaN fails both comparisons)
+        raise ValueError(f"--kv-pin-ttl must be a number of seconds from 0 to {MAX_KV_PIN_TTL_S:g}, "
+                         f"not {str(value)[:40]}")
+    return float(value)
 
 
 #: ``Engine(scheduling_policy=...)``: vLLM's ``--scheduling-policy`` values modelled here.
@@ -355,7 +386,8 @@ class Engine:
                  frontend_overhead_s: float | None = None,
                  prefix_metrics: str = "after_alloc", admission: AdmissionHook | None = None,
                  admission_window: int = 64, engine_id: str = "0",
-                 busy_window_s: float = 5.0, scheduling_policy: str = "fcfs"):
+                 busy_window_s: float = 5.0, scheduling_policy: str = "fcfs",
+                 kv_pin_ttl_s: float = 0.0, kv_pin_max_share: float = 1.0):
         if isinstance(profile, str):
             profile = get_profile(profile)
         if prefix_metrics not in ("after_alloc", "at_lookup"):
@@ -363,6 +395,10 @@ class Engine:
         if scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
                              f"not {scheduling_policy!r}")
+        self.kv_pin_ttl_s = check_kv_pin_ttl(kv_pin_ttl_s)
+        if not 0 < kv_pin_max_share <= 1:
+            raise ValueError(f"kv_pin_max_share must be in (0, 1], not {kv_pin_max_share!r}")
+        self.kv_pin_max_share = kv_pin_max_share
         self.scheduling_policy = scheduling_policy
         self._by_priority = scheduling_policy == "priority"
         self.profile = profile.with_overrides(
@@ -400,6 +436,14 @@ class Engine:
         first = _Run(1, _block_ids(n))
         self._runs: deque[_Run] = deque([first])               # the free queue, head = next evicted
         self._run_of: dict[int, _Run] = {1: first}             # run id -> run, while queued
+        # kv_pin_ttl_s: the runs finished requests released, pinned until their expiry, in
+        # release order (so in expiry order too); allocation takes from them only when the free
+        # queue above has nothing left (see "KV pin" in docs/simulator.md). Their blocks are
+        # free (refcount 0, counted in _num_free, found by lookups) like any free block.
+        self._pinned: deque[_Run] = deque()
+        self._num_pinned = 0    # the free blocks in them
+        self._pin_cap = int(kv_pin_max_share * n)   # kv_pin_max_share: at most this many pinned
+        self._pin_blocked = False   # the last admission that failed failed only for pinned blocks
         self._next_rid = 2
         self._num_free = n
         self._num_shared = 0    # sum of (refcount - 1) over held blocks: 0 = no block is shared
@@ -507,6 +551,8 @@ class Engine:
         times = [r.ready_at for r in self._transferring]
         if self._pending:
             times.append(self._pending[0][0])
+        if self._pinned and self.waiting:   # a pin's end can let a waiting request in
+            times.append(self._pinned[0].expiry)
         return min(times) if times else None
 
     def lookup_cached_tokens(self, block_hashes: Sequence[int], num_tokens: int) -> int:
@@ -570,9 +616,39 @@ class Engine:
         return list(map(_negative, refs)).count(True)
 
     def _free_queue(self) -> list[int]:
-        """The free blocks in LRU order, the next evicted first (for tests and invariants)."""
+        """The free blocks in LRU order, the next evicted first (for tests and invariants); with
+        kv_pin_ttl_s, the pinned ones after the others, as allocation takes them."""
         ref = self._ref
-        return [b for run in self._runs for b in run.q[run.head:] if ref[b] == -run.rid]
+        return [b for runs in (self._runs, self._pinned) for run in runs
+                for b in run.q[run.head:] if ref[b] == -run.rid]
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        """Free blocks under a KV pin that had not ended at the last step's start."""
+        return self._num_pinned
+
+    def _live(self, run: _Run) -> int:
+        """The run's blocks still in the free queue (a hit may have taken some)."""
+        q = run.q[run.head:]
+        return len(q) if not run.dirty else list(map((-run.rid).__eq__, _gather(self._ref, q))).count(True)
+
+    def _expire_pins(self, now: float) -> None:
+        """Pins that ended by ``now`` give their runs back to the free queue, where they would
+        be without the pin: in release order (run ids grow with each release), so after its
+        pin a run is evicted exactly when it would have been."""
+        pinned = self._pinned
+        runs = self._runs
+        while pinned and (pinned[0].expiry <= now or self._num_pinned > self._pin_cap):
+            run = pinned.popleft()
+            self._num_pinned -= self._live(run)
+            run.expiry = None
+            k = len(runs)
+            while k and runs[k - 1].rid > run.rid:
+                k -= 1
+            if k == len(runs):
+                runs.append(run)
+            else:
+                runs.insert(k, run)
 
     def busy_ratio(self, now: float) -> float:
         """Fraction of the last ``busy_window_s`` engine seconds spent in steps (GPU-util stand-in)."""
@@ -601,6 +677,8 @@ class Engine:
         simulator uses it; the HTTP server, which streams each token, does not."""
         self._stretch = None
         result = StepResult(now=now, end_time=now)
+        if self._pinned:
+            self._expire_pins(now)
         self._release_ready(now)
         if not self.running and not self.waiting:
             return result
@@ -685,6 +763,23 @@ class Engine:
                 budget -= got
                 scheduled.append(req)
                 num_new += 1
+            if blocked is not None and self._pin_blocked:
+                # kv_pin_ttl_s: the head waits only for pinned blocks, so the requests behind
+                # it that fit without them (above all a returning turn whose hit is its own
+                # pinned KV) go first; else a pin would hold up the turn it is kept for.
+                for req in list(islice(self.waiting, self.admission_window)):
+                    if budget <= 0 or len(running) >= self.max_num_seqs:
+                        break
+                    if req is blocked or req.state != _WAITING:
+                        continue
+                    got = self._admit(req, budget, now, result)
+                    if not got:
+                        continue    # it does not fit either (or started a KV transfer)
+                    computed = req.computed - got
+                    attn_sum += got * (2 * computed + got)
+                    budget -= got
+                    scheduled.append(req)
+                    num_new += 1
             # Nothing runs and the head did not fit: if waiting requests hold pulled KV, only
             # they can give blocks back. Without this, requests that each hold part of the
             # cache and wait for more would wait forever (nothing running ever frees a block).
@@ -729,7 +824,11 @@ class Engine:
                 any_finished = True
                 req.state = _DONE
                 params = self._transfer_params(req) if req.remote_decode else None
-                self._free_blocks(req)
+                pin_s = self.kv_pin_ttl_s if req.pin_s is None else req.pin_s
+                if pin_s:
+                    self._free_blocks(req, end + pin_s)
+                else:
+                    self._free_blocks(req)
                 result.finished.append(self._finish(req, "stop" if req.stops else "length", end, params))
         self.generation_tokens += sampled
         if any_finished:
@@ -1018,7 +1117,13 @@ class Engine:
         if not fail and need_new + len(hit) > n_free:   # the refcount-0 part of the hit matters
             touch_free = self._hol_touch_free if memo else self._count_free_hit(hit)
             fail = need_new + touch_free > n_free
+        pin_fail = False
+        if not fail and self._num_pinned and need_new:
+            # A waiting request's new blocks may not come from pinned ones (its own hit on
+            # them is fine): only unpinned free blocks, less the unpinned ones its hit takes.
+            fail = pin_fail = need_new + self._unpinned_free(hit) > n_free - self._num_pinned
         if fail:
+            self._pin_blocked = pin_fail
             if not memo:   # it will be retried next step: remember its hit until one is evicted
                 self._hol_req, self._hol_hit, self._hol_set = req, hit, set(hit)
                 # counted just above in the common case (a failure decided by the hit's free part)
@@ -1047,6 +1152,12 @@ class Engine:
         self.running.append(req)
         return num_new
 
+    def _unpinned_free(self, blocks: Sequence[int]) -> int:
+        """How many of ``blocks`` are free and not pinned."""
+        ref = self._ref
+        run_of = self._run_of
+        return sum(1 for b in blocks if ref[b] < 0 and run_of[-ref[b]].expiry is None)
+
     def _touch(self, req: _Req, hit: list[int]) -> None:
         if not hit:
             return
@@ -1065,6 +1176,8 @@ class Engine:
                 for b in hit:
                     ref[b] = 1
                 self._num_free -= k
+                if run.expiry is not None:
+                    self._num_pinned -= k
                 if hol_set:   # the memo's free blocks among them are held now
                     self._hol_touch_free -= len(hol_set.intersection(hit))
                 req.blocks.extend(hit)
@@ -1089,7 +1202,10 @@ class Engine:
         for b in hit:
             r = ref[b]
             if r < 0:   # free: its queue entry goes stale, filtered when allocation reaches it
-                run_of[-r].dirty = True
+                run = run_of[-r]
+                run.dirty = True
+                if run.expiry is not None:
+                    self._num_pinned -= 1
                 ref[b] = 1
                 taken += 1
                 if hol_set and b in hol_set:
@@ -1108,6 +1224,9 @@ class Engine:
         taken: list[int] = []
         need = n
         while need:
+            if not runs and runs is self._runs:   # only pinned blocks are left: the oldest
+                runs = self._pinned                 # pin's first (LRU among them)
+                before = need
             run = runs[0]
             if run.dirty:   # drop the entries hits took one by one (C-level passes)
                 q = run.q[run.head:]
@@ -1126,6 +1245,8 @@ class Engine:
                 taken += q[h:h + need]
                 run.head = h + need
                 need = 0
+        if runs is self._pinned:
+            self._num_pinned -= before
         self._num_free -= n
         return taken
 
@@ -1217,9 +1338,10 @@ class Engine:
                     kv_events.append((1, req.id, idx))
         req.registered = upto
 
-    def _free_blocks(self, req: _Req) -> None:
+    def _free_blocks(self, req: _Req, pin_until: float | None = None) -> None:
         """Release the request's blocks: those left with no holder go to the free queue's tail
-        as one run, the request's last block first (vLLM frees in reverse, so it is evicted first)."""
+        as one run, the request's last block first (vLLM frees in reverse, so it is evicted first).
+        ``pin_until``: a finished request under kv_pin_ttl_s; the run is pinned until then."""
         blocks = req.blocks
         req.blocks = []
         req.registered = 0
@@ -1266,7 +1388,14 @@ class Engine:
         if hol_set:   # the memo's blocks among those now free (one C-level pass, not a test each)
             self._hol_touch_free += len(hol_set.intersection(q))
         run = _Run(rid, q)
-        self._runs.append(run)
+        if pin_until is None:
+            self._runs.append(run)
+        else:
+            run.expiry = pin_until
+            self._pinned.append(run)
+            self._num_pinned += len(q)
+            if self._num_pinned > self._pin_cap:   # over kv_pin_max_share: the oldest pins end now
+                self._expire_pins(float("-inf"))
         self._run_of[rid] = run
         self._num_free += len(q)
 
