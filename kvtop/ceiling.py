@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 _TRACE_CEILINGS: dict[tuple[str, int, int], float | None] = {}
+_TRACES: dict[tuple[str, int, int], list[Any] | None] = {}
 
 
 def of_requests(requests: Sequence[Any]) -> float | None:
@@ -29,6 +30,24 @@ def of_requests(requests: Sequence[Any]) -> float | None:
     return prefix_ceiling(requests)[1]
 
 
+def trace_requests(path: str | None, count: int) -> list[Any] | None:
+    """The first ``count`` requests (by arrival, as ``kvtop replay`` sends them) of the trace at
+    ``path``, read once per file and count; None when it is gone or unreadable."""
+    if not path or not isinstance(path, str) or not os.path.isfile(path) or count <= 0:
+        return None
+    key = (os.path.abspath(path), int(os.path.getmtime(path)), count)
+    if key not in _TRACES:
+        try:
+            from kvtop.traces.loader import load_trace
+
+            requests = sorted(load_trace(path, on_error="skip"), key=lambda r: r.arrival)
+            _TRACES.clear()   # one trace at a time: a report's arms share theirs
+            _TRACES[key] = requests[:count]
+        except (OSError, ValueError):
+            _TRACES[key] = None
+    return _TRACES[key]
+
+
 def of_trace_file(path: str | None, count: int) -> float | None:
     """The ceiling of the first ``count`` requests (by arrival, as ``kvtop replay`` sends them)
     of the trace at ``path``; None when it is gone or unreadable."""
@@ -36,13 +55,8 @@ def of_trace_file(path: str | None, count: int) -> float | None:
         return None
     key = (os.path.abspath(path), int(os.path.getmtime(path)), count)
     if key not in _TRACE_CEILINGS:
-        try:
-            from kvtop.traces.loader import load_trace
-
-            requests = sorted(load_trace(path, on_error="skip"), key=lambda r: r.arrival)
-            _TRACE_CEILINGS[key] = of_requests(requests[:count])
-        except (OSError, ValueError):
-            _TRACE_CEILINGS[key] = None
+        requests = trace_requests(path, count)
+        _TRACE_CEILINGS[key] = None if requests is None else of_requests(requests)
     return _TRACE_CEILINGS[key]
 
 

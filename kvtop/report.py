@@ -40,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", action="store_true",
                    help="draw TTFT CDFs per arm in the terminal (after the tables)")
     p.add_argument("--out", metavar="FILE", help="write the tables to FILE instead of stdout")
+    p.add_argument("--kv-tokens", metavar="N", type=int,
+                   help="the fleet's KV cache in tokens, all instances together, for the capacity ceiling "
+                        "(default: from a kvtop simulate results header, instances x the profile's KV)")
 
 
 @dataclass
@@ -56,6 +59,9 @@ class Arm:
     sessions: list | None = None
     #: the prefix ceiling of its traffic (kvtop/ceiling.py), for the APC column; None: not known
     ceiling: float | None = None
+    #: results files: the header and the trace's requests they replayed (the gap table), if known
+    header: dict[str, Any] | None = None
+    trace: Sequence[Any] | None = None
 
     @property
     def requests(self) -> int:
@@ -105,7 +111,44 @@ def load_results(path: str) -> Arm:
 
     return Arm(str(label), seedtable.RecordColumns(records), header.get("engine_prefix_cache"),
                sessions=sessions.from_records(records),
-               ceiling=ceiling.of_trace_file(header.get("trace"), len(records)))
+               ceiling=ceiling.of_trace_file(header.get("trace"), len(records)), header=header,
+               trace=ceiling.trace_requests(header.get("trace"), len(records)))
+
+
+def fleet_kv_tokens(header: Mapping[str, Any] | None) -> int | None:
+    """The fleet's KV tokens a ``kvtop simulate`` results header implies (its instances x its
+    profile's KV); None for other producers or an unknown profile."""
+    if not header:
+        return None
+    target, n = header.get("target"), header.get("instances")
+    if not isinstance(target, str) or not target.startswith("simulate:") or not isinstance(n, int):
+        return None
+    from kvtop.sim.profiles import get_profile
+
+    try:
+        return n * get_profile(target.split(":", 1)[1]).kv_capacity_tokens
+    except (KeyError, ValueError, OSError):
+        return None
+
+
+def gap_table(arms: Sequence[Arm], fmt: str, kv_tokens: int | None = None) -> str:
+    """Where each results-file arm's gap to the ceiling went (kvtop/cachegap.py), with APC
+    against the capacity ceiling too; empty when no arm's trace and instances are known."""
+    from kvtop import cachegap
+
+    rows = []
+    cap = None
+    ceil = kv = None
+    for a in arms:
+        if a.trace is None or not any(r.get("instance") for r in a.records):
+            continue
+        kv = kv_tokens or fleet_kv_tokens(a.header)
+        cap = cachegap.timed_capacity_ceiling(a.trace, a.records, kv) if kv else None
+        rows.append((a.label, cachegap.decompose(a.trace, a.records), cap))
+        ceil = a.ceiling
+    if not rows:
+        return ""
+    return cachegap.format_gaps(rows, ceil, kv, fmt)
 
 
 def load_db_arms(db_paths: str | Sequence[str], run_id: str | None) -> list[Arm]:
@@ -185,8 +228,9 @@ def _unique_labels(arms: list[Arm]) -> None:
             arm.label = f"{arm.label}#{n + 1}"
 
 
-def render(arms: Sequence[Arm], fmt: str = "text") -> str:
-    """The seed table, the per-class TTFT table, then (when known) the session table, in ``fmt``."""
+def render(arms: Sequence[Arm], fmt: str = "text", kv_tokens: int | None = None) -> str:
+    """The seed table, the per-class TTFT table, then (when known) the session table and where
+    the gap to the ceiling went, in ``fmt``."""
     from store.sessions import summarize
 
     seed = [(a.label, seedtable.seed_row(a.columns, a.apc, ceiling=a.ceiling)) for a in arms]
@@ -195,16 +239,22 @@ def render(arms: Sequence[Arm], fmt: str = "text") -> str:
     class_text = seedtable.format_class_table(classes, fmt)
     ses = [(a.label, summarize(a.sessions)) for a in arms if a.sessions]
     ses_text = seedtable.format_session_table(ses, fmt) if ses else ""
-    if fmt == "csv":  # two (three) CSV tables, separated by a blank line
-        return seed_text + "\n\n" + class_text + "\n" + (f"\n{ses_text}\n" if ses_text else "")
+    gap_text = gap_table(arms, fmt, kv_tokens)
+    if fmt == "csv":  # two (three, four) CSV tables, separated by a blank line
+        return (seed_text + "\n\n" + class_text + "\n" + (f"\n{ses_text}\n" if ses_text else "")
+                + (f"\n{gap_text}\n" if gap_text else ""))
     cut = [f"{a.label} {a.cancelled:,}" for a in arms if a.cancelled]
     note = ("\n\ncancelled (cut off by their client, e.g. a run stopped mid-way; not counted as "
             "requests or errors): " + ", ".join(cut)) if cut else ""
     if fmt == "md":
         tail = f"\n## Sessions (first arrival to last answer)\n\n{ses_text}\n" if ses_text else ""
+        if gap_text:
+            tail += f"\n## Where the gap to the prefix ceiling went\n\n{gap_text}\n"
         return f"## Seed table\n\n{seed_text}{note}\n\n## TTFT by route class\n\n{class_text}\n{tail}"
     tail = f"\nSessions (first arrival to last answer; fleet: a request in flight; client: between turns)\n{ses_text}\n" \
         if ses_text else ""
+    if gap_text:
+        tail += f"\nWhere the gap to the prefix ceiling went (share of input tokens)\n{gap_text}\n"
     return f"{seed_text}{note}\n\nTTFT by route class\n{class_text}\n{tail}"
 
 
@@ -271,7 +321,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvtop report: no request records for {', '.join(empty)}; left out",
               file=sys.stderr)
     _unique_labels(arms)
-    text = render(arms, args.format)
+    if args.kv_tokens is not None and args.kv_tokens < 1:
+        raise CliError("--kv-tokens must be at least 1")
+    text = render(arms, args.format, args.kv_tokens)
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             f.write(text)

@@ -93,6 +93,9 @@ def test_peers_offline_runs_the_peer_models_in_virtual_time(tmp_path):
     for arm in ("leastwork", "cache_aware", "round_robin"):  # sglang and vllm cache_aware: one model
         assert f"| {arm} |" in report
     assert "% of " in report  # APC as a share of the ceiling
+    # and where the gap to it went, placement from the decision rows (issue 38)
+    assert "## Where the gap went, placement from the decision rows" in report
+    assert "capacity ceiling" in report
     with pytest.raises(SystemExit) as exc:
         run.main(["--offline", "--trace", str(trace), "--peers", "sglang:power_of_two", "--out",
                   str(tmp_path / "o2")])

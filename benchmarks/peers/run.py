@@ -262,9 +262,16 @@ def main(argv: list[str] | None = None) -> int:
         log("no arm produced results")
         return 1
     subprocess.run([sys.executable, "-m", "kvtop", "report", *results, "--format", "md",
-                    "--out", str(out / "report.md")], check=True)
+                    "--kv-tokens", str(fleet_kv(args)), "--out", str(out / "report.md")], check=True)
     print((out / "report.md").read_text())
     return 0
+
+
+def fleet_kv(args: argparse.Namespace) -> int:
+    """The engines' KV in tokens, all of an arm's instances together (the capacity ceiling)."""
+    from kvtop.sim.profiles import get_profile
+
+    return args.instances * get_profile(args.profile).kv_capacity_tokens
 
 
 #: What each peer arm is offline: the kvtop policy (or peer model) that follows its rule.
@@ -308,6 +315,11 @@ def offline(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
                         *sorted(str(x) for x in (out / "sim").glob("*.jsonl")),
                         "--format", "md", "--out", str(out / "report.md")], check=True)
         report = (out / "report.md").read_text()
+    if args.repeats == 1:  # the gap to the ceiling again, placement from the decision rows
+        from kvtop.cachegap import simulated_gaps
+
+        report += ("\n## Where the gap went, placement from the decision rows\n\n"
+                   + simulated_gaps(str(trace), policies, args.instances, args.profile, fmt="md") + "\n")
     header = (f"# Offline: {args.instances} instances, {args.profile}, engine seconds\n\n"
               f"`{' '.join(cmd[2:])}`; peers as models: "
               f"{', '.join(f'{k} = {v}' for k, v in PEER_MODELS.items() if k in args.peers.split(','))}\n\n")
