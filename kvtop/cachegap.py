@@ -5,8 +5,9 @@ Two figures beside the infinite prefix ceiling (kvtop/ceiling.py):
 - ``capacity_ceiling``: an upper bound on the cached tokens ANY placement and eviction could
   deliver with the fleet's real KV: the whole fleet's capacity pooled as one cache, evicting
   the block used farthest in the future (Belady's MIN), counting every cached block (not only
-  a leading run) as a hit. docs/truth.md ("The capacity ceiling") states the argument and its
-  assumptions.
+  a leading run) as a hit. ``timed_capacity_ceiling`` is the same on one run's timeline, with
+  every running request holding its blocks (the figure reports show). docs/ceiling.md states
+  the argument and its assumptions.
 - ``decompose``: one arm's lost cache, the ceiling's hit tokens less the tokens its engines
   delivered from cache, split per request, in this order:
 
@@ -15,8 +16,10 @@ Two figures beside the infinite prefix ceiling (kvtop/ceiling.py):
   concurrency  the prefix had been sent but not computed yet anywhere (an in-flight request
                was still prefilling it when this one was dispatched);
   placement    computed, but on other instances only: the router sent it away from the
-               instance holding the longest prefix (the policy's choice: moves);
-  evicted      computed on the instance it went to, but no longer cached there (capacity);
+               instance holding the longest prefix (the policy's choice: moves); with the
+               decision rows, only what the router saw still held there;
+  evicted      computed on the instance it went to, but no longer cached there, or (with
+               the decision rows) computed elsewhere and no longer held anywhere (capacity);
   other        what is left: the run sending requests in another order than the trace (the
                ceiling's), engine grain (the last block of a prompt is never a hit), and
                timing (a prefix that finished while the request queued on the engine).
@@ -29,7 +32,6 @@ Two figures beside the infinite prefix ceiling (kvtop/ceiling.py):
 from __future__ import annotations
 
 import heapq
-from bisect import bisect_left
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -368,7 +370,7 @@ def format_gaps(rows: Sequence[tuple[str, Gap, float | None]], ceiling: float | 
     if upper:
         notes.append("placement without decision rows: the prefix computed elsewhere, never on the chosen "
                      "instance (an upper bound)")
-    note = "; ".join(notes) + "; gap and parts in input tokens (docs/truth.md, \"Where the cache goes\")"
+    note = "; ".join(notes) + "; gap and parts in input tokens (docs/ceiling.md)"
     if fmt == "md":
         out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         out += ["| " + " | ".join(x) + " |" for x in lines]
