@@ -402,3 +402,37 @@ def simulated_gaps(trace: str, policies: Sequence[str], instances: int, profile:
                            decisions=decisions)
         rows.append((policy, decompose(ordered, records, decisions), timed_capacity_ceiling(ordered, records, kv)))
     return format_gaps(rows, prefix_ceiling(ordered)[1] if ordered else None, kv, fmt)
+
+
+def decision_rows(db_path: str) -> list[dict[str, Any]]:
+    """The split's columns of a decision log's rows (every run: request ids are unique), read
+    only; empty when the file is not a decision log."""
+    import sqlite3
+
+    try:
+        conn = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
+        try:
+            cur = conn.execute("SELECT request_id, attempt, best_hit_tokens, est_hit_tokens FROM decisions")
+            return [dict(zip(("request_id", "attempt", "best_hit_tokens", "est_hit_tokens"), row)) for row in cur]
+        finally:
+            conn.close()
+    except sqlite3.Error:
+        return []
+
+
+def logged_gaps(pairs: Sequence[tuple[str, str]], kv_tokens: int | None, fmt: str = "text") -> str:
+    """The gap table of live arms, placement from their decision logs: ``pairs`` of (results
+    file, decision log) of kvtop arms (``benchmarks/peers/run.py`` writes both per arm)."""
+    from kvtop.report import load_results
+
+    rows = []
+    ceiling = None
+    for results, db in pairs:
+        arm = load_results(results)
+        if arm.trace is None:
+            continue
+        records = arm.records
+        cap = timed_capacity_ceiling(arm.trace, records, kv_tokens) if kv_tokens else None
+        rows.append((arm.label, decompose(arm.trace, records, decision_rows(db)), cap))
+        ceiling = arm.ceiling
+    return format_gaps(rows, ceiling, kv_tokens, fmt) if rows else ""

@@ -4,6 +4,8 @@ hand-computed values (where LRU would do worse), and the table in ``kvtop report
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from kvtop import cachegap
@@ -152,3 +154,39 @@ def test_report_shows_where_the_gap_went(tmp_path, capsys):
     trace.rename(tmp_path / "gone.jsonl")
     assert main(["report", *files]) == 0
     assert "Where the gap" not in capsys.readouterr().out
+
+
+def test_logged_gaps_take_placement_from_the_decision_log(tmp_path, capsys):
+    """A live arm's results file and its decision log: where the log says the router saw no
+    longer prefix elsewhere than on its pick, a move's loss is eviction, not placement."""
+    import sqlite3
+
+    trace = tmp_path / "t.jsonl"
+    reqs = [req(f"s{s}", k + 1, s * 0.5 + k * 5.0, [s * 100 + j for j in range(8 + 4 * k)], output_tokens=4)
+            for s in range(4) for k in range(3)]
+    write_trace(trace, sorted(reqs, key=lambda r: r.arrival))
+    assert main(["simulate", str(trace), "--policies", "round_robin", "--instances", "2",
+                 "--mode", "closed", "--out", str(tmp_path / "res")]) == 0
+    capsys.readouterr()
+    results = str(tmp_path / "res" / "round_robin.jsonl")
+    records = [json.loads(line) for line in open(results)][1:]
+    db = tmp_path / "log.db"
+    conn = sqlite3.connect(db)
+    conn.execute("CREATE TABLE decisions (request_id TEXT, attempt INT, best_hit_tokens INT, est_hit_tokens INT)")
+    conn.executemany("INSERT INTO decisions VALUES (?, 1, 0, 0)", [(r["request_id"],) for r in records])
+    conn.commit()
+    conn.close()
+    assert len(cachegap.decision_rows(str(db))) == len(records)
+    assert cachegap.decision_rows(str(tmp_path / "res" / "round_robin.jsonl")) == []  # not a log
+    table = cachegap.logged_gaps([(results, str(db))], 10**7, "md")
+    head, *body = [line.strip("| ").split(" | ") for line in table.splitlines() if line.startswith("| ")]
+    row = dict(zip(head, body[0]))
+    assert row["placement"] == "0.0%" and row["evicted"] == row["gap"] != "0.0%"
+    without = cachegap.decompose(cachegap_trace(trace), records)
+    assert without.parts["placement"] > 0  # the infinite-cache model blames the moves
+
+
+def cachegap_trace(path) -> list[TraceRequest]:
+    from kvtop.traces.loader import load_trace
+
+    return sorted(load_trace(path), key=lambda r: r.arrival)

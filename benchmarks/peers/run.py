@@ -14,6 +14,9 @@ What it does, in order:
    prompts: ``kvtop replay --prompt-format text``, since sglang-router rejects token ids)
    scraping that arm's engines, stops the router by pid.
 5. Writes ``report.md`` (``kvtop report --format md``) over all arms to ``--out``.
+   It ends with where each arm's gap to the prefix ceiling went (docs/ceiling.md), against
+   the capacity ceiling of the arm's engines (--profile's KV x --instances), and for kvtop's
+   arms again with placement from their decision logs.
 
 Everything binds 127.0.0.1 (peers get ``--host`` and ``--prometheus-host`` 127.0.0.1 and
 distinct Prometheus ports).
@@ -263,6 +266,15 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     subprocess.run([sys.executable, "-m", "kvtop", "report", *results, "--format", "md",
                     "--kv-tokens", str(fleet_kv(args)), "--out", str(out / "report.md")], check=True)
+    logged = [(str(out / f"{a.label}.jsonl"), str(out / f"{a.label}.db")) for a in arms
+              if a.kind == "kvtop" and str(out / f"{a.label}.jsonl") in results and (out / f"{a.label}.db").exists()]
+    if logged:  # kvtop's arms again, placement from their decision logs (docs/ceiling.md)
+        from kvtop.cachegap import logged_gaps
+
+        table = logged_gaps(logged, fleet_kv(args), "md")
+        if table:
+            with open(out / "report.md", "a", encoding="utf-8") as f:
+                f.write(f"\n## Where the gap went, placement from the decision logs\n\n{table}\n")
     print((out / "report.md").read_text())
     return 0
 
