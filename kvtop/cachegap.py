@@ -147,22 +147,19 @@ def timed_capacity_ceiling(requests: Sequence[Any], records: Sequence[Mapping[st
             events.append((first, 0, k))
             events.append((end, 2, k))
     events.sort()
+    # each lookup's next use of each of its blocks, by a pass from the end (as capacity_ceiling)
     looked = [k for _, kind, k in events if kind == 1]
-    uses: dict[int, list[int]] = {}
-    for order, k in enumerate(looked):
-        for key in chains[k]:
-            uses.setdefault(key, []).append(order)
     never = len(looked)
-    ptr: dict[int, int] = {}
-
-    def next_use(key: int, order: int) -> int:
-        u = uses.get(key, ())
-        i = ptr.get(key, 0)
-        while i < len(u) and u[i] <= order:
-            i += 1
-        ptr[key] = i
-        return u[i] if i < len(u) else never
-
+    nxt: list[list[int]] = [[] for _ in looked]
+    last: dict[int, int] = {}
+    for order in range(len(looked) - 1, -1, -1):
+        row = nxt[order]
+        for key in chains[looked[order]]:
+            row.append(last.get(key, never))
+            last[key] = order
+    # a block's next use after now: the one its latest lookup saw (a lookup since would have
+    # replaced it)
+    upcoming: dict[int, int] = {}
     cache: dict[int, int] = {}   # key -> next use (evictable) or -1 (held by a running request)
     holds: dict[int, int] = {}   # key -> running requests holding it
     reserved = 0                 # output blocks of running requests
@@ -182,10 +179,10 @@ def timed_capacity_ceiling(requests: Sequence[Any], records: Sequence[Mapping[st
         if kind == 1:
             order += 1
             hits = 0
-            for key in chain:
+            for key, n in zip(chain, nxt[order]):
                 if key in cache:
                     hits += 1
-                n = next_use(key, order)
+                upcoming[key] = n
                 if key in holds:
                     continue
                 if n == never:
@@ -209,7 +206,7 @@ def timed_capacity_ceiling(requests: Sequence[Any], records: Sequence[Mapping[st
                     holds[key] = left
                     continue
                 del holds[key]
-                n = next_use(key, order)
+                n = upcoming.get(key, never)
                 if n == never:
                     cache.pop(key, None)
                 else:
