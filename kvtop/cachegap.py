@@ -50,6 +50,17 @@ def chain_keys(hash_ids: Iterable[int]) -> list[int]:
     return out
 
 
+_LAST_CHAINS: list = [None, None]   # (requests, their chains): a report's arms share one trace
+
+
+def _chains(requests: Sequence[Any]) -> list[list[int]]:
+    """``chain_keys`` of every request, kept for the last list asked about (a report asks
+    once per arm about the same trace)."""
+    if _LAST_CHAINS[0] is not requests:
+        _LAST_CHAINS[:] = [requests, [chain_keys(r.hash_ids) for r in requests]]
+    return _LAST_CHAINS[1]
+
+
 def _prefix_len(keys: Sequence[int], held: set[int]) -> int:
     """How many leading keys ``held`` has. ``held`` is prefix-closed (it holds whole requests'
     chains, and a chain key's prefix keys are in every chain that has it), so the held keys of
@@ -74,7 +85,7 @@ def capacity_ceiling(requests: Sequence[Any], capacity_tokens: int) -> float | N
         return None
     bs = min((r.block_size or 16) for r in requests)
     slots = max(0, int(capacity_tokens) // bs)
-    chains = [chain_keys(r.hash_ids) for r in requests]
+    chains = _chains(requests)
     flat = [k for c in chains for k in c]
     never = len(flat)
     nxt = [never] * len(flat)
@@ -139,7 +150,7 @@ def timed_capacity_ceiling(requests: Sequence[Any], records: Sequence[Mapping[st
         return None
     bs = min((r.block_size or 16) for r in requests)
     slots = max(0, int(capacity_tokens) // bs)
-    chains = {k: chain_keys(requests[k].hash_ids) for k, _ in pairs}
+    chains = _chains(requests)
     events = []   # (time, kind, trace index): 0 starts a hold, 1 looks up, 2 ends it
     for k, t0, first, end in _timeline(pairs):
         events.append((t0, 1, k))
@@ -167,7 +178,16 @@ def timed_capacity_ceiling(requests: Sequence[Any], records: Sequence[Mapping[st
     order = -1
     hit_tokens = total = 0
 
+    full = False   # the heap is kept only from the first time the cache overflows
+
     def shrink() -> None:
+        nonlocal full, heap
+        if len(cache) + reserved <= slots:
+            return
+        if not full:
+            full = True
+            heap = [(-n, key) for key, n in cache.items() if n >= 0]
+            heapq.heapify(heap)
         while len(cache) + reserved > slots and heap:
             neg, victim = heapq.heappop(heap)
             if cache.get(victim) == -neg:
@@ -189,7 +209,8 @@ def timed_capacity_ceiling(requests: Sequence[Any], records: Sequence[Mapping[st
                     cache.pop(key, None)
                     continue
                 cache[key] = n
-                heapq.heappush(heap, (-n, key))
+                if full:
+                    heapq.heappush(heap, (-n, key))
             hit_tokens += min(hits * (r.block_size or 16), r.input_tokens)
             total += r.input_tokens
             shrink()
@@ -211,7 +232,8 @@ def timed_capacity_ceiling(requests: Sequence[Any], records: Sequence[Mapping[st
                     cache.pop(key, None)
                 else:
                     cache[key] = n
-                    heapq.heappush(heap, (-n, key))
+                    if full:
+                        heapq.heappush(heap, (-n, key))
             reserved -= -(-(r.output_tokens or 0) // bs)
             shrink()
     return hit_tokens / total if total else None
@@ -273,7 +295,7 @@ def decompose(requests: Sequence[Any], records: Sequence[Mapping[str, Any]],
         if rid not in seen_by or (row.get("attempt") or 1) >= (seen_by[rid].get("attempt") or 1):
             seen_by[rid] = row
     gap.decisions = bool(seen_by)
-    chains = [chain_keys(r.hash_ids) for r in requests]
+    chains = _chains(requests)
     # the infinite ceiling's hit per request, in the trace's order (prefix_ceiling's walk)
     seen: set[int] = set()
     ceiling_hit = []
