@@ -278,6 +278,12 @@ def _match(requests: Sequence[Any], records: Sequence[Mapping[str, Any]]) -> lis
 
 def decompose(requests: Sequence[Any], records: Sequence[Mapping[str, Any]],
               decisions: Iterable[Mapping[str, Any]] | None = None) -> Gap:
+    """Split one arm's gap to the ceiling (``decompose_by`` with every record in one arm)."""
+    return decompose_by(requests, records, decisions, lambda rec: None).get(None, Gap())
+
+
+def decompose_by(requests: Sequence[Any], records: Sequence[Mapping[str, Any]],
+                 decisions: Iterable[Mapping[str, Any]] | None, key: Any) -> dict[Any, Gap]:
     """Split one arm's gap to the ceiling (module docstring). ``requests``: the trace in the
     ceiling's order (by arrival); ``records``: the arm's results (replay or simulate).
 
@@ -287,14 +293,16 @@ def decompose(requests: Sequence[Any], records: Sequence[Mapping[str, Any]],
     upper bound on what a move cost). With them, it is at most what the router saw held
     elsewhere beyond the chosen instance's hit (``best_hit_tokens - est_hit_tokens``); the rest
     of that prefix had been evicted on the instances that computed it, and counts as evicted.
+
+    ``key(record)`` names the arm a record belongs to (a decision log's policy segments share
+    one fleet: every request's prefixes count for every arm's splits); one Gap per arm.
     """
-    gap = Gap()
+    gaps: dict[Any, Gap] = {}
     seen_by: dict[str, Mapping[str, Any]] = {}
     for row in decisions or ():
         rid = str(row.get("request_id"))
         if rid not in seen_by or (row.get("attempt") or 1) >= (seen_by[rid].get("attempt") or 1):
             seen_by[rid] = row
-    gap.decisions = bool(seen_by)
     chains = _chains(requests)
     # the infinite ceiling's hit per request, in the trace's order (prefix_ceiling's walk)
     seen: set[int] = set()
@@ -306,7 +314,17 @@ def decompose(requests: Sequence[Any], records: Sequence[Mapping[str, Any]],
     for k, r in enumerate(requests):
         first_of.setdefault(str(r.session), k)
     pairs = _match(requests, records)
-    gap.unmatched = len(records) - len(pairs)
+
+    def gap_of(rec: Mapping[str, Any]) -> Gap:
+        label = key(rec)
+        if label not in gaps:
+            gaps[label] = Gap(decisions=bool(seen_by))
+        return gaps[label]
+
+    matched = {id(rec) for _, rec in pairs}
+    for rec in records:
+        if id(rec) not in matched:
+            gap_of(rec).unmatched += 1
     # events in the run's time: a request's chain is sent at its dispatch and computed at its
     # first token (on its instance, and on its prefill instance when offloaded)
     events: list[tuple[float, int, int, Mapping[str, Any]]] = []
@@ -328,6 +346,7 @@ def decompose(requests: Sequence[Any], records: Sequence[Mapping[str, Any]],
             continue
         r = requests[k]
         inst, delivered = rec.get("instance"), rec.get("cached_tokens")
+        gap = gap_of(rec)
         if inst is None or delivered is None:
             gap.unmatched += 1
             sent.update(c)
@@ -359,7 +378,7 @@ def decompose(requests: Sequence[Any], records: Sequence[Mapping[str, Any]],
             parts["other"] += lost - conc - place - evict
             gap.moved += place > 0
         sent.update(c)
-    return gap
+    return gaps
 
 
 def format_gaps(rows: Sequence[tuple[str, Gap, float | None]], ceiling: float | None,
@@ -439,19 +458,44 @@ def decision_rows(db_path: str) -> list[dict[str, Any]]:
         return []
 
 
-def logged_gaps(pairs: Sequence[tuple[str, str]], kv_tokens: int | None, fmt: str = "text") -> str:
-    """The gap table of live arms, placement from their decision logs: ``pairs`` of (results
-    file, decision log) of kvtop arms (``benchmarks/peers/run.py`` writes both per arm)."""
-    from kvtop.report import load_results
+def log_gaps(path: str, run_id: str | None, kv_tokens: int | None
+             ) -> tuple[dict[str, Gap], float | None, float | None]:
+    """A decision log's run split per policy (its arms, as ``kvtop report --db`` shows them),
+    placement from its decision rows, over the block chains it recorded (the router's blocks,
+    512 tokens by default: the ceiling at that grain, as ``kvtop.ceiling.of_log``); with the
+    run's ceiling and, given the fleet's KV, its capacity ceiling over all the run's requests.
+    Empty when the log has no block chains."""
+    from kvtop.cli import CliError
+    from kvtop.traces.loader import TraceRequest
+    from store.chains import ChainDecoder
+    from store.recorded import read_recorded_run
 
-    rows = []
-    ceiling = None
-    for results, db in pairs:
-        arm = load_results(results)
-        if arm.trace is None:
+    try:
+        got = read_recorded_run(path, run_id)
+    except (CliError, OSError, LookupError):
+        return {}, None, None
+    bs = int(got.config.get("block_size") or 512)
+    dec = ChainDecoder()
+    requests, records = [], []
+    t0 = min((row["t_proxy_recv"] for row in got.decisions if row["t_proxy_recv"] is not None), default=0.0)
+    for row in got.decisions:
+        chain = dec.decode(row["request_id"], row["blocks_parent"], row["blocks"])
+        out = got.outcomes.get(row["request_id"])
+        if chain is None or out is None or row["t_proxy_recv"] is None:
             continue
-        records = arm.records
-        cap = timed_capacity_ceiling(arm.trace, records, kv_tokens) if kv_tokens else None
-        rows.append((arm.label, decompose(arm.trace, records, decision_rows(db)), cap))
-        ceiling = arm.ceiling
-    return format_gaps(rows, ceiling, kv_tokens, fmt) if rows else ""
+        arrival = row["t_proxy_recv"] - t0
+        requests.append(TraceRequest(arrival=arrival, session=str(row["session_id"]), turn=row["turn"] or 0,
+                                     input_tokens=row["input_tokens"] or 0, output_tokens=out["output_tokens"] or 0,
+                                     hash_ids=list(chain), block_size=bs))
+        records.append({"request_id": row["request_id"], "session": str(row["session_id"]),
+                        "input_tokens": row["input_tokens"] or 0, "arrival": arrival, "status": out["status"],
+                        "ttft_ms": out["ttft_ms"], "e2e_ms": out["e2e_ms"], "instance": out["instance"],
+                        "cached_tokens": out["delivered_hit_tokens"], "policy": row["policy"]})
+    if not requests:
+        return {}, None, None
+    requests.sort(key=lambda r: r.arrival)
+    from kvtop.traces.stats import prefix_ceiling
+
+    gaps = decompose_by(requests, records, decision_rows(path), lambda rec: rec["policy"])
+    cap = timed_capacity_ceiling(requests, records, kv_tokens) if kv_tokens else None
+    return gaps, prefix_ceiling(requests)[1], cap

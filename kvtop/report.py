@@ -62,6 +62,8 @@ class Arm:
     #: results files: the header and the trace's requests they replayed (the gap table), if known
     header: dict[str, Any] | None = None
     trace: Sequence[Any] | None = None
+    #: decision-log arms: (log path, run id, policy) for the gap table (kvtop/cachegap.py)
+    log: tuple[str, str | None, str] | None = None
 
     @property
     def requests(self) -> int:
@@ -139,7 +141,18 @@ def gap_table(arms: Sequence[Arm], fmt: str, kv_tokens: int | None = None) -> st
     rows = []
     cap = None
     ceil = kv = None
+    logs: dict[tuple[str, str | None], tuple] = {}
     for a in arms:
+        if a.log is not None:   # a decision log's policy segment: its run split once, per policy
+            path, run, policy = a.log
+            if (path, run) not in logs:
+                logs[(path, run)] = cachegap.log_gaps(path, run, kv_tokens)
+            gaps, log_ceiling, cap = logs[(path, run)]
+            if policy in gaps:
+                kv = kv_tokens
+                rows.append((a.label, gaps[policy], cap))
+                ceil = log_ceiling
+            continue
         if a.trace is None or not any(r.get("instance") for r in a.records):
             continue
         kv = kv_tokens or fleet_kv_tokens(a.header)
@@ -197,7 +210,27 @@ def load_db_arms(db_paths: str | Sequence[str], run_id: str | None) -> list[Arm]
                 lambda a=a: a.records, getattr(a, "cancelled", 0),
                 by_segment.get((getattr(a, "run_id", None), getattr(a, "policy", None),
                                 getattr(a, "policy_version", None))),
-                ceilings.get(getattr(a, "policy", None))) for a in arms]
+                ceilings.get(getattr(a, "policy", None)),
+                log=(paths[0], run_id, a.policy) if len(paths) == 1 and getattr(a, "policy", None) else None)
+            for a in arms]
+
+
+def logged_gaps(pairs: Sequence[tuple[str, str]], kv_tokens: int | None, fmt: str = "text") -> str:
+    """The gap table of live arms, placement from their decision logs: ``pairs`` of (results
+    file, decision log) of kvtop arms (``benchmarks/peers/run.py`` writes both per arm)."""
+    from kvtop import cachegap
+
+    rows = []
+    ceiling = None
+    for results, db in pairs:
+        arm = load_results(results)
+        if arm.trace is None:
+            continue
+        records = arm.records
+        cap = cachegap.timed_capacity_ceiling(arm.trace, records, kv_tokens) if kv_tokens else None
+        rows.append((arm.label, cachegap.decompose(arm.trace, records, cachegap.decision_rows(db)), cap))
+        ceiling = arm.ceiling
+    return cachegap.format_gaps(rows, ceiling, kv_tokens, fmt) if rows else ""
 
 
 def _db_sessions(db: Any, arms: Sequence[Any]) -> dict[tuple, list]:

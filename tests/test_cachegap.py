@@ -11,6 +11,7 @@ import pytest
 from kvtop import cachegap
 from kvtop.cli import main
 from kvtop.traces.loader import TraceRequest, write_trace
+from test_control import router  # noqa: F401  (the router fixture)
 
 BS = 64
 
@@ -178,7 +179,9 @@ def test_logged_gaps_take_placement_from_the_decision_log(tmp_path, capsys):
     conn.close()
     assert len(cachegap.decision_rows(str(db))) == len(records)
     assert cachegap.decision_rows(str(tmp_path / "res" / "round_robin.jsonl")) == []  # not a log
-    table = cachegap.logged_gaps([(results, str(db))], 10**7, "md")
+    from kvtop.report import logged_gaps
+
+    table = logged_gaps([(results, str(db))], 10**7, "md")
     head, *body = [line.strip("| ").split(" | ") for line in table.splitlines() if line.startswith("| ")]
     row = dict(zip(head, body[0]))
     assert row["placement"] == "0.0%" and row["evicted"] == row["gap"] != "0.0%"
@@ -190,3 +193,29 @@ def cachegap_trace(path) -> list[TraceRequest]:
     from kvtop.traces.loader import load_trace
 
     return sorted(load_trace(path), key=lambda r: r.arrival)
+
+
+async def test_report_db_splits_the_gap_per_policy_segment(router, capsys):  # noqa: F811
+    """A decision log (two instances, three sessions of four growing turns): kvtop report --db
+    splits its arm's gap from the log's block chains, placement from its decision rows."""
+    import asyncio
+
+    from router.app import STATE
+    from test_control import complete
+
+    c = await router(2, db=True)
+    for t in range(4):
+        for s in range(3):
+            prompt = " ".join(f"s{s}w{k}" for k in range(1000 + 600 * t))
+            assert (await complete(c, f"sess-{s}", prompt=prompt))["status"] == 200
+    await asyncio.sleep(0.05)
+    st = c.server.app[STATE]
+    st.writer.flush()
+    gaps, ceil, cap = cachegap.log_gaps(st.config.db, None, 10**7)
+    assert set(gaps) == {"unified"} and gaps["unified"].requests == 12 and gaps["unified"].decisions
+    g = gaps["unified"]
+    assert sum(g.parts.values()) == g.lost_tokens and 0.3 < ceil < 0.9 and cap == pytest.approx(ceil, abs=0.01)
+    assert cachegap.log_gaps(str(st.config.db) + ".missing", None, None) == ({}, None, None)
+    assert main(["report", "--db", st.config.db, "--format", "md", "--kv-tokens", str(10**7)]) == 0
+    out = capsys.readouterr().out
+    assert "## Where the gap to the prefix ceiling went" in out and "| unified@" in out.split("went")[1]

@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     logged = [(str(out / f"{a.label}.jsonl"), str(out / f"{a.label}.db")) for a in arms
               if a.kind == "kvtop" and str(out / f"{a.label}.jsonl") in results and (out / f"{a.label}.db").exists()]
     if logged:  # kvtop's arms again, placement from their decision logs (docs/ceiling.md)
-        from kvtop.cachegap import logged_gaps
+        from kvtop.report import logged_gaps
 
         table = logged_gaps(logged, fleet_kv(args), "md")
         if table:
