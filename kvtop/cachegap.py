@@ -140,11 +140,13 @@ def _timeline(pairs: Sequence[tuple[int, Mapping[str, Any]]]) -> list[tuple[int,
 def timed_capacity_ceiling(requests: Sequence[Any], records: Sequence[Mapping[str, Any]],
                            capacity_tokens: int) -> float | None:
     """The capacity ceiling on one run's timeline: as ``capacity_ceiling``, but every request
-    that ran holds its prompt's blocks and its output's from its first token to its end (as an
-    engine does; they cannot be evicted then and take their room), and looks the cache up at
-    its dispatch. None without matched records. Eviction keeps the blocks whose next lookup
-    comes soonest (a block a running request needs again is recomputed for free, so only
-    lookups count as uses)."""
+    that ran holds its prompt's blocks from its first token to its end (as an engine does, and
+    longer: from its scheduling), where they cannot be evicted and take their room, and looks
+    the cache up at its dispatch. None without matched records. Eviction drops first the blocks
+    whose next event is a hold's start (the running request recomputes them: keeping them wins
+    nothing), then those whose next lookup is farthest. Output blocks are not counted (an
+    engine allocates them as it decodes; counting them all from the first token could make
+    the bound too low)."""
     pairs = _match(requests, records)
     if not pairs:
         return None
@@ -158,48 +160,50 @@ def timed_capacity_ceiling(requests: Sequence[Any], records: Sequence[Mapping[st
             events.append((first, 0, k))
             events.append((end, 2, k))
     events.sort()
-    # each lookup's next use of each of its blocks, by a pass from the end (as capacity_ceiling)
-    looked = [k for _, kind, k in events if kind == 1]
-    never = len(looked)
-    nxt: list[list[int]] = [[] for _ in looked]
+    # For each lookup and each hold's start, the value of keeping each of its blocks after it:
+    # the index of the block's next event if that is a lookup (a hit to win), ``never`` if it is
+    # the start of a hold (the running request recomputes it: keeping it until then wins
+    # nothing) or there is none. A pass from the end.
+    never = len(events)
+    after: list[list[int] | None] = [None] * len(events)
     last: dict[int, int] = {}
-    for order in range(len(looked) - 1, -1, -1):
-        row = nxt[order]
-        for key in chains[looked[order]]:
+    for e in range(len(events) - 1, -1, -1):
+        _, kind, k = events[e]
+        if kind == 2:
+            continue
+        row = after[e] = []
+        for key in chains[k]:
             row.append(last.get(key, never))
-            last[key] = order
-    # a block's next use after now: the one its latest lookup saw (a lookup since would have
-    # replaced it)
+            last[key] = e if kind == 1 else never
+    # a block's value after now: the one its latest lookup or hold's start saw (an event of the
+    # block since would have replaced it)
     upcoming: dict[int, int] = {}
     cache: dict[int, int] = {}   # key -> next use (evictable) or -1 (held by a running request)
     holds: dict[int, int] = {}   # key -> running requests holding it
-    reserved = 0                 # output blocks of running requests
     heap: list[tuple[int, int]] = []
-    order = -1
     hit_tokens = total = 0
 
     full = False   # the heap is kept only from the first time the cache overflows
 
     def shrink() -> None:
         nonlocal full, heap
-        if len(cache) + reserved <= slots:
+        if len(cache) <= slots:
             return
         if not full:
             full = True
             heap = [(-n, key) for key, n in cache.items() if n >= 0]
             heapq.heapify(heap)
-        while len(cache) + reserved > slots and heap:
+        while len(cache) > slots and heap:
             neg, victim = heapq.heappop(heap)
             if cache.get(victim) == -neg:
                 del cache[victim]
 
-    for _, kind, k in events:
+    for e, (_, kind, k) in enumerate(events):
         chain = chains[k]
         r = requests[k]
         if kind == 1:
-            order += 1
             hits = 0
-            for key, n in zip(chain, nxt[order]):
+            for key, n in zip(chain, after[e]):
                 if key in cache:
                     hits += 1
                 upcoming[key] = n
@@ -215,10 +219,10 @@ def timed_capacity_ceiling(requests: Sequence[Any], records: Sequence[Mapping[st
             total += r.input_tokens
             shrink()
         elif kind == 0:
-            for key in chain:
+            for key, n in zip(chain, after[e]):
                 holds[key] = holds.get(key, 0) + 1
                 cache[key] = -1
-            reserved += -(-(r.output_tokens or 0) // bs)
+                upcoming[key] = n
             shrink()
         else:
             for key in chain:
@@ -234,7 +238,6 @@ def timed_capacity_ceiling(requests: Sequence[Any], records: Sequence[Mapping[st
                     cache[key] = n
                     if full:
                         heapq.heappush(heap, (-n, key))
-            reserved -= -(-(r.output_tokens or 0) // bs)
             shrink()
     return hit_tokens / total if total else None
 

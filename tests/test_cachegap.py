@@ -114,11 +114,27 @@ def test_timed_capacity_ceiling_counts_running_requests_holding_their_blocks():
     # b failed before its first token: it never held its blocks, a is kept
     records[1] = {**rec(t[1], "i1", 0), "status": "error", "ttft_ms": None, "e2e_ms": None}
     assert cachegap.timed_capacity_ceiling(t, records, 8 * BS) == pytest.approx(256 / 1024)
-    # b's output blocks are held too: 4 more than b's prompt leave no room for a beside it
-    t[1] = req("b", 1, 1.0, list(range(11, 15)), output_tokens=4 * BS)
-    records[1] = rec(t[1], "i1", 0, e2e_s=29.0)
-    assert cachegap.timed_capacity_ceiling(t, records, 8 * BS) == 0.0
     assert cachegap.timed_capacity_ceiling(t, [], 8 * BS) is None
+
+
+def test_timed_capacity_ceiling_drops_first_what_a_running_request_recomputes():
+    """Room for 8 blocks. x (4 blocks) is looked up at t=0 and t=20; h (4 other blocks) runs
+    from t=1 to t=2.5; c (4 more) is looked up at t=2, runs from t=3 to t=4, and is looked up
+    again at t=15. At t=2 (x, h held, c: 12 blocks) c's blocks are worth nothing until c runs
+    (it recomputes them), so they go and x stays: x and c both hit later (8 of 20 blocks).
+    Evicting by the farthest lookup alone would drop x (t=20) for c (t=15): 4 of 20."""
+    x, h, c = [1, 2, 3, 4], [11, 12, 13, 14], [21, 22, 23, 24]
+    t = [req("x", 1, 0.0, x), req("h", 1, 0.5, h), req("c", 1, 2.0, c), req("c", 2, 15.0, c),
+         req("x", 2, 20.0, x)]
+    failed = {"status": "error", "ttft_ms": None, "e2e_ms": None}
+    records = [{**rec(t[0], "i0", 0), **failed}, rec(t[1], "i0", 0, ttft_s=0.5, e2e_s=2.0),
+               rec(t[2], "i0", 0, ttft_s=1.0, e2e_s=2.0), {**rec(t[3], "i0", 0), **failed},
+               {**rec(t[4], "i0", 0), **failed}]
+    assert cachegap.timed_capacity_ceiling(t, records, 8 * BS) == pytest.approx(8 / 20)
+    # with room for 12 nothing need go: the same 8 hits; with room for 4, only c's return
+    # (its blocks held while it runs, nothing else fits beside them then)
+    assert cachegap.timed_capacity_ceiling(t, records, 12 * BS) == pytest.approx(8 / 20)
+    assert cachegap.timed_capacity_ceiling(t, records, 4 * BS) == pytest.approx(4 / 20)
 
 
 def test_report_shows_where_the_gap_went(tmp_path, capsys):
