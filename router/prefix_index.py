@@ -235,13 +235,15 @@ class PrefixIndex:
         runs = self._runs
         runs[instance] = None
         if tag is not None:
-            # a retag changes what the other instances holding these blocks would evict, by tag
-            # (the distinct owner masks first: a set pass is cheaper than an OR per block)
-            others = reduce(or_, set(map(owners.get, blocks, repeat(0))), 0) & ~bit
-            while others:
-                low = others & -others
-                runs[low.bit_length() - 1] = None
-                others ^= low
+            if runs.count(None) < len(runs):
+                # a retag changes what the other instances holding these blocks would evict, by
+                # tag (the distinct owner masks first: a set pass is cheaper than an OR per
+                # block); with no runs read (no policy that reads oldest_tags), none to drop
+                others = reduce(or_, set(map(owners.get, blocks, repeat(0))), 0) & ~bit
+                while others:
+                    low = others & -others
+                    runs[low.bit_length() - 1] = None
+                    others ^= low
             self._tags.update(zip(blocks, repeat(tag)))
         over = len(lru) - self.capacity[instance]
         if over > 0:

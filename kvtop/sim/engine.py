@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from itertools import compress, count, islice, repeat
+from itertools import accumulate, compress, count, islice, repeat
 from operator import itemgetter, ne
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -864,22 +864,23 @@ class Engine:
         num = len(running)
         step_time = self.profile.decode_step_time(num)   # step_time(num, num, 0, ctx, 0), as step() calls it
         t = result.end_time
-        busy = self.busy_time
-        ctx = decode_ctx + num
-        starts: list[float] = []
-        ends: list[float] = []
-        busys: list[float] = []
-        while len(starts) < n and t < horizon:
-            duration = step_time(ctx)
-            starts.append(t)
-            t = t + duration
-            busy += duration
-            ends.append(t)
-            busys.append(busy)
-            ctx += num
-        k = len(starts)
-        if not k:
+        if not t < horizon:
             return
+        # The n steps' durations (each context one token longer per request than the last), and
+        # their ends and busy times as running sums: the float additions a loop of
+        # ``t = t + duration`` makes, in the same order (so the same bits), done by C-level
+        # passes. The steps that begin before the horizon are kept (step times are not negative,
+        # so the starts never decrease).
+        ctx = decode_ctx + num
+        durations = list(map(step_time, range(ctx, ctx + num * n, num)))
+        ends = list(accumulate(durations, initial=t))
+        starts = ends[:-1]
+        del ends[0]
+        busys = list(accumulate(durations, initial=self.busy_time))
+        del busys[0]
+        k = n if starts[-1] < horizon else bisect.bisect_left(starts, horizon)
+        if k < n:
+            del starts[k:], ends[k:], busys[k:]
         self._stretch = _Stretch(result, result.end_time, self.busy_time, starts, ends, busys)
         self._advance(k)
 

@@ -37,7 +37,46 @@ def prefix_ceiling(requests: Sequence[TraceRequest]) -> tuple[float, float]:
     Walks requests in order, keeping every chain key seen; a request's leading blocks whose
     chain key was seen before are hits; tokens count ``min(hits * block_size, input)``.
     Requests without hash ids count as all-miss tokens.
+
+    A session's turn mostly repeats its previous turn's ids and adds a few: the keys of the
+    prefix they share are that turn's keys, all seen already (a walk adds every key it does
+    not find), so they are hits without being hashed again, and the walk goes on from there
+    (``_prefix_ceiling_walk`` is the plain walk: the same figures, tests/test_prefix_ceiling.py).
+    An agentic trace of 10,000 requests and 11.7M ids hashes its 0.8M new ids, not all of them.
     """
+    from kvtop.traces.loader import _common_prefix
+
+    seen: set[int] = set()
+    hit_blocks = total_blocks = 0
+    hit_tokens = total_tokens = 0
+    last: dict[Any, tuple[Sequence[int], list[int]]] = {}   # session -> its last turn's ids, keys
+    for req in requests:
+        ids = req.hash_ids
+        prev = last.get(req.session)
+        m = _common_prefix(prev[0], ids) if prev is not None else 0
+        keys = prev[1][:m] if m else []
+        key = keys[-1] if m else 0
+        hits = m
+        matching = True
+        for h in ids[m:]:
+            key = hash((key, h))
+            keys.append(key)
+            if matching and key in seen:
+                hits += 1
+            else:
+                matching = False
+                seen.add(key)
+        last[req.session] = (ids, keys)
+        hit_blocks += hits
+        total_blocks += len(ids)
+        hit_tokens += min(hits * req.block_size, req.input_tokens)
+        total_tokens += req.input_tokens
+    return (hit_blocks / total_blocks if total_blocks else 0.0,
+            hit_tokens / total_tokens if total_tokens else 0.0)
+
+
+def _prefix_ceiling_walk(requests: Sequence[TraceRequest]) -> tuple[float, float]:
+    """``prefix_ceiling`` as a walk of every id of every request (the reference for tests)."""
     seen: set[int] = set()
     hit_blocks = total_blocks = 0
     hit_tokens = total_tokens = 0
