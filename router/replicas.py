@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from router.cluster import Candidate, Cluster, ClusterView
+from router.replica_sessions import KIND as SESSIONS_KIND
+from router.replica_sessions import SessionShare
 
 if TYPE_CHECKING:  # pragma: no cover
     from router.supervise import Supervisor
@@ -116,6 +118,9 @@ class Replicas:
         self._tasks: list[asyncio.Task] = []
         self._soon = False  # a publish is scheduled for the end of this turn of the loop
         self._sent_at = -math.inf
+        #: the session records shared with the peers (router/replica_sessions.py)
+        self.share = SessionShare(cluster, replica_id, self._locate, publish=bind is not None, clock=clock)
+        self.share.wake = self._schedule
 
     # -- the hot path: what a decision adds -----------------------------------------
     def apply(self, view: ClusterView) -> str:
@@ -138,21 +143,31 @@ class Replicas:
                 for i, a in add.items():
                     if i in wait:
                         wait[i] += a[4]
-        if self._pub is not None and not self._soon:
-            # the request this view prices is dispatched in the same turn of the loop: publish
-            # right after it, so peers learn of new load in milliseconds, not an interval (at
-            # most one snapshot per MIN_GAP_S: a burst of decisions shares one)
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:  # no loop (a unit test driving the router directly)
-                return self.mode
-            wait = self._sent_at + MIN_GAP_S - self.clock()
-            if wait > 0:
-                loop.call_later(wait, self._send)
-            else:
-                loop.call_soon(self._send)
-            self._soon = True
+        # the request this view prices is dispatched in the same turn of the loop: publish
+        # right after it, so peers learn of new load in milliseconds, not an interval
+        self._schedule()
         return self.mode
+
+    def bound(self, session_id: str, instance: int, input_tokens: int, est_hit: int, new_turn: bool,
+              arrival: float | None) -> None:
+        """An own request was dispatched and its session bound (``RoutingCore.dispatch``)."""
+        self.share.bound(session_id, instance, input_tokens, est_hit, new_turn, arrival)
+
+    def _schedule(self) -> None:
+        """Publish at the end of this turn of the loop (at most one snapshot per MIN_GAP_S: a
+        burst of decisions and ends shares one)."""
+        if self._pub is None or self._soon:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (a unit test driving the router directly)
+            return
+        wait = self._sent_at + MIN_GAP_S - self.clock()
+        if wait > 0:
+            loop.call_later(wait, self._send)
+        else:
+            loop.call_soon(self._send)
+        self._soon = True
 
     def refresh(self) -> None:
         """Recompute freshness, the mode and the sum; log each transition."""
@@ -170,6 +185,7 @@ class Replicas:
                     log.info("replica peer %s (%s) fresh: its load joins the shared view", p.endpoint, p.replica)
                 else:
                     p.lost_at = time.time()
+                    self.share.forget_peer(p.endpoint)  # its requests in flight went with it
                     log.warning("replica peer %s (%s) lost: no snapshot for %.2f s (bound %.2f s); its load is "
                                 "left out", p.endpoint, p.replica, age if age is not None else float("nan"),
                                 self.stale_s)
@@ -210,6 +226,12 @@ class Replicas:
         for p in self.peers:
             p.loads = self._match(p.entries)
 
+    def _locate(self, url: str, name: str) -> int | None:
+        """Our index of a peer's instance, by URL, then by name."""
+        self._rekey()
+        i = self._keys.get("u:" + url.rstrip("/")) if url else None
+        return self._keys.get("n:" + name) if i is None else i
+
     def _match(self, entries: list[dict[str, Any]]) -> dict[int, tuple[int, int, int, int, float]]:
         out: dict[int, tuple[int, int, int, int, float]] = {}
         keys = self._keys
@@ -242,6 +264,10 @@ class Replicas:
     def receive(self, peer: Peer, frames: list[bytes]) -> bool:
         """Take one message from ``peer``; False (and counted by reason) when it is dropped."""
         why = self._check(peer, frames)
+        if isinstance(why, dict):  # a session message (router/replica_sessions.py)
+            why = self.share.receive(peer.endpoint, why)
+            if why is None:
+                return True
         if isinstance(why, str):
             self.dropped[why] = self.dropped.get(why, 0) + 1
             return False
@@ -272,6 +298,8 @@ class Replicas:
             msg = json.loads(raw)
         except (ValueError, UnicodeDecodeError, RecursionError):
             return "not_json"
+        if isinstance(msg, dict) and SESSIONS_KIND in msg:
+            return msg
         if not isinstance(msg, dict) or "kvtop_replica" not in msg:
             return "malformed"
         if not _int(msg["kvtop_replica"]) or msg["kvtop_replica"] != VERSION:  # true == 1 in Python
@@ -305,7 +333,7 @@ class Replicas:
         self._ctx = zmq.Context()
         pub = self._ctx.socket(zmq.PUB)
         pub.setsockopt(zmq.LINGER, 0)
-        pub.setsockopt(zmq.SNDHWM, 64)
+        pub.setsockopt(zmq.SNDHWM, 256)
         pub.setsockopt(zmq.IPV6, 1)
         try:
             pub.bind(self.bind)
@@ -325,7 +353,7 @@ class Replicas:
         for k, p in enumerate(self.peers):
             sock = actx.socket(zmq.SUB)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.RCVHWM, 64)
+            sock.setsockopt(zmq.RCVHWM, 256)
             sock.setsockopt(zmq.MAXMSGSIZE, ZMQ_MAX_MESSAGE_BYTES)
             sock.setsockopt(zmq.RECONNECT_IVL, 100)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
@@ -367,9 +395,13 @@ class Replicas:
         self._sent_at = self.clock()
         try:
             self._pub.send_multipart([TOPIC, self.message(self.own_loads())], flags=zmq.NOBLOCK)
+            self.published += 1
+            if self.share.due():
+                msg = self.share.message()
+                if msg is not None:
+                    self._pub.send_multipart([TOPIC, msg], flags=zmq.NOBLOCK)
         except zmq.Again:  # no room at a slow subscriber: the next snapshot replaces this one
             return
-        self.published += 1
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -410,6 +442,7 @@ class Replicas:
                       for p in self.peers],
             "peer_load": {names[i].name: dict(zip(FIELDS, (round(x, 4) for x in a)))
                           for i, a in sorted(self._sum.items())},
+            "sessions": self.share.snapshot(),
         }
 
     def degraded(self) -> list[dict[str, Any]]:
