@@ -52,6 +52,8 @@ DEFAULT_INTERVAL_S = 0.05
 #: Decisions publish at once, but at most one snapshot per this many seconds.
 MIN_GAP_S = 0.005
 DEFAULT_STALE_S = 0.5
+#: A peer unheard this many staleness bounds is gone: its sessions' requests in flight are released.
+GONE_STALE = 10
 #: The load fields a snapshot carries per instance (its ``load`` list), in this order.
 FIELDS = ("pending_prefill_tokens", "num_requests", "ongoing_decode_tokens", "decode_requests", "wait_s")
 ENDPOINT = re.compile(r"^(tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.*-]+):\d{1,5}|ipc://.+)$")
@@ -185,7 +187,6 @@ class Replicas:
                     log.info("replica peer %s (%s) fresh: its load joins the shared view", p.endpoint, p.replica)
                 else:
                     p.lost_at = time.time()
-                    self.share.forget_peer(p.endpoint)  # its requests in flight went with it
                     log.warning("replica peer %s (%s) lost: no snapshot for %.2f s (bound %.2f s); its load is "
                                 "left out", p.endpoint, p.replica, age if age is not None else float("nan"),
                                 self.stale_s)
@@ -384,7 +385,16 @@ class Replicas:
             await asyncio.sleep(self.interval_s)
             if self.clock() >= self._expires or (self.peers and self._expires == math.inf):
                 self.refresh()
+            self.expire_peers()
             self._send()
+
+    def expire_peers(self) -> None:
+        """A peer unheard for ``GONE_STALE`` staleness bounds is gone (a stall of a busy host
+        lasts less): what it held in flight is released (router/replica_sessions.py)."""
+        now = self.clock()
+        for p in self.peers:
+            if p.received_at is not None and now - p.received_at > GONE_STALE * self.stale_s:
+                self.share.forget_peer(p.endpoint)
 
     def _send(self) -> None:
         import zmq

@@ -177,9 +177,12 @@ def test_a_lost_end_is_reconciled_and_a_lost_peer_releases_what_it_held():
     p.sync()  # A's list of sessions in flight: s2 only
     assert p.b.sessions["s1"].in_flight == 0 and p.b.sessions["s2"].in_flight == 1
     assert p.rb.share.gaps == 1 and p.rb.share.applied["l"] == 2
-    p.mono.t += p.rb.stale_s + 0.1  # A goes quiet
+    p.mono.t += p.rb.stale_s + 0.1  # A goes quiet: its load is left out, its sessions kept (a stall)
     p.rb.refresh()
-    assert p.rb.mode == rp.OWN
+    p.rb.expire_peers()
+    assert p.rb.mode == rp.OWN and p.b.sessions["s2"].in_flight == 1
+    p.mono.t += rp.GONE_STALE * p.rb.stale_s  # A is gone: its requests in flight went with it
+    p.rb.expire_peers()
     assert p.b.sessions["s2"].in_flight == 0 and p.b.sessions["s2"].session_id in p.b._idle[1]
     assert p.rb.snapshot()["sessions"]["peer_in_flight"] == {}
 
