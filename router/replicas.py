@@ -3,12 +3,14 @@
 Every replica sees the engines' caches (KV events) but only its own requests' load. Here
 each replica publishes, over ZeroMQ PUB/SUB (brokerless: no daemon to run; pyzmq already
 carries the KV events), a snapshot of its own per-instance accounting (router/cluster.py:
-pending prefill tokens, requests, decoding tokens and requests, and the seconds of prefill
-it has queued there) right after each of its decisions (at most one snapshot per
+pending prefill tokens, requests, decoding tokens and requests, the seconds of prefill
+it has queued there, and the blocks its requests will still allocate there, which the
+exact hit's eviction projection counts) right after each of its decisions (at most one snapshot per
 ``MIN_GAP_S``) and every ``interval_s`` (the heartbeat). Each replica subscribes to the others and, when it prices a request, adds the
 latest fresh snapshot of every peer to its own exact counters (``Replicas.apply``, called
 from ``RoutingCore.view``: every policy and shadow sees the sum). Its own requests stay
-exact; a peer's contribution is at most one interval (plus the network) old.
+exact; a peer's contribution is at most one interval (plus the network) old. The same
+socket carries the replicas' session records (router/replica_sessions.py).
 
 A peer unheard for ``stale_s`` is left out of the sum; with every peer left out the replica
 routes on its own view and says so: a log line at each transition, the state snapshot and
@@ -33,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from router.cluster import Candidate, Cluster, ClusterView
 from router.replica_sessions import KIND as SESSIONS_KIND
-from router.replica_sessions import SessionShare
+from router.replica_sessions import SessionShare, _int, _num
 
 if TYPE_CHECKING:  # pragma: no cover
     from router.supervise import Supervisor
@@ -527,23 +529,15 @@ class Replicas:
         yield load
 
 
-def _int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 53
-
-
-def _num(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
-
-
 # -- the router's wiring -------------------------------------------------------------------
 
 def add_arguments(p) -> None:
     p.add_argument("--replica-bind", default=None, metavar="tcp://HOST:PORT",
                    help="router replicas (docs/replicas.md): publish this replica's in-flight load per "
-                        "instance on this ZeroMQ endpoint for its peers")
+                        "instance and its session records on this ZeroMQ endpoint for its peers")
     p.add_argument("--replica-peer", action="append", default=[], metavar="tcp://HOST:PORT",
                    help="another replica's --replica-bind: its in-flight load is added to this one's when "
-                        "pricing (repeat for each peer)")
+                        "pricing, its session records join this one's (repeat for each peer)")
     p.add_argument("--replica-interval-ms", type=float, default=DEFAULT_INTERVAL_S * 1e3, metavar="MS",
                    help="publish at least this often (the heartbeat, and what finishes changed); "
                         "every decision publishes at once besides (default 50)")
