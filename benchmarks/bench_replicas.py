@@ -2,7 +2,8 @@
 
     python benchmarks/bench_replicas.py            # about 15 s
 
-- staleness: replica A decides and dispatches a request, or finishes one; the wall time until
+- staleness: replica A decides and dispatches a request, or finishes one (each publishes at
+  once: the load snapshot with the session facts, router/replica_sessions.py); the wall time until
   replica B's view shows it, over real ZeroMQ sockets on loopback, p50/p99/max;
 - a snapshot's cost: A building and encoding one, B decoding and matching it, at 8 and 32
   instances (per message, and its size);
@@ -42,7 +43,7 @@ def cluster(n: int) -> Cluster:
 
 async def staleness(changes: int = 100) -> tuple[list[float], list[float]]:
     """Seconds from A's change to B's view: after a decision and its dispatch (published at
-    once), and after a finish (published with the next heartbeat)."""
+    once), and after a finish (published at once too: its session's end is a fact to share)."""
     a_cl, b_cl = cluster(8), cluster(8)
     bind = free_endpoint()
     a = rp.Replicas(a_cl, "A", bind=bind, peers=[])
@@ -146,7 +147,7 @@ def session_cost(rounds: int = 5000) -> tuple[float, float, int]:
 def main() -> int:
     dispatched, finished = asyncio.run(staleness())
     for what, lat in (("a decision (published at once)", dispatched),
-                      ("a finish (published with the 50 ms heartbeat)", finished)):
+                      ("a finish (published at once with its session's end)", finished)):
         ms = [x * 1e3 for x in lat]
         print(f"staleness after {what}, A's change -> B's view, {len(ms)} changes: p50 "
               f"{percentile(ms, 50):.1f} ms  p99 {percentile(ms, 99):.1f} ms  max {max(ms):.1f} ms")
