@@ -19,7 +19,7 @@ from router.core import RoutingCore
 from router.request import RouteRequest
 from router.settings import Settings
 from router.supervise import Supervisor
-from test_replicas import endpoint, until
+from test_replicas import endpoint, replica_pair, until  # noqa: F401  (replica_pair: a fixture)
 
 URLS = ["http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:8000"]
 
@@ -302,3 +302,27 @@ def test_a_peers_prefills_queued_count_in_the_eviction_projection():
     msg["instances"][0]["load"] = msg["instances"][0]["load"][:5]
     assert b.receive(b.peers[0], [rp.TOPIC, json.dumps(msg).encode()])
     assert b_cl.hits(blocks, 160) == [144] and b.snapshot()["peer_load"]["i0"]["num_requests"] == 1
+
+
+async def test_two_routers_show_one_sessions_turns_whichever_served_them(replica_pair):
+    """Through the whole router: a session's turns spread over two replicas are counted as its
+    turns on both, and each replica's state shows the facts it applied."""
+    from router.app import STATE
+    from test_control import complete
+    from test_replicas import state
+
+    a, b = replica_pair
+    st_a, st_b = a.server.app[STATE], b.server.app[STATE]
+    await until(lambda: st_b.replicas.mode == rp.SHARED and st_a.replicas.mode == rp.SHARED,
+                what="both replicas sharing")
+    for k, client in enumerate((a, b, a)):
+        assert (await complete(client, "s1", prompt="hello " * (40 + 10 * k)))["status"] == 200
+        other = st_b if client is a else st_a
+        await until(lambda o=other: "s1" in o.cluster.sessions and o.cluster.sessions["s1"].turns == k + 1
+                    and o.cluster.sessions["s1"].in_flight == 0, what=f"turn {k + 1} heard")
+    for st in (st_a, st_b):
+        s1 = st.cluster.sessions["s1"]
+        assert (s1.turns, s1.gaps, s1.in_flight) == (3, 2, 0)
+        assert st.cluster.counters_zero()
+    shared = (await state(b))["replicas"]["sessions"]
+    assert shared["applied"]["b"] == 2 and shared["applied"]["d"] == 2 and shared["own_in_flight"] == 0
