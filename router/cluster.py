@@ -139,9 +139,6 @@ class Cluster:
         self.moved_sessions = 0  # sessions held that moved at least once
         #: Told of each own session request's end and amend (router/replica_sessions.py); None alone.
         self.session_listener: Any = None
-        #: Blocks the peer replicas' requests in flight will still allocate, per instance
-        #: (router/replicas.py): their prefills evict too.
-        self.peer_unheld: dict[int, int] = {}
 
     # -- what policies see ----------------------------------------------------------
     def hits(self, blocks: Sequence[int], input_tokens: int, *, exact: bool = True,
@@ -176,11 +173,9 @@ class Cluster:
     def _queued_evictions(self, instance: int) -> int:
         """Blocks the prefills queued on ``instance`` will evict before a request routed there
         now is scheduled: the blocks of this router's requests in flight there that the engine
-        has not reported holding (what they will still allocate), and the peer replicas' (their
-        snapshots), beyond the room it has beside what it holds (``capacity`` as the estimate
-        counts it)."""
-        extra = self.peer_unheld.get(instance, 0) if self.peer_unheld else 0
-        return self.exact.queued_evictions(instance, self.index.capacity[instance], extra)
+        has not reported holding (what they will still allocate), beyond the room it has beside
+        what it holds (``capacity`` as the estimate counts it)."""
+        return self.exact.queued_evictions(instance, self.index.capacity[instance])
 
     def index_source(self, instance: int, *, exact: bool = True) -> str:
         """Where ``instance``'s hit comes from: ``exact`` (its KV events) or ``estimate``."""

@@ -110,8 +110,6 @@ class RoutingCore:
 
     def view(self, req: RouteRequest, exclude: tuple[int, ...] = (), *,
              lookahead: bool = False) -> ClusterView:
-        if self.peers is not None:
-            self.peers.prepare()  # a peer gone stale leaves the view (and the eviction projection) first
         view = self.cluster.view(req.blocks, req.input_tokens, req.session_id,
                                  exact=req.token_source != "text_approx", lookahead=lookahead)
         if exclude:

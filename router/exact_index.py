@@ -382,7 +382,7 @@ class ExactIndex:
         holding: what their prefills will still allocate."""
         return self.instances[instance].unheld
 
-    def queued_evictions(self, instance: int, capacity_blocks: int, extra: int = 0) -> int:
+    def queued_evictions(self, instance: int, capacity_blocks: int) -> int:
         """Router blocks of the free queue that this router's requests in flight on ``instance``
         will evict: what they still allocate beyond the engine's room, counted in engine blocks
         (an open router block at a prompt's end holds engine blocks too). ``capacity_blocks`` is
@@ -394,7 +394,7 @@ class ExactIndex:
         cap = capacity_blocks * m
         if held > cap:
             return 0
-        over = (st.unheld + st.anon + extra) * m - (cap - held)  # extra: peer replicas' (router/replicas.py)
+        over = (st.unheld + st.anon) * m - (cap - held)
         return -(-over // m) if over > 0 else 0
 
     def reserve(self, instance: int, blocks: int) -> None:

@@ -3,9 +3,8 @@
 Every replica sees the engines' caches (KV events) but only its own requests' load. Here
 each replica publishes, over ZeroMQ PUB/SUB (brokerless: no daemon to run; pyzmq already
 carries the KV events), a snapshot of its own per-instance accounting (router/cluster.py:
-pending prefill tokens, requests, decoding tokens and requests, the seconds of prefill
-it has queued there, and the blocks its requests will still allocate there, which the
-exact hit's eviction projection counts) right after each of its decisions (at most one snapshot per
+pending prefill tokens, requests, decoding tokens and requests, and the seconds of prefill
+it has queued there) right after each of its decisions (at most one snapshot per
 ``MIN_GAP_S``) and every ``interval_s`` (the heartbeat). Each replica subscribes to the others and, when it prices a request, adds the
 latest fresh snapshot of every peer to its own exact counters (``Replicas.apply``, called
 from ``RoutingCore.view``: every policy and shadow sees the sum). Its own requests stay
@@ -57,8 +56,7 @@ DEFAULT_STALE_S = 0.5
 #: A peer unheard this many staleness bounds is gone: its sessions' requests in flight are released.
 GONE_STALE = 10
 #: The load fields a snapshot carries per instance (its ``load`` list), in this order.
-FIELDS = ("pending_prefill_tokens", "num_requests", "ongoing_decode_tokens", "decode_requests", "wait_s",
-          "unheld_tokens")
+FIELDS = ("pending_prefill_tokens", "num_requests", "ongoing_decode_tokens", "decode_requests", "wait_s")
 ENDPOINT = re.compile(r"^(tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.*-]+):\d{1,5}|ipc://.+)$")
 
 SHARED, OWN = "shared", "own"
@@ -82,7 +80,7 @@ class Peer:
     seq: int = -1
     received_at: float | None = None  # monotonic, this host's clock: freshness never trusts the peer's
     sent_ts: float | None = None  # the peer's wall clock at publishing (shown, not used)
-    loads: dict[int, tuple[int, int, int, int, float, int]] = field(default_factory=dict)  # by OUR index
+    loads: dict[int, tuple[int, int, int, int, float]] = field(default_factory=dict)  # by OUR index
     entries: list[dict[str, Any]] = field(default_factory=list)  # as received, re-matched on a fleet change
     received: int = 0
     gaps: int = 0  # snapshots it published that never arrived (sequence jumps)
@@ -131,7 +129,8 @@ class Replicas:
     def apply(self, view: ClusterView) -> str:
         """Add the fresh peers' load to ``view``'s candidates (and its lookahead's queued
         seconds); returns the view used, ``shared`` or ``own``. O(candidates)."""
-        self.prepare()
+        if self.clock() >= self._expires:
+            self.refresh()
         add = self._sum
         if add:
             for c in view.candidates:
@@ -151,11 +150,6 @@ class Replicas:
         # right after it, so peers learn of new load in milliseconds, not an interval
         self._schedule()
         return self.mode
-
-    def prepare(self) -> None:
-        """Before a view is built: leave out the peers gone stale since the last refresh."""
-        if self.clock() >= self._expires:
-            self.refresh()
 
     def bound(self, session_id: str, instance: int, input_tokens: int, est_hit: int, new_turn: bool,
               arrival: float | None) -> None:
@@ -206,13 +200,9 @@ class Replicas:
                 if t is None:
                     total[i] = list(load)
                 else:
-                    for k in range(len(FIELDS)):
+                    for k in range(5):
                         t[k] += load[k]
         self._sum = total
-        # what the peers' prefills queued will still allocate, in our blocks: the exact index's
-        # eviction projection (``Cluster._queued_evictions``) counts it with our own
-        bs = self.cluster.block_size
-        self.cluster.peer_unheld = {i: -(-int(a[5]) // bs) for i, a in total.items() if a[5] > 0}
         self._expires = expires
         mode = SHARED if fresh else OWN
         if mode != self.mode and self.peers:
@@ -244,8 +234,8 @@ class Replicas:
         i = self._keys.get("u:" + url.rstrip("/")) if url else None
         return self._keys.get("n:" + name) if i is None else i
 
-    def _match(self, entries: list[dict[str, Any]]) -> dict[int, tuple[int, int, int, int, float, int]]:
-        out: dict[int, tuple[int, int, int, int, float, int]] = {}
+    def _match(self, entries: list[dict[str, Any]]) -> dict[int, tuple[int, int, int, int, float]]:
+        out: dict[int, tuple[int, int, int, int, float]] = {}
         keys = self._keys
         for e in entries:
             i = keys.get("u:" + e["url"].rstrip("/")) if e["url"] else None
@@ -261,12 +251,9 @@ class Replicas:
         cl = self.cluster
         insts = cl.instances
         wait = cl.lookahead([Candidate(s.index, s.name, 0, 0, 0, 0, 0) for s in insts], 0, None, None).wait_s
-        ex = cl.exact
-        unheld = ([(e.unheld + e.anon) * cl.block_size for e in ex.instances] if ex is not None
-                  else [0] * len(insts))
         return [{"url": s.url, "name": s.name,
                  "load": [s.pending_prefill_tokens, s.num_requests, s.ongoing_decode_tokens, s.decode_requests,
-                          round(wait.get(s.index, 0.0), 6), unheld[s.index] if s.index < len(unheld) else 0]}
+                          round(wait.get(s.index, 0.0), 6)]}
                 for s in insts]
 
     def message(self, loads: list[dict[str, Any]]) -> bytes:
@@ -331,12 +318,11 @@ class Replicas:
                 return "malformed"
             url, name, load = e.get("url", ""), e.get("name", ""), e.get("load")
             if not (isinstance(url, str) and isinstance(name, str) and len(url) <= 2048 and len(name) <= 512
-                    and isinstance(load, list) and len(load) in (5, 6) and all(_int(x) for x in load[:4])
-                    and _num(load[4]) and (len(load) == 5 or _int(load[5]))):
+                    and isinstance(load, list) and len(load) == 5 and all(_int(x) for x in load[:4])
+                    and _num(load[4])):
                 return "malformed"
-            entries.append({"url": url, "name": name,  # unheld_tokens (6th) is optional: 0 from a peer without
-                            "load": (load[0], load[1], load[2], load[3], float(load[4]),
-                                     load[5] if len(load) == 6 else 0)})
+            entries.append({"url": url, "name": name,
+                            "load": (load[0], load[1], load[2], load[3], float(load[4]))})
         return replica, seq, float(ts), entries
 
     # -- sockets -----------------------------------------------------------------------

@@ -267,43 +267,6 @@ async def test_session_facts_cross_real_sockets_and_are_not_echoed():
         await b.stop()
 
 
-def test_a_peers_prefills_queued_count_in_the_eviction_projection():
-    """With KV events a hit is what the engine holds, less what the prefills queued ahead will
-    evict. A peer's queued prefills evict too: its snapshot says how much they will allocate."""
-    from kvfake import FakeEngineCache
-    from router.blocks import hash_token_blocks
-    from router.exact_index import ExactIndex
-    from test_kv_events import _feed
-
-    toks = list(range(160))
-    blocks = hash_token_blocks(toks, 16)
-    clusters = []
-    for _ in range(2):
-        c = Cluster(["i0"], urls=URLS[:1], block_size=16, capacity_blocks=16)
-        c.exact = ExactIndex(1, 16, speculative_ttl_s=0)
-        _feed(c.exact, 0, FakeEngineCache(16).run(toks))  # the engine holds the prompt, free: room 6
-        c.exact.set_live(0, True)
-        clusters.append(c)
-    a_cl, b_cl = clusters
-    a = rp.Replicas(a_cl, "A", bind="tcp://127.0.0.1:1", peers=[])
-    b = rp.Replicas(b_cl, "B", bind=None, peers=["tcp://127.0.0.1:1"])
-    big = list(range(5000, 5000 + 63 * 16))
-    a_cl.dispatch(0, len(big), 0, hash_token_blocks(big, 16))  # A queues 63 blocks to allocate there
-    assert a_cl.hits(blocks, 160) == [0] and b_cl.hits(blocks, 160) == [144]
-    b.receive(b.peers[0], [rp.TOPIC, a.message(a.own_loads())])
-    assert b.snapshot()["peer_load"]["i0"]["unheld_tokens"] == 63 * 16
-    core = core_of(b_cl)
-    core.peers = b
-    r = RouteRequest("r", "s", "header", 160, blocks, "tokens", "completions", True, 16)
-    assert core.decide(r).est_hit_tokens == 0 == b_cl.hits(blocks, 160)[0]  # B sees what A sees
-    assert b_cl.counters_zero()
-    # a snapshot of five fields (a peer before unheld_tokens) still counts, with nothing to evict
-    msg = json.loads(a.message(a.own_loads()))
-    msg["instances"][0]["load"] = msg["instances"][0]["load"][:5]
-    assert b.receive(b.peers[0], [rp.TOPIC, json.dumps(msg).encode()])
-    assert b_cl.hits(blocks, 160) == [144] and b.snapshot()["peer_load"]["i0"]["num_requests"] == 1
-
-
 async def test_two_routers_show_one_sessions_turns_whichever_served_them(replica_pair):
     """Through the whole router: a session's turns spread over two replicas are counted as its
     turns on both, and each replica's state shows the facts it applied."""
