@@ -2,11 +2,13 @@
 
     python benchmarks/bench_replicas.py            # about 15 s
 
-- staleness: replica A decides and dispatches a request, or finishes one; the wall time until
+- staleness: replica A decides and dispatches a request, or finishes one (each publishes at
+  once: the load snapshot with the session facts, router/replica_sessions.py); the wall time until
   replica B's view shows it, over real ZeroMQ sockets on loopback, p50/p99/max;
 - a snapshot's cost: A building and encoding one, B decoding and matching it, at 8 and 32
   instances (per message, and its size);
-- a decision's cost: ``Replicas.apply`` on a view of 8 and 32 candidates with two peers fresh.
+- a decision's cost: ``Replicas.apply`` on a view of 8 and 32 candidates with two peers fresh;
+- session records (router/replica_sessions.py): a request's facts built, encoded and applied.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def cluster(n: int) -> Cluster:
 
 async def staleness(changes: int = 100) -> tuple[list[float], list[float]]:
     """Seconds from A's change to B's view: after a decision and its dispatch (published at
-    once), and after a finish (published with the next heartbeat)."""
+    once), and after a finish (published at once too: its session's end is a fact to share)."""
     a_cl, b_cl = cluster(8), cluster(8)
     bind = free_endpoint()
     a = rp.Replicas(a_cl, "A", bind=bind, peers=[])
@@ -120,10 +122,32 @@ def apply_cost(n: int, rounds: int = 20_000) -> float:
     return (time.process_time() - t0) / rounds
 
 
+def session_cost(rounds: int = 5000) -> tuple[float, float, int]:
+    """Session records (router/replica_sessions.py): A's facts for one request (its bind and
+    its end) recorded and encoded into one message, and B applying them; CPU seconds per request."""
+    a = rp.Replicas(cluster(8), "A", bind="tcp://127.0.0.1:1", peers=[])  # publishing, never opened
+    b = rp.Replicas(cluster(8), "B", bind=None, peers=["tcp://127.0.0.1:1"])
+    share = a.share
+    msgs = []
+    t0 = time.process_time()  # CPU seconds: on a shared host wall time measures the neighbours
+    for k in range(rounds):
+        sid = f"session-{k % 50:04d}-0123456789abcdef"
+        share.bound(sid, k % 8, 30_000 + k, 20_000, True, None)
+        share.done(sid)
+        msgs.append(share.message())
+    enc = (time.process_time() - t0) / rounds
+    peer = b.peers[0]
+    t0 = time.process_time()
+    for m in msgs:
+        b.receive(peer, [rp.TOPIC, m])
+    dec = (time.process_time() - t0) / rounds
+    return enc, dec, max(len(m) for m in msgs)
+
+
 def main() -> int:
     dispatched, finished = asyncio.run(staleness())
     for what, lat in (("a decision (published at once)", dispatched),
-                      ("a finish (published with the 50 ms heartbeat)", finished)):
+                      ("a finish (published at once with its session's end)", finished)):
         ms = [x * 1e3 for x in lat]
         print(f"staleness after {what}, A's change -> B's view, {len(ms)} changes: p50 "
               f"{percentile(ms, 50):.1f} ms  p99 {percentile(ms, 99):.1f} ms  max {max(ms):.1f} ms")
@@ -131,6 +155,9 @@ def main() -> int:
         enc, dec, size = snapshot_cost(n)
         print(f"snapshot at {n} instances: {size} bytes; build+encode {enc * 1e6:.0f} us, decode+match {dec * 1e6:.0f} us")
         print(f"apply() on a view of {n} candidates, 2 fresh peers: {apply_cost(n) * 1e6:.2f} us per decision")
+    enc, dec, size = session_cost()
+    print(f"session records, a request's bind and end in one message (up to {size} bytes): record+encode "
+          f"{enc * 1e6:.1f} us, decode+apply {dec * 1e6:.1f} us at the peer")
     return 0
 
 

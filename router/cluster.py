@@ -20,6 +20,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from router.calibration import DEFAULT_PRIOR, Calibration, PrefillPrior
 from router.exact_index import ExactIndex
@@ -136,6 +137,8 @@ class Cluster:
         self._prior_tokens: list[dict[int, int]] = [{} for _ in names]
         self.session_moves = 0  # moves of the sessions held, summed
         self.moved_sessions = 0  # sessions held that moved at least once
+        #: Told of each own session request's end and amend (router/replica_sessions.py); None alone.
+        self.session_listener: Any = None
 
     # -- what policies see ----------------------------------------------------------
     def hits(self, blocks: Sequence[int], input_tokens: int, *, exact: bool = True,
@@ -306,17 +309,24 @@ class Cluster:
         if error:
             s.errors_total += 1
         if t.session_id is not None:  # its session may send its next turn from now
-            sess = self.sessions.get(t.session_id)
-            if sess is not None and sess.in_flight > 0:
-                sess.in_flight -= 1
-                sess.last_done = self.clock()
-                if sess.in_flight == 0:
-                    sess.fleet_s += sess.last_done - sess.busy_since  # a busy period closes
-                    i = sess.instance
-                    self._busy[i].pop(sess.session_id, None)
-                    self._idle[i][sess.session_id] = sess  # the most recently active now
+            self.session_done(t.session_id)
+            if self.session_listener is not None:  # router replicas: tell the peers (router/replica_sessions.py)
+                self.session_listener.done(t.session_id)
         t.phase = "done"
         self.in_flight -= 1
+
+    def session_done(self, session_id: str, at: float | None = None) -> None:
+        """One of the session's requests ended (``at``, now by default): it may send its next
+        turn from then. Its own ticket's end (``finish``) or a peer replica's word of one."""
+        sess = self.sessions.get(session_id)
+        if sess is not None and sess.in_flight > 0:
+            sess.in_flight -= 1
+            sess.last_done = self.clock() if at is None else max(at, sess.last_done)
+            if sess.in_flight == 0:
+                sess.fleet_s += max(0.0, sess.last_done - sess.busy_since)  # a busy period closes
+                i = sess.instance
+                self._busy[i].pop(sess.session_id, None)
+                self._idle[i][sess.session_id] = sess  # the most recently active now
 
     def amend(self, t: Ticket, input_tokens: int, blocks: Sequence[int], *,
               session_id: str | None = None, cache_blocks: bool = True) -> None:
@@ -331,12 +341,10 @@ class Cluster:
         s = self.instances[t.instance]
         delta = input_tokens - t.input_tokens
         s.input_tokens_total += delta
-        sess = self.sessions.get(session_id) if session_id is not None else None
-        if sess is not None:
-            sess.total_input_tokens += delta
-            self._weigh(sess, -1)
-            sess.last_input_tokens = input_tokens
-            self._weigh(sess, 1)
+        if session_id is not None:
+            self.amend_session(session_id, input_tokens, delta)
+            if self.session_listener is not None:
+                self.session_listener.amended(session_id, input_tokens)
         if cache_blocks:
             self.index.extend(t.instance, blocks, session_id)
         if t.phase == "done":
@@ -359,15 +367,28 @@ class Cluster:
             t.pinned = blocks
 
     # -- sessions -------------------------------------------------------------------
+    def amend_session(self, session_id: str, input_tokens: int, delta: int | None = None) -> None:
+        """The session's last request was counted at ``input_tokens`` (``amend``, or a peer
+        replica's word of one); ``delta`` its change to the session's total (from the last
+        context by default)."""
+        sess = self.sessions.get(session_id)
+        if sess is not None:
+            sess.total_input_tokens += input_tokens - sess.last_input_tokens if delta is None else delta
+            self._weigh(sess, -1)
+            sess.last_input_tokens = input_tokens
+            self._weigh(sess, 1)
+
     def bind_session(self, session_id: str, instance: int, input_tokens: int, est_hit: int,
-                     *, new_turn: bool = True, arrival: float | None = None) -> SessionInfo:
+                     *, new_turn: bool = True, arrival: float | None = None,
+                     at: float | None = None) -> SessionInfo:
         """Record a session's request on ``instance`` (dispatched now): its turn, its gap since
         its last answer, its move if it moved. The cluster holds at most ``max_sessions``
         records; past that the least recently active is forgotten (its next request is a first
         turn). A record is a fixed set of numbers: the memory per session is bounded.
         ``arrival``: the request's receipt (``t_recv``, before parsing and admission), from
-        which its session's first_seen and busy time count, as in the log (store/sessions.py)."""
-        now = self.clock()
+        which its session's first_seen and busy time count, as in the log (store/sessions.py).
+        ``at``: when it was dispatched, if not now (a peer replica's request, heard of later)."""
+        now = self.clock() if at is None else at
         start = now if arrival is None else min(arrival, now)
         sess = self.sessions.get(session_id)
         if sess is None:
@@ -381,7 +402,7 @@ class Cluster:
             self._weigh(sess, -1)
             self._unlist(sess)
             if new_turn and sess.turns:
-                gap = now - max(sess.last_seen, sess.last_done)  # its think time, not its service
+                gap = max(0.0, now - max(sess.last_seen, sess.last_done))  # its think time, not its service
                 sess.gap_sum += gap
                 sess.gaps += 1
                 self.gap_sum += gap

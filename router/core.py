@@ -163,6 +163,8 @@ class RoutingCore:
                                          session_id=r.session_id, exact=r.token_source != "text_approx")
         self.cluster.bind_session(r.session_id, d.instance, r.input_tokens, d.est_hit_tokens,
                                   new_turn=new_turn, arrival=arrival)
+        if self.peers is not None:  # router replicas share the session's record (router/replica_sessions.py)
+            self.peers.bound(r.session_id, d.instance, r.input_tokens, d.est_hit_tokens, new_turn, arrival)
         return d.ticket
 
     def route(self, req: RouteRequest, **kw) -> Decision:

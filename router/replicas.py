@@ -8,7 +8,8 @@ it has queued there) right after each of its decisions (at most one snapshot per
 ``MIN_GAP_S``) and every ``interval_s`` (the heartbeat). Each replica subscribes to the others and, when it prices a request, adds the
 latest fresh snapshot of every peer to its own exact counters (``Replicas.apply``, called
 from ``RoutingCore.view``: every policy and shadow sees the sum). Its own requests stay
-exact; a peer's contribution is at most one interval (plus the network) old.
+exact; a peer's contribution is at most one interval (plus the network) old. The same
+socket carries the replicas' session records (router/replica_sessions.py).
 
 A peer unheard for ``stale_s`` is left out of the sum; with every peer left out the replica
 routes on its own view and says so: a log line at each transition, the state snapshot and
@@ -32,6 +33,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from router.cluster import Candidate, Cluster, ClusterView
+from router.replica_sessions import KIND as SESSIONS_KIND
+from router.replica_sessions import SessionShare, _int, _num
 
 if TYPE_CHECKING:  # pragma: no cover
     from router.supervise import Supervisor
@@ -50,6 +53,8 @@ DEFAULT_INTERVAL_S = 0.05
 #: Decisions publish at once, but at most one snapshot per this many seconds.
 MIN_GAP_S = 0.005
 DEFAULT_STALE_S = 0.5
+#: A peer unheard this many staleness bounds is gone: its sessions' requests in flight are released.
+GONE_STALE = 10
 #: The load fields a snapshot carries per instance (its ``load`` list), in this order.
 FIELDS = ("pending_prefill_tokens", "num_requests", "ongoing_decode_tokens", "decode_requests", "wait_s")
 ENDPOINT = re.compile(r"^(tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.*-]+):\d{1,5}|ipc://.+)$")
@@ -116,6 +121,9 @@ class Replicas:
         self._tasks: list[asyncio.Task] = []
         self._soon = False  # a publish is scheduled for the end of this turn of the loop
         self._sent_at = -math.inf
+        #: the session records shared with the peers (router/replica_sessions.py)
+        self.share = SessionShare(cluster, replica_id, self._locate, publish=bind is not None, clock=clock)
+        self.share.wake = self._schedule
 
     # -- the hot path: what a decision adds -----------------------------------------
     def apply(self, view: ClusterView) -> str:
@@ -138,21 +146,31 @@ class Replicas:
                 for i, a in add.items():
                     if i in wait:
                         wait[i] += a[4]
-        if self._pub is not None and not self._soon:
-            # the request this view prices is dispatched in the same turn of the loop: publish
-            # right after it, so peers learn of new load in milliseconds, not an interval (at
-            # most one snapshot per MIN_GAP_S: a burst of decisions shares one)
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:  # no loop (a unit test driving the router directly)
-                return self.mode
-            wait = self._sent_at + MIN_GAP_S - self.clock()
-            if wait > 0:
-                loop.call_later(wait, self._send)
-            else:
-                loop.call_soon(self._send)
-            self._soon = True
+        # the request this view prices is dispatched in the same turn of the loop: publish
+        # right after it, so peers learn of new load in milliseconds, not an interval
+        self._schedule()
         return self.mode
+
+    def bound(self, session_id: str, instance: int, input_tokens: int, est_hit: int, new_turn: bool,
+              arrival: float | None) -> None:
+        """An own request was dispatched and its session bound (``RoutingCore.dispatch``)."""
+        self.share.bound(session_id, instance, input_tokens, est_hit, new_turn, arrival)
+
+    def _schedule(self) -> None:
+        """Publish at the end of this turn of the loop (at most one snapshot per MIN_GAP_S: a
+        burst of decisions and ends shares one)."""
+        if self._pub is None or self._soon:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (a unit test driving the router directly)
+            return
+        wait = self._sent_at + MIN_GAP_S - self.clock()
+        if wait > 0:
+            loop.call_later(wait, self._send)
+        else:
+            loop.call_soon(self._send)
+        self._soon = True
 
     def refresh(self) -> None:
         """Recompute freshness, the mode and the sum; log each transition."""
@@ -210,6 +228,12 @@ class Replicas:
         for p in self.peers:
             p.loads = self._match(p.entries)
 
+    def _locate(self, url: str, name: str) -> int | None:
+        """Our index of a peer's instance, by URL, then by name."""
+        self._rekey()
+        i = self._keys.get("u:" + url.rstrip("/")) if url else None
+        return self._keys.get("n:" + name) if i is None else i
+
     def _match(self, entries: list[dict[str, Any]]) -> dict[int, tuple[int, int, int, int, float]]:
         out: dict[int, tuple[int, int, int, int, float]] = {}
         keys = self._keys
@@ -242,6 +266,10 @@ class Replicas:
     def receive(self, peer: Peer, frames: list[bytes]) -> bool:
         """Take one message from ``peer``; False (and counted by reason) when it is dropped."""
         why = self._check(peer, frames)
+        if isinstance(why, dict):  # a session message (router/replica_sessions.py)
+            why = self.share.receive(peer.endpoint, why)
+            if why is None:
+                return True
         if isinstance(why, str):
             self.dropped[why] = self.dropped.get(why, 0) + 1
             return False
@@ -272,6 +300,8 @@ class Replicas:
             msg = json.loads(raw)
         except (ValueError, UnicodeDecodeError, RecursionError):
             return "not_json"
+        if isinstance(msg, dict) and SESSIONS_KIND in msg:
+            return msg
         if not isinstance(msg, dict) or "kvtop_replica" not in msg:
             return "malformed"
         if not _int(msg["kvtop_replica"]) or msg["kvtop_replica"] != VERSION:  # true == 1 in Python
@@ -305,7 +335,7 @@ class Replicas:
         self._ctx = zmq.Context()
         pub = self._ctx.socket(zmq.PUB)
         pub.setsockopt(zmq.LINGER, 0)
-        pub.setsockopt(zmq.SNDHWM, 64)
+        pub.setsockopt(zmq.SNDHWM, 256)
         pub.setsockopt(zmq.IPV6, 1)
         try:
             pub.bind(self.bind)
@@ -325,7 +355,7 @@ class Replicas:
         for k, p in enumerate(self.peers):
             sock = actx.socket(zmq.SUB)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.RCVHWM, 64)
+            sock.setsockopt(zmq.RCVHWM, 256)
             sock.setsockopt(zmq.MAXMSGSIZE, ZMQ_MAX_MESSAGE_BYTES)
             sock.setsockopt(zmq.RECONNECT_IVL, 100)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
@@ -356,7 +386,16 @@ class Replicas:
             await asyncio.sleep(self.interval_s)
             if self.clock() >= self._expires or (self.peers and self._expires == math.inf):
                 self.refresh()
+            self.expire_peers()
             self._send()
+
+    def expire_peers(self) -> None:
+        """A peer unheard for ``GONE_STALE`` staleness bounds is gone (a stall of a busy host
+        lasts less): what it held in flight is released (router/replica_sessions.py)."""
+        now = self.clock()
+        for p in self.peers:
+            if p.received_at is not None and now - p.received_at > GONE_STALE * self.stale_s:
+                self.share.forget_peer(p.endpoint)
 
     def _send(self) -> None:
         import zmq
@@ -367,9 +406,15 @@ class Replicas:
         self._sent_at = self.clock()
         try:
             self._pub.send_multipart([TOPIC, self.message(self.own_loads())], flags=zmq.NOBLOCK)
+            self.published += 1
+            if self.share.due():
+                msg = self.share.message()
+                if msg is not None:
+                    self._pub.send_multipart([TOPIC, msg], flags=zmq.NOBLOCK)
+                if self.share.pending:  # a burst over one message's facts: the rest soon
+                    self._schedule()
         except zmq.Again:  # no room at a slow subscriber: the next snapshot replaces this one
             return
-        self.published += 1
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -410,6 +455,7 @@ class Replicas:
                       for p in self.peers],
             "peer_load": {names[i].name: dict(zip(FIELDS, (round(x, 4) for x in a)))
                           for i, a in sorted(self._sum.items())},
+            "sessions": self.share.snapshot(),
         }
 
     def degraded(self) -> list[dict[str, Any]]:
@@ -471,23 +517,15 @@ class Replicas:
         yield load
 
 
-def _int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 53
-
-
-def _num(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
-
-
 # -- the router's wiring -------------------------------------------------------------------
 
 def add_arguments(p) -> None:
     p.add_argument("--replica-bind", default=None, metavar="tcp://HOST:PORT",
                    help="router replicas (docs/replicas.md): publish this replica's in-flight load per "
-                        "instance on this ZeroMQ endpoint for its peers")
+                        "instance and its session records on this ZeroMQ endpoint for its peers")
     p.add_argument("--replica-peer", action="append", default=[], metavar="tcp://HOST:PORT",
                    help="another replica's --replica-bind: its in-flight load is added to this one's when "
-                        "pricing (repeat for each peer)")
+                        "pricing, its session records join this one's (repeat for each peer)")
     p.add_argument("--replica-interval-ms", type=float, default=DEFAULT_INTERVAL_S * 1e3, metavar="MS",
                    help="publish at least this often (the heartbeat, and what finishes changed); "
                         "every decision publishes at once besides (default 50)")

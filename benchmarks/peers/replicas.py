@@ -1,5 +1,6 @@
 """Router replicas on the same engines: one kvtop router against three, with and without the
-shared in-flight view (router/replicas.py), clients split by session or spread per request.
+shared view (router/replicas.py: the in-flight load, and the session records of
+router/replica_sessions.py), clients split by session or spread per request.
 
     python benchmarks/peers/replicas.py --out replicas-out            # 5 arms x 2 runs; --help
 
