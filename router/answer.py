@@ -24,8 +24,8 @@ from http import HTTPStatus
 from aiohttp import web
 from aiohttp.http import SERVER_SOFTWARE, HttpVersion11
 
-#: A header value that can go on the wire as it is (no CR, LF or other control character).
-_SAFE = re.compile(r"[^\x00-\x08\x0a-\x1f\x7f]*\Z")
+#: A character no header name or value may hold on the wire (CR, LF, the other controls).
+_UNSAFE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 #: Answers up to this size go head and body in one buffer (one send); larger ones as two.
 _JOIN_BYTES = 256 * 1024
 _SERVER = f"Server: {SERVER_SOFTWARE}\r\n".encode("latin-1")
@@ -44,6 +44,18 @@ def _date() -> bytes:
     return _date_line
 
 
+_STATUS_LINES: dict[int, bytes] = {}
+
+
+def _status_line(status: int) -> bytes:
+    try:
+        reason = HTTPStatus(status).phrase
+    except ValueError:
+        reason = ""
+    line = _STATUS_LINES[status] = f"HTTP/1.1 {status} {reason}\r\n".encode("latin-1")
+    return line
+
+
 class Sent(web.StreamResponse):
     """An answer ``send_whole`` has written: aiohttp's handler finds nothing left to send.
     Its status and headers are those on the wire (for logs and tests)."""
@@ -58,6 +70,9 @@ class Sent(web.StreamResponse):
     def keep_alive(self) -> bool:
         return True
 
+    def __repr__(self) -> str:
+        return f"<Sent {self.status} {self.reason}>"
+
     async def prepare(self, request):  # noqa: ARG002 - written already
         return None
 
@@ -69,13 +84,10 @@ class Sent(web.StreamResponse):
 
 
 def head_lines(headers: dict[str, str]) -> bytes | None:
-    """Header lines for ``headers``, or None when a value cannot be written as it is."""
-    out = []
-    for k, v in headers.items():
-        if not (_SAFE.match(k) and _SAFE.match(v)):
-            return None
-        out.append(f"{k}: {v}\r\n")
-    return "".join(out).encode("latin-1", "replace")
+    """Header lines for ``headers``, or None when a name or value cannot be written as it is."""
+    if _UNSAFE.search("".join(headers) + "".join(headers.values())):
+        return None
+    return "".join([f"{k}: {v}\r\n" for k, v in headers.items()]).encode("utf-8", "surrogateescape")
 
 
 async def send_whole(request: web.Request, status: int, headers: dict[str, str],
@@ -89,12 +101,8 @@ async def send_whole(request: web.Request, status: int, headers: dict[str, str],
         await resp.prepare(request)
         await resp.write_eof()
         return resp
-    try:
-        reason = HTTPStatus(status).phrase
-    except ValueError:
-        reason = ""
-    head = (b"HTTP/1.1 %d %s\r\n" % (status, reason.encode("latin-1"))
-            + lines + b"Content-Length: %d\r\n" % len(body) + _date() + _SERVER + b"\r\n")
+    status_line = _STATUS_LINES.get(status) or _status_line(status)
+    head = (status_line + lines + b"Content-Length: %d\r\n" % len(body) + _date() + _SERVER + b"\r\n")
     writer = request.writer
     if len(body) < _JOIN_BYTES:
         await writer.write(head + body)  # one send
