@@ -48,18 +48,37 @@ def handlers(state_key, store: ResponseStore | None = None) -> dict[str, Any]:
 
     def bind(api: Api):
         async def handler(request: web.Request) -> web.StreamResponse:
-            try:
-                resp = await handle(request, request.app[state_key], api, store)
-            except (asyncio.CancelledError, ConnectionResetError):
-                raise
-            except Exception:  # a bug: said plainly, in the client's own error shape
-                log.exception("internal error on %s %s", request.method, request.path)
-                resp = error_response(500, "internal router error", err_type="InternalServerError")
-            return api.reshape(resp)
+            return await serve(request, request.app[state_key], api, store)
         handler.__name__ = api.name
         return handler
 
     return {api.path: bind(api) for api in APIS.values()}
+
+
+def direct_handlers(state: RouterState, store: ResponseStore) -> dict[str, Any]:
+    """The same handlers bound to ``state`` itself, for router/app.py's data-plane dispatch
+    (which skips the application's URL dispatcher, so a request there has no ``request.app``)."""
+
+    def bind(api: Api):
+        async def handler(request: web.Request) -> web.StreamResponse:
+            return await serve(request, state, api, store)
+        handler.__name__ = api.name
+        return handler
+
+    return {api.path: bind(api) for api in APIS.values()}
+
+
+async def serve(request: web.Request, state: RouterState, api: Api,
+                store: ResponseStore | None) -> web.StreamResponse:
+    """``handle``, with a bug answered plainly in the client's own error shape."""
+    try:
+        resp = await handle(request, state, api, store)
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:  # a bug: said plainly, in the client's own error shape
+        log.exception("internal error on %s %s", request.method, request.path)
+        resp = error_response(500, "internal router error", err_type="InternalServerError")
+    return api.reshape(resp)
 
 
 async def handle(request: web.Request, state: RouterState, api: Api, store: ResponseStore | None = None) -> web.StreamResponse:
@@ -100,7 +119,7 @@ async def handle(request: web.Request, state: RouterState, api: Api, store: Resp
 
 
 async def _route(request: web.Request, state: RouterState, api: Api, t_recv: float, raw: bytes,
-                 store: ResponseStore | None) -> web.StreamResponse:
+                store: ResponseStore | None) -> web.StreamResponse:
     """Perform the lifecycle's actions (router/lifecycle.py) for one request over HTTP."""
     life = state.lifecycle
     feats = state.features

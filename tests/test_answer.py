@@ -195,3 +195,35 @@ async def test_the_router_relays_a_non_streaming_answer_whole(router_server, fak
     writer.close()
     state = router.state
     assert state.counts["requests"] == 2
+
+
+async def test_the_data_plane_skips_the_apps_url_dispatcher(router_server, fake_backends, tmp_path):
+    """router/app.py data_plane_first: a data-plane POST reaches its handler without the
+    application's resolve and middleware chain; everything else still goes through them."""
+    from router.app import Backend, RouterConfig, create_app
+
+    fakes = await fake_backends(1)
+    cfg = RouterConfig(backends=[Backend("i0", fakes[0][1])], db=None, state_dir=str(tmp_path / "state"))
+    through_app = []
+    real = web.Application._handle
+
+    async def counted(self, request):
+        through_app.append((request.method, request.path))
+        return await real(self, request)
+
+    with mock.patch.object(web.Application, "_handle", counted):
+        router = await router_server(create_app(cfg))
+    client = router.client()
+    async with client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2}) as r:
+        assert r.status == 200 and (await r.json())["usage"]["completion_tokens"] == 2
+    async with client.post("/v1/chat/completions", json={"messages": "not a list"}) as r:
+        assert r.status == 400 and (await r.json())["error"]["code"] == 400  # the handler's own refusal
+    assert through_app == []
+    async with client.get("/v1/completions") as r:  # not a POST: the app's 405, in JSON
+        assert r.status == 405 and (await r.json())["error"]["code"] == 405
+    async with client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2},
+                           headers={"Expect": "100-continue"}) as r:  # the app answers 100-continue
+        assert r.status == 200
+    async with client.get("/health") as r:
+        assert r.status == 200
+    assert through_app == [("GET", "/v1/completions"), ("POST", "/v1/completions"), ("GET", "/health")]
