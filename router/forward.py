@@ -15,6 +15,8 @@ from __future__ import annotations
 import functools
 import json
 import re
+
+import orjson
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -247,11 +249,15 @@ class StreamScan:
 
 
 def usage_of(body: bytes) -> dict[str, Any] | None:
-    """``usage`` of a non-streaming JSON response, or None."""
+    """``usage`` of a non-streaming JSON response, or None. orjson first (a third of json's
+    time on an answer); what it refuses (an integer past 64 bits, NaN) goes through json."""
     try:
-        obj = json.loads(body)
-    except ValueError:
-        return None
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        try:
+            obj = json.loads(body)
+        except (ValueError, RecursionError):
+            return None
     return _usage_in(obj)
 
 

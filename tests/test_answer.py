@@ -227,3 +227,18 @@ async def test_the_data_plane_skips_the_apps_url_dispatcher(router_server, fake_
     async with client.get("/health") as r:
         assert r.status == 200
     assert through_app == [("GET", "/v1/completions"), ("POST", "/v1/completions"), ("GET", "/health")]
+
+
+@pytest.mark.parametrize("body,tokens", [
+    (BODY, 2),
+    (b'{"usage": {"completion_tokens": 3}, "logprob": NaN}', 3),  # orjson refuses it, json reads it
+    (b'{"usage": {"completion_tokens": 3}, "seed": 123456789012345678901234567890}', 3),
+    (b'{"response": {"usage": {"output_tokens": 5}}}', 5),  # a Responses answer
+    (b"not json", None),
+    (b"\xff\xfe{}", None),
+    (b"[" * 100_000 + b"]" * 100_000, None),  # nested past json's recursion limit: no usage, no error
+], ids=["openai", "nan", "big int", "responses", "not json", "not utf-8", "deep"])
+def test_usage_of_a_non_streaming_answer(body, tokens):
+    from router.forward import completion_tokens, usage_of
+
+    assert completion_tokens(usage_of(body)) == tokens
