@@ -60,7 +60,15 @@ class Sent(web.StreamResponse):
     """An answer ``send_whole`` has written: aiohttp's handler finds nothing left to send.
     Its status and headers are those on the wire (for logs and tests)."""
 
-    __slots__ = ()
+    __slots__ = ("_sent_bytes",)
+
+    def __init__(self, status: int, headers: dict[str, str], sent_bytes: int):
+        super().__init__(status=status, headers=headers)
+        self._sent_bytes = sent_bytes
+
+    @property
+    def body_length(self) -> int:  # what aiohttp's access log reports
+        return self._sent_bytes
 
     @property
     def prepared(self) -> bool:
@@ -110,4 +118,4 @@ async def send_whole(request: web.Request, status: int, headers: dict[str, str],
         await writer.write(head)
         await writer.write(body)
     await writer.write_eof()
-    return Sent(status=status, headers=headers)
+    return Sent(status, headers, writer.output_size)

@@ -90,7 +90,7 @@ async def test_send_whole_writes_what_web_response_writes_in_one_send(status, in
     # aiohttp's handler finds it sent: nothing more is written
     assert await resp.prepare(req) is None
     await resp.write_eof()
-    assert len(tr.writes) == 1 and req.writer.output_size == len(tr.writes[0])
+    assert len(tr.writes) == 1 and req.writer.output_size == len(tr.writes[0]) == resp.body_length
 
 
 async def test_a_large_answer_is_not_copied_behind_its_head():
