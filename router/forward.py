@@ -15,10 +15,10 @@ from __future__ import annotations
 import functools
 import json
 import re
-
-import orjson
 from dataclasses import dataclass, field
 from typing import Any
+
+import orjson
 
 # A data event carrying a non-empty text piece: completions' "text", chat's "content" or
 # "reasoning_content". Chat streams open with an empty-content role delta, which must not count.

@@ -119,7 +119,7 @@ async def handle(request: web.Request, state: RouterState, api: Api, store: Resp
 
 
 async def _route(request: web.Request, state: RouterState, api: Api, t_recv: float, raw: bytes,
-                store: ResponseStore | None) -> web.StreamResponse:
+                 store: ResponseStore | None) -> web.StreamResponse:
     """Perform the lifecycle's actions (router/lifecycle.py) for one request over HTTP."""
     life = state.lifecycle
     feats = state.features
