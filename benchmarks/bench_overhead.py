@@ -147,7 +147,8 @@ def target_cmd(name: str, port: int, backend: str, tmp: str) -> list[str] | None
         if not (src / "router").is_dir():
             raise SystemExit(f"{name}: no kvtop checkout at {src}")
         py = src / ".venv" / "bin" / "python"
-        return ["env", f"PYTHONPATH={src}", str(py if py.exists() else sys.executable), "-m", "kvtop", "route",
+        # -P: without it "-m" puts the working directory (this checkout) ahead of PYTHONPATH
+        return ["env", f"PYTHONPATH={src}", str(py if py.exists() else sys.executable), "-P", "-m", "kvtop", "route",
                 "--host", "127.0.0.1", "--port", str(port), "--backend", backend, "--policy", "lmetric",
                 "--db", "none", "--state-dir", tmp]
     if name in ("kvtop", "kvtop-db", "kvtop-shadow2", "kvtop-db-shadow2"):
