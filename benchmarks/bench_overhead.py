@@ -12,6 +12,8 @@ streaming with 8 SSE chunks):
     python benchmarks/bench_overhead.py                      # about 2 minutes
     python benchmarks/bench_overhead.py --targets direct,kvtop --requests 200
     python benchmarks/bench_overhead.py --repeat 3           # the figures in docs/performance.md
+    python benchmarks/bench_overhead.py --targets direct,kvtop@/path/to/main,kvtop,vllm-round_robin
+                                                             # another checkout's router, interleaved
 
 A third mode, ``big``, is the realistic agentic turn: ``--big-requests`` sequential chat
 requests of about 800 KB (200k tokens at 4 characters a token) in one growing session, each
@@ -140,6 +142,15 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 60, expect: by
 
 def target_cmd(name: str, port: int, backend: str, tmp: str) -> list[str] | None:
     prom = str(free_port())
+    if name.startswith("kvtop@"):  # another checkout's router (its .venv when it has one), same flags as kvtop
+        src = Path(name[6:]).resolve()
+        if not (src / "router").is_dir():
+            raise SystemExit(f"{name}: no kvtop checkout at {src}")
+        py = src / ".venv" / "bin" / "python"
+        # -P: without it "-m" puts the working directory (this checkout) ahead of PYTHONPATH
+        return ["env", f"PYTHONPATH={src}", str(py if py.exists() else sys.executable), "-P", "-m", "kvtop", "route",
+                "--host", "127.0.0.1", "--port", str(port), "--backend", backend, "--policy", "lmetric",
+                "--db", "none", "--state-dir", tmp]
     if name in ("kvtop", "kvtop-db", "kvtop-shadow2", "kvtop-db-shadow2"):
         # kvtop-db: with the decision log on, as deployed; *-shadow2: and two shadow policies
         db = str(Path(tmp) / f"overhead-{port}.db") if name.startswith("kvtop-db") else "none"

@@ -5,6 +5,8 @@
 (router/control.py) and ``GET /metrics`` (router/telemetry.py). ``start_server`` serves it
 the way ``kvtop route`` does (aiohttp's own HTTP/1.1 server on uvloop, with its header
 limits, handler cancellation when a client leaves, and TLS when given); tests use it too.
+A POST to a data-plane path reaches its handler before the application's URL dispatcher
+(``data_plane_first``): the same handler and error middleware, without the resolve.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import socket
 import ssl
 from collections.abc import AsyncIterator
 
-from aiohttp import web
+from aiohttp import hdrs, web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_protocol import _ErrInfo  # private; see _JsonErrorHandler.data_received
 
@@ -45,6 +47,8 @@ KEEPALIVE_TIMEOUT_S = 75.0
 #: and drop what the client sends for at most this long before closing, so that the client
 #: sees the answer instead of a reset.
 LINGERING_S = 2.0
+#: The data-plane handlers by path, bound to the app's RouterState (``data_plane_first``).
+DATA_PLANE = web.AppKey("kvtop_data_plane", dict)
 
 
 async def models(request: web.Request) -> web.Response:
@@ -93,6 +97,7 @@ def create_app(config: RouterConfig) -> web.Application:
     responses = ResponseStore()  # response id -> instance, for the data plane and passthrough
     for path, handler in proxy.handlers(STATE, responses).items():  # completions, chat, messages, responses
         app.router.add_post(path, handler)
+    app[DATA_PLANE] = proxy.direct_handlers(state, responses)  # the same, reached before the URL dispatcher
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.cleanup_ctx.append(_resources)
@@ -195,6 +200,24 @@ class _JsonErrorHandler(RequestHandler):
             self.close()  # nothing after it on this connection can be parsed
 
 
+def data_plane_first(app: web.Application, handle):
+    """The server's request handler: a POST to one of the four data-plane paths goes straight
+    to its handler (with the app's error middleware around it); everything else, and a
+    request with an ``Expect`` header (100-continue is the app's to answer), through
+    ``handle``, the application's URL dispatcher and middlewares. The dispatcher's resolve,
+    match info and middleware chain cost about 6 µs a request in a tight loop, 2-3x that on
+    the router's cold caches, and the data plane needs none of it."""
+    direct = app.get(DATA_PLANE) or {}
+
+    async def dispatch(request: web.BaseRequest) -> web.StreamResponse:
+        handler = direct.get(request.path) if request.method == "POST" else None
+        if handler is None or hdrs.EXPECT in request.headers:
+            return await handle(request)
+        return await json_errors(request, handler)
+
+    return dispatch
+
+
 class _Server(web.Server):
     """The low-level server making one ``_JsonErrorHandler`` per connection."""
 
@@ -212,6 +235,7 @@ async def start_server(app: web.Application, sock: socket.socket,
                            keepalive_timeout=KEEPALIVE_TIMEOUT_S)
     await runner.setup()
     runner.server.__class__ = _Server  # JSON for protocol errors too (see _JsonErrorHandler)
+    runner.server.request_handler = data_plane_first(app, runner.server.request_handler)
     runner.server.kvtop_state = app[STATE]
     try:
         await web.SockSite(runner, sock, ssl_context=ssl_context).start()

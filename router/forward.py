@@ -18,6 +18,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 # A data event carrying a non-empty text piece: completions' "text", chat's "content" or
 # "reasoning_content". Chat streams open with an empty-content role delta, which must not count.
 _TOKEN_RE = re.compile(rb'"(?:text|content|reasoning_content)":\s*"(?!")')
@@ -247,11 +249,15 @@ class StreamScan:
 
 
 def usage_of(body: bytes) -> dict[str, Any] | None:
-    """``usage`` of a non-streaming JSON response, or None."""
+    """``usage`` of a non-streaming JSON response, or None. orjson first (a third of json's
+    time on an answer); what it refuses (an integer past 64 bits, NaN) goes through json."""
     try:
-        obj = json.loads(body)
-    except ValueError:
-        return None
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        try:
+            obj = json.loads(body)
+        except (ValueError, RecursionError):
+            return None
     return _usage_in(obj)
 
 

@@ -143,8 +143,13 @@ async def read_body(request: web.Request, timeout_s: float | None,
         raise BadRequest(f"the request body ({request.content_length:,} bytes) is larger than the "
                          f"router's limit of {limit:,} bytes (--max-body-mb)", status=413)
     try:
-        if request.content.is_eof():
-            return await request.read()  # the whole body is already here
+        content = request.content
+        if content.is_eof():  # the whole body is already here: taken at once, not by read()'s loop
+            raw = content.read_nowait()
+            if len(raw) > limit:
+                raise BadRequest(f"the request body is larger than the router's limit of {limit:,} bytes "
+                                 "(--max-body-mb)", status=413)
+            return raw
         async with asyncio.timeout(timeout_s or None):  # unlike wait_for, no extra task per request
             n = request.content_length
             if n is None and reserve is not None:

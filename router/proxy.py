@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from router import limits, priority
+from router.answer import send_whole
 from router.apis import APIS, RESPONSES, Api, ResponseStore, response_id
 from router.features import decode_leg_body, prefill_leg_body
 from router.forward import StreamScan, cached_tokens, completion_tokens, upstream_headers, usage_of
@@ -47,18 +48,37 @@ def handlers(state_key, store: ResponseStore | None = None) -> dict[str, Any]:
 
     def bind(api: Api):
         async def handler(request: web.Request) -> web.StreamResponse:
-            try:
-                resp = await handle(request, request.app[state_key], api, store)
-            except (asyncio.CancelledError, ConnectionResetError):
-                raise
-            except Exception:  # a bug: said plainly, in the client's own error shape
-                log.exception("internal error on %s %s", request.method, request.path)
-                resp = error_response(500, "internal router error", err_type="InternalServerError")
-            return api.reshape(resp)
+            return await serve(request, request.app[state_key], api, store)
         handler.__name__ = api.name
         return handler
 
     return {api.path: bind(api) for api in APIS.values()}
+
+
+def direct_handlers(state: RouterState, store: ResponseStore) -> dict[str, Any]:
+    """The same handlers bound to ``state`` itself, for router/app.py's data-plane dispatch
+    (which skips the application's URL dispatcher, so a request there has no ``request.app``)."""
+
+    def bind(api: Api):
+        async def handler(request: web.Request) -> web.StreamResponse:
+            return await serve(request, state, api, store)
+        handler.__name__ = api.name
+        return handler
+
+    return {api.path: bind(api) for api in APIS.values()}
+
+
+async def serve(request: web.Request, state: RouterState, api: Api,
+                store: ResponseStore | None) -> web.StreamResponse:
+    """``handle``, with a bug answered plainly in the client's own error shape."""
+    try:
+        resp = await handle(request, state, api, store)
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:  # a bug: said plainly, in the client's own error shape
+        log.exception("internal error on %s %s", request.method, request.path)
+        resp = error_response(500, "internal router error", err_type="InternalServerError")
+    return api.reshape(resp)
 
 
 async def handle(request: web.Request, state: RouterState, api: Api, store: ResponseStore | None = None) -> web.StreamResponse:
@@ -281,10 +301,14 @@ async def _serve_leg(request: web.Request, state: RouterState, flow: Flow, raw: 
     try:
         # a stream's head comes at once from vLLM: a backend that accepts and never answers is
         # caught after --first-byte-timeout, not --read-timeout
-        async with asyncio.timeout(cfg.first_byte_timeout_s if req.stream else None):
+        on_sent = lambda: life.step(flow, LegSent())  # noqa: E731
+        if req.stream and cfg.first_byte_timeout_s:
+            async with asyncio.timeout(cfg.first_byte_timeout_s):
+                up = await state.upstream.request(inst.url, "POST", path, headers, raw,
+                                                  total_timeout=cfg.total_timeout_s, on_sent=on_sent)
+        else:  # no timer to arm and cancel: the pool's own bounds the wait
             up = await state.upstream.request(inst.url, "POST", path, headers, raw,
-                                              total_timeout=cfg.total_timeout_s,
-                                              on_sent=lambda: life.step(flow, LegSent()))
+                                              total_timeout=cfg.total_timeout_s, on_sent=on_sent)
         async with up:
             end["http_status"] = up.status
             if up.status != 200:
@@ -303,10 +327,8 @@ async def _serve_leg(request: web.Request, state: RouterState, flow: Flow, raw: 
                 return resp
             if not req.stream:
                 data = await up.read(limit=cfg.max_answer_bytes)
-                resp = web.Response(body=data, headers={**reply_headers, "Content-Type": up.headers.get(
-                    "Content-Type", "application/json")})
-                await resp.prepare(request)
-                await resp.write_eof()
+                resp = await send_whole(request, 200, {**reply_headers, "Content-Type": up.headers.get(
+                    "Content-Type", "application/json")}, data)
                 # the client has its answer: the bookkeeping below is off its path
                 life.step(flow, FirstToken(observed=False))
                 _remember(store, api, data, d)

@@ -462,11 +462,8 @@ class Pool:
         if self.closed:
             raise ConnectFailed("the connection pool is closed")
         netloc = self._target(base)[0]
-        head = [f"{method} {path} HTTP/1.1\r\nHost: {netloc}\r\nContent-Length: {len(body)}\r\n"]
-        for k, v in headers:
-            head.append(f"{k}: {v}\r\n")
-        head.append("\r\n")
-        head_bytes = "".join(head).encode("latin-1")
+        head_bytes = (f"{method} {path} HTTP/1.1\r\nHost: {netloc}\r\nContent-Length: {len(body)}\r\n"
+                      + "".join([f"{k}: {v}\r\n" for k, v in headers]) + "\r\n").encode("latin-1")
         # One write for a small request (one send); a large body goes as its own buffers (the
         # chunks it arrived in), so a 60 MB prompt is not copied on the event loop just to put
         # 300 bytes in front of it.
