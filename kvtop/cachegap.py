@@ -447,18 +447,10 @@ def simulated_gaps(trace: str, policies: Sequence[str], instances: int, profile:
 
 def decision_rows(db_path: str) -> list[dict[str, Any]]:
     """The split's columns of a decision log's rows (every run: request ids are unique), read
-    only; empty when the file is not a decision log."""
-    import sqlite3
+    only (store/reads.py ``decision_hits``); empty when the file is not a decision log."""
+    from store.reads import decision_hits
 
-    try:
-        conn = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
-        try:
-            cur = conn.execute("SELECT request_id, attempt, best_hit_tokens, est_hit_tokens FROM decisions")
-            return [dict(zip(("request_id", "attempt", "best_hit_tokens", "est_hit_tokens"), row)) for row in cur]
-        finally:
-            conn.close()
-    except sqlite3.Error:
-        return []
+    return decision_hits(db_path)
 
 
 def log_gaps(path: str, run_id: str | None, kv_tokens: int | None

@@ -6,12 +6,13 @@ shadow policies would have picked. Summaries per segment are store/summary.py's.
 from __future__ import annotations
 
 import math
+import sqlite3
 from pathlib import Path
 
 import sqlite_utils
 
 from store.errors import QueryError
-from store.logs import (as_db, decode_json_columns, fetch_dicts, gathered, is_merged, parse_time,
+from store.logs import (as_db, decode_json_columns, fetch_dicts, gathered, is_merged, open_readonly, parse_time,
                         resolve_run, run_filter, scope, segment_label)
 
 #: Outcome columns that ``decisions()`` adds to each decision (the rest repeat the decision's).
@@ -229,3 +230,19 @@ def shadow_summary(db: sqlite_utils.Database | str | Path, run_id: str | None = 
         r["disagree_by_class"] = classes.get((r["policy"], r["policy_version"], r["shadow"]), {})
         r["run_id"] = run_id
     return rows
+
+
+def decision_hits(path: str | Path) -> list[dict]:
+    """Every decision's ``request_id``, ``attempt``, ``best_hit_tokens`` and ``est_hit_tokens``
+    (all runs: request ids are unique), read only: the placement part of the cache-gap split
+    (kvtop/cachegap.py). Empty when the file is missing or not a decision log."""
+    try:
+        db = open_readonly(path)
+    except QueryError:
+        return []
+    try:
+        return fetch_dicts(db, "SELECT request_id, attempt, best_hit_tokens, est_hit_tokens FROM decisions")
+    except sqlite3.Error:  # an older log without these columns: no placement rows
+        return []
+    finally:
+        db.close()

@@ -190,6 +190,8 @@ def test_logged_gaps_take_placement_from_the_decision_log(tmp_path, capsys):
     db = tmp_path / "log.db"
     conn = sqlite3.connect(db)
     conn.execute("CREATE TABLE decisions (request_id TEXT, attempt INT, best_hit_tokens INT, est_hit_tokens INT)")
+    conn.execute("CREATE TABLE runs (run_id TEXT)")  # what a kvtop log has besides (store/logs.py)
+    conn.execute("CREATE TABLE outcomes (request_id TEXT)")
     conn.executemany("INSERT INTO decisions VALUES (?, 1, 0, 0)", [(r["request_id"],) for r in records])
     conn.commit()
     conn.close()
