@@ -369,7 +369,12 @@ def decompose_by(requests: Sequence[Any], records: Sequence[Mapping[str, Any]],
             g = tok(_prefix_len(c, sent))
             k_any = tok(_prefix_len(c, computed))
             k_on = tok(_prefix_len(c, on.get(inst, set())))
-            conc, place, evict = g - k_any, k_any - k_on, max(0, k_on - delivered)
+            # each part is a stretch of the prompt's positions: [k_on, k_any) placement, [k_any,
+            # g) concurrency, [delivered, k_on) evicted; only what lies past ``delivered`` was
+            # lost (a prefix that finished while r queued on its engine was a hit after all)
+            conc = max(0, g - max(k_any, delivered))
+            place = max(0, k_any - max(k_on, delivered))
+            evict = max(0, k_on - delivered)
             row = seen_by.get(str(rec.get("request_id")))
             if row is not None and place > 0:   # what the router saw held elsewhere, beyond its pick
                 seen = max(0, (row.get("best_hit_tokens") or 0) - (row.get("est_hit_tokens") or 0))

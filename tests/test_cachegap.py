@@ -237,3 +237,22 @@ async def test_report_db_splits_the_gap_per_policy_segment(router, capsys):  # n
     assert main(["report", "--db", st.config.db, "--format", "md", "--kv-tokens", str(10**7)]) == 0
     out = capsys.readouterr().out
     assert "## Where the gap to the prefix ceiling went" in out and "| unified@" in out.split("went")[1]
+
+
+def test_a_prefix_that_finished_while_it_queued_is_not_counted_lost():
+    """a2 is dispatched while a1 still prefills (concurrency by dispatch time), but its engine
+    looked it up after a1's first token and delivered a1's whole prefix: nothing of it was
+    lost, so no part claims it and "other" is not left to balance a phantom loss."""
+    t = [req("a", 1, 0.0, A), req("a", 2, 1.0, A2)]
+    records = [rec(t[0], "i0", 0, ttft_s=5.0, e2e_s=6.0), rec(t[1], "i0", 256)]
+    got = cachegap.decompose(t, records)
+    assert got.lost_tokens == 0
+    assert got.parts == {p: 0 for p in cachegap.PARTS}
+
+
+def test_a_partial_hit_counts_only_the_missed_positions():
+    """a2 moved to i1 (a1's prefix computed on i0 only), yet i1 delivered 128 of the 256 tokens
+    (another request brought them there after a2's dispatch): placement is the 128 it missed."""
+    t = two_turns()
+    got = cachegap.decompose(t, [rec(t[0], "i0", 0), rec(t[1], "i1", 128)])
+    assert got.parts == {p: (128 if p == "placement" else 0) for p in cachegap.PARTS}
