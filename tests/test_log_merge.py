@@ -523,9 +523,9 @@ def test_two_real_routers_logs_merge(tmp_path, capsys):
 
     from conftest import free_port
 
-    base = free_port()
-    while not all(_closed(base + k) for k in range(1, 6)):
-        base = free_port()
+    from kvtop.procs import free_port_run
+
+    base = free_port_run(6)  # 2 HTTP + 4 KV ports, below the kernel's range for client sockets
     sim = subprocess.Popen([sys.executable, "-m", "kvtop", "sim", "--instances", "2", "--port-base", str(base),
                             "--speed", "50", "--duration", "120"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            text=True)

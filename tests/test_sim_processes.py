@@ -104,3 +104,36 @@ def test_a_child_that_cannot_start_ends_the_rest():
     assert "an instance process exited" in proc.stderr
     assert "route with:" not in proc.stdout  # never printed for a fleet that did not come up
     assert _closed(busy - 1)
+
+
+def test_a_taken_default_kv_port_is_replaced_in_each_child():
+    """Without --kv-events-port-base the KV ports are a default layout: a child that finds its
+    port taken binds a free one (as one process does), and the route-with line names the ports
+    the children bound, not the layout's."""
+    base = free_port_run(6)
+    blocker = socket.socket()
+    blocker.bind(("127.0.0.1", base + 3))  # instance 0's replay port in the default layout
+    blocker.listen()
+    proc = subprocess.Popen([sys.executable, "-m", "kvtop", "sim", "--instances", "2", "--port-base", str(base),
+                             "--speed", "1000", "--duration", "60", "--process-per-instance"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        route = None
+        lines = []
+        deadline = time.monotonic() + 30
+        while route is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            assert line, proc.stderr.read()[-2000:]
+            lines.append(line)
+            if line.startswith("route with: "):
+                route = line
+        assert route is not None
+    finally:
+        blocker.close()
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+    first = next(line for line in lines if line.startswith("instance 0:"))
+    replay = first.split(" replay ")[1].split()[0]
+    assert replay != f"tcp://127.0.0.1:{base + 3}"
+    assert f"@kv=tcp://127.0.0.1:{base + 2}@kv-replay={replay} " in route
+    assert f"@kv=tcp://127.0.0.1:{base + 4}@kv-replay=tcp://127.0.0.1:{base + 5} " in route

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
+import re
 import signal
 
 from kvtop.cli import CliError
@@ -149,6 +150,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "instance's heavy request then delays the others)")
     parser.add_argument("--instance-offset", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--no-route-line", action="store_true", help=argparse.SUPPRESS)
+    # a child of --process-per-instance whose KV ports are the parent's default layout, not asked for
+    parser.add_argument("--kv-events-any-if-taken", action="store_true", help=argparse.SUPPRESS)
 
 
 def build_instances(args: argparse.Namespace):
@@ -224,7 +227,8 @@ def build_instances(args: argparse.Namespace):
         if kv_base is not None:
             from kvtop.sim.kv_publisher import KvEventPublisher
 
-            default = getattr(args, "kv_events_port_base", None) is None
+            default = (getattr(args, "kv_events_port_base", None) is None
+                       or getattr(args, "kv_events_any_if_taken", False))
             k = off + i
             pub_port, replay_port = kv_base + 2 * k, kv_base + 2 * k + 1
             if kv_base < 1 or kv_base + 2 * (off + args.instances) - 1 > 65535:
@@ -252,10 +256,11 @@ def url_host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
-def route_line(args: argparse.Namespace, instances=None) -> str:
+def route_line(args: argparse.Namespace, instances=None, endpoints=None) -> str:
     """``kvtop route`` with a ``--backend`` per instance, following its KV events when on:
     from the running ``instances`` where given (their publishers may have taken other ports
-    than the default layout's, when those were in use), else from the layout."""
+    than the default layout's, when those were in use), or the ``endpoints`` (instance i ->
+    (publisher, replay)) its children printed, else from the layout."""
     kv = kv_events_port_base(args)
     host = url_host(args.host)
     specs = []
@@ -264,6 +269,8 @@ def route_line(args: argparse.Namespace, instances=None) -> str:
         pub = instances[i].kv_publisher if instances is not None else None
         if pub is not None:
             spec += f"@kv={pub.endpoint}@kv-replay={pub.replay_endpoint}"
+        elif endpoints and i in endpoints:
+            spec += f"@kv={endpoints[i][0]}@kv-replay={endpoints[i][1]}"
         elif kv is not None:
             spec += f"@kv=tcp://{host}:{kv + 2 * i}@kv-replay=tcp://{host}:{kv + 2 * i + 1}"
         specs.append(f"--backend {spec}")
@@ -308,7 +315,10 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--process-per-instance and --one-process contradict each other: pick one")
     instances = build_instances(args)
     if args.instances > 1 and not args.one_process:
-        # each child has one instance: give it the fleet's KV ports, not a base of its own
+        # each child has one instance: give it the fleet's KV ports, not a base of its own, and
+        # let it take free ones where the default layout's are taken (as one process would)
+        if getattr(args, "kv_events_port_base", None) is None and not getattr(args, "no_kv_events", False):
+            args.kv_events_any_if_taken = True
         args.kv_events_port_base = kv_events_port_base(args)
         return _run_processes(args)
     off = args.instance_offset
@@ -372,11 +382,16 @@ def _child_argv(args: argparse.Namespace, i: int) -> list[str]:
         argv += ["--admission", args.admission, "--admission-lookahead", str(args.admission_lookahead)]
     if getattr(args, "no_kv_events", False):
         argv.append("--no-kv-events")
+    if getattr(args, "kv_events_any_if_taken", False):
+        argv.append("--kv-events-any-if-taken")
     if getattr(args, "scheduling_policy", "fcfs") != "fcfs":
         argv += ["--scheduling-policy", args.scheduling_policy]
     if getattr(args, "kv_pin_ttl", 0.0):
         argv += ["--kv-pin-ttl", repr(args.kv_pin_ttl)]
     return argv
+
+
+_KV_LINE = re.compile(r"KV events (\S+) replay (\S+)")
 
 
 def _run_processes(args: argparse.Namespace) -> int:
@@ -396,9 +411,13 @@ def _run_processes(args: argparse.Namespace) -> int:
     # Each child's lines, relayed in instance order ("instance 0:" first, as in one process):
     # scripts read the startup lines in order.
     out: list[list[str]] = [[] for _ in children]
+    endpoints: dict[int, tuple[str, str]] = {}  # the KV ports each child bound (free ones if taken)
 
     def relay(i: int) -> None:
         for line in children[i].stdout:
+            m = _KV_LINE.search(line) if i not in endpoints else None
+            if m:
+                endpoints[i] = (m.group(1), m.group(2))
             out[i].append(line)
 
     for i in range(len(children)):
@@ -430,7 +449,7 @@ def _run_processes(args: argparse.Namespace) -> int:
             if waiting is not None:
                 waiting = {i for i in waiting if not _serving(args.host, args.port_base + i)}
                 if not waiting and shown == len(children):
-                    print(route_line(args), flush=True)
+                    print(route_line(args, endpoints=endpoints), flush=True)
                     waiting = None
             time.sleep(0.1)
     finally:
