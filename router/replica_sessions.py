@@ -15,9 +15,13 @@ facts that build those records, as its own requests make them:
   request of the session was dispatched to the instance (``Cluster.bind_session``);
 - ``["d", session, age_s]``: one of its requests ended (``Cluster.session_done``);
 - ``["a", session, input_tokens]``: its last request was counted again (``Cluster.amend``);
-- ``["l", [[session, n], ...]]``: every ``RECONCILE_S``, the sessions with requests of this
-  replica in flight: a peer that missed a ``d`` (a message lost at a full queue) ends what
-  it still holds of this replica's and the list does not.
+- ``["l", [[session, n], ...], gen, part, parts]``: every ``RECONCILE_S``, the sessions with
+  requests of this replica in flight, as of when part 0 was made, in ``parts`` parts of at
+  most ``RECONCILE_PART`` sessions, one part a message: a peer that missed a ``d`` (a message
+  lost at a full queue) ends what it still holds of this replica's and the list does not,
+  once every part of the generation arrived in order. A request dispatched after part 0
+  (its ``b`` arrives after it) is not in the list: the peer counts those and never ends them
+  for it. (A two-element ``["l", list]`` is one part.)
 
 Times travel as ages (seconds before the message was sent), never wall clock: the receiver
 places each fact on its own clock. A peer applies them to its own cluster's session table
@@ -52,6 +56,10 @@ MAX_TRACKED = 65_536
 MAX_SESSION_ID = 512
 #: Send the list of own sessions in flight at least this often (the reconciliation).
 RECONCILE_S = 1.0
+#: Sessions in one part of that list (a part a message: 1,024 ids of 512 characters fit the
+#: receiver's 1 MiB message bound beside a message's other facts only when those are few, so
+#: ids that long are rare in practice; typical ids are under 64).
+RECONCILE_PART = 1024
 
 
 class SessionShare:
@@ -69,12 +77,16 @@ class SessionShare:
         self._stamps: list[float] = []  # the cluster clock of each pending fact
         self.own_busy: dict[str, int] = {}  # own sessions with requests in flight
         self._reconciled = -math.inf
+        self._recon_gen = 0
+        self._recon_parts: list[list[list[Any]]] = []  # the parts of the list not yet sent
+        self._recon_total = 0
         self.wake: Callable[[], None] | None = None  # asks for a publish soon (``Replicas._schedule``)
         self.sent = 0  # facts published
         self.lost = 0  # facts dropped before sending (the pending queue was full)
         self.applied = {"b": 0, "d": 0, "a": 0, "l": 0}
         self.ignored: dict[str, int] = {}  # facts received and not applied, by reason
-        #: per peer endpoint: [its replica id, its last session seq, session -> its requests in flight]
+        #: per peer endpoint: [its replica id, its last session seq, session -> its requests in
+        #: flight, the reconciliation in progress (_Recon) or None]
         self.peers: dict[str, list[Any]] = {}
         self.gaps = 0  # session messages peers sent that never arrived
         if publish:
@@ -117,8 +129,14 @@ class SessionShare:
             if len(session_id) <= MAX_SESSION_ID:
                 self._push(["a", session_id, int(input_tokens)])
 
+    @property
+    def reconciling(self) -> bool:
+        """Parts of the list of sessions in flight are still to be sent."""
+        return bool(self._recon_parts)
+
     def due(self) -> bool:
-        return bool(self.pending) or (self.publish and self.clock() - self._reconciled >= RECONCILE_S)
+        return bool(self.pending) or bool(self._recon_parts) or (
+            self.publish and self.clock() - self._reconciled >= RECONCILE_S)
 
     def message(self) -> bytes | None:
         """The next session message (facts, ages as of now, and the in-flight list when due),
@@ -137,9 +155,16 @@ class SessionShare:
             facts.append(fact)
         del self.pending[:len(facts)], self._stamps[:len(facts)]
         mono = self.clock()
-        if not self.pending and mono - self._reconciled >= RECONCILE_S and len(self.own_busy) <= MAX_FACTS:
-            facts.append(["l", [[sid, n] for sid, n in self.own_busy.items()]])
+        if (not self._recon_parts and not self.pending and mono - self._reconciled >= RECONCILE_S
+                and len(self.own_busy) <= MAX_RECON_PARTS * RECONCILE_PART):  # (more: peers track no more)
+            live = [[sid, n] for sid, n in self.own_busy.items()]
+            self._recon_parts = [live[k:k + RECONCILE_PART] for k in range(0, len(live), RECONCILE_PART)] or [[]]
+            self._recon_total = len(self._recon_parts)
+            self._recon_gen += 1
             self._reconciled = mono
+        if self._recon_parts:
+            part = self._recon_total - len(self._recon_parts)
+            facts.append(["l", self._recon_parts.pop(0), self._recon_gen, part, self._recon_total])
         if not facts:
             return None
         self.seq += 1
@@ -162,26 +187,26 @@ class SessionShare:
         st = self.peers.get(endpoint)
         if st is None or st[0] != replica:  # a new peer, or it restarted: what it held went with it
             self.forget_peer(endpoint)
-            st = self.peers[endpoint] = [replica, -1, {}]
+            st = self.peers[endpoint] = [replica, -1, {}, None]
         elif seq <= st[1]:
             return "old_seq"
         elif st[1] >= 0:
             self.gaps += seq - st[1] - 1
         st[1] = seq
-        busy = st[2]
         now = self.cluster.clock()
         for fact in facts:
-            why = self._apply(busy, fact, now)
+            why = self._apply(st, fact, now)
             if why is not None:
                 self.ignored[why] = self.ignored.get(why, 0) + 1
         return None
 
-    def _apply(self, busy: dict[str, int], f: Any, now: float) -> str | None:
+    def _apply(self, st: list[Any], f: Any, now: float) -> str | None:
         if not isinstance(f, list) or not f:
             return "malformed"
         kind = f[0]
         if kind == "l":
-            return self._reconcile(busy, f)
+            return self._reconcile(st, f)
+        busy = st[2]
         if len(f) < 2 or not isinstance(f[1], str) or not 0 < len(f[1]) <= MAX_SESSION_ID:
             return "malformed"
         sid = f[1]
@@ -199,6 +224,8 @@ class SessionShare:
             cl.bind_session(sid, i, f[4], min(f[5], f[4]), new_turn=bool(f[6]),
                             arrival=None if f[8] is None else now - f[8], at=now - f[7])
             busy[sid] = busy.get(sid, 0) + 1
+            if st[3] is not None:  # dispatched after the list in progress was made
+                st[3].since[sid] = st[3].since.get(sid, 0) + 1
         elif kind == "d":
             if not (len(f) == 3 and _num(f[2])):
                 return "malformed"
@@ -215,16 +242,35 @@ class SessionShare:
         self.applied[kind] += 1
         return None
 
-    def _reconcile(self, busy: dict[str, int], f: list[Any]) -> str | None:
-        if len(f) != 2 or not isinstance(f[1], list) or len(f[1]) > MAX_FACTS:
+    def _reconcile(self, st: list[Any], f: list[Any]) -> str | None:
+        if len(f) == 2:
+            f = [*f, None, 0, 1]
+        if not (len(f) == 5 and isinstance(f[1], list) and len(f[1]) <= MAX_FACTS
+                and (f[2] is None or _int(f[2])) and _int(f[3]) and _int(f[4]) and f[3] < f[4] <= MAX_RECON_PARTS):
             return "malformed"
-        live: dict[str, int] = {}
+        entries: dict[str, int] = {}
         for e in f[1]:
             if not (isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) and _int(e[1])):
                 return "malformed"
-            live[e[0]] = e[1]
+            entries[e[0]] = e[1]
+        gen, part, parts = f[2], f[3], f[4]
+        rec = st[3]
+        if part == 0:
+            rec = st[3] = _Recon(gen, parts)
+        elif rec is None or rec.gen != gen or rec.parts != parts or rec.next != part:
+            st[3] = None  # a part of it was lost: wait for the next list
+            return "partial"
+        if len(rec.live) + len(entries) > MAX_TRACKED:
+            st[3] = None
+            return "too_many"
+        rec.live.update(entries)
+        rec.next = part + 1
+        if rec.next < parts:
+            return None
+        st[3] = None
+        busy, live, since = st[2], rec.live, rec.since
         for sid, n in list(busy.items()):
-            extra = n - live.get(sid, 0)
+            extra = n - live.get(sid, 0) - since.get(sid, 0)
             if extra > 0:  # its end never reached us
                 self._release(busy, sid, extra, None)
         self.applied["l"] += 1
@@ -258,6 +304,21 @@ class SessionShare:
                 "applied": dict(self.applied), "ignored": dict(self.ignored),
                 "own_in_flight": sum(self.own_busy.values()),
                 "peer_in_flight": {e: sum(st[2].values()) for e, st in self.peers.items()}}
+
+
+#: Parts in one list (65,536 sessions at most: the peer tracks no more).
+MAX_RECON_PARTS = 64
+
+
+class _Recon:
+    """A peer's list of sessions in flight, while its parts arrive."""
+
+    __slots__ = ("gen", "parts", "next", "live", "since")
+
+    def __init__(self, gen: int | None, parts: int):
+        self.gen, self.parts, self.next = gen, parts, 1
+        self.live: dict[str, int] = {}
+        self.since: dict[str, int] = {}  # requests dispatched after part 0 (not in the list)
 
 
 def _int(x: Any) -> bool:

@@ -411,7 +411,7 @@ class Replicas:
                 msg = self.share.message()
                 if msg is not None:
                     self._pub.send_multipart([TOPIC, msg], flags=zmq.NOBLOCK)
-                if self.share.pending:  # a burst over one message's facts: the rest soon
+                if self.share.pending or self.share.reconciling:  # more than one message holds: the rest soon
                     self._schedule()
         except zmq.Again:  # no room at a slow subscriber: the next snapshot replaces this one
             return

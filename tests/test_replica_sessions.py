@@ -289,3 +289,51 @@ async def test_two_routers_show_one_sessions_turns_whichever_served_them(replica
         assert st.cluster.counters_zero()
     shared = (await state(b))["replicas"]["sessions"]
     assert shared["applied"]["b"] == 2 and shared["applied"]["d"] == 2 and shared["own_in_flight"] == 0
+
+
+def test_a_long_list_of_sessions_in_flight_goes_in_parts_and_spares_later_requests():
+    """More sessions in flight than one part holds: the list goes in parts, one a message; a
+    peer that missed ends releases them once every part arrived, never a request dispatched
+    after the list was made, and a lost part waits for the next list."""
+    p = Pair()
+    old = rs.RECONCILE_PART
+    rs.RECONCILE_PART = 4
+    try:
+        tickets = [place(p.ca, req(f"s{k}", 100), 0) for k in range(10)]
+        p.sync()
+        while p.ra.share.reconciling:  # the first list (3 parts) goes out whole
+            p.sync()
+        assert p.rb.share.applied["l"] == 1
+        assert sum(s.in_flight for s in p.b.sessions.values()) == 10
+        for tk in tickets[:3]:
+            p.a.finish(tk)
+        p.sync(drop_sessions=True)  # three ends lost
+        p.mono.t += rs.RECONCILE_S
+        msg = json.loads(p.ra.share.message())  # part 0 of 2 (7 sessions in flight, 4 a part)
+        assert msg["facts"][-1][0] == "l" and msg["facts"][-1][3:] == [0, 2]
+        assert p.ra.share.reconciling
+        p.rb.receive(p.rb.peers[0], [rp.TOPIC, json.dumps(msg).encode()])
+        late = place(p.ca, req("late", 100), 1)  # dispatched after part 0 was made: not in the list
+        msg = json.loads(p.ra.share.message())
+        assert [f[0] for f in msg["facts"]] == ["b", "l"] and msg["facts"][-1][3:] == [1, 2]
+        assert not p.ra.share.reconciling
+        p.rb.receive(p.rb.peers[0], [rp.TOPIC, json.dumps(msg).encode()])
+        held = {sid: s.in_flight for sid, s in p.b.sessions.items() if s.in_flight}
+        assert held == {**{f"s{k}": 1 for k in range(3, 10)}, "late": 1}
+        assert p.rb.share.applied["l"] == 2
+        # a lost part: nothing is released on what arrived of that list
+        p.a.finish(late)
+        p.a.finish(tickets[3])
+        p.sync(drop_sessions=True)
+        p.mono.t += rs.RECONCILE_S
+        first = p.ra.share.message()  # part 0, lost
+        p.rb.receive(p.rb.peers[0], [rp.TOPIC, p.ra.share.message()])
+        assert p.rb.share.ignored == {"partial": 1} and p.b.sessions["late"].in_flight == 1
+        assert first is not None
+        p.mono.t += rs.RECONCILE_S
+        p.sync()
+        p.sync()
+        held = {sid for sid, s in p.b.sessions.items() if s.in_flight}
+        assert held == {f"s{k}" for k in range(4, 10)}
+    finally:
+        rs.RECONCILE_PART = old
