@@ -1,0 +1,610 @@
+/* The simulated engine's per-block loops (kvtop/sim/engine.py's block pool) in C.
+ *
+ * Optional: setup.py builds it with optional=True, so an install without a compiler still
+ * works; kvtop/sim/_pool.py falls back to the same loops in Python (KVTOP_PURE_PYTHON=1 forces
+ * that), and tests/test_engine_cpool.py runs random workloads through both and compares them.
+ *
+ * Every function works on the engine's own Python lists and dicts (the refcount list, the
+ * block -> hash list, the hash -> block dict), with the semantics of the Python loop it
+ * replaces: the same list indexing (a negative index counts from the end, one past the end
+ * raises IndexError), the same comparisons (identity, then ==), the same dict operations in the
+ * same order. What it saves is the interpreter's cost per element, not any data structure.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+/* ``lst[o]``'s position, as list indexing takes an int; -1 with an exception set if none. */
+static inline Py_ssize_t
+position(PyObject *lst, PyObject *o)
+{
+    Py_ssize_t i = PyLong_AsSsize_t(o);
+    if (i == -1 && PyErr_Occurred()) {
+        if (!PyLong_Check(o)) {
+            PyErr_Clear();
+            i = PyNumber_AsSsize_t(o, PyExc_IndexError);
+            if (i == -1 && PyErr_Occurred())
+                return -1;
+        }
+        else {
+            PyErr_SetString(PyExc_IndexError, "list index out of range");
+            return -1;
+        }
+    }
+    Py_ssize_t n = PyList_GET_SIZE(lst);
+    if (i < 0)
+        i += n;
+    if (i < 0 || i >= n) {
+        PyErr_SetString(PyExc_IndexError, "list index out of range");
+        return -1;
+    }
+    return i;
+}
+
+/* ``lst[i] = v`` (a new reference to v is taken). */
+static inline void
+store(PyObject *lst, Py_ssize_t i, PyObject *v)
+{
+    PyObject *old = PyList_GET_ITEM(lst, i);
+    Py_INCREF(v);
+    PyList_SET_ITEM(lst, i, v);
+    Py_DECREF(old);
+}
+
+static int
+need_list(PyObject *o, const char *what)
+{
+    if (!PyList_Check(o)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a list, not %.100s", what, Py_TYPE(o)->tp_name);
+        return -1;
+    }
+    return 0;
+}
+
+#define SEQ(var, obj)                                                           \
+    PyObject *var = PySequence_Fast((obj), "expected a list or tuple");        \
+    if (var == NULL)                                                            \
+        return NULL;
+
+/* gather(values, index) -> tuple(values[i] for i in index) */
+static PyObject *
+gather(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "gather(values, index)");
+        return NULL;
+    }
+    PyObject *values = args[0];
+    if (need_list(values, "values"))
+        return NULL;
+    SEQ(index, args[1]);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(index);
+    PyObject **items = PySequence_Fast_ITEMS(index);
+    PyObject *out = PyTuple_New(n);
+    if (out == NULL)
+        goto fail;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        Py_ssize_t i = position(values, items[k]);
+        if (i < 0)
+            goto fail;
+        PyObject *v = PyList_GET_ITEM(values, i);
+        Py_INCREF(v);
+        PyTuple_SET_ITEM(out, k, v);
+    }
+    Py_DECREF(index);
+    return out;
+fail:
+    Py_XDECREF(out);
+    Py_DECREF(index);
+    return NULL;
+}
+
+/* fill(lst, index, value): ``for i in index: lst[i] = value`` */
+static PyObject *
+fill(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "fill(lst, index, value)");
+        return NULL;
+    }
+    PyObject *lst = args[0], *value = args[2];
+    if (need_list(lst, "lst"))
+        return NULL;
+    SEQ(index, args[1]);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(index);
+    for (Py_ssize_t k = 0; k < n; k++) {
+        Py_ssize_t i = position(lst, PySequence_Fast_GET_ITEM(index, k));
+        if (i < 0) {
+            Py_DECREF(index);
+            return NULL;
+        }
+        store(lst, i, value);
+    }
+    Py_DECREF(index);
+    Py_RETURN_NONE;
+}
+
+/* scatter(lst, index, values): ``for i, v in zip(index, values): lst[i] = v`` */
+static PyObject *
+scatter(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "scatter(lst, index, values)");
+        return NULL;
+    }
+    PyObject *lst = args[0];
+    if (need_list(lst, "lst"))
+        return NULL;
+    SEQ(index, args[1]);
+    PyObject *values = PySequence_Fast(args[2], "expected a list or tuple");
+    if (values == NULL) {
+        Py_DECREF(index);
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(index);
+    if (PySequence_Fast_GET_SIZE(values) < n)
+        n = PySequence_Fast_GET_SIZE(values);
+    for (Py_ssize_t k = 0; k < n; k++) {
+        Py_ssize_t i = position(lst, PySequence_Fast_GET_ITEM(index, k));
+        if (i < 0) {
+            Py_DECREF(index);
+            Py_DECREF(values);
+            return NULL;
+        }
+        store(lst, i, PySequence_Fast_GET_ITEM(values, k));
+    }
+    Py_DECREF(index);
+    Py_DECREF(values);
+    Py_RETURN_NONE;
+}
+
+/* incr(lst, index): ``for i in index: lst[i] += 1`` */
+static PyObject *
+incr(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "incr(lst, index)");
+        return NULL;
+    }
+    PyObject *lst = args[0];
+    if (need_list(lst, "lst"))
+        return NULL;
+    SEQ(index, args[1]);
+    PyObject *one = PyLong_FromLong(1);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(index);
+    for (Py_ssize_t k = 0; k < n; k++) {
+        Py_ssize_t i = position(lst, PySequence_Fast_GET_ITEM(index, k));
+        if (i < 0)
+            goto fail;
+        PyObject *v = PyNumber_InPlaceAdd(PyList_GET_ITEM(lst, i), one);
+        if (v == NULL)
+            goto fail;
+        if (i >= PyList_GET_SIZE(lst)) {   /* the addition ran code that shrank the list */
+            Py_DECREF(v);
+            PyErr_SetString(PyExc_IndexError, "list assignment index out of range");
+            goto fail;
+        }
+        store(lst, i, v);
+        Py_DECREF(v);
+    }
+    Py_DECREF(one);
+    Py_DECREF(index);
+    Py_RETURN_NONE;
+fail:
+    Py_DECREF(one);
+    Py_DECREF(index);
+    return NULL;
+}
+
+/* ``0 > v`` for an int v (1, 0, or -1 with an exception set). */
+static inline int
+is_negative(PyObject *v, PyObject *zero)
+{
+    if (PyLong_CheckExact(v)) {
+        int overflow;
+        long x = PyLong_AsLongAndOverflow(v, &overflow);
+        if (x == -1 && !overflow && PyErr_Occurred())
+            return -1;
+        return overflow ? overflow < 0 : x < 0;
+    }
+    return PyObject_RichCompareBool(zero, v, Py_GT);
+}
+
+/* count_free(ref, index, shared) -> sum(1 for i in index if ref[i] < 0)
+ * (``shared`` only lets the Python loop count cheaper; the answer is the same) */
+static PyObject *
+count_free(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "count_free(ref, index, shared)");
+        return NULL;
+    }
+    PyObject *lst = args[0];
+    if (need_list(lst, "lst"))
+        return NULL;
+    SEQ(index, args[1]);
+    PyObject *zero = PyLong_FromLong(0);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(index), count = 0;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        Py_ssize_t i = position(lst, PySequence_Fast_GET_ITEM(index, k));
+        if (i < 0)
+            goto fail;
+        int neg = is_negative(PyList_GET_ITEM(lst, i), zero);
+        if (neg < 0)
+            goto fail;
+        count += neg;
+    }
+    Py_DECREF(zero);
+    Py_DECREF(index);
+    return PyLong_FromSsize_t(count);
+fail:
+    Py_DECREF(zero);
+    Py_DECREF(index);
+    return NULL;
+}
+
+/* select_equal(lst, index, value) -> [i for i in index if lst[i] == value] */
+static PyObject *
+select_equal(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "select_equal(lst, index, value)");
+        return NULL;
+    }
+    PyObject *lst = args[0], *value = args[2];
+    if (need_list(lst, "lst"))
+        return NULL;
+    SEQ(index, args[1]);
+    PyObject *out = PyList_New(0);
+    if (out == NULL)
+        goto fail;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(index);
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *o = PySequence_Fast_GET_ITEM(index, k);
+        Py_ssize_t i = position(lst, o);
+        if (i < 0)
+            goto fail;
+        int eq = PyObject_RichCompareBool(PyList_GET_ITEM(lst, i), value, Py_EQ);
+        if (eq < 0 || (eq && PyList_Append(out, o) < 0))
+            goto fail;
+    }
+    Py_DECREF(index);
+    return out;
+fail:
+    Py_XDECREF(out);
+    Py_DECREF(index);
+    return NULL;
+}
+
+/* evict_claim(taken, block_hash, cached, ref, value, stop, start) -> position
+ *
+ * ``_allocate``'s loop over the blocks it took from the free queue, from ``taken[start]`` on:
+ * a block that holds a hash loses it (``del cached[h]``, ``block_hash[b] = None``), and every
+ * block's refcount entry becomes ``value``. It stops before a block that holds a hash and is in
+ * the set ``stop`` (the head-of-line memo's blocks, which the caller handles itself), and
+ * returns that block's position, else ``len(taken)``. ``stop`` may be None. */
+static PyObject *
+evict_claim(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError,
+                        "evict_claim(taken, block_hash, cached, ref, value, stop, start)");
+        return NULL;
+    }
+    PyObject *block_hash = args[1], *cached = args[2], *ref = args[3], *value = args[4];
+    PyObject *stop = args[5];
+    if (need_list(block_hash, "block_hash") || need_list(ref, "ref"))
+        return NULL;
+    if (!PyDict_Check(cached)) {
+        PyErr_SetString(PyExc_TypeError, "cached must be a dict");
+        return NULL;
+    }
+    if (stop == Py_None || (PyAnySet_Check(stop) && PySet_GET_SIZE(stop) == 0))
+        stop = NULL;
+    else if (!PyAnySet_Check(stop)) {
+        PyErr_SetString(PyExc_TypeError, "stop must be a set or None");
+        return NULL;
+    }
+    Py_ssize_t start = PyLong_AsSsize_t(args[6]);
+    if (start == -1 && PyErr_Occurred())
+        return NULL;
+    SEQ(taken, args[0]);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(taken);
+    Py_ssize_t k = start < 0 ? 0 : start;
+    for (; k < n; k++) {
+        PyObject *b = PySequence_Fast_GET_ITEM(taken, k);
+        Py_ssize_t i = position(block_hash, b);
+        if (i < 0)
+            goto fail;
+        PyObject *h = PyList_GET_ITEM(block_hash, i);
+        if (h != Py_None) {
+            if (stop != NULL) {
+                int in = PySet_Contains(stop, b);
+                if (in < 0)
+                    goto fail;
+                if (in)
+                    break;
+            }
+            Py_INCREF(h);
+            int rc = PyDict_DelItem(cached, h);
+            Py_DECREF(h);
+            if (rc < 0)
+                goto fail;
+            if (i >= PyList_GET_SIZE(block_hash)) {
+                PyErr_SetString(PyExc_IndexError, "list assignment index out of range");
+                goto fail;
+            }
+            store(block_hash, i, Py_None);
+        }
+        Py_ssize_t j = position(ref, b);
+        if (j < 0)
+            goto fail;
+        store(ref, j, value);
+    }
+    Py_DECREF(taken);
+    return PyLong_FromSsize_t(k);
+fail:
+    Py_DECREF(taken);
+    return NULL;
+}
+
+/* release(blocks, ref, value) -> q
+ *
+ * ``_free_blocks``' general loop: for each block, last first, the refcount goes down by one;
+ * a block left with none gets ``value`` (its free run's entry) and is appended to q. */
+static PyObject *
+release(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "release(blocks, ref, value)");
+        return NULL;
+    }
+    PyObject *ref = args[1], *value = args[2];
+    if (need_list(ref, "ref"))
+        return NULL;
+    SEQ(blocks, args[0]);
+    PyObject *one = PyLong_FromLong(1);
+    PyObject *q = PyList_New(0);
+    if (q == NULL)
+        goto fail;
+    for (Py_ssize_t k = PySequence_Fast_GET_SIZE(blocks) - 1; k >= 0; k--) {
+        PyObject *b = PySequence_Fast_GET_ITEM(blocks, k);
+        Py_ssize_t i = position(ref, b);
+        if (i < 0)
+            goto fail;
+        PyObject *r = PyNumber_Subtract(PyList_GET_ITEM(ref, i), one);
+        if (r == NULL)
+            goto fail;
+        int zero = PyObject_Not(r);
+        if (zero < 0 || i >= PyList_GET_SIZE(ref)) {
+            if (zero >= 0)
+                PyErr_SetString(PyExc_IndexError, "list assignment index out of range");
+            Py_DECREF(r);
+            goto fail;
+        }
+        if (zero) {
+            store(ref, i, value);
+            if (PyList_Append(q, b) < 0) {
+                Py_DECREF(r);
+                goto fail;
+            }
+        }
+        else
+            store(ref, i, r);
+        Py_DECREF(r);
+    }
+    Py_DECREF(one);
+    Py_DECREF(blocks);
+    return q;
+fail:
+    Py_DECREF(one);
+    Py_XDECREF(q);
+    Py_DECREF(blocks);
+    return NULL;
+}
+
+/* touch(hit, ref) -> (free, entries)
+ *
+ * ``_touch``'s general loop: a held block's refcount goes up by one; a free one (a negative
+ * entry, its run's id negated) becomes held by one. Returns the free ones taken and their
+ * former entries, in order, for the caller's per-run bookkeeping. */
+static PyObject *
+touch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "touch(hit, ref)");
+        return NULL;
+    }
+    PyObject *ref = args[1];
+    if (need_list(ref, "ref"))
+        return NULL;
+    SEQ(hit, args[0]);
+    PyObject *one = PyLong_FromLong(1), *zero = PyLong_FromLong(0);
+    PyObject *free = PyList_New(0), *entries = PyList_New(0);
+    if (free == NULL || entries == NULL)
+        goto fail;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(hit);
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *b = PySequence_Fast_GET_ITEM(hit, k);
+        Py_ssize_t i = position(ref, b);
+        if (i < 0)
+            goto fail;
+        PyObject *r = PyList_GET_ITEM(ref, i);
+        int neg = is_negative(r, zero);
+        if (neg < 0)
+            goto fail;
+        if (neg) {
+            if (PyList_Append(free, b) < 0 || PyList_Append(entries, r) < 0)
+                goto fail;
+            store(ref, i, one);
+        }
+        else {
+            PyObject *v = PyNumber_Add(r, one);
+            if (v == NULL)
+                goto fail;
+            if (i >= PyList_GET_SIZE(ref)) {
+                Py_DECREF(v);
+                PyErr_SetString(PyExc_IndexError, "list assignment index out of range");
+                goto fail;
+            }
+            store(ref, i, v);
+            Py_DECREF(v);
+        }
+    }
+    Py_DECREF(one);
+    Py_DECREF(zero);
+    Py_DECREF(hit);
+    PyObject *out = PyTuple_Pack(2, free, entries);
+    Py_DECREF(free);
+    Py_DECREF(entries);
+    return out;
+fail:
+    Py_DECREF(one);
+    Py_DECREF(zero);
+    Py_XDECREF(free);
+    Py_XDECREF(entries);
+    Py_DECREF(hit);
+    return NULL;
+}
+
+/* cached_prefix(cached, hashes, start, limit) -> list
+ *
+ * ``[cached[h] for h in hashes[start:limit]]`` up to the first hash not in the dict. */
+static PyObject *
+cached_prefix(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "cached_prefix(cached, hashes, start, limit)");
+        return NULL;
+    }
+    PyObject *cached = args[0];
+    if (!PyDict_Check(cached)) {
+        PyErr_SetString(PyExc_TypeError, "cached must be a dict");
+        return NULL;
+    }
+    Py_ssize_t start = PyLong_AsSsize_t(args[2]);
+    if (start == -1 && PyErr_Occurred())
+        return NULL;
+    Py_ssize_t limit = PyLong_AsSsize_t(args[3]);
+    if (limit == -1 && PyErr_Occurred())
+        return NULL;
+    SEQ(hashes, args[1]);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(hashes);
+    if (limit > n)
+        limit = n;
+    if (start < 0)
+        start = 0;
+    PyObject *out = PyList_New(0);
+    if (out == NULL)
+        goto fail;
+    for (Py_ssize_t k = start; k < limit; k++) {
+        PyObject *b = PyDict_GetItemWithError(cached, PySequence_Fast_GET_ITEM(hashes, k));
+        if (b == NULL) {
+            if (PyErr_Occurred())
+                goto fail;
+            break;
+        }
+        if (PyList_Append(out, b) < 0)
+            goto fail;
+    }
+    Py_DECREF(hashes);
+    return out;
+fail:
+    Py_XDECREF(out);
+    Py_DECREF(hashes);
+    return NULL;
+}
+
+/* chain_prefix(c_hashes, c_blocks, hashes, limit, block_hash) -> list
+ *
+ * ``c_blocks[:j]``: j is the first position below ``min(limit, len(c_hashes), len(c_blocks),
+ * len(hashes))`` where ``c_hashes[j] != hashes[j]`` or ``block_hash[c_blocks[j]] != hashes[j]``
+ * (engine.py's ``_chain_prefix``). */
+static PyObject *
+chain_prefix(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError,
+                        "chain_prefix(c_hashes, c_blocks, hashes, limit, block_hash)");
+        return NULL;
+    }
+    PyObject *block_hash = args[4];
+    if (need_list(block_hash, "block_hash"))
+        return NULL;
+    Py_ssize_t limit = PyLong_AsSsize_t(args[3]);
+    if (limit == -1 && PyErr_Occurred())
+        return NULL;
+    PyObject *c_hashes = NULL, *c_blocks = NULL, *hashes = NULL, *out = NULL;
+    c_hashes = PySequence_Fast(args[0], "expected a list or tuple");
+    if (c_hashes == NULL)
+        goto done;
+    c_blocks = PySequence_Fast(args[1], "expected a list or tuple");
+    if (c_blocks == NULL)
+        goto done;
+    hashes = PySequence_Fast(args[2], "expected a list or tuple");
+    if (hashes == NULL)
+        goto done;
+    Py_ssize_t m = limit;
+    if (PySequence_Fast_GET_SIZE(c_hashes) < m)
+        m = PySequence_Fast_GET_SIZE(c_hashes);
+    if (PySequence_Fast_GET_SIZE(c_blocks) < m)
+        m = PySequence_Fast_GET_SIZE(c_blocks);
+    if (PySequence_Fast_GET_SIZE(hashes) < m)
+        m = PySequence_Fast_GET_SIZE(hashes);
+    Py_ssize_t j = 0;
+    for (; j < m; j++) {
+        PyObject *h = PySequence_Fast_GET_ITEM(hashes, j);
+        int eq = PyObject_RichCompareBool(PySequence_Fast_GET_ITEM(c_hashes, j), h, Py_EQ);
+        if (eq < 0)
+            goto done;
+        if (!eq)
+            break;
+        Py_ssize_t i = position(block_hash, PySequence_Fast_GET_ITEM(c_blocks, j));
+        if (i < 0)
+            goto done;
+        eq = PyObject_RichCompareBool(PyList_GET_ITEM(block_hash, i), h, Py_EQ);
+        if (eq < 0)
+            goto done;
+        if (!eq)
+            break;
+    }
+    out = PyList_New(j);
+    if (out == NULL)
+        goto done;
+    for (Py_ssize_t k = 0; k < j; k++) {
+        PyObject *b = PySequence_Fast_GET_ITEM(c_blocks, k);
+        Py_INCREF(b);
+        PyList_SET_ITEM(out, k, b);
+    }
+done:
+    Py_XDECREF(c_hashes);
+    Py_XDECREF(c_blocks);
+    Py_XDECREF(hashes);
+    return out;
+}
+
+static PyMethodDef methods[] = {
+    {"gather", (PyCFunction)(void (*)(void))gather, METH_FASTCALL, NULL},
+    {"fill", (PyCFunction)(void (*)(void))fill, METH_FASTCALL, NULL},
+    {"scatter", (PyCFunction)(void (*)(void))scatter, METH_FASTCALL, NULL},
+    {"incr", (PyCFunction)(void (*)(void))incr, METH_FASTCALL, NULL},
+    {"count_free", (PyCFunction)(void (*)(void))count_free, METH_FASTCALL, NULL},
+    {"select_equal", (PyCFunction)(void (*)(void))select_equal, METH_FASTCALL, NULL},
+    {"evict_claim", (PyCFunction)(void (*)(void))evict_claim, METH_FASTCALL, NULL},
+    {"release", (PyCFunction)(void (*)(void))release, METH_FASTCALL, NULL},
+    {"touch", (PyCFunction)(void (*)(void))touch, METH_FASTCALL, NULL},
+    {"cached_prefix", (PyCFunction)(void (*)(void))cached_prefix, METH_FASTCALL, NULL},
+    {"chain_prefix", (PyCFunction)(void (*)(void))chain_prefix, METH_FASTCALL, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "kvtop.sim._blockpool",
+    "The simulated engine's per-block loops in C (see kvtop/sim/_pool.py).", -1, methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC
+PyInit__blockpool(void)
+{
+    return PyModule_Create(&module);
+}

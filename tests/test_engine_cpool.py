@@ -1,0 +1,228 @@
+"""The block pool's per-block loops exist twice: compiled (kvtop/sim/_blockpool.c, built by
+``pip install`` when it can be) and in Python (kvtop/sim/_pool.py, the fallback, forced by
+KVTOP_PURE_PYTHON=1). Both must give the same engine, result by result and block by block:
+random workloads (shared prefixes, preemptions, aborts, KV events, priorities, KV pins,
+remote-prefill pulls) run once on each and are compared after every step; each function is
+compared on its own with edge cases (errors included); and the shadow-pool test of
+tests/test_engine_block_pool.py runs on the implementation the suite does not use by default,
+so that CI exercises both."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import subprocess
+import sys
+import sysconfig
+from contextlib import contextmanager
+
+import pytest
+
+from kvtop.sim import _pool
+from kvtop.sim import engine as engine_mod
+from kvtop.sim.engine import Engine, EngineRejected, EngineRequest
+from tests.test_engine_block_pool import BS, drive, shadowed, workload
+
+needs_c = pytest.mark.skipif(_pool.C is None, reason="the C block pool is not built here "
+                             "(no C compiler at install time): only the Python loops run")
+
+# engine.py's name for each of _pool's functions
+ENGINE_NAMES = {name: "_" + name for name in _pool.NAMES}
+ENGINE_NAMES["touch"] = "_touch_blocks"
+
+
+@contextmanager
+def using(impl):
+    """The engine module on ``impl``'s loops (``_pool.C`` or ``_pool.PY``) inside the block."""
+    saved = {n: getattr(engine_mod, attr) for n, attr in ENGINE_NAMES.items()}
+    try:
+        for n, attr in ENGINE_NAMES.items():
+            setattr(engine_mod, attr, getattr(impl, n))
+        yield
+    finally:
+        for n, attr in ENGINE_NAMES.items():
+            setattr(engine_mod, attr, saved[n])
+
+
+def test_the_engine_uses_every_pool_function_of_the_chosen_implementation():
+    impl = _pool.C if _pool.IMPL == "c" else _pool.PY
+    for n, attr in ENGINE_NAMES.items():
+        assert getattr(engine_mod, attr) is getattr(impl, n), n
+
+
+def test_kvtop_pure_python_forces_the_python_loops():
+    code = ("from kvtop.sim import _pool, engine; "
+            "print(_pool.IMPL, engine._fill is _pool.PY.fill, engine._evict_claim is _pool.PY.evict_claim)")
+    env = dict(os.environ, KVTOP_PURE_PYTHON="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.stdout.split() == ["python", "True", "True"]
+
+
+def test_the_extension_is_built_where_a_compiler_is():
+    """A CI machine has gcc and the Python headers: there the install must have built the C
+    loops (setup.py), else the comparisons below would skip without anyone noticing."""
+    headers = os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if not (headers and cc):
+        pytest.skip("no C compiler or no Python headers here: the fallback is what runs")
+    assert _pool.C is not None, ("kvtop/sim/_blockpool.c is not built: run "
+                                 "`pip install -e .` again (it builds the optional extension)")
+
+
+# ------------------------------------------------------------------ function by function
+
+def both(name, *args):
+    """Call C's and Python's ``name`` on copies of ``args``; return (result or exception type,
+    the arguments after) for each."""
+    out = []
+    for impl in (_pool.C, _pool.PY):
+        copies = [a.copy() if isinstance(a, (list, dict, set)) else a for a in args]
+        try:
+            res = getattr(impl, name)(*copies)
+        except Exception as exc:   # the same exception type from both
+            res = type(exc)
+        out.append((res, copies))
+    return out
+
+
+@needs_c
+@pytest.mark.parametrize("seed", range(40))
+def test_each_function_matches_its_python_loop(seed):
+    rng = random.Random(seed)
+    n = rng.randint(1, 40)
+    ref = [rng.choice([1, 1, 2, 3, -rng.randint(1, 9)]) for _ in range(n)]
+    idx = [rng.randrange(-n, n) for _ in range(rng.randint(0, 30))]   # negative: from the end
+    bad = idx + [n]                                                     # one past the end
+    block_hash = [rng.choice([None, rng.randint(0, 10**6)]) for _ in range(n)]
+    cached = {h: b for b, h in enumerate(block_hash) if h is not None}
+    for args in ((ref, idx), (ref, tuple(idx)), (ref, bad), (ref, ["x"])):
+        a, b = both("gather", *args)
+        assert a == b
+    for name, extra in (("fill", (-7,)), ("scatter", (list(range(50)),)), ("incr", ()),
+                        # shared=0 promises every held entry is 1 (the engine's invariant)
+                        ("count_free", (int(max(ref) > 1) or rng.randint(0, 1),)),
+                        ("select_equal", (1,))):
+        for index in (idx, tuple(idx), bad):
+            a, b = both(name, ref, index, *extra)
+            assert a == b, name
+    uniq = rng.sample(range(n), rng.randint(0, n))    # distinct blocks, as the engine's lists are
+    held = [b for b in uniq if ref[b] > 0]
+    for args in ((held, ref, -42), (held + [n], ref, -42)):
+        a, b = both("release", *args)
+        assert a == b
+    for index in (uniq, uniq + [n]):
+        a, b = both("touch", index, ref)
+        assert a == b
+    stop = set(rng.sample(range(n), rng.randint(0, min(3, n))))
+    for start in (0, rng.randint(0, len(uniq))):
+        for s in (stop, set(), None):
+            a, b = both("evict_claim", uniq, block_hash, cached, ref, 1, s, start)
+            assert a == b
+    a, b = both("evict_claim", uniq, block_hash, {}, ref, 1, None, 0)   # a hash not cached
+    assert a == b
+    hashes = [rng.choice(list(cached) + [-1]) if cached else -1 for _ in range(rng.randint(0, 90))]
+    for start, limit in ((0, len(hashes)), (rng.randint(0, 5), rng.randint(0, 200))):
+        a, b = both("cached_prefix", cached, hashes, start, limit)
+        assert a == b
+    chain = [h for h in block_hash if h is not None]
+    c_blocks = [b for b, h in enumerate(block_hash) if h is not None]
+    for _ in range(5):
+        want = list(chain)
+        if want and rng.random() < 0.5:
+            want[rng.randrange(len(want))] = -5
+        mine = list(c_blocks)
+        if mine and rng.random() < 0.5:
+            mine[rng.randrange(len(mine))] = rng.randrange(n)
+        a, b = both("chain_prefix", chain, mine, want, rng.randint(0, 2 * n), block_hash)
+        assert a == b
+
+
+@needs_c
+def test_the_c_loops_refuse_what_the_engine_never_passes():
+    assert pytest.raises(TypeError, _pool.C.fill, (1, 2), [0], 1)
+    assert pytest.raises(TypeError, _pool.C.evict_claim, [0], [None], [], [0], 1, None, 0)
+    assert pytest.raises(TypeError, _pool.C.gather, [1])
+    assert pytest.raises(IndexError, _pool.C.gather, [1], [10**30])
+
+
+# ------------------------------------------------------------------ whole engines
+
+def run_engine(seed: int) -> list:
+    """Drive a random engine through a random workload; everything observable after each
+    step: the result, the counters, and the pool block by block."""
+    rng = random.Random(seed)
+    blocks = rng.randint(24, 160)
+    priority = rng.random() < 0.3
+    e = Engine("h20", block_size=BS, num_gpu_blocks=blocks,
+               max_num_batched_tokens=rng.choice([32, 128, 2048]), max_num_seqs=rng.randint(1, 6),
+               scheduling_policy="priority" if priority else "fcfs",
+               kv_pin_ttl_s=rng.choice([0.0, 0.0, 0.5, 3.0]),
+               kv_pin_max_share=rng.choice([1.0, 0.3]))
+    if rng.random() < 0.3:
+        e.kv_events = []
+    pending = []
+    for t, r in workload(rng, 40, blocks // 2, compaction=rng.choice([0.0, 0.3])):
+        if priority:
+            r.priority = rng.randint(-2, 2)
+        if r.block_hashes and rng.random() < 0.1:   # a decode side pulling the prompt's KV
+            r.kv_transfer_params = {"do_remote_prefill": True,
+                                    "remote_block_ids": list(range(len(r.block_hashes)))}
+        pending.append((t, r))
+    seen: list = []
+    original_step = e.step
+
+    def step(now, **kw):
+        res = original_step(now, coalesce=rng.random() < 0.5)
+        seen.append((repr(res), e.num_free_blocks, e.num_pinned_blocks, e.num_preemptions,
+                     e.prefix_hits, e.prefix_queries, e.generation_tokens, list(e._ref),
+                     list(e._block_hash), dict(e._cached), e._free_queue(), e._hol_touch_free,
+                     list(e._hol_hit), list(e.kv_events or ())))
+        return res
+
+    e.step = step
+    drive(e, rng, pending)
+    seen.append((e.num_free_blocks, e.num_allocated_blocks(), dict(e.request_success)))
+    return seen
+
+
+@needs_c
+@pytest.mark.parametrize("seed", range(24))
+def test_c_and_python_loops_give_the_same_engine(seed):
+    with using(_pool.C):
+        c = run_engine(seed)
+    with using(_pool.PY):
+        py = run_engine(seed)
+    assert len(c) == len(py)
+    for k, (a, b) in enumerate(zip(c, py)):
+        assert a == b, f"step {k}"
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_other_implementation_matches_the_block_by_block_pool(seed):
+    """tests/test_engine_block_pool.py's shadow pool on the implementation the rest of the
+    suite does not run: the Python loops where C is built, else C (when it is)."""
+    other = _pool.PY if _pool.IMPL == "c" else _pool.C
+    if other is None:
+        pytest.skip("only the Python loops exist here, and the rest of the suite runs them")
+    rng = random.Random(seed)
+    blocks = rng.randint(24, 160)
+    with using(other):
+        e = Engine("h20", block_size=BS, num_gpu_blocks=blocks,
+                   max_num_batched_tokens=rng.choice([32, 128, 2048]),
+                   max_num_seqs=rng.randint(1, 6))
+        if rng.random() < 0.5:
+            e.kv_events = []
+        shadowed(e)
+        drive(e, rng, list(workload(rng, 40, blocks // 2)))
+    assert e.num_free_blocks == blocks and e.num_allocated_blocks() == 0
+
+
+def test_a_rejected_request_leaves_both_pools_alone():
+    for impl in filter(None, (_pool.C, _pool.PY)):
+        with using(impl):
+            e = Engine("h20", block_size=BS, num_gpu_blocks=8)
+            with pytest.raises(EngineRejected):
+                e.add_request(EngineRequest("big", 20 * BS, list(range(20)), 1, 0.0))
+            assert e.num_free_blocks == 8 and e._free_queue() == list(range(8))
