@@ -30,6 +30,7 @@ needs_c = pytest.mark.skipif(_pool.C is None, reason="the C block pool is not bu
 # engine.py's name for each of _pool's functions
 ENGINE_NAMES = {name: "_" + name for name in _pool.NAMES}
 ENGINE_NAMES["touch"] = "_touch_blocks"
+ENGINE_NAMES["register"] = "_register_blocks"
 
 
 @contextmanager
@@ -100,7 +101,7 @@ def test_each_function_matches_its_python_loop(seed):
     for args in ((ref, idx), (ref, tuple(idx)), (ref, bad), (ref, ["x"])):
         a, b = both("gather", *args)
         assert a == b
-    for name, extra in (("fill", (-7,)), ("scatter", (list(range(50)),)), ("incr", ()),
+    for name, extra in (("fill", (-7,)), ("incr", ()),
                         # shared=0 promises every held entry is 1 (the engine's invariant)
                         ("count_free", (int(max(ref) > 1) or rng.randint(0, 1),)),
                         ("select_equal", (1,))):
@@ -122,6 +123,14 @@ def test_each_function_matches_its_python_loop(seed):
             assert a == b
     a, b = both("evict_claim", uniq, block_hash, {}, ref, 1, None, 0)   # a hash not cached
     assert a == b
+    # registering: new hashes, ones another block holds already, one repeated inside the run
+    free = [b for b, h in enumerate(block_hash) if h is None]
+    run = [rng.choice([rng.randint(2 * 10**6, 3 * 10**6)] + list(cached)[:3]) for _ in free]
+    if len(run) > 2 and rng.random() < 0.3:
+        run[-1] = run[0]
+    k = rng.randint(0, len(run))
+    a, b = both("register", cached, block_hash, run, free, k, rng.randint(k, len(run)))
+    assert a == b and list(a[1][0].items()) == list(b[1][0].items())   # the dict's order too
     hashes = [rng.choice(list(cached) + [-1]) if cached else -1 for _ in range(rng.randint(0, 90))]
     for start, limit in ((0, len(hashes)), (rng.randint(0, 5), rng.randint(0, 200))):
         a, b = both("cached_prefix", cached, hashes, start, limit)

@@ -123,38 +123,63 @@ fill(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
-/* scatter(lst, index, values): ``for i, v in zip(index, values): lst[i] = v`` */
+/* register(cached, block_hash, hashes, blocks, k, upto)
+ *
+ * ``_register``'s loop: for each idx in range(k, upto) whose hash is not in ``cached``,
+ * ``cached[hashes[idx]] = blocks[idx]`` and ``block_hash[blocks[idx]] = hashes[idx]``; one
+ * dict probe a block (``setdefault``, told apart from a hit by the dict's growth). */
 static PyObject *
-scatter(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+register_(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "scatter(lst, index, values)");
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "register(cached, block_hash, hashes, blocks, k, upto)");
         return NULL;
     }
-    PyObject *lst = args[0];
-    if (need_list(lst, "lst"))
-        return NULL;
-    SEQ(index, args[1]);
-    PyObject *values = PySequence_Fast(args[2], "expected a list or tuple");
-    if (values == NULL) {
-        Py_DECREF(index);
+    PyObject *cached = args[0], *block_hash = args[1];
+    if (!PyDict_Check(cached)) {
+        PyErr_SetString(PyExc_TypeError, "cached must be a dict");
         return NULL;
     }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(index);
-    if (PySequence_Fast_GET_SIZE(values) < n)
-        n = PySequence_Fast_GET_SIZE(values);
-    for (Py_ssize_t k = 0; k < n; k++) {
-        Py_ssize_t i = position(lst, PySequence_Fast_GET_ITEM(index, k));
-        if (i < 0) {
-            Py_DECREF(index);
-            Py_DECREF(values);
-            return NULL;
-        }
-        store(lst, i, PySequence_Fast_GET_ITEM(values, k));
+    if (need_list(block_hash, "block_hash"))
+        return NULL;
+    Py_ssize_t k = PyLong_AsSsize_t(args[4]);
+    if (k == -1 && PyErr_Occurred())
+        return NULL;
+    Py_ssize_t upto = PyLong_AsSsize_t(args[5]);
+    if (upto == -1 && PyErr_Occurred())
+        return NULL;
+    SEQ(hashes, args[2]);
+    PyObject *blocks = PySequence_Fast(args[3], "expected a list or tuple");
+    if (blocks == NULL) {
+        Py_DECREF(hashes);
+        return NULL;
     }
-    Py_DECREF(index);
-    Py_DECREF(values);
+    if (k < 0)
+        k = 0;
+    if (upto > PySequence_Fast_GET_SIZE(hashes) || upto > PySequence_Fast_GET_SIZE(blocks)) {
+        PyErr_SetString(PyExc_IndexError, "list index out of range");
+        goto fail;
+    }
+    for (Py_ssize_t idx = k; idx < upto; idx++) {
+        PyObject *h = PySequence_Fast_GET_ITEM(hashes, idx);
+        PyObject *b = PySequence_Fast_GET_ITEM(blocks, idx);
+        Py_ssize_t before = PyDict_GET_SIZE(cached);
+        if (PyDict_SetDefault(cached, h, b) == NULL)
+            goto fail;
+        if (PyDict_GET_SIZE(cached) == before)
+            continue;   /* another block already holds this content */
+        Py_ssize_t i = position(block_hash, b);
+        if (i < 0)
+            goto fail;
+        store(block_hash, i, h);
+    }
+    Py_DECREF(hashes);
+    Py_DECREF(blocks);
     Py_RETURN_NONE;
+fail:
+    Py_DECREF(hashes);
+    Py_DECREF(blocks);
+    return NULL;
 }
 
 /* incr(lst, index): ``for i in index: lst[i] += 1`` */
@@ -585,13 +610,13 @@ done:
 static PyMethodDef methods[] = {
     {"gather", (PyCFunction)(void (*)(void))gather, METH_FASTCALL, NULL},
     {"fill", (PyCFunction)(void (*)(void))fill, METH_FASTCALL, NULL},
-    {"scatter", (PyCFunction)(void (*)(void))scatter, METH_FASTCALL, NULL},
     {"incr", (PyCFunction)(void (*)(void))incr, METH_FASTCALL, NULL},
     {"count_free", (PyCFunction)(void (*)(void))count_free, METH_FASTCALL, NULL},
     {"select_equal", (PyCFunction)(void (*)(void))select_equal, METH_FASTCALL, NULL},
     {"evict_claim", (PyCFunction)(void (*)(void))evict_claim, METH_FASTCALL, NULL},
     {"release", (PyCFunction)(void (*)(void))release, METH_FASTCALL, NULL},
     {"touch", (PyCFunction)(void (*)(void))touch, METH_FASTCALL, NULL},
+    {"register", (PyCFunction)(void (*)(void))register_, METH_FASTCALL, NULL},
     {"cached_prefix", (PyCFunction)(void (*)(void))cached_prefix, METH_FASTCALL, NULL},
     {"chain_prefix", (PyCFunction)(void (*)(void))chain_prefix, METH_FASTCALL, NULL},
     {NULL, NULL, 0, NULL},

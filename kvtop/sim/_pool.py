@@ -18,8 +18,8 @@ from operator import itemgetter, ne
 from typing import Any
 
 #: the functions each implementation has, under these names
-NAMES = ("gather", "fill", "scatter", "incr", "count_free", "select_equal", "evict_claim",
-         "release", "touch", "cached_prefix", "chain_prefix")
+NAMES = ("gather", "fill", "incr", "count_free", "select_equal", "evict_claim",
+         "release", "touch", "register", "cached_prefix", "chain_prefix")
 
 
 def gather(values: list[Any], index: Sequence[int]) -> tuple[Any, ...]:
@@ -37,12 +37,6 @@ def fill(lst: list[Any], index: Sequence[int], value: Any) -> None:
     """``lst[i] = value`` for each ``i`` in ``index``."""
     for i in index:
         lst[i] = value
-
-
-def scatter(lst: list[Any], index: Sequence[int], values: Sequence[Any]) -> None:
-    """``lst[i] = v`` for each ``i, v`` in ``zip(index, values)``."""
-    for i, v in zip(index, values):
-        lst[i] = v
 
 
 def incr(lst: list[int], index: Sequence[int]) -> None:
@@ -124,6 +118,42 @@ def touch(hit: Sequence[int], ref: list[int]) -> tuple[list[int], list[int]]:
         else:
             ref[b] = r + 1
     return free, entries
+
+
+def register(cached: dict[int, int], block_hash: list[int | None], hashes: Sequence[int],
+             blocks: Sequence[int], k: int, upto: int) -> None:
+    """``_register``'s loop: for each ``idx`` in ``range(k, upto)`` whose hash is not cached,
+    ``cached[hashes[idx]] = blocks[idx]`` and ``block_hash[blocks[idx]] = hashes[idx]``.
+
+    In Python, the common case (no hash of the run cached already: no exception on the agentic
+    benchmark trace) is one C-level update, checked afterwards by the dict's growth, which a
+    hash cached already or repeated inside the run cuts short; then it is undone and done
+    block by block."""
+    run = hashes[k:upto]
+    before = len(cached)
+    run_blocks = blocks[k:upto]
+    cached.update(zip(run, run_blocks))
+    if len(cached) - before == upto - k:
+        for b, h in zip(run_blocks, run):
+            block_hash[b] = h
+        return
+    # Undo it: a hash that another block held (its block_hash entry says which; the run's own
+    # blocks hold none yet) is given back to that block, in place, and the run's new hashes
+    # are removed.
+    run_set = set(run)
+    held = {h: b for b, h in enumerate(block_hash) if h is not None and h in run_set}
+    for h in run_set:
+        b = held.get(h)
+        if b is None:
+            del cached[h]
+        else:
+            cached[h] = b
+    for idx in range(k, upto):
+        h = hashes[idx]
+        if h not in cached:   # another block may already hold this content
+            b = blocks[idx]
+            cached[h] = b
+            block_hash[b] = h
 
 
 def cached_prefix(cached: dict[int, int], hashes: Sequence[int], start: int,

@@ -76,13 +76,13 @@ from kvtop.sim.profiles import DEFAULT_PROFILE, Profile, get_profile
 # else the same loops in Python (kvtop/sim/_pool.py; KVTOP_PURE_PYTHON=1 forces them).
 _gather = _pool.gather
 _fill = _pool.fill
-_scatter = _pool.scatter
 _incr = _pool.incr
 _count_free = _pool.count_free
 _select_equal = _pool.select_equal
 _evict_claim = _pool.evict_claim
 _release = _pool.release
 _touch_blocks = _pool.touch
+_register_blocks = _pool.register
 _cached_prefix = _pool.cached_prefix
 _chain_prefix = _pool.chain_prefix
 
@@ -1249,36 +1249,16 @@ class Engine:
         blocks = req.blocks
         kv_events = self.kv_events
         if kv_events is None:
-            # The common case, no block of the run cached already (no exception on the agentic
-            # benchmark trace): one C-level update, checked afterwards by the dict's growth,
-            # which a hash cached already or repeated inside the run cuts short.
-            run = hashes[k:upto]
-            before = len(cached)
-            run_blocks = blocks[k:upto]
-            cached.update(zip(run, run_blocks))
-            if len(cached) - before == upto - k:
-                _scatter(block_hash, run_blocks, run)
-                req.registered = upto
-                return
-            # Undo it, then go block by block: a hash that another block held (its block_hash
-            # entry says which; the run's own blocks hold none yet) is given back to that
-            # block, in place, and the run's new hashes are removed.
-            run_set = set(run)
-            held = {h: b for b, h in enumerate(block_hash) if h is not None and h in run_set}
-            for h in run_set:
-                b = held.get(h)
-                if b is None:
-                    del cached[h]
-                else:
-                    cached[h] = b
+            _register_blocks(cached, block_hash, hashes, blocks, k, upto)
+            req.registered = upto
+            return
         for idx in range(k, upto):
             h = hashes[idx]
             if h not in cached:   # another block may already hold this content
                 b = blocks[idx]
                 cached[h] = b
                 block_hash[b] = h
-                if kv_events is not None:
-                    kv_events.append((1, req.id, idx))
+                kv_events.append((1, req.id, idx))
         req.registered = upto
 
     def _free_blocks(self, req: _Req, pin_until: float | None = None) -> None:
