@@ -148,6 +148,53 @@ def test_each_function_matches_its_python_loop(seed):
         assert a == b
 
 
+def running_requests(rng: random.Random) -> list:
+    """Running requests in every state the step's loop meets: decoding, mid-prefill, needing a
+    block, with blocks to register, a budget or threshold that cuts them."""
+    reqs = []
+    for k in range(rng.randint(0, 12)):
+        n = rng.randint(1, 10 * BS)
+        r = engine_mod._Req(EngineRequest(f"r{k}", n, list(range(n // BS)), 8, 0.0), 0.0)
+        r.computed = rng.randint(0, n)
+        r.num_tokens = n + rng.choice([0, 0, 1, 3])
+        r.output = r.num_tokens - n
+        r.blocks = list(range(-(-r.num_tokens // BS) + rng.choice([0, 0, 0, -1, 1])))
+        r.registered = rng.choice([len(r.hashes), len(r.hashes), max(0, len(r.hashes) - 1)])
+        reqs.append(r)
+    return reqs
+
+
+def request_state(reqs) -> list:
+    return [(r.id, r.computed, r.num_tokens, r.output, len(r.blocks), r.registered) for r in reqs]
+
+
+@needs_c
+@pytest.mark.parametrize("seed", range(60))
+def test_the_running_loop_matches_its_python_loop(seed):
+    rng = random.Random(seed)
+    reqs = running_requests(rng)
+    budget, threshold, start = rng.choice([1, 7, 64, 2048]), rng.choice([0, None, 16]), rng.randint(0, 2)
+    out = []
+    for impl in (_pool.C, _pool.PY):
+        copies = [engine_mod._Req(EngineRequest(r.id, r.prompt, r.hashes, 8, 0.0), 0.0) for r in reqs]
+        for c, r in zip(copies, reqs):
+            c.computed, c.num_tokens, c.output, c.blocks, c.registered = \
+                r.computed, r.num_tokens, r.output, list(r.blocks), r.registered
+        scheduled: list = []
+        res = impl.running_plain(copies, start, budget, threshold, BS, scheduled)
+        out.append((res, [r.id for r in scheduled], request_state(copies)))
+    assert out[0] == out[1]
+
+
+@needs_c
+def test_the_c_running_loop_leaves_other_objects_to_python():
+    class Other:
+        computed, num_tokens, output, blocks, registered, hashes = 0, 5, 0, [0], 0, []
+    scheduled: list = []
+    assert _pool.C.running_plain([Other()], 0, 100, None, BS, scheduled) == (0, 100, 0, 0)
+    assert scheduled == []
+
+
 @needs_c
 def test_the_c_loops_refuse_what_the_engine_never_passes():
     assert pytest.raises(TypeError, _pool.C.fill, (1, 2), [0], 1)

@@ -12,6 +12,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 
 /* ``lst[o]``'s position, as list indexing takes an int; -1 with an exception set if none. */
 static inline Py_ssize_t
@@ -607,6 +608,143 @@ done:
     return out;
 }
 
+/* The engine's request objects (kvtop/sim/engine.py ``_Req``, a class with __slots__): the
+ * offsets of the slots the running loop reads, taken from the class's member descriptors by
+ * ``bind_request``. ``running_plain`` reads them directly, and leaves any other object (or an
+ * unset slot, or a value that is not a plain int) to the Python loop. */
+static PyTypeObject *req_type = NULL;
+static Py_ssize_t off_computed, off_num_tokens, off_blocks, off_registered, off_hashes, off_output;
+
+static int
+slot_offset(PyTypeObject *t, const char *name, Py_ssize_t *off)
+{
+    PyObject *d = PyDict_GetItemString(t->tp_dict, name);   /* borrowed */
+    if (d == NULL || !Py_IS_TYPE(d, &PyMemberDescr_Type)
+            || ((PyMemberDescrObject *)d)->d_member->type != T_OBJECT_EX) {
+        PyErr_Format(PyExc_TypeError, "%.100s.%s is not a __slots__ member", t->tp_name, name);
+        return -1;
+    }
+    *off = ((PyMemberDescrObject *)d)->d_member->offset;
+    return 0;
+}
+
+/* bind_request(cls): the request class whose slots running_plain reads */
+static PyObject *
+bind_request(PyObject *self, PyObject *cls)
+{
+    if (!PyType_Check(cls)) {
+        PyErr_SetString(PyExc_TypeError, "bind_request(cls) takes a class");
+        return NULL;
+    }
+    PyTypeObject *t = (PyTypeObject *)cls;
+    if (slot_offset(t, "computed", &off_computed) || slot_offset(t, "num_tokens", &off_num_tokens)
+            || slot_offset(t, "blocks", &off_blocks) || slot_offset(t, "registered", &off_registered)
+            || slot_offset(t, "hashes", &off_hashes) || slot_offset(t, "output", &off_output))
+        return NULL;
+    Py_INCREF(cls);
+    Py_XSETREF(req_type, t);
+    Py_RETURN_NONE;
+}
+
+#define SLOT(obj, off) (*(PyObject **)((char *)(obj) + (off)))
+
+/* A slot's value as a C long long, if it is a plain int that fits; else 0 (no exception). */
+static inline int
+slot_long(PyObject *v, long long *out)
+{
+    if (v == NULL || !PyLong_CheckExact(v))
+        return 0;
+    int overflow;
+    long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+    if (overflow || (x == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        return 0;
+    }
+    *out = x;
+    return 1;
+}
+
+/* running_plain(running, i, budget, threshold, block_size, scheduled)
+ *     -> (i, budget, attn_sum, decode_ctx)
+ *
+ * ``Engine.step``'s loop over its running requests (fcfs), for the requests that need neither a
+ * new block nor a registration: each gets ``min(pending, threshold, budget)`` tokens, its
+ * ``computed`` goes up by them and it is appended to ``scheduled``. Stops at the first request
+ * that needs more (the Python loop handles it) or when the budget is spent; returns where it
+ * stopped, the budget left and the attention and decode-context sums it added. */
+static PyObject *
+running_plain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError,
+                        "running_plain(running, i, budget, threshold, block_size, scheduled)");
+        return NULL;
+    }
+    PyObject *running = args[0], *scheduled = args[5];
+    if (need_list(running, "running") || need_list(scheduled, "scheduled"))
+        return NULL;
+    Py_ssize_t i = PyLong_AsSsize_t(args[1]);
+    if (i == -1 && PyErr_Occurred())
+        return NULL;
+    long long budget, threshold, bs, attn = 0, ctx = 0;
+    if (!slot_long(args[2], &budget) || !slot_long(args[4], &bs) || bs <= 0) {
+        PyErr_SetString(PyExc_TypeError, "budget and block_size must be ints, block_size > 0");
+        return NULL;
+    }
+    if (args[3] == Py_None)
+        threshold = 0;
+    else if (!slot_long(args[3], &threshold)) {
+        PyErr_SetString(PyExc_TypeError, "threshold must be an int or None");
+        return NULL;
+    }
+    while (req_type != NULL && i >= 0 && i < PyList_GET_SIZE(running) && budget > 0) {
+        PyObject *req = PyList_GET_ITEM(running, i);
+        if (Py_TYPE(req) != req_type)
+            break;
+        long long computed, num_tokens, registered, output;
+        PyObject *blocks = SLOT(req, off_blocks), *hashes = SLOT(req, off_hashes);
+        if (!slot_long(SLOT(req, off_computed), &computed)
+                || !slot_long(SLOT(req, off_num_tokens), &num_tokens)
+                || !slot_long(SLOT(req, off_registered), &registered)
+                || !slot_long(SLOT(req, off_output), &output)
+                || blocks == NULL || !PyList_CheckExact(blocks) || hashes == NULL
+                || !(PyList_CheckExact(hashes) || PyTuple_CheckExact(hashes)))
+            break;
+        long long num_new = num_tokens - computed;
+        if (threshold && num_new > threshold)
+            num_new = threshold;
+        if (num_new > budget)
+            num_new = budget;
+        if (num_new <= 0 || computed < 0 || computed > (1LL << 30) || num_new > (1LL << 30))
+            break;   /* not the plain case (or sums this loop would not keep exactly) */
+        long long upto = computed + num_new;
+        if ((upto + bs - 1) / bs > (long long)PyList_GET_SIZE(blocks))
+            break;   /* needs a block */
+        if (registered < (long long)Py_SIZE(hashes))
+            break;   /* has prompt blocks to register */
+        long long term = num_new == 1 && output ? computed + 1 : num_new * (2 * computed + num_new);
+        if ((num_new == 1 && output ? ctx : attn) > LLONG_MAX - term)
+            break;
+        PyObject *v = PyLong_FromLongLong(upto);
+        if (v == NULL)
+            return NULL;
+        if (PyList_Append(scheduled, req) < 0) {
+            Py_DECREF(v);
+            return NULL;
+        }
+        if (num_new == 1 && output)
+            ctx += term;
+        else
+            attn += term;
+        PyObject *old = SLOT(req, off_computed);
+        SLOT(req, off_computed) = v;
+        Py_XDECREF(old);
+        budget -= num_new;
+        i++;
+    }
+    return Py_BuildValue("nLLL", i, budget, attn, ctx);
+}
+
 static PyMethodDef methods[] = {
     {"gather", (PyCFunction)(void (*)(void))gather, METH_FASTCALL, NULL},
     {"fill", (PyCFunction)(void (*)(void))fill, METH_FASTCALL, NULL},
@@ -619,6 +757,8 @@ static PyMethodDef methods[] = {
     {"register", (PyCFunction)(void (*)(void))register_, METH_FASTCALL, NULL},
     {"cached_prefix", (PyCFunction)(void (*)(void))cached_prefix, METH_FASTCALL, NULL},
     {"chain_prefix", (PyCFunction)(void (*)(void))chain_prefix, METH_FASTCALL, NULL},
+    {"running_plain", (PyCFunction)(void (*)(void))running_plain, METH_FASTCALL, NULL},
+    {"bind_request", bind_request, METH_O, NULL},
     {NULL, NULL, 0, NULL},
 };
 

@@ -19,7 +19,7 @@ from typing import Any
 
 #: the functions each implementation has, under these names
 NAMES = ("gather", "fill", "incr", "count_free", "select_equal", "evict_claim",
-         "release", "touch", "register", "cached_prefix", "chain_prefix")
+         "release", "touch", "register", "cached_prefix", "chain_prefix", "running_plain")
 
 
 def gather(values: list[Any], index: Sequence[int]) -> tuple[Any, ...]:
@@ -225,6 +225,36 @@ def chain_prefix(c_hashes: Sequence[int], c_blocks: list[int], hashes: Sequence[
             return blocks
         start, size = end, size * 2
     return blocks
+
+
+def running_plain(running: list, i: int, budget: int, threshold: int | None, bs: int,
+                  scheduled: list) -> tuple[int, int, int, int]:
+    """``Engine.step``'s loop over its running requests (fcfs) from ``running[i]`` on, for the
+    requests that need neither a new block nor a registration: each gets ``min(pending,
+    threshold, budget)`` tokens and is appended to ``scheduled``. Stops at the first one that
+    needs more (the caller handles it) or when the budget is spent; returns where it stopped,
+    the budget left, and the attention and decode-context sums it added."""
+    attn = ctx = 0
+    while i < len(running) and budget > 0:
+        req = running[i]
+        computed = req.computed
+        num_new = req.num_tokens - computed
+        if threshold and num_new > threshold:
+            num_new = threshold
+        if num_new > budget:
+            num_new = budget
+        if (num_new <= 0 or -(-(computed + num_new) // bs) > len(req.blocks)
+                or req.registered < len(req.hashes)):
+            break
+        if num_new == 1 and req.output:
+            ctx += computed + 1
+        else:
+            attn += num_new * (2 * computed + num_new)
+        req.computed = computed + num_new
+        budget -= num_new
+        scheduled.append(req)
+        i += 1
+    return i, budget, attn, ctx
 
 
 #: the Python implementation, as a namespace of NAMES (for tests that compare the two)

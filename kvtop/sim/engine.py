@@ -85,6 +85,7 @@ _touch_blocks = _pool.touch
 _register_blocks = _pool.register
 _cached_prefix = _pool.cached_prefix
 _chain_prefix = _pool.chain_prefix
+_running_plain = _pool.running_plain
 
 __all__ = [
     "Engine",
@@ -305,6 +306,10 @@ class _Req:
         self.stops = False           # max_tokens is the natural end (stop_at), not the cap
         self.priority = r.priority
         self.pin_s = r.kv_pin_s
+
+
+if _pool.C is not None:   # the C running loop reads _Req's slots directly
+    _pool.C.bind_request(_Req)
 
 
 #: ``Engine(kv_pin_ttl_s=...)``'s bound: a pin of a day is already no pin but a leak.
@@ -658,9 +663,17 @@ class Engine:
         # chosen behind the scan can give it back (vLLM returns its tokens to the budget)
         given: dict[int, tuple[int, int, int]] | None = {} if self._by_priority else None
 
-        # 1. RUNNING, in order.
+        # 1. RUNNING, in order. The requests that need no block and no registration (decoding,
+        # mostly) go through _pool.running_plain, fcfs; the loop below takes the others.
         i = 0
         while i < len(running) and budget > 0:
+            if given is None:
+                i, budget, attn_add, ctx_add = _running_plain(running, i, budget, threshold, bs,
+                                                              scheduled)
+                attn_sum += attn_add
+                decode_ctx += ctx_add
+                if i >= len(running) or budget <= 0:
+                    break
             req = running[i]
             computed = req.computed
             num_new = req.num_tokens - computed
