@@ -187,12 +187,36 @@ def test_the_running_loop_matches_its_python_loop(seed):
 
 
 @needs_c
+@pytest.mark.parametrize("seed", range(60))
+def test_the_sampling_loop_matches_its_python_loop(seed):
+    rng = random.Random(seed)
+    reqs = running_requests(rng)
+    for r in reqs:   # first tokens, last tokens, mid-prefill chunks
+        r.first_token_time = rng.choice([None, 1.0, 2.0])
+        r.max_tokens = r.output + rng.choice([1, 2, 5])
+        if rng.random() < 0.5:
+            r.computed = r.num_tokens
+    start = rng.randint(0, 2)
+    out = []
+    for impl in (_pool.C, _pool.PY):
+        copies = [engine_mod._Req(EngineRequest(r.id, r.prompt, r.hashes, 8, 0.0), 0.0) for r in reqs]
+        for c, r in zip(copies, reqs):
+            c.computed, c.num_tokens, c.output, c.max_tokens, c.first_token_time = \
+                r.computed, r.num_tokens, r.output, r.max_tokens, r.first_token_time
+        emitted = {"before": 1}
+        res = impl.sample_plain(copies, start, emitted)
+        out.append((res, list(emitted.items()), request_state(copies)))
+    assert out[0] == out[1]
+
+
+@needs_c
 def test_the_c_running_loop_leaves_other_objects_to_python():
     class Other:
         computed, num_tokens, output, blocks, registered, hashes = 0, 5, 0, [0], 0, []
     scheduled: list = []
     assert _pool.C.running_plain([Other()], 0, 100, None, BS, scheduled) == (0, 100, 0, 0)
     assert scheduled == []
+    assert _pool.C.sample_plain([Other()], 0, {}) == (0, 0)
 
 
 @needs_c

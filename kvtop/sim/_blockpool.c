@@ -614,6 +614,7 @@ done:
  * unset slot, or a value that is not a plain int) to the Python loop. */
 static PyTypeObject *req_type = NULL;
 static Py_ssize_t off_computed, off_num_tokens, off_blocks, off_registered, off_hashes, off_output;
+static Py_ssize_t off_id, off_first_token_time, off_max_tokens;
 
 static int
 slot_offset(PyTypeObject *t, const char *name, Py_ssize_t *off)
@@ -639,7 +640,9 @@ bind_request(PyObject *self, PyObject *cls)
     PyTypeObject *t = (PyTypeObject *)cls;
     if (slot_offset(t, "computed", &off_computed) || slot_offset(t, "num_tokens", &off_num_tokens)
             || slot_offset(t, "blocks", &off_blocks) || slot_offset(t, "registered", &off_registered)
-            || slot_offset(t, "hashes", &off_hashes) || slot_offset(t, "output", &off_output))
+            || slot_offset(t, "hashes", &off_hashes) || slot_offset(t, "output", &off_output)
+            || slot_offset(t, "id", &off_id) || slot_offset(t, "first_token_time", &off_first_token_time)
+            || slot_offset(t, "max_tokens", &off_max_tokens))
         return NULL;
     Py_INCREF(cls);
     Py_XSETREF(req_type, t);
@@ -745,6 +748,81 @@ running_plain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return Py_BuildValue("nLLL", i, budget, attn, ctx);
 }
 
+/* ``obj.<slot> = v`` for a slot read by offset (a new reference to v is taken). */
+static inline void
+set_slot(PyObject *obj, Py_ssize_t off, PyObject *v)
+{
+    PyObject *old = SLOT(obj, off);
+    Py_INCREF(v);
+    SLOT(obj, off) = v;
+    Py_XDECREF(old);
+}
+
+/* sample_plain(scheduled, k, emitted) -> (k, sampled)
+ *
+ * ``Engine.step``'s sampling loop from ``scheduled[k]`` on, for the requests that neither get
+ * their first token nor finish: a request mid-prefill is passed over; one whose tokens are all
+ * computed gets one (``output`` and ``num_tokens`` up by one, ``emitted[id] = output``). Stops
+ * at the first request that would get its first token or finish (the Python loop handles it),
+ * and returns its position and how many tokens were sampled. */
+static PyObject *
+sample_plain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "sample_plain(scheduled, k, emitted)");
+        return NULL;
+    }
+    PyObject *scheduled = args[0], *emitted = args[2];
+    if (need_list(scheduled, "scheduled"))
+        return NULL;
+    if (!PyDict_CheckExact(emitted)) {
+        PyErr_SetString(PyExc_TypeError, "emitted must be a dict");
+        return NULL;
+    }
+    Py_ssize_t k = PyLong_AsSsize_t(args[1]);
+    if (k == -1 && PyErr_Occurred())
+        return NULL;
+    Py_ssize_t sampled = 0;
+    while (req_type != NULL && k >= 0 && k < PyList_GET_SIZE(scheduled)) {
+        PyObject *req = PyList_GET_ITEM(scheduled, k);
+        if (Py_TYPE(req) != req_type)
+            break;
+        long long computed, num_tokens, output, max_tokens;
+        PyObject *id = SLOT(req, off_id), *ftt = SLOT(req, off_first_token_time);
+        if (!slot_long(SLOT(req, off_computed), &computed)
+                || !slot_long(SLOT(req, off_num_tokens), &num_tokens)
+                || !slot_long(SLOT(req, off_output), &output)
+                || !slot_long(SLOT(req, off_max_tokens), &max_tokens)
+                || id == NULL || !PyUnicode_CheckExact(id) || ftt == NULL
+                || output >= (1LL << 60) || num_tokens >= (1LL << 60))
+            break;
+        if (computed < num_tokens) {   /* a non-final prefill chunk */
+            k++;
+            continue;
+        }
+        if (ftt == Py_None || output + 1 >= max_tokens)
+            break;   /* its first token, or its last */
+        PyObject *out = PyLong_FromLongLong(output + 1);
+        if (out == NULL)
+            return NULL;
+        PyObject *nt = PyLong_FromLongLong(num_tokens + 1);
+        if (nt == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        set_slot(req, off_output, out);
+        set_slot(req, off_num_tokens, nt);
+        Py_DECREF(nt);
+        int rc = PyDict_SetItem(emitted, id, out);
+        Py_DECREF(out);
+        if (rc < 0)
+            return NULL;
+        sampled++;
+        k++;
+    }
+    return Py_BuildValue("nn", k, sampled);
+}
+
 static PyMethodDef methods[] = {
     {"gather", (PyCFunction)(void (*)(void))gather, METH_FASTCALL, NULL},
     {"fill", (PyCFunction)(void (*)(void))fill, METH_FASTCALL, NULL},
@@ -758,6 +836,7 @@ static PyMethodDef methods[] = {
     {"cached_prefix", (PyCFunction)(void (*)(void))cached_prefix, METH_FASTCALL, NULL},
     {"chain_prefix", (PyCFunction)(void (*)(void))chain_prefix, METH_FASTCALL, NULL},
     {"running_plain", (PyCFunction)(void (*)(void))running_plain, METH_FASTCALL, NULL},
+    {"sample_plain", (PyCFunction)(void (*)(void))sample_plain, METH_FASTCALL, NULL},
     {"bind_request", bind_request, METH_O, NULL},
     {NULL, NULL, 0, NULL},
 };

@@ -19,7 +19,8 @@ from typing import Any
 
 #: the functions each implementation has, under these names
 NAMES = ("gather", "fill", "incr", "count_free", "select_equal", "evict_claim",
-         "release", "touch", "register", "cached_prefix", "chain_prefix", "running_plain")
+         "release", "touch", "register", "cached_prefix", "chain_prefix", "running_plain",
+         "sample_plain")
 
 
 def gather(values: list[Any], index: Sequence[int]) -> tuple[Any, ...]:
@@ -255,6 +256,28 @@ def running_plain(running: list, i: int, budget: int, threshold: int | None, bs:
         scheduled.append(req)
         i += 1
     return i, budget, attn, ctx
+
+
+def sample_plain(scheduled: list, k: int, emitted: dict[str, int]) -> tuple[int, int]:
+    """``Engine.step``'s sampling loop from ``scheduled[k]`` on, for the requests that neither
+    get their first token nor finish: one mid-prefill is passed over, one whose tokens are all
+    computed gets one. Stops at the first that would get its first token or finish (the caller
+    handles it); returns its position and how many tokens were sampled."""
+    sampled = 0
+    n = len(scheduled)
+    while k < n:
+        req = scheduled[k]
+        if req.computed < req.num_tokens:
+            k += 1
+            continue    # a non-final prefill chunk
+        if req.first_token_time is None or req.output + 1 >= req.max_tokens:
+            break
+        req.output += 1
+        req.num_tokens += 1
+        sampled += 1
+        emitted[req.id] = req.output
+        k += 1
+    return k, sampled
 
 
 #: the Python implementation, as a namespace of NAMES (for tests that compare the two)

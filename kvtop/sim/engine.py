@@ -86,6 +86,7 @@ _register_blocks = _pool.register
 _cached_prefix = _pool.cached_prefix
 _chain_prefix = _pool.chain_prefix
 _running_plain = _pool.running_plain
+_sample_plain = _pool.sample_plain
 
 __all__ = [
     "Engine",
@@ -782,11 +783,20 @@ class Engine:
         while recent and recent[0][0] + recent[0][1] < lo:
             recent.popleft()
 
-        # 3. Sample: every request whose pending tokens are all computed gets one token.
+        # 3. Sample: every request whose pending tokens are all computed gets one token. Those
+        # that neither get their first token nor finish go through _pool.sample_plain.
         emitted = result.emitted
         any_finished = False
         sampled = 0
-        for req in scheduled:
+        k = 0
+        n_scheduled = len(scheduled)
+        while k < n_scheduled:
+            k, got = _sample_plain(scheduled, k, emitted)
+            sampled += got
+            if k >= n_scheduled:
+                break
+            req = scheduled[k]
+            k += 1
             if req.computed < req.num_tokens:
                 continue  # a non-final prefill chunk
             req.output += 1
