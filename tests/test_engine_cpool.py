@@ -31,6 +31,7 @@ needs_c = pytest.mark.skipif(_pool.C is None, reason="the C block pool is not bu
 ENGINE_NAMES = {name: "_" + name for name in _pool.NAMES}
 ENGINE_NAMES["touch"] = "_touch_blocks"
 ENGINE_NAMES["register"] = "_register_blocks"
+ENGINE_NAMES["advance"] = "_advance_running"
 
 
 @contextmanager
@@ -210,6 +211,26 @@ def test_the_sampling_loop_matches_its_python_loop(seed):
 
 
 @needs_c
+@pytest.mark.parametrize("seed", range(30))
+def test_the_decode_stretch_loops_match_their_python_loops(seed):
+    rng = random.Random(seed)
+    reqs = running_requests(rng)
+    for r in reqs:
+        r.max_tokens = r.output + rng.randint(1, 9)
+    assert _pool.C.decode_room(reqs, BS, 1 << 30) == _pool.PY.decode_room(reqs, BS, 1 << 30)
+    u = rng.randint(0, 5)
+    out = []
+    for impl in (_pool.C, _pool.PY):
+        copies = [engine_mod._Req(EngineRequest(r.id, r.prompt, r.hashes, 8, 0.0), 0.0) for r in reqs]
+        for c, r in zip(copies, reqs):
+            c.computed, c.num_tokens, c.output = r.computed, r.num_tokens, r.output
+        emitted = {"before": 1}
+        assert impl.advance(copies, u, emitted) is True
+        out.append((list(emitted.items()), request_state(copies)))
+    assert out[0] == out[1]
+
+
+@needs_c
 def test_the_c_running_loop_leaves_other_objects_to_python():
     class Other:
         computed, num_tokens, output, blocks, registered, hashes = 0, 5, 0, [0], 0, []
@@ -217,6 +238,9 @@ def test_the_c_running_loop_leaves_other_objects_to_python():
     assert _pool.C.running_plain([Other()], 0, 100, None, BS, scheduled) == (0, 100, 0, 0)
     assert scheduled == []
     assert _pool.C.sample_plain([Other()], 0, {}) == (0, 0)
+    assert _pool.C.decode_room([Other()], BS, 1 << 30) is None
+    emitted: dict = {}
+    assert _pool.C.advance([Other()], 1, emitted) is False and emitted == {}
 
 
 @needs_c

@@ -823,6 +823,111 @@ sample_plain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return Py_BuildValue("nn", k, sampled);
 }
 
+/* decode_room(running, block_size, n) -> the least of n and, over the running requests, the
+ * decode steps before each needs a block (``len(blocks) * block_size - computed``) and before
+ * the one it ends in (``max_tokens - output - 1``); None if a request is not one this loop
+ * reads (the Python loop then does it). */
+static PyObject *
+decode_room(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "decode_room(running, block_size, n)");
+        return NULL;
+    }
+    PyObject *running = args[0];
+    if (need_list(running, "running"))
+        return NULL;
+    long long bs, n;
+    if (!slot_long(args[1], &bs) || !slot_long(args[2], &n) || bs <= 0 || bs > (1LL << 30)) {
+        PyErr_SetString(PyExc_TypeError, "block_size and n must be ints, block_size > 0");
+        return NULL;
+    }
+    if (req_type == NULL)
+        Py_RETURN_NONE;
+    for (Py_ssize_t k = 0; k < PyList_GET_SIZE(running); k++) {
+        PyObject *req = PyList_GET_ITEM(running, k);
+        long long computed, output, max_tokens;
+        PyObject *blocks;
+        if (Py_TYPE(req) != req_type || (blocks = SLOT(req, off_blocks)) == NULL
+                || !PyList_CheckExact(blocks) || !slot_long(SLOT(req, off_computed), &computed)
+                || !slot_long(SLOT(req, off_output), &output)
+                || !slot_long(SLOT(req, off_max_tokens), &max_tokens)
+                || computed > (1LL << 60) || computed < -(1LL << 60) || output > (1LL << 60)
+                || output < -(1LL << 60) || max_tokens > (1LL << 60) || max_tokens < -(1LL << 60))
+            Py_RETURN_NONE;
+        long long room = (long long)PyList_GET_SIZE(blocks) * bs - computed;
+        long long left = max_tokens - output - 1;
+        if (room < n)
+            n = room;
+        if (left < n)
+            n = left;
+    }
+    return PyLong_FromLongLong(n);
+}
+
+/* advance(running, u, emitted) -> bool
+ *
+ * ``_advance``'s loop: each running request's ``computed``, ``num_tokens`` and ``output`` go up
+ * by ``u`` and ``emitted[id] = output``. False, with nothing changed, if a request is not one
+ * this loop reads (the Python loop then does it). */
+static PyObject *
+advance(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "advance(running, u, emitted)");
+        return NULL;
+    }
+    PyObject *running = args[0], *emitted = args[2];
+    if (need_list(running, "running"))
+        return NULL;
+    if (!PyDict_CheckExact(emitted)) {
+        PyErr_SetString(PyExc_TypeError, "emitted must be a dict");
+        return NULL;
+    }
+    long long u;
+    if (!slot_long(args[1], &u) || u > (1LL << 40) || u < -(1LL << 40)) {
+        PyErr_SetString(PyExc_TypeError, "u must be an int");
+        return NULL;
+    }
+    if (req_type == NULL)
+        Py_RETURN_FALSE;
+    Py_ssize_t n = PyList_GET_SIZE(running);
+    for (Py_ssize_t k = 0; k < n; k++) {   /* all of them readable, or none changed */
+        PyObject *req = PyList_GET_ITEM(running, k), *id;
+        long long x;
+        if (Py_TYPE(req) != req_type || (id = SLOT(req, off_id)) == NULL || !PyUnicode_CheckExact(id)
+                || !slot_long(SLOT(req, off_computed), &x) || x > (1LL << 60) || x < -(1LL << 60)
+                || !slot_long(SLOT(req, off_num_tokens), &x) || x > (1LL << 60) || x < -(1LL << 60)
+                || !slot_long(SLOT(req, off_output), &x) || x > (1LL << 60) || x < -(1LL << 60))
+            Py_RETURN_FALSE;
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *req = PyList_GET_ITEM(running, k);
+        long long computed = 0, num_tokens = 0, output = 0;   /* read above: they are ints */
+        slot_long(SLOT(req, off_computed), &computed);
+        slot_long(SLOT(req, off_num_tokens), &num_tokens);
+        slot_long(SLOT(req, off_output), &output);
+        PyObject *c = PyLong_FromLongLong(computed + u), *t = PyLong_FromLongLong(num_tokens + u);
+        PyObject *o = PyLong_FromLongLong(output + u);
+        if (c == NULL || t == NULL || o == NULL) {
+            Py_XDECREF(c);
+            Py_XDECREF(t);
+            Py_XDECREF(o);
+            return NULL;
+        }
+        set_slot(req, off_computed, c);
+        set_slot(req, off_num_tokens, t);
+        set_slot(req, off_output, o);
+        Py_DECREF(c);
+        Py_DECREF(t);
+        int rc = PyDict_SetItem(emitted, SLOT(req, off_id), o);
+        Py_DECREF(o);
+        if (rc < 0)
+            return NULL;
+    }
+    Py_RETURN_TRUE;
+}
+
 static PyMethodDef methods[] = {
     {"gather", (PyCFunction)(void (*)(void))gather, METH_FASTCALL, NULL},
     {"fill", (PyCFunction)(void (*)(void))fill, METH_FASTCALL, NULL},
@@ -837,6 +942,8 @@ static PyMethodDef methods[] = {
     {"chain_prefix", (PyCFunction)(void (*)(void))chain_prefix, METH_FASTCALL, NULL},
     {"running_plain", (PyCFunction)(void (*)(void))running_plain, METH_FASTCALL, NULL},
     {"sample_plain", (PyCFunction)(void (*)(void))sample_plain, METH_FASTCALL, NULL},
+    {"decode_room", (PyCFunction)(void (*)(void))decode_room, METH_FASTCALL, NULL},
+    {"advance", (PyCFunction)(void (*)(void))advance, METH_FASTCALL, NULL},
     {"bind_request", bind_request, METH_O, NULL},
     {NULL, NULL, 0, NULL},
 };

@@ -20,7 +20,7 @@ from typing import Any
 #: the functions each implementation has, under these names
 NAMES = ("gather", "fill", "incr", "count_free", "select_equal", "evict_claim",
          "release", "touch", "register", "cached_prefix", "chain_prefix", "running_plain",
-         "sample_plain")
+         "sample_plain", "decode_room", "advance")
 
 
 def gather(values: list[Any], index: Sequence[int]) -> tuple[Any, ...]:
@@ -278,6 +278,31 @@ def sample_plain(scheduled: list, k: int, emitted: dict[str, int]) -> tuple[int,
         emitted[req.id] = req.output
         k += 1
     return k, sampled
+
+
+def decode_room(running: list, bs: int, n: int) -> int | None:
+    """The least of ``n`` and, over the running requests, the decode steps before each needs a
+    block and before the one it ends in (``_coalesce``'s bound). (C: None if a request is not
+    one it reads, and the caller runs this.)"""
+    for req in running:
+        room = len(req.blocks) * bs - req.computed   # decode steps before it needs a block
+        left = req.max_tokens - req.output - 1        # decode steps before the one it ends in
+        if room < n:
+            n = room
+        if left < n:
+            n = left
+    return n
+
+
+def advance(running: list, u: int, emitted: dict[str, int]) -> bool:
+    """``_advance``'s loop: each running request's counts go up by ``u`` and ``emitted[id] =
+    output``. (C: False, nothing changed, if a request is not one it reads.)"""
+    for req in running:
+        req.computed += u
+        req.num_tokens += u
+        req.output += u
+        emitted[req.id] = req.output
+    return True
 
 
 #: the Python implementation, as a namespace of NAMES (for tests that compare the two)

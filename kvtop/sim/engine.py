@@ -87,6 +87,8 @@ _cached_prefix = _pool.cached_prefix
 _chain_prefix = _pool.chain_prefix
 _running_plain = _pool.running_plain
 _sample_plain = _pool.sample_plain
+_decode_room = _pool.decode_room
+_advance_running = _pool.advance
 
 __all__ = [
     "Engine",
@@ -835,14 +837,9 @@ class Engine:
     def _coalesce(self, result: StepResult, decode_ctx: int) -> None:
         running = self.running
         bs = self.block_size
-        n = 1 << 30
-        for req in running:
-            room = len(req.blocks) * bs - req.computed   # decode steps before it needs a block
-            left = req.max_tokens - req.output - 1        # decode steps before the one it ends in
-            if room < n:
-                n = room
-            if left < n:
-                n = left
+        n = _decode_room(running, bs, 1 << 30)
+        if n is None:
+            n = _pool.PY.decode_room(running, bs, 1 << 30)
         if n <= 0:
             return
         horizon = self.next_event_time()
@@ -878,11 +875,8 @@ class Engine:
         if not u:
             return
         emitted = st.result.emitted
-        for req in self.running:
-            req.computed += u
-            req.num_tokens += u
-            req.output += u
-            emitted[req.id] = req.output
+        if not _advance_running(self.running, u, emitted):
+            _pool.PY.advance(self.running, u, emitted)
         num = len(self.running)
         self.generation_tokens += num * u
         self.num_steps += u
