@@ -62,15 +62,20 @@ def test_kvtop_pure_python_forces_the_python_loops():
     assert out.stdout.split() == ["python", "True", "True"]
 
 
-def test_the_extension_is_built_where_a_compiler_is():
+def test_the_extensions_are_built_where_a_compiler_is():
     """A CI machine has gcc and the Python headers: there the install must have built the C
-    loops (setup.py), else the comparisons below would skip without anyone noticing."""
+    loops (setup.py: this one and the router prefix index's), else the comparisons with the
+    Python loops would skip without anyone noticing."""
     headers = os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if not (headers and cc):
         pytest.skip("no C compiler or no Python headers here: the fallback is what runs")
     assert _pool.C is not None, ("kvtop/sim/_blockpool.c is not built: run "
                                  "`pip install -e .` again (it builds the optional extension)")
+    try:
+        from router import _index_loops  # noqa: F401
+    except ImportError:
+        pytest.fail("router/_index_loops.c is not built: run `pip install -e .` again")
 
 
 # ------------------------------------------------------------------ function by function
