@@ -1,11 +1,12 @@
-/* The simulated engine's per-block loops (kvtop/sim/engine.py's block pool) in C.
+/* The simulated engine's inner loops in C: kvtop/sim/engine.py's block pool, per block, and its
+ * step's running, sampling and coalescing loops, per request.
  *
  * Optional: setup.py builds it with optional=True, so an install without a compiler still
  * works; kvtop/sim/_pool.py falls back to the same loops in Python (KVTOP_PURE_PYTHON=1 forces
  * that), and tests/test_engine_cpool.py runs random workloads through both and compares them.
  *
- * Every function works on the engine's own Python lists and dicts (the refcount list, the
- * block -> hash list, the hash -> block dict), with the semantics of the Python loop it
+ * Every function works on the engine's own Python lists, dicts and request objects (the
+ * refcount list, the block -> hash list, the hash -> block dict, _Req's slots), with the semantics of the Python loop it
  * replaces: the same list indexing (a negative index counts from the end, one past the end
  * raises IndexError), the same comparisons (identity, then ==), the same dict operations in the
  * same order. What it saves is the interpreter's cost per element, not any data structure.

@@ -1,10 +1,13 @@
-"""The block pool's per-block loops (kvtop/sim/engine.py), compiled or in Python.
+"""The engine's inner loops (kvtop/sim/engine.py: the block pool's per-block loops and the
+step's per-request ones), compiled or in Python.
 
 ``kvtop/sim/_blockpool.c`` holds them in C; ``pip install`` builds it when a C compiler and
 the Python headers are there and goes on without it when not (setup.py, ``optional=True``).
 The functions below are the same loops in Python, the fallback: they give the same results
 on the same lists and dicts, element by element (tests/test_engine_cpool.py runs random
-workloads through an engine on each and compares every result). ``KVTOP_PURE_PYTHON=1``
+workloads through an engine on each and compares every result). The per-request loops in C
+read the request objects' slots directly (``C.bind_request``, at engine.py's import) and
+leave any object they cannot read to the Python loop. ``KVTOP_PURE_PYTHON=1``
 forces the fallback. ``IMPL`` says which one the engine uses: ``"c"`` or ``"python"``.
 """
 
