@@ -6,8 +6,8 @@
  * that), and tests/test_engine_cpool.py runs random workloads through both and compares them.
  *
  * Every function works on the engine's own Python lists, dicts and request objects (the
- * refcount list, the block -> hash list, the hash -> block dict, _Req's slots), with the semantics of the Python loop it
- * replaces: the same list indexing (a negative index counts from the end, one past the end
+ * refcount list, the block -> hash list, the hash -> block dict, _Req's slots), with the
+ * semantics of the Python loop it replaces: the same list indexing (a negative index counts from the end, one past the end
  * raises IndexError), the same comparisons (identity, then ==), the same dict operations in the
  * same order. What it saves is the interpreter's cost per element, not any data structure.
  */
