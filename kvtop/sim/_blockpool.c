@@ -9,7 +9,8 @@
  * refcount list, the block -> hash list, the hash -> block dict, _Req's slots), with the
  * semantics of the Python loop it replaces: the same list indexing (a negative index counts
  * from the end, one past the end raises IndexError), the same comparisons (identity, then ==),
- * the same dict operations in the same order. What it saves is the interpreter's cost per element, not any data structure.
+ * the same dict operations in the same order. What it saves is the interpreter's cost per
+ * element, not any data structure.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
