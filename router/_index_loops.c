@@ -34,26 +34,29 @@ add(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t n = PySequence_Fast_GET_SIZE(blocks);
     if (held < 0)
         held = 0;
+    /* Each block is held by a reference of its own, and the list's length is read again at
+     * each step: a key's __hash__/__eq__ or an OrderedDict subclass's __setitem__ is Python code
+     * that may change the list (the Python loop walks a slice, a snapshot: this one stops). */
     for (Py_ssize_t k = n - 1; k >= held; k--) {
-        PyObject *h = PySequence_Fast_GET_ITEM(blocks, k);
-        int in = PyDict_Contains(lru, h);
-        if (in < 0)
+        if (k >= PySequence_Fast_GET_SIZE(blocks)) {
+            PyErr_SetString(PyExc_RuntimeError, "blocks changed size during add");
             goto fail;
-        if (in)
-            continue;
-        if (PyObject_SetItem(lru, h, Py_None) < 0)
-            goto fail;
-        PyObject *cur = PyDict_GetItemWithError(owners, h);   /* borrowed */
-        if (cur == NULL) {
-            if (PyErr_Occurred())
-                goto fail;
-            cur = zero;
         }
-        PyObject *v = PyNumber_Or(cur, bit);
-        if (v == NULL)
-            goto fail;
-        int rc = PyDict_SetItem(owners, h, v);
-        Py_DECREF(v);
+        PyObject *h = PySequence_Fast_GET_ITEM(blocks, k);
+        Py_INCREF(h);
+        int rc = PyDict_Contains(lru, h);
+        if (rc == 0) {
+            rc = PyObject_SetItem(lru, h, Py_None);
+            PyObject *cur = rc < 0 ? NULL : PyDict_GetItemWithError(owners, h);   /* borrowed */
+            if (cur == NULL && rc == 0 && PyErr_Occurred())
+                rc = -1;
+            if (rc == 0) {
+                PyObject *v = PyNumber_Or(cur == NULL ? zero : cur, bit);
+                rc = v == NULL ? -1 : PyDict_SetItem(owners, h, v);
+                Py_XDECREF(v);
+            }
+        }
+        Py_DECREF(h);
         if (rc < 0)
             goto fail;
     }
@@ -65,6 +68,9 @@ fail:
     Py_DECREF(blocks);
     return NULL;
 }
+
+static int evict_one(PyObject *lru, PyObject *owners, PyObject *tags, PyObject *old,
+                     PyObject *keep, PyObject *zero);
 
 /* evict(lru, owners, tags, olds, keep): for old in olds: del lru[old];
  * mask = owners.pop(old, 0) & keep; if mask: owners[old] = mask; else: tags.pop(old, None) */
@@ -84,38 +90,12 @@ evict(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (olds == NULL)
         return NULL;
     PyObject *zero = PyLong_FromLong(0);
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(olds);
-    for (Py_ssize_t k = 0; k < n; k++) {
+    /* (each key held by a reference of its own, the length read at each step: see add) */
+    for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(olds); k++) {
         PyObject *old = PySequence_Fast_GET_ITEM(olds, k);
-        if (PyObject_DelItem(lru, old) < 0)
-            goto fail;
-        PyObject *m = PyDict_GetItemWithError(owners, old);   /* borrowed */
-        if (m == NULL) {
-            if (PyErr_Occurred())
-                goto fail;
-            m = zero;
-            Py_INCREF(m);
-        }
-        else {
-            Py_INCREF(m);
-            if (PyDict_DelItem(owners, old) < 0) {
-                Py_DECREF(m);
-                goto fail;
-            }
-        }
-        PyObject *mask = PyNumber_And(m, keep);
-        Py_DECREF(m);
-        if (mask == NULL)
-            goto fail;
-        int truth = PyObject_IsTrue(mask);
-        int rc = truth < 0 ? -1 : 0;
-        if (truth > 0)
-            rc = PyDict_SetItem(owners, old, mask);
-        else if (truth == 0) {
-            int in = PyDict_Contains(tags, old);
-            rc = in < 0 ? -1 : in ? PyDict_DelItem(tags, old) : 0;
-        }
-        Py_DECREF(mask);
+        Py_INCREF(old);
+        int rc = evict_one(lru, owners, tags, old, keep, zero);
+        Py_DECREF(old);
         if (rc < 0)
             goto fail;
     }
@@ -126,6 +106,42 @@ fail:
     Py_DECREF(zero);
     Py_DECREF(olds);
     return NULL;
+}
+
+static int
+evict_one(PyObject *lru, PyObject *owners, PyObject *tags, PyObject *old, PyObject *keep,
+          PyObject *zero)
+{
+    if (PyObject_DelItem(lru, old) < 0)
+        return -1;
+    PyObject *m = PyDict_GetItemWithError(owners, old);   /* borrowed */
+    if (m == NULL) {
+        if (PyErr_Occurred())
+            return -1;
+        m = zero;
+        Py_INCREF(m);
+    }
+    else {
+        Py_INCREF(m);
+        if (PyDict_DelItem(owners, old) < 0) {
+            Py_DECREF(m);
+            return -1;
+        }
+    }
+    PyObject *mask = PyNumber_And(m, keep);
+    Py_DECREF(m);
+    if (mask == NULL)
+        return -1;
+    int truth = PyObject_IsTrue(mask);
+    int rc = truth < 0 ? -1 : 0;
+    if (truth > 0)
+        rc = PyDict_SetItem(owners, old, mask);
+    else if (truth == 0) {
+        int in = PyDict_Contains(tags, old);
+        rc = in < 0 ? -1 : in ? PyDict_DelItem(tags, old) : 0;
+    }
+    Py_DECREF(mask);
+    return rc;
 }
 
 static PyMethodDef methods[] = {

@@ -256,6 +256,103 @@ def test_the_c_loops_refuse_what_the_engine_never_passes():
     assert pytest.raises(IndexError, _pool.C.gather, [1], [10**30])
 
 
+# Python code that a C loop runs (an element's __index__, __hash__ or comparison) may change the
+# lists it walks: the C loop must hold what it uses and re-read lengths, or it reads freed memory
+# (a crash, or garbage). In a child process, so that a crash fails this test, not the run.
+HOSTILE_POOL = r"""
+import pytest
+from kvtop.sim._blockpool import touch, select_equal, gather, release, evict_claim
+
+ref = []
+class LessOnce:                 # ``ref[b] < 0`` replaces ref's entries, freeing this one
+    def __gt__(self, other):
+        return NotImplemented
+    def __lt__(self, other):
+        ref[:] = [5]
+        return True
+ref.append(LessOnce())
+free, entries = touch([0], ref)
+assert free == [0] and type(entries[0]) is LessOnce and ref == [1], (free, entries, ref)
+
+idx = []
+class Clears:                   # its __index__ empties the index list that holds it
+    def __index__(self):
+        idx.clear()
+        return 0
+idx.append(Clears())
+out = select_equal([1], idx, 1)
+assert len(out) == 1 and type(out[0]) is Clears, out
+
+idx[:] = [Clears()] + list(range(1000))
+with pytest.raises(RuntimeError):
+    gather([1], idx)
+
+blocks = []
+class ClearsBlocks:
+    def __index__(self):
+        blocks.clear()
+        return 0
+blocks.extend([0] * 50 + [ClearsBlocks()])
+ref = [3]
+assert release(blocks, ref, -1) == [] and ref == [2]   # as reversed() stops: the list is gone
+
+block_hash = []
+class Held:
+    __hash__ = object.__hash__
+class Block(int):               # hashing it (``b in stop``) empties block_hash, freeing a Held
+    def __hash__(self):
+        block_hash[:] = [None]
+        return 1
+block_hash.append(Held())
+cached = {block_hash[0]: 0}
+assert evict_claim([Block(0)], block_hash, cached, [0], -1, {99}, 0) == 1
+assert cached == {} and block_hash == [None]
+print("ok")
+"""
+
+
+@needs_c
+def test_the_c_loops_survive_python_code_that_changes_their_lists():
+    out = subprocess.run([sys.executable, "-c", HOSTILE_POOL], capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.dirname(__file__)), timeout=60)
+    assert out.returncode == 0 and out.stdout.split() == ["ok"], out.stderr[-2000:]
+
+
+@needs_c
+def test_bind_request_is_all_or_nothing():
+    # A class that has some of the slots but not all: refused, and the bound class keeps its
+    # own offsets (not the refused class's, which would be read off the engine's requests).
+    class Partial:
+        __slots__ = ("a", "b", "c", "d", "computed", "num_tokens", "blocks", "registered",
+                     "hashes", "output", "id")
+    try:
+        with pytest.raises(TypeError):
+            _pool.C.bind_request(Partial)
+        req = engine_mod._Req.__new__(engine_mod._Req)
+        req.computed, req.num_tokens, req.blocks, req.registered = 0, 5, [0], 0
+        req.hashes, req.output = (), 0
+        scheduled: list = []
+        assert _pool.C.running_plain([req], 0, 100, None, BS, scheduled) == (1, 95, 25, 0)
+        assert req.computed == 5 and scheduled == [req]
+    finally:
+        _pool.C.bind_request(engine_mod._Req)
+
+
+@needs_c
+def test_bind_request_takes_only_the_class_own_slots():
+    # _Req's member descriptors set on a small class hold _Req's offsets: reading them off that
+    # class's objects would read past their end.
+    names = ("computed", "num_tokens", "blocks", "registered", "hashes", "output", "id",
+             "first_token_time", "max_tokens")
+    borrowed = type("Borrowed", (), {"__slots__": (),
+                                     **{n: getattr(engine_mod._Req, n) for n in names}})
+    try:
+        with pytest.raises(TypeError):
+            _pool.C.bind_request(borrowed)
+    finally:
+        _pool.C.bind_request(engine_mod._Req)
+
+
 # ------------------------------------------------------------------ whole engines
 
 def run_engine(seed: int) -> list:

@@ -97,3 +97,44 @@ def test_the_c_loops_refuse_what_the_index_never_passes():
         C.add([], {}, [1], 0, 1)
     with pytest.raises(KeyError):   # as ``del lru[old]`` does for a block it does not hold
         C.evict({}, {}, {}, [5], -2)
+
+
+# Python code that a C loop runs (a key's __hash__) may change the list it walks: the loop must
+# hold each key it uses and re-read the length, or it reads freed memory. In a child process, so
+# that a crash fails this test, not the run.
+HOSTILE_INDEX = r"""
+from collections import OrderedDict
+import pytest
+from router._index_loops import add, evict
+
+blocks = []
+class Clears:                   # hashing it empties the list that holds it
+    def __hash__(self):
+        blocks.clear()
+        return 7
+blocks.extend([1, 2, 3, Clears()])
+lru, owners = OrderedDict(), {}
+with pytest.raises(RuntimeError):
+    add(lru, owners, blocks, 0, 1)
+assert len(lru) == 1 and list(owners.values()) == [1]
+
+olds = []
+class ClearsOlds:
+    def __hash__(self):
+        olds.clear()
+        return 8
+key = ClearsOlds()
+lru, owners, tags = OrderedDict([(key, None), (1, None)]), {key: 3}, {key: "t"}
+olds.extend([key, 1])
+del key
+evict(lru, owners, tags, olds, ~1)   # stops where olds ends: after the first
+assert list(lru) == [1] and list(owners.values()) == [2] and list(tags.values()) == ["t"]
+print("ok")
+"""
+
+
+@needs_c
+def test_the_c_loops_survive_python_code_that_changes_their_lists():
+    out = subprocess.run([sys.executable, "-c", HOSTILE_INDEX], capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.dirname(__file__)), timeout=60)
+    assert out.returncode == 0 and out.stdout.split() == ["ok"], out.stderr[-2000:]

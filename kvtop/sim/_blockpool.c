@@ -68,6 +68,18 @@ need_list(PyObject *o, const char *what)
     if (var == NULL)                                                            \
         return NULL;
 
+/* The loops below hold their own reference to each element they work on, and re-read the
+ * lengths of the lists they walk at each step: an element's __index__, __hash__, __eq__ or
+ * arithmetic, or a __del__ run by a value they replace, is Python code that may change those
+ * lists (a borrowed element could be freed under them, a length read once could run past the
+ * end). Such a change mid-call is an error where the Python loop takes a snapshot first. */
+static int
+changed(void)
+{
+    PyErr_SetString(PyExc_RuntimeError, "a list changed size during the loop");
+    return -1;
+}
+
 /* gather(values, index) -> tuple(values[i] for i in index) */
 static PyObject *
 gather(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -81,12 +93,18 @@ gather(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     SEQ(index, args[1]);
     Py_ssize_t n = PySequence_Fast_GET_SIZE(index);
-    PyObject **items = PySequence_Fast_ITEMS(index);
     PyObject *out = PyTuple_New(n);
     if (out == NULL)
         goto fail;
     for (Py_ssize_t k = 0; k < n; k++) {
-        Py_ssize_t i = position(values, items[k]);
+        if (k >= PySequence_Fast_GET_SIZE(index)) {
+            changed();
+            goto fail;
+        }
+        PyObject *o = PySequence_Fast_GET_ITEM(index, k);
+        Py_INCREF(o);
+        Py_ssize_t i = position(values, o);
+        Py_DECREF(o);
         if (i < 0)
             goto fail;
         PyObject *v = PyList_GET_ITEM(values, i);
@@ -113,9 +131,11 @@ fill(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (need_list(lst, "lst"))
         return NULL;
     SEQ(index, args[1]);
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(index);
-    for (Py_ssize_t k = 0; k < n; k++) {
-        Py_ssize_t i = position(lst, PySequence_Fast_GET_ITEM(index, k));
+    for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(index); k++) {
+        PyObject *o = PySequence_Fast_GET_ITEM(index, k);
+        Py_INCREF(o);
+        Py_ssize_t i = position(lst, o);
+        Py_DECREF(o);
         if (i < 0) {
             Py_DECREF(index);
             return NULL;
@@ -164,17 +184,27 @@ register_(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         goto fail;
     }
     for (Py_ssize_t idx = k; idx < upto; idx++) {
+        if (upto > PySequence_Fast_GET_SIZE(hashes) || upto > PySequence_Fast_GET_SIZE(blocks)) {
+            changed();
+            goto fail;
+        }
         PyObject *h = PySequence_Fast_GET_ITEM(hashes, idx);
         PyObject *b = PySequence_Fast_GET_ITEM(blocks, idx);
+        Py_INCREF(h);
+        Py_INCREF(b);
         Py_ssize_t before = PyDict_GET_SIZE(cached);
+        Py_ssize_t i = 0;
         if (PyDict_SetDefault(cached, h, b) == NULL)
-            goto fail;
-        if (PyDict_GET_SIZE(cached) == before)
-            continue;   /* another block already holds this content */
-        Py_ssize_t i = position(block_hash, b);
+            i = -1;
+        else if (PyDict_GET_SIZE(cached) != before) {   /* else another block holds this content */
+            i = position(block_hash, b);
+            if (i >= 0)
+                store(block_hash, i, h);
+        }
+        Py_DECREF(h);
+        Py_DECREF(b);
         if (i < 0)
             goto fail;
-        store(block_hash, i, h);
     }
     Py_DECREF(hashes);
     Py_DECREF(blocks);
@@ -198,12 +228,17 @@ incr(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     SEQ(index, args[1]);
     PyObject *one = PyLong_FromLong(1);
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(index);
-    for (Py_ssize_t k = 0; k < n; k++) {
-        Py_ssize_t i = position(lst, PySequence_Fast_GET_ITEM(index, k));
+    for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(index); k++) {
+        PyObject *o = PySequence_Fast_GET_ITEM(index, k);
+        Py_INCREF(o);
+        Py_ssize_t i = position(lst, o);
+        Py_DECREF(o);
         if (i < 0)
             goto fail;
-        PyObject *v = PyNumber_InPlaceAdd(PyList_GET_ITEM(lst, i), one);
+        PyObject *r = PyList_GET_ITEM(lst, i);
+        Py_INCREF(r);
+        PyObject *v = PyNumber_InPlaceAdd(r, one);
+        Py_DECREF(r);
         if (v == NULL)
             goto fail;
         if (i >= PyList_GET_SIZE(lst)) {   /* the addition ran code that shrank the list */
@@ -251,12 +286,18 @@ count_free(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     SEQ(index, args[1]);
     PyObject *zero = PyLong_FromLong(0);
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(index), count = 0;
-    for (Py_ssize_t k = 0; k < n; k++) {
-        Py_ssize_t i = position(lst, PySequence_Fast_GET_ITEM(index, k));
+    Py_ssize_t count = 0;
+    for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(index); k++) {
+        PyObject *o = PySequence_Fast_GET_ITEM(index, k);
+        Py_INCREF(o);
+        Py_ssize_t i = position(lst, o);
+        Py_DECREF(o);
         if (i < 0)
             goto fail;
-        int neg = is_negative(PyList_GET_ITEM(lst, i), zero);
+        PyObject *r = PyList_GET_ITEM(lst, i);
+        Py_INCREF(r);
+        int neg = is_negative(r, zero);
+        Py_DECREF(r);
         if (neg < 0)
             goto fail;
         count += neg;
@@ -285,14 +326,21 @@ select_equal(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     PyObject *out = PyList_New(0);
     if (out == NULL)
         goto fail;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(index);
-    for (Py_ssize_t k = 0; k < n; k++) {
+    for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(index); k++) {
         PyObject *o = PySequence_Fast_GET_ITEM(index, k);
+        Py_INCREF(o);
         Py_ssize_t i = position(lst, o);
-        if (i < 0)
-            goto fail;
-        int eq = PyObject_RichCompareBool(PyList_GET_ITEM(lst, i), value, Py_EQ);
-        if (eq < 0 || (eq && PyList_Append(out, o) < 0))
+        int eq = -1;
+        if (i >= 0) {
+            PyObject *r = PyList_GET_ITEM(lst, i);
+            Py_INCREF(r);
+            eq = PyObject_RichCompareBool(r, value, Py_EQ);
+            Py_DECREF(r);
+            if (eq > 0 && PyList_Append(out, o) < 0)
+                eq = -1;
+        }
+        Py_DECREF(o);
+        if (eq < 0)
             goto fail;
     }
     Py_DECREF(index);
@@ -336,40 +384,47 @@ evict_claim(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (start == -1 && PyErr_Occurred())
         return NULL;
     SEQ(taken, args[0]);
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(taken);
     Py_ssize_t k = start < 0 ? 0 : start;
-    for (; k < n; k++) {
-        PyObject *b = PySequence_Fast_GET_ITEM(taken, k);
+    PyObject *b;
+    for (; k < PySequence_Fast_GET_SIZE(taken); k++) {
+        b = PySequence_Fast_GET_ITEM(taken, k);
+        Py_INCREF(b);
         Py_ssize_t i = position(block_hash, b);
         if (i < 0)
-            goto fail;
+            goto fail_b;
         PyObject *h = PyList_GET_ITEM(block_hash, i);
         if (h != Py_None) {
+            Py_INCREF(h);
             if (stop != NULL) {
                 int in = PySet_Contains(stop, b);
-                if (in < 0)
-                    goto fail;
-                if (in)
+                if (in) {
+                    Py_DECREF(h);
+                    Py_DECREF(b);
+                    if (in < 0)
+                        goto fail;
                     break;
+                }
             }
-            Py_INCREF(h);
             int rc = PyDict_DelItem(cached, h);
             Py_DECREF(h);
             if (rc < 0)
-                goto fail;
+                goto fail_b;
             if (i >= PyList_GET_SIZE(block_hash)) {
                 PyErr_SetString(PyExc_IndexError, "list assignment index out of range");
-                goto fail;
+                goto fail_b;
             }
             store(block_hash, i, Py_None);
         }
         Py_ssize_t j = position(ref, b);
+        Py_DECREF(b);
         if (j < 0)
             goto fail;
         store(ref, j, value);
     }
     Py_DECREF(taken);
     return PyLong_FromSsize_t(k);
+fail_b:
+    Py_DECREF(b);
 fail:
     Py_DECREF(taken);
     return NULL;
@@ -394,31 +449,36 @@ release(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     PyObject *q = PyList_New(0);
     if (q == NULL)
         goto fail;
-    for (Py_ssize_t k = PySequence_Fast_GET_SIZE(blocks) - 1; k >= 0; k--) {
+    /* (last first, as reversed() does: it stops where the list has shrunk below it) */
+    for (Py_ssize_t k = PySequence_Fast_GET_SIZE(blocks) - 1;
+            k >= 0 && k < PySequence_Fast_GET_SIZE(blocks); k--) {
         PyObject *b = PySequence_Fast_GET_ITEM(blocks, k);
+        Py_INCREF(b);
         Py_ssize_t i = position(ref, b);
-        if (i < 0)
-            goto fail;
-        PyObject *r = PyNumber_Subtract(PyList_GET_ITEM(ref, i), one);
-        if (r == NULL)
-            goto fail;
-        int zero = PyObject_Not(r);
-        if (zero < 0 || i >= PyList_GET_SIZE(ref)) {
-            if (zero >= 0)
-                PyErr_SetString(PyExc_IndexError, "list assignment index out of range");
-            Py_DECREF(r);
-            goto fail;
-        }
-        if (zero) {
-            store(ref, i, value);
-            if (PyList_Append(q, b) < 0) {
+        int rc = -1;
+        if (i >= 0) {
+            PyObject *cur = PyList_GET_ITEM(ref, i);
+            Py_INCREF(cur);
+            PyObject *r = PyNumber_Subtract(cur, one);
+            Py_DECREF(cur);
+            if (r != NULL) {
+                int zero = PyObject_Not(r);
+                if (zero >= 0 && i >= PyList_GET_SIZE(ref))
+                    PyErr_SetString(PyExc_IndexError, "list assignment index out of range");
+                else if (zero > 0) {
+                    store(ref, i, value);
+                    rc = PyList_Append(q, b);
+                }
+                else if (zero == 0) {
+                    store(ref, i, r);
+                    rc = 0;
+                }
                 Py_DECREF(r);
-                goto fail;
             }
         }
-        else
-            store(ref, i, r);
-        Py_DECREF(r);
+        Py_DECREF(b);
+        if (rc < 0)
+            goto fail;
     }
     Py_DECREF(one);
     Py_DECREF(blocks);
@@ -450,33 +510,40 @@ touch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     PyObject *free = PyList_New(0), *entries = PyList_New(0);
     if (free == NULL || entries == NULL)
         goto fail;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(hit);
-    for (Py_ssize_t k = 0; k < n; k++) {
-        PyObject *b = PySequence_Fast_GET_ITEM(hit, k);
+    for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(hit); k++) {
+        PyObject *b = PySequence_Fast_GET_ITEM(hit, k), *r = NULL;
+        Py_INCREF(b);
         Py_ssize_t i = position(ref, b);
-        if (i < 0)
-            goto fail;
-        PyObject *r = PyList_GET_ITEM(ref, i);
-        int neg = is_negative(r, zero);
-        if (neg < 0)
-            goto fail;
-        if (neg) {
-            if (PyList_Append(free, b) < 0 || PyList_Append(entries, r) < 0)
-                goto fail;
-            store(ref, i, one);
-        }
-        else {
-            PyObject *v = PyNumber_Add(r, one);
-            if (v == NULL)
-                goto fail;
-            if (i >= PyList_GET_SIZE(ref)) {
-                Py_DECREF(v);
-                PyErr_SetString(PyExc_IndexError, "list assignment index out of range");
-                goto fail;
+        int rc = -1;
+        if (i >= 0) {
+            r = PyList_GET_ITEM(ref, i);
+            Py_INCREF(r);
+            int neg = is_negative(r, zero);
+            if (neg > 0) {
+                if (i >= PyList_GET_SIZE(ref))
+                    PyErr_SetString(PyExc_IndexError, "list assignment index out of range");
+                else if (PyList_Append(free, b) == 0 && PyList_Append(entries, r) == 0) {
+                    store(ref, i, one);
+                    rc = 0;
+                }
             }
-            store(ref, i, v);
-            Py_DECREF(v);
+            else if (neg == 0) {
+                PyObject *v = PyNumber_Add(r, one);
+                if (v != NULL) {
+                    if (i >= PyList_GET_SIZE(ref))
+                        PyErr_SetString(PyExc_IndexError, "list assignment index out of range");
+                    else {
+                        store(ref, i, v);
+                        rc = 0;
+                    }
+                    Py_DECREF(v);
+                }
+            }
         }
+        Py_XDECREF(r);
+        Py_DECREF(b);
+        if (rc < 0)
+            goto fail;
     }
     Py_DECREF(one);
     Py_DECREF(zero);
@@ -525,7 +592,14 @@ cached_prefix(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (out == NULL)
         goto fail;
     for (Py_ssize_t k = start; k < limit; k++) {
-        PyObject *b = PyDict_GetItemWithError(cached, PySequence_Fast_GET_ITEM(hashes, k));
+        if (k >= PySequence_Fast_GET_SIZE(hashes)) {
+            changed();
+            goto fail;
+        }
+        PyObject *h = PySequence_Fast_GET_ITEM(hashes, k);
+        Py_INCREF(h);
+        PyObject *b = PyDict_GetItemWithError(cached, h);   /* borrowed */
+        Py_DECREF(h);
         if (b == NULL) {
             if (PyErr_Occurred())
                 goto fail;
@@ -580,20 +654,40 @@ chain_prefix(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         m = PySequence_Fast_GET_SIZE(hashes);
     Py_ssize_t j = 0;
     for (; j < m; j++) {
+        if (j >= PySequence_Fast_GET_SIZE(c_hashes) || j >= PySequence_Fast_GET_SIZE(c_blocks)
+                || j >= PySequence_Fast_GET_SIZE(hashes)) {
+            changed();
+            goto done;
+        }
         PyObject *h = PySequence_Fast_GET_ITEM(hashes, j);
-        int eq = PyObject_RichCompareBool(PySequence_Fast_GET_ITEM(c_hashes, j), h, Py_EQ);
+        PyObject *ch = PySequence_Fast_GET_ITEM(c_hashes, j);
+        PyObject *cb = PySequence_Fast_GET_ITEM(c_blocks, j);
+        Py_INCREF(h);
+        Py_INCREF(ch);
+        Py_INCREF(cb);
+        int eq = PyObject_RichCompareBool(ch, h, Py_EQ);
+        if (eq > 0) {
+            Py_ssize_t i = position(block_hash, cb);
+            if (i < 0)
+                eq = -1;
+            else {
+                PyObject *held = PyList_GET_ITEM(block_hash, i);
+                Py_INCREF(held);
+                eq = PyObject_RichCompareBool(held, h, Py_EQ);
+                Py_DECREF(held);
+            }
+        }
+        Py_DECREF(h);
+        Py_DECREF(ch);
+        Py_DECREF(cb);
         if (eq < 0)
             goto done;
         if (!eq)
             break;
-        Py_ssize_t i = position(block_hash, PySequence_Fast_GET_ITEM(c_blocks, j));
-        if (i < 0)
-            goto done;
-        eq = PyObject_RichCompareBool(PyList_GET_ITEM(block_hash, i), h, Py_EQ);
-        if (eq < 0)
-            goto done;
-        if (!eq)
-            break;
+    }
+    if (j > PySequence_Fast_GET_SIZE(c_blocks)) {
+        changed();
+        goto done;
     }
     out = PyList_New(j);
     if (out == NULL)
@@ -622,7 +716,9 @@ static int
 slot_offset(PyTypeObject *t, const char *name, Py_ssize_t *off)
 {
     PyObject *d = PyDict_GetItemString(t->tp_dict, name);   /* borrowed */
-    if (d == NULL || !Py_IS_TYPE(d, &PyMemberDescr_Type)
+    /* a slot of this very class (a member descriptor of another class, set as an attribute
+     * here, has that class's offsets: past the end of this one's objects) */
+    if (d == NULL || !Py_IS_TYPE(d, &PyMemberDescr_Type) || PyDescr_TYPE(d) != t
             || ((PyMemberDescrObject *)d)->d_member->type != T_OBJECT_EX) {
         PyErr_Format(PyExc_TypeError, "%.100s.%s is not a __slots__ member", t->tp_name, name);
         return -1;
@@ -640,12 +736,24 @@ bind_request(PyObject *self, PyObject *cls)
         return NULL;
     }
     PyTypeObject *t = (PyTypeObject *)cls;
-    if (slot_offset(t, "computed", &off_computed) || slot_offset(t, "num_tokens", &off_num_tokens)
-            || slot_offset(t, "blocks", &off_blocks) || slot_offset(t, "registered", &off_registered)
-            || slot_offset(t, "hashes", &off_hashes) || slot_offset(t, "output", &off_output)
-            || slot_offset(t, "id", &off_id) || slot_offset(t, "first_token_time", &off_first_token_time)
-            || slot_offset(t, "max_tokens", &off_max_tokens))
+    /* all of them read first, then set: a class that fails leaves the bound one as it was
+     * (its offsets with its type, never another class's) */
+    Py_ssize_t c, nt, bl, rg, hs, op, id, ftt, mt;
+    if (slot_offset(t, "computed", &c) || slot_offset(t, "num_tokens", &nt)
+            || slot_offset(t, "blocks", &bl) || slot_offset(t, "registered", &rg)
+            || slot_offset(t, "hashes", &hs) || slot_offset(t, "output", &op)
+            || slot_offset(t, "id", &id) || slot_offset(t, "first_token_time", &ftt)
+            || slot_offset(t, "max_tokens", &mt))
         return NULL;
+    off_computed = c;
+    off_num_tokens = nt;
+    off_blocks = bl;
+    off_registered = rg;
+    off_hashes = hs;
+    off_output = op;
+    off_id = id;
+    off_first_token_time = ftt;
+    off_max_tokens = mt;
     Py_INCREF(cls);
     Py_XSETREF(req_type, t);
     Py_RETURN_NONE;
@@ -903,7 +1011,8 @@ advance(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                 || !slot_long(SLOT(req, off_output), &x) || x > (1LL << 60) || x < -(1LL << 60))
             Py_RETURN_FALSE;
     }
-    for (Py_ssize_t k = 0; k < n; k++) {
+    /* (emitted's old values are dropped here: a __del__ could shorten the list) */
+    for (Py_ssize_t k = 0; k < n && k < PyList_GET_SIZE(running); k++) {
         PyObject *req = PyList_GET_ITEM(running, k);
         long long computed = 0, num_tokens = 0, output = 0;   /* read above: they are ints */
         slot_long(SLOT(req, off_computed), &computed);
