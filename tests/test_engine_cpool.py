@@ -249,6 +249,28 @@ def test_the_c_running_loop_leaves_other_objects_to_python():
 
 
 @needs_c
+@pytest.mark.parametrize("kw", [{"max_num_batched_tokens": 1 << 70},
+                                {"long_prefill_token_threshold": 1 << 70},
+                                {"max_num_batched_tokens": 4096.0}])
+def test_scalars_the_c_loops_cannot_read_go_to_the_python_loops(kw):
+    # Engine() takes them (no bound on its keyword arguments): the C loops must hand them to
+    # the Python loops, not raise where the fallback runs.
+    def run(impl):
+        with using(impl):
+            eng = Engine(block_size=BS, **kw)
+            for n in range(3):
+                eng.add_request(EngineRequest(request_id=f"r{n}", num_prompt_tokens=40 + 30 * n,
+                                              max_tokens=6, block_hashes=[], arrival_time=0.0))
+            out = [eng.step(k * 0.01, coalesce=True) for k in range(12)]
+            return eng.generation_tokens, [(r.emitted, [f.request_id for f in r.finished])
+                                           for r in out]
+    assert run(_pool.C) == run(_pool.PY)
+    assert _pool.C.running_plain([], 0, 1 << 70, None, BS, []) == (0, 1 << 70, 0, 0)
+    assert _pool.C.decode_room([], 1 << 70, 1 << 30) is None
+    assert _pool.C.advance([], 1 << 70, {}) is False
+
+
+@needs_c
 def test_the_c_loops_refuse_what_the_engine_never_passes():
     assert pytest.raises(TypeError, _pool.C.fill, (1, 2), [0], 1)
     assert pytest.raises(TypeError, _pool.C.evict_claim, [0], [None], [], [0], 1, None, 0)

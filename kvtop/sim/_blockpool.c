@@ -799,17 +799,12 @@ running_plain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t i = PyLong_AsSsize_t(args[1]);
     if (i == -1 && PyErr_Occurred())
         return NULL;
-    long long budget, threshold, bs, attn = 0, ctx = 0;
-    if (!slot_long(args[2], &budget) || !slot_long(args[4], &bs) || bs <= 0) {
-        PyErr_SetString(PyExc_TypeError, "budget and block_size must be ints, block_size > 0");
-        return NULL;
-    }
-    if (args[3] == Py_None)
-        threshold = 0;
-    else if (!slot_long(args[3], &threshold)) {
-        PyErr_SetString(PyExc_TypeError, "threshold must be an int or None");
-        return NULL;
-    }
+    long long budget, threshold = 0, bs, attn = 0, ctx = 0;
+    /* A budget, threshold or block size that is not a plain int in range (a float, an int past
+     * 2**63: the engine's API takes them) is the Python loop's: nothing done here. */
+    if (!slot_long(args[2], &budget) || !slot_long(args[4], &bs) || bs <= 0
+            || (args[3] != Py_None && !slot_long(args[3], &threshold)))
+        return Py_BuildValue("nOii", i, args[2], 0, 0);
     while (req_type != NULL && i >= 0 && i < PyList_GET_SIZE(running) && budget > 0) {
         PyObject *req = PyList_GET_ITEM(running, i);
         if (Py_TYPE(req) != req_type)
@@ -948,12 +943,9 @@ decode_room(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (need_list(running, "running"))
         return NULL;
     long long bs, n;
-    if (!slot_long(args[1], &bs) || !slot_long(args[2], &n) || bs <= 0 || bs > (1LL << 30)) {
-        PyErr_SetString(PyExc_TypeError, "block_size and n must be ints, block_size > 0");
-        return NULL;
-    }
-    if (req_type == NULL)
-        Py_RETURN_NONE;
+    if (req_type == NULL || !slot_long(args[1], &bs) || !slot_long(args[2], &n) || bs <= 0
+            || bs > (1LL << 30))
+        Py_RETURN_NONE;   /* (the Python loop's, as an unreadable request is) */
     for (Py_ssize_t k = 0; k < PyList_GET_SIZE(running); k++) {
         PyObject *req = PyList_GET_ITEM(running, k);
         long long computed, output, max_tokens;
@@ -995,12 +987,8 @@ advance(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     long long u;
-    if (!slot_long(args[1], &u) || u > (1LL << 40) || u < -(1LL << 40)) {
-        PyErr_SetString(PyExc_TypeError, "u must be an int");
-        return NULL;
-    }
-    if (req_type == NULL)
-        Py_RETURN_FALSE;
+    if (req_type == NULL || !slot_long(args[1], &u) || u > (1LL << 40) || u < -(1LL << 40))
+        Py_RETURN_FALSE;   /* (the Python loop's, as an unreadable request is) */
     Py_ssize_t n = PyList_GET_SIZE(running);
     for (Py_ssize_t k = 0; k < n; k++) {   /* all of them readable, or none changed */
         PyObject *req = PyList_GET_ITEM(running, k), *id;
