@@ -268,6 +268,13 @@ def test_scalars_the_c_loops_cannot_read_go_to_the_python_loops(kw):
                                            for r in out]
     assert run(_pool.C) == run(_pool.PY)
     assert _pool.C.running_plain([], 0, 1 << 70, None, BS, []) == (0, 1 << 70, 0, 0)
+    # a block size near 2**63: rounding the tokens up to blocks must not overflow (a request
+    # with no block needs one)
+    req = engine_mod._Req.__new__(engine_mod._Req)
+    req.computed, req.num_tokens, req.blocks, req.registered, req.hashes, req.output = \
+        0, 5, [], 0, (), 0
+    for impl in (_pool.C, _pool.PY):
+        assert impl.running_plain([req], 0, 100, None, (1 << 63) - 1, []) == (0, 100, 0, 0)
     assert _pool.C.decode_room([], 1 << 70, 1 << 30) is None
     assert _pool.C.advance([], 1 << 70, {}) is False
 

@@ -801,8 +801,9 @@ running_plain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     long long budget, threshold = 0, bs, attn = 0, ctx = 0;
     /* A budget, threshold or block size that is not a plain int in range (a float, an int past
-     * 2**63: the engine's API takes them) is the Python loop's: nothing done here. */
-    if (!slot_long(args[2], &budget) || !slot_long(args[4], &bs) || bs <= 0
+     * 2**63: the engine's API takes them) is the Python loop's: nothing done here. (A block
+     * size past 2**30 would overflow the rounding up below.) */
+    if (!slot_long(args[2], &budget) || !slot_long(args[4], &bs) || bs <= 0 || bs > (1LL << 30)
             || (args[3] != Py_None && !slot_long(args[3], &threshold)))
         return Py_BuildValue("nOii", i, args[2], 0, 0);
     while (req_type != NULL && i >= 0 && i < PyList_GET_SIZE(running) && budget > 0) {
