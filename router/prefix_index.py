@@ -20,11 +20,19 @@ uses it to find a request's blocks not yet held by bisection (checked, so any li
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from functools import reduce
 from itertools import groupby, islice, repeat
 from operator import or_
+
+try:   # the per-block loops of ``_insert`` in C (router/_index_loops.c), when the install built it
+    from router import _index_loops as _loops
+except ImportError:
+    _loops = None
+if os.environ.get("KVTOP_PURE_PYTHON", "") not in ("", "0"):   # the Python loops below, forced
+    _loops = None
 
 #: Blocks a ``flush_step`` adds (and about as many it evicts): about a millisecond of the loop.
 STEP_BLOCKS = 1024
@@ -217,10 +225,13 @@ class PrefixIndex:
         n = len(blocks)
         held = _held_prefix(lru, blocks)  # blocks[held:] are the ones not held, if a chain
         before = len(lru)
-        for h in reversed(blocks[held:]):
-            if h not in lru:
-                lru[h] = None
-                owners[h] = owners.get(h, 0) | bit
+        if _loops is not None:
+            _loops.add(lru, owners, blocks, held, bit)
+        else:
+            for h in reversed(blocks[held:]):
+                if h not in lru:
+                    lru[h] = None
+                    owners[h] = owners.get(h, 0) | bit
         # Touch from the last block to the first. When every block from ``held`` on was absent
         # (the chain case) they were just appended in that order and are the newest already.
         touch = reversed(blocks[:held] if len(lru) - before == n - held else blocks)
@@ -251,13 +262,16 @@ class PrefixIndex:
             # popitem (and its tuple) per evicted block.
             tags = self._tags
             keep = ~bit
-            for old in list(islice(lru, over)):
-                del lru[old]
-                mask = owners.pop(old, 0) & keep
-                if mask:
-                    owners[old] = mask
-                else:
-                    tags.pop(old, None)
+            if _loops is not None:
+                _loops.evict(lru, owners, tags, list(islice(lru, over)), keep)
+            else:
+                for old in list(islice(lru, over)):
+                    del lru[old]
+                    mask = owners.pop(old, 0) & keep
+                    if mask:
+                        owners[old] = mask
+                    else:
+                        tags.pop(old, None)
             self._evictions[instance] += over
 
     def oldest_tags(self, instance: int, count: int, skip: str | None = None) -> dict[str | None, int]:

@@ -64,13 +64,31 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from itertools import accumulate, compress, count, islice, repeat
-from operator import itemgetter, ne
+from itertools import accumulate, islice
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from kvtop.sim import _pool
 from kvtop.sim.profiles import DEFAULT_PROFILE, Profile, get_profile
+
+# The block pool's per-block loops: compiled (kvtop/sim/_blockpool.c) when the install built it,
+# else the same loops in Python (kvtop/sim/_pool.py; KVTOP_PURE_PYTHON=1 forces them).
+_gather = _pool.gather
+_fill = _pool.fill
+_incr = _pool.incr
+_count_free = _pool.count_free
+_select_equal = _pool.select_equal
+_evict_claim = _pool.evict_claim
+_release = _pool.release
+_touch_blocks = _pool.touch
+_register_blocks = _pool.register
+_cached_prefix = _pool.cached_prefix
+_chain_prefix = _pool.chain_prefix
+_running_plain = _pool.running_plain
+_sample_plain = _pool.sample_plain
+_decode_room = _pool.decode_room
+_advance_running = _pool.advance
 
 __all__ = [
     "Engine",
@@ -206,58 +224,11 @@ def _priority_key(req: "_Req") -> tuple[int, float]:
 # request states
 _PENDING, _WAITING, _TRANSFERRING, _RUNNING, _DONE = range(5)
 
-_negative = (0).__gt__     # as a C-level predicate: free blocks have a negative refcount entry
-
 #: Requests whose blocks ``_lookup`` remembers per engine (by first block hash), at most, and
 #: their hashes in all, at most, in multiples of the engine's blocks: beyond what the cache can
 #: hold they are of no use, and ``kvtop sim`` must not keep 200k-token prompts' hashes alive.
 _MAX_CHAINS = 1024
 _CHAIN_BLOCKS_PER_CACHE_BLOCK = 8
-
-
-def _gather(values: list[Any], index: Sequence[int]) -> tuple[Any, ...]:
-    """``values[i]`` for each ``i`` in ``index``, as a tuple: one ``itemgetter`` call, about half
-    the cost of ``map(values.__getitem__, index)`` (a method-wrapper call per item)."""
-    if len(index) > 1:
-        return itemgetter(*index)(values)
-    return (values[index[0]],) if index else ()
-
-
-def _first_difference(a: Sequence[Any], b: Sequence[Any]) -> int:
-    """Index of the first position where equal-length ``a`` and ``b`` differ, else their length."""
-    return next(compress(count(), map(ne, a, b)), len(a))
-
-
-def _chain_prefix(chain: tuple[Sequence[int], list[int], Any], hashes: Sequence[int], limit: int,
-                  block_hash: list[int | None]) -> list[int]:
-    """The leading blocks of ``chain`` (a request's hashes and blocks) that still hold
-    ``hashes[:limit]``'s leading hashes: ``_lookup``'s answer for that stretch."""
-    c_hashes, c_blocks = chain[0], chain[1]
-    m = min(limit, len(c_hashes), len(c_blocks))
-    want = hashes[:m]
-    if c_hashes[:m] != want:
-        m = _first_difference(c_hashes[:m], want)
-        want = want[:m]
-    blocks = c_blocks[:m]
-    if not m or block_hash[blocks[-1]] == want[-1]:
-        # The last one still holds its hash: all of them, usually (evictions take a released
-        # request's last blocks first), checked in one pass.
-        held = _gather(block_hash, blocks)
-        if held != tuple(want):
-            del blocks[_first_difference(held, want):]
-        return blocks
-    # Some were evicted: check chunks that double from 64 blocks, so that a request evicted
-    # from its first block on costs one chunk rather than a pass over all of its blocks.
-    start, size = 0, 64
-    while start < m:
-        end = start + size if start + size < m else m
-        part = blocks[start:end]
-        held = _gather(block_hash, part)
-        if held != tuple(want[start:end]):
-            del blocks[start + _first_difference(held, want[start:end]):]
-            return blocks
-        start, size = end, size * 2
-    return blocks
 
 
 _BLOCK_IDS: list[int] = []
@@ -338,6 +309,10 @@ class _Req:
         self.stops = False           # max_tokens is the natural end (stop_at), not the cap
         self.priority = r.priority
         self.pin_s = r.kv_pin_s
+
+
+if _pool.C is not None:   # the C running loop reads _Req's slots directly
+    _pool.C.bind_request(_Req)
 
 
 #: ``Engine(kv_pin_ttl_s=...)``'s bound: a pin of a day is already no pin but a leak.
@@ -610,10 +585,7 @@ class Engine:
     def _count_free(self, blocks: Sequence[int]) -> int:
         """How many of ``blocks`` have refcount 0 (C-level passes; ``list.count`` of a bool is
         far cheaper than ``sum`` over bools, which leaves sum's int fast path)."""
-        refs = _gather(self._ref, blocks)
-        if not self._num_shared:   # every held block's refcount is 1: count those, about twice as cheap
-            return len(refs) - refs.count(1)
-        return list(map(_negative, refs)).count(True)
+        return _count_free(self._ref, blocks, self._num_shared)
 
     def _free_queue(self) -> list[int]:
         """The free blocks in LRU order, the next evicted first (for tests and invariants); with
@@ -630,7 +602,7 @@ class Engine:
     def _live(self, run: _Run) -> int:
         """The run's blocks still in the free queue (a hit may have taken some)."""
         q = run.q[run.head:]
-        return len(q) if not run.dirty else list(map((-run.rid).__eq__, _gather(self._ref, q))).count(True)
+        return len(q) if not run.dirty else len(_select_equal(self._ref, q, -run.rid))
 
     def _expire_pins(self, now: float) -> None:
         """Pins that ended by ``now`` give their runs back to the free queue, where they would
@@ -694,9 +666,17 @@ class Engine:
         # chosen behind the scan can give it back (vLLM returns its tokens to the budget)
         given: dict[int, tuple[int, int, int]] | None = {} if self._by_priority else None
 
-        # 1. RUNNING, in order.
+        # 1. RUNNING, in order. The requests that need no block and no registration (decoding,
+        # mostly) go through _pool.running_plain, fcfs; the loop below takes the others.
         i = 0
         while i < len(running) and budget > 0:
+            if given is None:
+                i, budget, attn_add, ctx_add = _running_plain(running, i, budget, threshold, bs,
+                                                              scheduled)
+                attn_sum += attn_add
+                decode_ctx += ctx_add
+                if i >= len(running) or budget <= 0:
+                    break
             req = running[i]
             computed = req.computed
             num_new = req.num_tokens - computed
@@ -805,11 +785,20 @@ class Engine:
         while recent and recent[0][0] + recent[0][1] < lo:
             recent.popleft()
 
-        # 3. Sample: every request whose pending tokens are all computed gets one token.
+        # 3. Sample: every request whose pending tokens are all computed gets one token. Those
+        # that neither get their first token nor finish go through _pool.sample_plain.
         emitted = result.emitted
         any_finished = False
         sampled = 0
-        for req in scheduled:
+        k = 0
+        n_scheduled = len(scheduled)
+        while k < n_scheduled:
+            k, got = _sample_plain(scheduled, k, emitted)
+            sampled += got
+            if k >= n_scheduled:
+                break
+            req = scheduled[k]
+            k += 1
             if req.computed < req.num_tokens:
                 continue  # a non-final prefill chunk
             req.output += 1
@@ -848,14 +837,9 @@ class Engine:
     def _coalesce(self, result: StepResult, decode_ctx: int) -> None:
         running = self.running
         bs = self.block_size
-        n = 1 << 30
-        for req in running:
-            room = len(req.blocks) * bs - req.computed   # decode steps before it needs a block
-            left = req.max_tokens - req.output - 1        # decode steps before the one it ends in
-            if room < n:
-                n = room
-            if left < n:
-                n = left
+        n = _decode_room(running, bs, 1 << 30)
+        if n is None:
+            n = _pool.PY.decode_room(running, bs, 1 << 30)
         if n <= 0:
             return
         horizon = self.next_event_time()
@@ -891,11 +875,8 @@ class Engine:
         if not u:
             return
         emitted = st.result.emitted
-        for req in self.running:
-            req.computed += u
-            req.num_tokens += u
-            req.output += u
-            emitted[req.id] = req.output
+        if not _advance_running(self.running, u, emitted):
+            _pool.PY.advance(self.running, u, emitted)
         num = len(self.running)
         self.generation_tokens += num * u
         self.num_steps += u
@@ -977,16 +958,9 @@ class Engine:
             limit = len(hashes)
         if limit <= 0:
             return []
-        # C-level passes (map + index) instead of a Python loop, ~10x faster on long prompts,
-        # over chunks that double from 64 blocks: the scan ends in the chunk of the first miss,
-        # not at the prompt's end. A prompt on an instance that has not seen its session lately
-        # (round_robin, load_only) misses at its first block: one chunk, not its 3,000 hashes.
-        # A chunk that hits throughout (most of them) is read by one itemgetter call, about
-        # 40% cheaper per hash than map(get); the chunk with the miss is read again with get.
         cached = self._cached
-        get = cached.get
         found: list[int] = []
-        start, size = 0, 64
+        start = 0
         self._held_hit = None
         chain = self._chains.get(hashes[0])
         if chain is not None:
@@ -994,7 +968,7 @@ class Engine:
             # previous one, mostly): as far as they still hold this prompt's hashes, they are
             # what the dict would give (a block holds hash h exactly when the cache maps h to
             # it), found by list comparisons instead of a dict read a hash.
-            found = _chain_prefix(chain, hashes, limit, self._block_hash)
+            found = _chain_prefix(chain[0], chain[1], hashes, limit, self._block_hash)
             start = len(found)
             if start == limit or hashes[start] not in cached:
                 if found and chain[2].blocks is chain[1]:
@@ -1002,26 +976,11 @@ class Engine:
                     # list), so none of the hit is free: _count_free_hit need not count.
                     self._held_hit = found
                 return found
-        while start < limit:
-            end = start + size if start + size < limit else limit
-            part = hashes[start:end]
-            if end - start > 1:
-                try:
-                    found += itemgetter(*part)(cached)
-                    start, size = end, size * 2
-                    continue
-                except KeyError:
-                    pass
-            chunk = list(map(get, part, repeat(-1, end - start)))
-            try:
-                miss = chunk.index(-1)
-            except ValueError:
-                found += chunk
-                start, size = end, size * 2
-                continue
-            found += chunk[:miss]
-            break
-        return found
+        # The dict's reads past them, up to the first miss (see _pool.cached_prefix).
+        if found:
+            found += _cached_prefix(cached, hashes, start, limit)
+            return found
+        return _cached_prefix(cached, hashes, start, limit)
 
     def _note_chain(self, req: _Req) -> None:
         """Remember an admitted request's blocks for ``_lookup`` (see there), bounded."""
@@ -1174,8 +1133,7 @@ class Engine:
             q = run.q
             if not run.dirty and k <= len(q) - run.head and q[-k:] == hit[::-1]:
                 del q[-k:]
-                for b in hit:
-                    ref[b] = 1
+                _fill(ref, hit, 1)
                 self._num_free -= k
                 if run.expiry is not None:
                     self._num_pinned -= k
@@ -1189,30 +1147,25 @@ class Engine:
             # none is free, so no queue entry changes; each refcount goes up by one, and
             # while no block is shared every one of them is 1.
             if self._num_shared:
-                for b in hit:
-                    ref[b] += 1
+                _incr(ref, hit)
             else:
-                for b in hit:
-                    ref[b] = 2
+                _fill(ref, hit, 2)
             self._num_shared += k
             req.blocks.extend(hit)
             req.registered = k
             return
-        run_of = self._run_of
-        taken = 0
-        for b in hit:
-            r = ref[b]
-            if r < 0:   # free: its queue entry goes stale, filtered when allocation reaches it
+        free, entries = _touch_blocks(hit, ref)
+        taken = len(free)
+        if taken:
+            # the free ones' queue entries go stale, filtered when allocation reaches them
+            run_of = self._run_of
+            for r in dict.fromkeys(entries):
                 run = run_of[-r]
                 run.dirty = True
                 if run.expiry is not None:
-                    self._num_pinned -= 1
-                ref[b] = 1
-                taken += 1
-                if hol_set and b in hol_set:
-                    self._hol_touch_free -= 1
-            else:
-                ref[b] = r + 1
+                    self._num_pinned -= entries.count(r)
+            if hol_set:
+                self._hol_touch_free -= len(hol_set.intersection(free))
         self._num_free -= taken
         self._num_shared += k - taken
         req.blocks.extend(hit)
@@ -1231,7 +1184,7 @@ class Engine:
             run = runs[0]
             if run.dirty:   # drop the entries hits took one by one (C-level passes)
                 q = run.q[run.head:]
-                run.q = list(compress(q, map((-run.rid).__eq__, _gather(ref, q))))
+                run.q = _select_equal(ref, q, -run.rid)
                 run.head = 0
                 run.dirty = False
             q = run.q
@@ -1260,13 +1213,18 @@ class Engine:
         cached = self._cached
         hol_set = self._hol_set
         kv_events = self.kv_events
-        if not hol_set and kv_events is None:   # the loop below without the memo and the events
-            for b in taken:
-                h = block_hash[b]
-                if h is not None:
-                    del cached[h]     # evict
-                    block_hash[b] = None
+        if kv_events is None:
+            # Evict and claim (_pool.evict_claim), stopping at each block of the head-of-line
+            # memo's hit that loses its hash, which the memo must hear of.
+            n = len(taken)
+            k = _evict_claim(taken, block_hash, cached, ref, 1, hol_set, 0)
+            while k < n:
+                b = taken[k]
+                del cached[block_hash[b]]
+                block_hash[b] = None
+                self._evict_memo(b)
                 ref[b] = 1
+                k = _evict_claim(taken, block_hash, cached, ref, 1, hol_set, k + 1)
             req.blocks += taken
             return
         append = req.blocks.append
@@ -1275,22 +1233,24 @@ class Engine:
             if h is not None:
                 del cached[h]     # evict
                 block_hash[b] = None
-                if kv_events is not None:
-                    kv_events.append((0, h))
+                kv_events.append((0, h))
                 if b in hol_set:
-                    # The memo's hit now ends before this block: a fresh lookup would stop
-                    # there too (the blocks before it keep their hashes), and if the hash
-                    # comes back the memo's "chain grew" check in _admit finds it.
-                    # Evictions take a released run from its end, so b is mostly the hit's
-                    # last block: found without a scan, cut in place (the memo owns its list).
-                    hit = self._hol_hit
-                    k = len(hit) - 1 if hit[-1] == b else hit.index(b)
-                    gone = hit[k:]
-                    self._hol_touch_free -= self._count_free(gone)
-                    hol_set.difference_update(gone)
-                    del hit[k:]
+                    self._evict_memo(b)
             ref[b] = 1
             append(b)
+
+    def _evict_memo(self, b: int) -> None:
+        """The memo's hit now ends before block ``b``, just evicted: a fresh lookup would stop
+        there too (the blocks before it keep their hashes), and if the hash comes back the
+        memo's "chain grew" check in _admit finds it. Evictions take a released run from its
+        end, so b is mostly the hit's last block: found without a scan, cut in place (the memo
+        owns its list)."""
+        hit = self._hol_hit
+        k = len(hit) - 1 if hit[-1] == b else hit.index(b)
+        gone = hit[k:]
+        self._hol_touch_free -= self._count_free(gone)
+        self._hol_set.difference_update(gone)
+        del hit[k:]
 
     def _register(self, req: _Req, num_computed: int) -> None:
         """Cache the prompt blocks that are full once ``num_computed`` tokens are computed."""
@@ -1306,37 +1266,16 @@ class Engine:
         blocks = req.blocks
         kv_events = self.kv_events
         if kv_events is None:
-            # The common case, no block of the run cached already (no exception on the agentic
-            # benchmark trace): one C-level update, checked afterwards by the dict's growth,
-            # which a hash cached already or repeated inside the run cuts short.
-            run = hashes[k:upto]
-            before = len(cached)
-            run_blocks = blocks[k:upto]
-            cached.update(zip(run, run_blocks))
-            if len(cached) - before == upto - k:
-                for b, h in zip(run_blocks, run):
-                    block_hash[b] = h
-                req.registered = upto
-                return
-            # Undo it, then go block by block: a hash that another block held (its block_hash
-            # entry says which; the run's own blocks hold none yet) is given back to that
-            # block, in place, and the run's new hashes are removed.
-            run_set = set(run)
-            held = {h: b for b, h in enumerate(block_hash) if h is not None and h in run_set}
-            for h in run_set:
-                b = held.get(h)
-                if b is None:
-                    del cached[h]
-                else:
-                    cached[h] = b
+            _register_blocks(cached, block_hash, hashes, blocks, k, upto)
+            req.registered = upto
+            return
         for idx in range(k, upto):
             h = hashes[idx]
             if h not in cached:   # another block may already hold this content
                 b = blocks[idx]
                 cached[h] = b
                 block_hash[b] = h
-                if kv_events is not None:
-                    kv_events.append((1, req.id, idx))
+                kv_events.append((1, req.id, idx))
         req.registered = upto
 
     def _free_blocks(self, req: _Req, pin_until: float | None = None) -> None:
@@ -1360,29 +1299,19 @@ class Engine:
             # No block shared with another request (known without reading a refcount when no
             # block of the engine is): every block goes free.
             q = blocks[::-1]
-            for b in blocks:
-                ref[b] = neg
+            _fill(ref, blocks, neg)
         elif refs[:len(blocks) - n_last].count(2) == len(blocks) - n_last:
             # A leading run shared with one other request (the session's next turn took it as
             # its hit while this one ran): it stays with that request, the rest goes free.
             shared = len(blocks) - n_last
             self._num_shared -= shared
-            for b in blocks[:shared]:
-                ref[b] = 1
+            _fill(ref, blocks[:shared], 1)
             q = blocks[:shared - 1:-1] if shared else blocks[::-1]
             if not q:
                 return
-            for b in q:
-                ref[b] = neg
+            _fill(ref, q, neg)
         else:
-            q = []
-            for b in reversed(blocks):
-                r = ref[b] - 1
-                if r == 0:
-                    ref[b] = neg
-                    q.append(b)
-                else:
-                    ref[b] = r
+            q = _release(blocks, ref, neg)
             self._num_shared -= len(blocks) - len(q)   # each decrement that left a holder
             if not q:
                 return
