@@ -24,7 +24,7 @@ from router import limits, priority
 from router.answer import send_whole
 from router.apis import APIS, RESPONSES, Api, ResponseStore, response_id
 from router.features import decode_leg_body, prefill_leg_body
-from router.forward import StreamScan, cached_tokens, completion_tokens, upstream_headers, usage_of
+from router.forward import StreamScan, cached_tokens, completion_tokens, upstream_head, upstream_headers, usage_of
 from router.http import error_response, read_body, refusal
 from router.lifecycle import (ALL_FULL, Action, Admitted, Arrived, ClientGone, Counted, Ended, FirstToken,
                               LegFailed, LegSent, Lifecycle, PrefillAnswered, Refuse, Wait)
@@ -292,7 +292,7 @@ async def _serve_leg(request: web.Request, state: RouterState, flow: Flow, raw: 
     req = d.request
     cfg = state.config
     path = api.path
-    headers = upstream_headers(request.headers, req.request_id)
+    headers = upstream_head(request.raw_headers, req.request_id)
     reply_headers = {"X-Kvtop-Instance": d.instance_name, "X-Kvtop-Request-Id": req.request_id,
                      "X-Kvtop-Policy": d.slot.label}
     scan: StreamScan | None = None
@@ -326,7 +326,8 @@ async def _serve_leg(request: web.Request, state: RouterState, flow: Flow, raw: 
                 await resp.write_eof()
                 return resp
             if not req.stream:
-                data = await up.read(limit=cfg.max_answer_bytes)
+                # the connection goes back to the pool after the client's write (``async with``)
+                data = await up.read(limit=cfg.max_answer_bytes, release=False)
                 resp = await send_whole(request, 200, {**reply_headers, "Content-Type": up.headers.get(
                     "Content-Type", "application/json")}, data)
                 # the client has its answer: the bookkeeping below is off its path

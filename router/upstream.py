@@ -325,9 +325,11 @@ class Response:
             if not c.chunks:
                 await c.wait()
 
-    async def read(self, limit: int | None = None) -> bytes:
+    async def read(self, limit: int | None = None, *, release: bool = True) -> bytes:
         """The whole body, at most ``limit`` bytes (default: the pool's ``max_buffered_bytes``);
-        past it, ``TooLarge`` and the connection is closed."""
+        past it, ``TooLarge`` and the connection is closed. ``release=False`` leaves the
+        connection's return to the pool to ``release`` (``async with``): the data plane relays
+        the answer first and tidies the connection after."""
         c = self._conn
         if limit is None:
             limit = c.pool.max_buffered_bytes
@@ -348,7 +350,8 @@ class Response:
             if c.complete:
                 break
             await c.wait()
-        self.release()
+        if release:
+            self.release()
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def release(self) -> None:
@@ -385,7 +388,7 @@ class Pool:
         # built now when a CA file is named, so that a bad one fails at start, not per request
         self._ssl: ssl.SSLContext | None = self._ssl_context() if ssl_ca_file else None
         self._idle: dict[str, list[_Conn]] = {}
-        self._hosts: dict[str, tuple[str, str | None, str | None, int, bool]] = {}
+        self._hosts: dict[str, tuple[str, str | None, str | None, int, bool, bytes]] = {}
         self._open: set[_Conn] = set()
         self._refused: set[str] = set()  # backends cut off (a forced remove): no new connection
         self.closed = False
@@ -397,25 +400,27 @@ class Pool:
         ctx.set_alpn_protocols(["http/1.1"])
         return ctx
 
-    def _target(self, base: str) -> tuple[str, str | None, str | None, int, bool]:
-        """(Host header, unix path, host, port, TLS) for a backend's base URL."""
+    def _target(self, base: str) -> tuple[str, str | None, str | None, int, bool, bytes]:
+        """(Host header, unix path, host, port, TLS, the Host header as bytes) for a backend's
+        base URL."""
         t = self._hosts.get(base)
         if t is None:
             if base.startswith("unix:"):
-                t = ("localhost", base[5:], None, 0, False)
+                t = ("localhost", base[5:], None, 0, False, b"localhost")
             else:
                 u = urlsplit(base)
                 if u.scheme not in ("http", "https") or not u.hostname:
                     raise ValueError(f"only http:// and https:// backends are supported, got {base!r}")
                 tls = u.scheme == "https"
-                t = (u.netloc.rpartition("@")[2], None, u.hostname, u.port or (443 if tls else 80), tls)
+                netloc = u.netloc.rpartition("@")[2]
+                t = (netloc, None, u.hostname, u.port or (443 if tls else 80), tls, netloc.encode("latin-1"))
             self._hosts[base] = t
         return t
 
     async def _connect(self, base: str, deadline: float | None = None) -> _Conn:
         if base in self._refused:
             raise ConnectFailed(f"{base} was removed from the fleet")
-        _, unix_path, host, port, tls = self._target(base)
+        _, unix_path, host, port, tls, _ = self._target(base)
         limit = self.connect_timeout
         if deadline is not None:
             left = deadline - self.loop.time()
@@ -452,23 +457,29 @@ class Pool:
                 return conn
         return None
 
-    async def request(self, base: str, method: str, path: str, headers: Iterable[tuple[str, str]],
+    async def request(self, base: str, method: str, path: str, headers: Iterable[tuple[str, str]] | bytes,
                       body: bytes | Chunks = b"", *, total_timeout: float | None = None,
                       on_sent: Callable[[], None] | None = None) -> Response:
         """Send one request; return once the answer's status line and headers are in.
 
+        ``headers``: (name, value) pairs, or header lines already on the wire's form (bytes,
+        each line ending in CRLF; the data plane passes the client's own bytes through).
         ``total_timeout`` bounds everything from here to the answer's last byte; ``on_sent``
         is called once, right after the request is written (work that can overlap the wait)."""
         if self.closed:
             raise ConnectFailed("the connection pool is closed")
-        netloc = self._target(base)[0]
-        head_bytes = (f"{method} {path} HTTP/1.1\r\nHost: {netloc}\r\nContent-Length: {len(body)}\r\n"
-                      + "".join([f"{k}: {v}\r\n" for k, v in headers]) + "\r\n").encode("latin-1")
+        host = self._hosts.get(base) or self._target(base)
+        if not isinstance(headers, bytes):
+            headers = "".join([f"{k}: {v}\r\n" for k, v in headers]).encode("latin-1")
+        head_bytes = b"%s %s HTTP/1.1\r\nHost: %s\r\nContent-Length: %d\r\n%s\r\n" % (
+            method.encode("latin-1"), path.encode("latin-1"), host[5], len(body), headers)
         # One write for a small request (one send); a large body goes as its own buffers (the
         # chunks it arrived in), so a 60 MB prompt is not copied on the event loop just to put
         # 300 bytes in front of it.
-        parts = body.parts if isinstance(body, Chunks) else (body,)
-        data = head_bytes + body if not isinstance(body, Chunks) and len(body) < _BIG_BODY else None
+        if isinstance(body, Chunks):
+            parts, data = body.parts, None
+        else:
+            parts, data = (body,), (head_bytes + body if len(body) < _BIG_BODY else None)
         deadline = self.loop.time() + total_timeout if total_timeout else None
         for attempt in (1, 2):
             conn = self._idle_conn(base)

@@ -558,3 +558,32 @@ def test_errors_are_upstream_errors():
         assert issubclass(exc, UpstreamError)
     # a malformed or oversized answer is never retried as if the connection had been stale
     assert not issubclass(BadResponse, Disconnected)
+
+
+# -- the data plane's fast forms ------------------------------------------------------------------
+
+async def test_header_lines_given_as_bytes_go_up_as_they_are(make_pool):
+    """The data plane passes the client's header bytes (router/forward.py upstream_head): the
+    head is the request line, Host, Content-Length, then those lines unchanged."""
+    async with Scripted(answer_ok) as b:
+        pool = make_pool()
+        up = await pool.request(b.url, "POST", "/v1/completions", "X-Note: café\r\nX-Tag: a\r\n".encode(), b"{}")
+        async with up:
+            await up.read()
+        host = b.url.split("//")[1].encode()
+        assert b.heads == [b"POST /v1/completions HTTP/1.1\r\nHost: " + host + b"\r\nContent-Length: 2\r\n"
+                           + "X-Note: café\r\nX-Tag: a\r\n\r\n".encode()]
+
+
+async def test_read_without_release_keeps_the_connection_until_released(make_pool):
+    """``read(release=False)``: the answer is whole, the connection stays with the response
+    until ``release`` (the data plane answers its client first), then goes back and is reused."""
+    async with Scripted(answer_ok) as b:
+        pool = make_pool()
+        up = await pool.request(b.url, "POST", "/v1/completions", [], b"{}")
+        assert await up.read(release=False) == b"ok"
+        assert not pool._idle.get(b.url)  # not back yet
+        up.release()
+        assert len(pool._idle[b.url]) == 1
+        assert await get(pool, b.url) == (200, b"ok")
+        assert b.connections == 1
