@@ -254,11 +254,21 @@ class _Conn(asyncio.Protocol):
         self.waiter = fut = self.pool.loop.create_future()
         await fut
 
-    # -- timeouts: one timer per request, re-armed only when it fires ----------------------
+    # -- timeouts: one timer per connection, re-armed only when it fires -------------------
     def arm(self) -> None:
+        """Make sure the watchdog looks at this request by its next possible expiry. A timer
+        still pending from an earlier request on this connection does, when it fires first (it
+        then re-arms for the rest): a request on a kept-alive connection usually schedules no
+        timer at all, where one per request cost a schedule and a cancel on the answer's path."""
         at = self._next_check()
-        if at != float("inf"):
-            self.watch = self.pool.loop.call_at(at, self._watchdog)
+        if at == float("inf"):
+            return
+        w = self.watch
+        if w is not None:
+            if w.when() <= at:
+                return
+            w.cancel()
+        self.watch = self.pool.loop.call_at(at, self._watchdog)
 
     def disarm(self) -> None:
         if self.watch is not None:
@@ -272,7 +282,7 @@ class _Conn(asyncio.Protocol):
 
     def _watchdog(self) -> None:
         self.watch = None
-        if self.complete or self.error is not None:
+        if self.idle or self.complete or self.error is not None:  # no request is waiting on it
             return
         now = self.pool.loop.time()
         rt = self.pool.read_timeout
@@ -513,20 +523,23 @@ class Pool:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def put_back(self, conn: _Conn) -> None:
-        conn.disarm()
         if (conn.complete and conn.keep_alive and conn.error is None and not self.closed
                 and not conn.transport.is_closing()):
             idle = self._idle.setdefault(conn.key, [])
             if len(idle) < self.max_idle:
                 if conn.paused:
                     conn.transport.resume_reading()
+                watch = conn.watch
                 conn._reset()
+                conn.watch = watch  # kept for the next request (see ``arm``); idle, it does nothing
                 conn.idle = True
                 idle.append(conn)
                 return
+        conn.disarm()
         conn.transport.close()
 
     def forget(self, conn: _Conn) -> None:
+        conn.disarm()  # gone: nothing left to watch
         self._open.discard(conn)
         idle = self._idle.get(conn.key)
         if idle and conn in idle:

@@ -587,3 +587,37 @@ async def test_read_without_release_keeps_the_connection_until_released(make_poo
         assert len(pool._idle[b.url]) == 1
         assert await get(pool, b.url) == (200, b"ok")
         assert b.connections == 1
+
+
+async def test_a_kept_alive_connection_reuses_its_timer_and_still_times_out(make_pool, monkeypatch):
+    """One timer per connection: the next request on it schedules none while the pending one
+    fires first; a stalled backend is still caught, by the read timeout and by an earlier
+    total limit alike."""
+    async def script(b, w, n):
+        if len(b.heads) == 1:
+            w.write(ok())
+        return True  # later requests: no answer
+
+    async with Scripted(script) as b:
+        pool = make_pool(read_timeout=0.4)
+        calls = []
+        real = pool.loop.call_at
+        monkeypatch.setattr(pool.loop, "call_at", lambda at, fn, *a: calls.append(fn.__name__) or real(at, fn, *a))
+        assert await get(pool, b.url) == (200, b"ok")
+        assert calls.count("_watchdog") == 1
+        t0 = time.monotonic()
+        armed = []
+        with pytest.raises(TimeoutError, match="no data from the backend"):
+            await get(pool, b.url, on_sent=lambda: armed.append(calls.count("_watchdog")))
+        assert armed == [1]  # the second request, sent, scheduled no timer of its own
+        assert 0.3 < time.monotonic() - t0 < 2.0
+        assert b.connections == 1  # the second request went on the kept-alive connection
+
+    async with Scripted(script) as b:
+        pool = make_pool(read_timeout=30.0)
+        assert await get(pool, b.url) == (200, b"ok")
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match="total time limit"):
+            await get(pool, b.url, total=0.3)  # earlier than the connection's pending timer
+        assert time.monotonic() - t0 < 2.0
+        assert b.connections == 1
