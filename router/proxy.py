@@ -326,8 +326,11 @@ async def _serve_leg(request: web.Request, state: RouterState, flow: Flow, raw: 
                 await resp.write_eof()
                 return resp
             if not req.stream:
-                # the connection goes back to the pool after the client's write (``async with``)
+                # the connection goes back to the pool after the client's write (``async with``),
+                # off the answer's path; at once when the write may wait for the client to read
                 data = await up.read(limit=cfg.max_answer_bytes, release=False)
+                if len(data) >= _WRITE_HIGH_WATER:
+                    up.release()
                 resp = await send_whole(request, 200, {**reply_headers, "Content-Type": up.headers.get(
                     "Content-Type", "application/json")}, data)
                 # the client has its answer: the bookkeeping below is off its path

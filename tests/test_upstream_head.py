@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
-from router.app import Backend, RouterConfig, create_app
+import pytest
+
+from router import proxy
+from router.app import STATE, Backend, RouterConfig, create_app
 from router.forward import upstream_head, upstream_headers
 
 
@@ -46,3 +49,29 @@ async def test_a_utf8_header_value_reaches_the_backend_unchanged(router_client, 
     seen = {k.lower(): v for k, v in fakes[0][0].seen[-1]["headers"].items()}
     assert seen["x-note"] == "café"
     assert seen["x-request-id"] == r.headers["X-Kvtop-Request-Id"] != "mine"
+
+
+@pytest.mark.parametrize("max_tokens, back_before_write", [(3, False), (80_000, True)], ids=["small", "large"])
+async def test_when_the_upstream_connection_goes_back(router_client, fake_backends, tmp_path, monkeypatch,
+                                                      max_tokens, back_before_write):
+    """A small answer's connection returns to the pool after the client's write (off the
+    answer's path); a large one's (over 64 KB, whose write may wait for the client to read) at
+    once, so a slow client does not hold a backend connection. Both are reused after."""
+    fakes = await fake_backends(1)
+    url = fakes[0][1]
+    cfg = RouterConfig(backends=[Backend("i0", url)], db=None, state_dir=str(tmp_path / "state"))
+    app = create_app(cfg)
+    client = await router_client(app)
+    state = app[STATE]
+    idle_at_write = []
+    real = proxy.send_whole
+
+    async def spy(request, status, headers, body):
+        idle_at_write.append(len(state.upstream._idle.get(url, [])))
+        return await real(request, status, headers, body)
+    monkeypatch.setattr(proxy, "send_whole", spy)
+    for _ in range(2):
+        r = await client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": max_tokens})
+        assert r.status == 200 and len(await r.read()) > max_tokens
+    assert idle_at_write == [int(back_before_write)] * 2
+    assert len(state.upstream._idle[url]) == 1  # one connection, back and reused
