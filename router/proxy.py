@@ -302,13 +302,9 @@ async def _serve_leg(request: web.Request, state: RouterState, flow: Flow, raw: 
         # a stream's head comes at once from vLLM: a backend that accepts and never answers is
         # caught after --first-byte-timeout, not --read-timeout
         on_sent = lambda: life.step(flow, LegSent())  # noqa: E731
-        if req.stream and cfg.first_byte_timeout_s:
-            async with asyncio.timeout(cfg.first_byte_timeout_s):
-                up = await state.upstream.request(inst.url, "POST", path, headers, raw,
-                                                  total_timeout=cfg.total_timeout_s, on_sent=on_sent)
-        else:  # no timer to arm and cancel: the pool's own bounds the wait
-            up = await state.upstream.request(inst.url, "POST", path, headers, raw,
-                                              total_timeout=cfg.total_timeout_s, on_sent=on_sent)
+        up = await state.upstream.request(inst.url, "POST", path, headers, raw, total_timeout=cfg.total_timeout_s,
+                                          head_timeout=cfg.first_byte_timeout_s if req.stream else None,
+                                          on_sent=on_sent)
         async with up:
             end["http_status"] = up.status
             if up.status != 200:

@@ -99,7 +99,7 @@ class _Conn(asyncio.Protocol):
 
     __slots__ = ("pool", "key", "transport", "parser", "status", "headers", "chunks", "buffered",
                  "complete", "error", "got_bytes", "waiter", "headers_done", "last_data", "paused",
-                 "keep_alive", "deadline", "watch", "head_only", "interim",
+                 "keep_alive", "deadline", "head_deadline", "watch", "head_only", "interim",
                  "idle", "since_body")
 
     def __init__(self, pool: Pool, key: str):
@@ -125,6 +125,7 @@ class _Conn(asyncio.Protocol):
         self.paused = False
         self.keep_alive = True
         self.deadline: float | None = None
+        self.head_deadline: float | None = None  # the answer's head must be in by then
         self.watch: asyncio.TimerHandle | None = None
         self.head_only = False
         self.interim = False
@@ -278,6 +279,8 @@ class _Conn(asyncio.Protocol):
     def _next_check(self) -> float:
         rt = self.pool.read_timeout
         at = self.last_data + rt if rt is not None else float("inf")
+        if self.head_deadline is not None and not self.headers_done:
+            at = min(at, self.head_deadline)
         return min(at, self.deadline) if self.deadline is not None else at
 
     def _watchdog(self) -> None:
@@ -288,6 +291,8 @@ class _Conn(asyncio.Protocol):
         rt = self.pool.read_timeout
         if self.deadline is not None and now >= self.deadline:
             why = "the attempt's total time limit passed"
+        elif self.head_deadline is not None and not self.headers_done and now >= self.head_deadline:
+            why = ""  # said as the asyncio.timeout it replaces said it (outcome rows unchanged)
         elif rt is not None and now - self.last_data >= rt:
             why = f"no data from the backend for {rt:g} s"
         else:  # data arrived since: sleep until the next possible expiry
@@ -469,13 +474,16 @@ class Pool:
 
     async def request(self, base: str, method: str, path: str, headers: Iterable[tuple[str, str]] | bytes,
                       body: bytes | Chunks = b"", *, total_timeout: float | None = None,
+                      head_timeout: float | None = None,
                       on_sent: Callable[[], None] | None = None) -> Response:
         """Send one request; return once the answer's status line and headers are in.
 
         ``headers``: (name, value) pairs, or header lines already on the wire's form (bytes,
         each line ending in CRLF; the data plane passes the client's own bytes through).
-        ``total_timeout`` bounds everything from here to the answer's last byte; ``on_sent``
-        is called once, right after the request is written (work that can overlap the wait)."""
+        ``total_timeout`` bounds everything from here to the answer's last byte, ``head_timeout``
+        from here to the answer's head (a stream's first byte; ``TimeoutError`` either way,
+        kept by the connection's own timer rather than a timer of its own); ``on_sent`` is
+        called once, right after the request is written (work that can overlap the wait)."""
         if self.closed:
             raise ConnectFailed("the connection pool is closed")
         host = self._hosts.get(base) or self._target(base)
@@ -490,13 +498,22 @@ class Pool:
             parts, data = body.parts, None
         else:
             parts, data = (body,), (head_bytes + body if len(body) < _BIG_BODY else None)
-        deadline = self.loop.time() + total_timeout if total_timeout else None
+        now = self.loop.time()
+        deadline = now + total_timeout if total_timeout else None
+        head_deadline = now + head_timeout if head_timeout else None
         for attempt in (1, 2):
             conn = self._idle_conn(base)
             fresh = conn is None
             if fresh:
-                conn = await self._connect(base, deadline)
+                limits = [t for t in (deadline, head_deadline) if t is not None]
+                try:
+                    conn = await self._connect(base, min(limits) if limits else None)
+                except ConnectFailed:
+                    if head_deadline is not None and self.loop.time() >= head_deadline:
+                        raise TimeoutError() from None  # the head's time ran out while connecting
+                    raise
             conn.deadline = deadline
+            conn.head_deadline = head_deadline
             conn.head_only = method == "HEAD"
             conn.last_data = self.loop.time()
             conn.arm()

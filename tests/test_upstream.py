@@ -621,3 +621,35 @@ async def test_a_kept_alive_connection_reuses_its_timer_and_still_times_out(make
             await get(pool, b.url, total=0.3)  # earlier than the connection's pending timer
         assert time.monotonic() - t0 < 2.0
         assert b.connections == 1
+
+
+async def test_head_timeout_bounds_the_head_only(make_pool):
+    """``head_timeout`` (the data plane's --first-byte-timeout for streams) fails a backend that
+    takes the request and sends nothing, as the ``asyncio.timeout`` it replaced did (an empty
+    TimeoutError: outcome rows say what they said); an answer whose head came in time may
+    take longer than that for its body."""
+    async def silent(b, w, n):
+        await asyncio.sleep(ENDLESS_S)
+        return False
+
+    async with Scripted(silent) as b:
+        pool = make_pool(read_timeout=30.0)
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError) as err:
+            await get(pool, b.url, head_timeout=0.3)
+        assert 0.25 < time.monotonic() - t0 < 2.0 and str(err.value) == ""
+        assert not pool._idle.get(b.url)  # the connection is closed, not kept
+        assert all(c.transport.is_closing() for c in pool._open)
+
+    async def slow_body(b, w, n):
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n")
+        await w.drain()
+        await asyncio.sleep(0.6)
+        w.write(b"ok")
+        return True
+
+    async with Scripted(slow_body) as b:
+        pool = make_pool(read_timeout=30.0)
+        assert await get(pool, b.url, head_timeout=0.3) == (200, b"ok")
+        assert await get(pool, b.url, head_timeout=0.3) == (200, b"ok")  # on the kept connection
+        assert b.connections == 1
