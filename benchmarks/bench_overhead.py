@@ -7,7 +7,10 @@ and, when their venv exists, sglang-router and vllm-router. Per target and mode 
 streaming with 8 SSE chunks):
   - latency: ``--requests`` sequential requests, p50/p99 client-side, and the p50 added over direct;
   - throughput: ``--concurrency`` clients in a closed loop for ``--seconds`` (bounded by
-    ``--max-requests``), completed requests per second.
+    ``--max-requests``), completed requests per second;
+  - router CPU: the target process's CPU time (user + system, every thread, from
+    /proc/PID/task/*/schedstat, nanoseconds) over the sequential non-streaming requests, per
+    request: what the router itself spends, apart from the client and the backend.
 
     python benchmarks/bench_overhead.py                      # about 2 minutes
     python benchmarks/bench_overhead.py --targets direct,kvtop --requests 200
@@ -175,6 +178,21 @@ def target_cmd(name: str, port: int, backend: str, tmp: str) -> list[str] | None
 
 # --- the client --------------------------------------------------------------------------------
 
+def cpu_seconds(pid: int | None) -> float | None:
+    """CPU time of every live thread of ``pid`` so far (Linux schedstat: ns, not the 10 ms ticks
+    of /proc/PID/stat; a thread that ends takes its time with it); None where it cannot be read."""
+    if pid is None:
+        return None
+    total = 0
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return total / 1e9
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     k = (len(xs) - 1) * q
@@ -240,7 +258,9 @@ async def measure_big(base: str, args: argparse.Namespace) -> dict[str, float]:
     return {"big_p50_ms": pct(lat, 0.5), "big_p99_ms": pct(lat, 0.99)}
 
 
-async def measure(base: str, args: argparse.Namespace) -> dict[str, float]:
+async def measure(base: str, args: argparse.Namespace, pid: int | None = None) -> dict[str, float]:
+    """The latency and throughput figures; with ``pid``, also the router's CPU per sequential
+    non-streaming request (``plain_cpu_us``)."""
     import aiohttp
 
     url = base + "/v1/completions"
@@ -252,10 +272,14 @@ async def measure(base: str, args: argparse.Namespace) -> dict[str, float]:
             for _ in range(args.warmup):
                 await one(http, url, stream)
             lat = []
+            cpu0 = cpu_seconds(pid)
             for _ in range(args.requests):
                 t0 = time.perf_counter()
                 await one(http, url, stream)
                 lat.append((time.perf_counter() - t0) * 1e3)
+            cpu1 = cpu_seconds(pid)
+            if not stream and cpu0 is not None and cpu1 is not None:
+                out["plain_cpu_us"] = (cpu1 - cpu0) / args.requests * 1e6
             out[f"{mode}_p50_ms"], out[f"{mode}_p99_ms"] = pct(lat, 0.5), pct(lat, 0.99)
             done = 0
             deadline = time.perf_counter() + args.seconds
@@ -318,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
                 proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 try:
                     wait_ready(f"http://127.0.0.1:{port}/v1/models", proc)
-                    runs.setdefault(name, []).append(asyncio.run(measure(f"http://127.0.0.1:{port}", args)))
+                    runs.setdefault(name, []).append(asyncio.run(measure(f"http://127.0.0.1:{port}", args, proc.pid)))
                 except Exception as exc:  # one broken peer must not lose the others' figures
                     print(f"{name}: {exc}", file=sys.stderr)
                 finally:
@@ -333,8 +357,9 @@ def main(argv: list[str] | None = None) -> int:
           f"median of {args.repeat} run(s) per target\n")
     big = args.big_requests > 0
     print("| target | plain p50 ms | p99 ms | added p50 ms | req/s | stream p50 ms | p99 ms "
-          "| added p50 ms | req/s |" + (" 800 KB chat p50 ms | p99 ms | added p50 ms |" if big else ""))
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|---:|" if big else ""))
+          "| added p50 ms | req/s |" + (" 800 KB chat p50 ms | p99 ms | added p50 ms |" if big else "")
+          + " router CPU µs/req |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|---:|" if big else "") + "---:|")
     for name, r in rows.items():
         add = (lambda m: f"{r[m] - base[m]:.2f}" if base and name != "direct" else "-")
         line = (f"| {name} | {r['plain_p50_ms']:.2f} | {r['plain_p99_ms']:.2f} | {add('plain_p50_ms')} "
@@ -342,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"| {add('stream_p50_ms')} | {r['stream_rps']:.0f} |")
         if big:
             line += f" {r['big_p50_ms']:.2f} | {r['big_p99_ms']:.2f} | {add('big_p50_ms')} |"
+        line += f" {r['plain_cpu_us']:.0f} |" if "plain_cpu_us" in r else " - |"
         print(line)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

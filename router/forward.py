@@ -294,6 +294,17 @@ def completion_tokens(usage: dict[str, Any] | None) -> int | None:
     return None
 
 
+_HOP_RAW = frozenset(h.encode() for h in HOP_HEADERS) | {b"x-request-id"}
+
+
+def upstream_head(raw_headers: Any, request_id: str) -> bytes:
+    """``upstream_headers`` as header lines in the wire's form, from the client's raw header
+    bytes (aiohttp's ``request.raw_headers``): passed on byte for byte, nothing decoded and
+    encoded again (a UTF-8 value once reached the backend re-encoded as Latin-1)."""
+    return b"".join([k + b": " + v + b"\r\n" for k, v in raw_headers if k.lower() not in _HOP_RAW]
+                    + [b"X-Request-Id: " + request_id.encode("latin-1") + b"\r\n"])
+
+
 def upstream_headers(headers: Any, request_id: str) -> list[tuple[str, str]]:
     """The client's headers to pass on, as pairs (a repeated header stays repeated), with
     ``X-Request-Id`` set to the router's id."""

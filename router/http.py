@@ -12,6 +12,7 @@ import orjson
 from aiohttp import web
 
 from router.body import Chunks, as_bytes
+from router.deadlines import body_deadlines
 from router.request import BadRequest
 
 log = logging.getLogger("kvtop.route")
@@ -142,26 +143,31 @@ async def read_body(request: web.Request, timeout_s: float | None,
     if request.content_length is not None and request.content_length > limit:
         raise BadRequest(f"the request body ({request.content_length:,} bytes) is larger than the "
                          f"router's limit of {limit:,} bytes (--max-body-mb)", status=413)
+    content = request.content
+    deadlines = None
     try:
-        content = request.content
         if content.is_eof():  # the whole body is already here: taken at once, not by read()'s loop
             raw = content.read_nowait()
             if len(raw) > limit:
                 raise BadRequest(f"the request body is larger than the router's limit of {limit:,} bytes "
                                  "(--max-body-mb)", status=413)
             return raw
-        async with asyncio.timeout(timeout_s or None):  # unlike wait_for, no extra task per request
-            n = request.content_length
-            if n is None and reserve is not None:
-                return await _read_unsized(request, limit, reserve)
-            if n is not None and n >= _BIG_READ:
-                return await _read_big(request, n)
-            return await request.read()
-    except TimeoutError:
-        raise BadRequest(f"the request body did not arrive within {timeout_s:g} s", status=408) from None
+        if timeout_s:  # one timer for every body on its way (router/deadlines.py), not one each
+            deadlines = body_deadlines()
+            deadlines.add(content, timeout_s, lambda: BadRequest(
+                f"the request body did not arrive within {timeout_s:g} s", status=408))
+        n = request.content_length
+        if n is None and reserve is not None:
+            return await _read_unsized(request, limit, reserve)
+        if n is not None and n >= _BIG_READ:
+            return await _read_big(request, n)
+        return await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise BadRequest(f"the request body is larger than the router's limit of {limit:,} bytes "
                          "(--max-body-mb)", status=413) from None
+    finally:
+        if deadlines is not None:
+            deadlines.discard(content)
 
 
 async def read_json(request: web.Request, timeout_s: float | None) -> tuple[bytes, Any]:

@@ -146,39 +146,57 @@ class Lifecycle:
         return d is not None and d.attempt < MAX_ATTEMPTS
 
     def step(self, flow: Flow, event: Event) -> Action:
+        try:
+            on = self._on[type(event)]
+        except KeyError:
+            raise TypeError(f"not a lifecycle event: {event!r}") from None
+        return on(self, flow, event)
+
+    # one method per event, found by the event's type (a ``match`` over nine class patterns
+    # cost three times this lookup, four times a request)
+    def _arrived(self, flow: Flow, event: Arrived) -> Action:
+        flow.pinned = event.exclude
+        return self._route(flow, event.exclude)
+
+    def _admitted(self, flow: Flow, event: Admitted) -> Action:
+        return Send(flow.leg)
+
+    def _leg_sent(self, flow: Flow, event: LegSent) -> Action:
+        self.pipeline.sent(flow)
+        return None
+
+    def _prefill_answered(self, flow: Flow, event: PrefillAnswered) -> Action:
+        self.pipeline.prefill_done(flow, event.params)
+        return self._gate(flow, new_attempt=False)
+
+    def _first_token(self, flow: Flow, event: FirstToken) -> Action:
+        self.pipeline.first_token(flow, observed=event.observed)
+        return None
+
+    def _ended(self, flow: Flow, e: Ended) -> Action:
+        return Done(self.pipeline.finish(flow, e.status, http_status=e.http_status, error=e.error,
+                                         output_tokens=e.output_tokens, cached_tokens=e.cached_tokens,
+                                         stream=e.stream))
+
+    def _leg_failed(self, flow: Flow, e: LegFailed) -> Action:
+        if not self.may_retry(flow):
+            raise ValueError("LegFailed reported where no retry is allowed (see may_retry)")
         pipe = self.pipeline
-        match event:
-            case Arrived(exclude):
-                flow.pinned = exclude
-                return self._route(flow, exclude)
-            case Admitted():
-                return Send(flow.leg)
-            case LegSent():
-                pipe.sent(flow)
-                return None
-            case PrefillAnswered(params):
-                pipe.prefill_done(flow, params)
-                return self._gate(flow, new_attempt=False)
-            case FirstToken(observed):
-                pipe.first_token(flow, observed=observed)
-                return None
-            case Ended(status, http_status, error, output_tokens, cached_tokens, stream):
-                return Done(pipe.finish(flow, status, http_status=http_status, error=error,
-                                        output_tokens=output_tokens, cached_tokens=cached_tokens,
-                                        stream=stream))
-            case LegFailed(status, error, http_status):
-                if not self.may_retry(flow):
-                    raise ValueError("LegFailed reported where no retry is allowed (see may_retry)")
-                failed = flow.decision
-                pipe.finish(flow, status, http_status=http_status, error=error)
-                pipe.retry(flow)
-                return self._route(flow, tuple(set(flow.pinned) | {failed.instance}))
-            case ClientGone(where):
-                return Done(pipe.abandon(flow, where))
-            case Counted(request):
-                pipe.amend(flow, request)
-                return None
-        raise TypeError(f"not a lifecycle event: {event!r}")
+        failed = flow.decision
+        pipe.finish(flow, e.status, http_status=e.http_status, error=e.error)
+        pipe.retry(flow)
+        return self._route(flow, tuple(set(flow.pinned) | {failed.instance}))
+
+    def _client_gone(self, flow: Flow, event: ClientGone) -> Action:
+        return Done(self.pipeline.abandon(flow, event.where))
+
+    def _counted(self, flow: Flow, event: Counted) -> Action:
+        self.pipeline.amend(flow, event.request)
+        return None
+
+    _on = {Arrived: _arrived, Admitted: _admitted, LegSent: _leg_sent,
+           PrefillAnswered: _prefill_answered, FirstToken: _first_token, Ended: _ended,
+           LegFailed: _leg_failed, ClientGone: _client_gone, Counted: _counted}
 
     def _route(self, flow: Flow, exclude: tuple[int, ...]) -> Action:
         closed = self.closed(flow.request)

@@ -406,10 +406,13 @@ class Pipeline:
         """Apply the prefix index's pending insert: live, a step per turn of the loop (a cold
         215k-token turn's insert held the loop 7-20 ms in one piece, and /health and small
         requests waited behind it); offline, now."""
+        index = self.cluster.index
+        if index.settled:  # the usual case at a request's end: nothing to schedule
+            return
         if self.background is not None:
-            self.background(self.cluster.index.flush_step)
+            self.background(index.flush_step)
         else:
-            self.cluster.index.flush()
+            index.flush()
 
     def _set_new_prefill(self, t: Ticket, new_prefill: int) -> None:
         """Change what a not-yet-prefilled ticket owes: 0 when the KV arrives from P, back to

@@ -81,6 +81,11 @@ class PrefixIndex:
         self._settle()
         return len(self._lru[instance])
 
+    @property
+    def settled(self) -> bool:
+        """No insert is waiting to be applied (``flush`` and ``flush_step`` would do nothing)."""
+        return self._pending is None and not self._stepping
+
     def flush(self) -> None:
         """Apply every insert not applied yet: the rest of those in steps, then the pending one."""
         while self._stepping:

@@ -24,7 +24,7 @@ from router import limits, priority
 from router.answer import send_whole
 from router.apis import APIS, RESPONSES, Api, ResponseStore, response_id
 from router.features import decode_leg_body, prefill_leg_body
-from router.forward import StreamScan, cached_tokens, completion_tokens, upstream_headers, usage_of
+from router.forward import StreamScan, cached_tokens, completion_tokens, upstream_head, upstream_headers, usage_of
 from router.http import error_response, read_body, refusal
 from router.lifecycle import (ALL_FULL, Action, Admitted, Arrived, ClientGone, Counted, Ended, FirstToken,
                               LegFailed, LegSent, Lifecycle, PrefillAnswered, Refuse, Wait)
@@ -292,7 +292,7 @@ async def _serve_leg(request: web.Request, state: RouterState, flow: Flow, raw: 
     req = d.request
     cfg = state.config
     path = api.path
-    headers = upstream_headers(request.headers, req.request_id)
+    headers = upstream_head(request.raw_headers, req.request_id)
     reply_headers = {"X-Kvtop-Instance": d.instance_name, "X-Kvtop-Request-Id": req.request_id,
                      "X-Kvtop-Policy": d.slot.label}
     scan: StreamScan | None = None
@@ -302,13 +302,9 @@ async def _serve_leg(request: web.Request, state: RouterState, flow: Flow, raw: 
         # a stream's head comes at once from vLLM: a backend that accepts and never answers is
         # caught after --first-byte-timeout, not --read-timeout
         on_sent = lambda: life.step(flow, LegSent())  # noqa: E731
-        if req.stream and cfg.first_byte_timeout_s:
-            async with asyncio.timeout(cfg.first_byte_timeout_s):
-                up = await state.upstream.request(inst.url, "POST", path, headers, raw,
-                                                  total_timeout=cfg.total_timeout_s, on_sent=on_sent)
-        else:  # no timer to arm and cancel: the pool's own bounds the wait
-            up = await state.upstream.request(inst.url, "POST", path, headers, raw,
-                                              total_timeout=cfg.total_timeout_s, on_sent=on_sent)
+        up = await state.upstream.request(inst.url, "POST", path, headers, raw, total_timeout=cfg.total_timeout_s,
+                                          head_timeout=cfg.first_byte_timeout_s if req.stream else None,
+                                          on_sent=on_sent)
         async with up:
             end["http_status"] = up.status
             if up.status != 200:
@@ -326,7 +322,11 @@ async def _serve_leg(request: web.Request, state: RouterState, flow: Flow, raw: 
                 await resp.write_eof()
                 return resp
             if not req.stream:
-                data = await up.read(limit=cfg.max_answer_bytes)
+                # the connection goes back to the pool after the client's write (``async with``),
+                # off the answer's path; at once when the write may wait for the client to read
+                data = await up.read(limit=cfg.max_answer_bytes, release=False)
+                if len(data) >= _WRITE_HIGH_WATER:
+                    up.release()
                 resp = await send_whole(request, 200, {**reply_headers, "Content-Type": up.headers.get(
                     "Content-Type", "application/json")}, data)
                 # the client has its answer: the bookkeeping below is off its path

@@ -99,7 +99,7 @@ class _Conn(asyncio.Protocol):
 
     __slots__ = ("pool", "key", "transport", "parser", "status", "headers", "chunks", "buffered",
                  "complete", "error", "got_bytes", "waiter", "headers_done", "last_data", "paused",
-                 "keep_alive", "deadline", "watch", "head_only", "interim",
+                 "keep_alive", "deadline", "head_deadline", "watch", "head_only", "interim",
                  "idle", "since_body")
 
     def __init__(self, pool: Pool, key: str):
@@ -125,6 +125,7 @@ class _Conn(asyncio.Protocol):
         self.paused = False
         self.keep_alive = True
         self.deadline: float | None = None
+        self.head_deadline: float | None = None  # the answer's head must be in by then
         self.watch: asyncio.TimerHandle | None = None
         self.head_only = False
         self.interim = False
@@ -254,11 +255,21 @@ class _Conn(asyncio.Protocol):
         self.waiter = fut = self.pool.loop.create_future()
         await fut
 
-    # -- timeouts: one timer per request, re-armed only when it fires ----------------------
+    # -- timeouts: one timer per connection, re-armed only when it fires -------------------
     def arm(self) -> None:
+        """Make sure the watchdog looks at this request by its next possible expiry. A timer
+        still pending from an earlier request on this connection does, when it fires first (it
+        then re-arms for the rest): a request on a kept-alive connection usually schedules no
+        timer at all, where one per request cost a schedule and a cancel on the answer's path."""
         at = self._next_check()
-        if at != float("inf"):
-            self.watch = self.pool.loop.call_at(at, self._watchdog)
+        if at == float("inf"):
+            return
+        w = self.watch
+        if w is not None:
+            if w.when() <= at:
+                return
+            w.cancel()
+        self.watch = self.pool.loop.call_at(at, self._watchdog)
 
     def disarm(self) -> None:
         if self.watch is not None:
@@ -268,16 +279,20 @@ class _Conn(asyncio.Protocol):
     def _next_check(self) -> float:
         rt = self.pool.read_timeout
         at = self.last_data + rt if rt is not None else float("inf")
+        if self.head_deadline is not None and not self.headers_done:
+            at = min(at, self.head_deadline)
         return min(at, self.deadline) if self.deadline is not None else at
 
     def _watchdog(self) -> None:
         self.watch = None
-        if self.complete or self.error is not None:
+        if self.idle or self.complete or self.error is not None:  # no request is waiting on it
             return
         now = self.pool.loop.time()
         rt = self.pool.read_timeout
         if self.deadline is not None and now >= self.deadline:
             why = "the attempt's total time limit passed"
+        elif self.head_deadline is not None and not self.headers_done and now >= self.head_deadline:
+            why = ""  # said as the asyncio.timeout it replaces said it (outcome rows unchanged)
         elif rt is not None and now - self.last_data >= rt:
             why = f"no data from the backend for {rt:g} s"
         else:  # data arrived since: sleep until the next possible expiry
@@ -325,9 +340,11 @@ class Response:
             if not c.chunks:
                 await c.wait()
 
-    async def read(self, limit: int | None = None) -> bytes:
+    async def read(self, limit: int | None = None, *, release: bool = True) -> bytes:
         """The whole body, at most ``limit`` bytes (default: the pool's ``max_buffered_bytes``);
-        past it, ``TooLarge`` and the connection is closed."""
+        past it, ``TooLarge`` and the connection is closed. ``release=False`` leaves the
+        connection's return to the pool to ``release`` (``async with``): the data plane relays
+        the answer first and tidies the connection after."""
         c = self._conn
         if limit is None:
             limit = c.pool.max_buffered_bytes
@@ -348,7 +365,8 @@ class Response:
             if c.complete:
                 break
             await c.wait()
-        self.release()
+        if release:
+            self.release()
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def release(self) -> None:
@@ -385,7 +403,7 @@ class Pool:
         # built now when a CA file is named, so that a bad one fails at start, not per request
         self._ssl: ssl.SSLContext | None = self._ssl_context() if ssl_ca_file else None
         self._idle: dict[str, list[_Conn]] = {}
-        self._hosts: dict[str, tuple[str, str | None, str | None, int, bool]] = {}
+        self._hosts: dict[str, tuple[str, str | None, str | None, int, bool, bytes]] = {}
         self._open: set[_Conn] = set()
         self._refused: set[str] = set()  # backends cut off (a forced remove): no new connection
         self.closed = False
@@ -397,25 +415,27 @@ class Pool:
         ctx.set_alpn_protocols(["http/1.1"])
         return ctx
 
-    def _target(self, base: str) -> tuple[str, str | None, str | None, int, bool]:
-        """(Host header, unix path, host, port, TLS) for a backend's base URL."""
+    def _target(self, base: str) -> tuple[str, str | None, str | None, int, bool, bytes]:
+        """(Host header, unix path, host, port, TLS, the Host header as bytes) for a backend's
+        base URL."""
         t = self._hosts.get(base)
         if t is None:
             if base.startswith("unix:"):
-                t = ("localhost", base[5:], None, 0, False)
+                t = ("localhost", base[5:], None, 0, False, b"localhost")
             else:
                 u = urlsplit(base)
                 if u.scheme not in ("http", "https") or not u.hostname:
                     raise ValueError(f"only http:// and https:// backends are supported, got {base!r}")
                 tls = u.scheme == "https"
-                t = (u.netloc.rpartition("@")[2], None, u.hostname, u.port or (443 if tls else 80), tls)
+                netloc = u.netloc.rpartition("@")[2]
+                t = (netloc, None, u.hostname, u.port or (443 if tls else 80), tls, netloc.encode("latin-1"))
             self._hosts[base] = t
         return t
 
     async def _connect(self, base: str, deadline: float | None = None) -> _Conn:
         if base in self._refused:
             raise ConnectFailed(f"{base} was removed from the fleet")
-        _, unix_path, host, port, tls = self._target(base)
+        _, unix_path, host, port, tls, _ = self._target(base)
         limit = self.connect_timeout
         if deadline is not None:
             left = deadline - self.loop.time()
@@ -452,30 +472,48 @@ class Pool:
                 return conn
         return None
 
-    async def request(self, base: str, method: str, path: str, headers: Iterable[tuple[str, str]],
+    async def request(self, base: str, method: str, path: str, headers: Iterable[tuple[str, str]] | bytes,
                       body: bytes | Chunks = b"", *, total_timeout: float | None = None,
+                      head_timeout: float | None = None,
                       on_sent: Callable[[], None] | None = None) -> Response:
         """Send one request; return once the answer's status line and headers are in.
 
-        ``total_timeout`` bounds everything from here to the answer's last byte; ``on_sent``
-        is called once, right after the request is written (work that can overlap the wait)."""
+        ``headers``: (name, value) pairs, or header lines already on the wire's form (bytes,
+        each line ending in CRLF; the data plane passes the client's own bytes through).
+        ``total_timeout`` bounds everything from here to the answer's last byte, ``head_timeout``
+        from here to the answer's head (a stream's first byte; ``TimeoutError`` either way,
+        kept by the connection's own timer rather than a timer of its own); ``on_sent`` is
+        called once, right after the request is written (work that can overlap the wait)."""
         if self.closed:
             raise ConnectFailed("the connection pool is closed")
-        netloc = self._target(base)[0]
-        head_bytes = (f"{method} {path} HTTP/1.1\r\nHost: {netloc}\r\nContent-Length: {len(body)}\r\n"
-                      + "".join([f"{k}: {v}\r\n" for k, v in headers]) + "\r\n").encode("latin-1")
+        host = self._hosts.get(base) or self._target(base)
+        if not isinstance(headers, bytes):
+            headers = "".join([f"{k}: {v}\r\n" for k, v in headers]).encode("latin-1")
+        head_bytes = b"%s %s HTTP/1.1\r\nHost: %s\r\nContent-Length: %d\r\n%s\r\n" % (
+            method.encode("latin-1"), path.encode("latin-1"), host[5], len(body), headers)
         # One write for a small request (one send); a large body goes as its own buffers (the
         # chunks it arrived in), so a 60 MB prompt is not copied on the event loop just to put
         # 300 bytes in front of it.
-        parts = body.parts if isinstance(body, Chunks) else (body,)
-        data = head_bytes + body if not isinstance(body, Chunks) and len(body) < _BIG_BODY else None
-        deadline = self.loop.time() + total_timeout if total_timeout else None
+        if isinstance(body, Chunks):
+            parts, data = body.parts, None
+        else:
+            parts, data = (body,), (head_bytes + body if len(body) < _BIG_BODY else None)
+        now = self.loop.time()
+        deadline = now + total_timeout if total_timeout else None
+        head_deadline = now + head_timeout if head_timeout else None
         for attempt in (1, 2):
             conn = self._idle_conn(base)
             fresh = conn is None
             if fresh:
-                conn = await self._connect(base, deadline)
+                limits = [t for t in (deadline, head_deadline) if t is not None]
+                try:
+                    conn = await self._connect(base, min(limits) if limits else None)
+                except ConnectFailed:
+                    if head_deadline is not None and self.loop.time() >= head_deadline:
+                        raise TimeoutError() from None  # the head's time ran out while connecting
+                    raise
             conn.deadline = deadline
+            conn.head_deadline = head_deadline
             conn.head_only = method == "HEAD"
             conn.last_data = self.loop.time()
             conn.arm()
@@ -502,20 +540,23 @@ class Pool:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def put_back(self, conn: _Conn) -> None:
-        conn.disarm()
         if (conn.complete and conn.keep_alive and conn.error is None and not self.closed
                 and not conn.transport.is_closing()):
             idle = self._idle.setdefault(conn.key, [])
             if len(idle) < self.max_idle:
                 if conn.paused:
                     conn.transport.resume_reading()
+                watch = conn.watch
                 conn._reset()
+                conn.watch = watch  # kept for the next request (see ``arm``); idle, it does nothing
                 conn.idle = True
                 idle.append(conn)
                 return
+        conn.disarm()
         conn.transport.close()
 
     def forget(self, conn: _Conn) -> None:
+        conn.disarm()  # gone: nothing left to watch
         self._open.discard(conn)
         idle = self._idle.get(conn.key)
         if idle and conn in idle:

@@ -42,3 +42,31 @@ def test_another_checkouts_code_is_what_runs(tmp_path):
 def test_a_path_without_a_checkout_is_refused(tmp_path):
     with pytest.raises(SystemExit, match="no kvtop checkout"):
         _bench().target_cmd(f"kvtop@{tmp_path}", 1234, "http://127.0.0.1:9", str(tmp_path))
+
+
+def test_router_cpu_is_read_in_nanoseconds_over_every_thread():
+    """The CPU column: a busy 50 ms in another thread of this process shows up (the 10 ms ticks
+    of /proc/PID/stat could not resolve a router's few hundred µs a request); no process, None."""
+    import os
+    import threading
+    import time
+
+    bench = _bench()
+    before = bench.cpu_seconds(os.getpid())
+    spun, done = threading.Event(), threading.Event()
+
+    def spin():
+        end = time.thread_time() + 0.05
+        while time.thread_time() < end:
+            pass
+        spun.set()
+        done.wait(10)  # alive while read: an ended thread leaves /proc/PID/task
+    t = threading.Thread(target=spin)
+    t.start()
+    spun.wait(10)
+    after = bench.cpu_seconds(os.getpid())
+    done.set()
+    t.join()
+    assert after - before >= 0.045
+    assert bench.cpu_seconds(None) is None
+    assert bench.cpu_seconds(2 ** 22 + 12345) is None  # above any pid_max: no such process

@@ -558,3 +558,98 @@ def test_errors_are_upstream_errors():
         assert issubclass(exc, UpstreamError)
     # a malformed or oversized answer is never retried as if the connection had been stale
     assert not issubclass(BadResponse, Disconnected)
+
+
+# -- the data plane's fast forms ------------------------------------------------------------------
+
+async def test_header_lines_given_as_bytes_go_up_as_they_are(make_pool):
+    """The data plane passes the client's header bytes (router/forward.py upstream_head): the
+    head is the request line, Host, Content-Length, then those lines unchanged."""
+    async with Scripted(answer_ok) as b:
+        pool = make_pool()
+        up = await pool.request(b.url, "POST", "/v1/completions", "X-Note: café\r\nX-Tag: a\r\n".encode(), b"{}")
+        async with up:
+            await up.read()
+        host = b.url.split("//")[1].encode()
+        assert b.heads == [b"POST /v1/completions HTTP/1.1\r\nHost: " + host + b"\r\nContent-Length: 2\r\n"
+                           + "X-Note: café\r\nX-Tag: a\r\n\r\n".encode()]
+
+
+async def test_read_without_release_keeps_the_connection_until_released(make_pool):
+    """``read(release=False)``: the answer is whole, the connection stays with the response
+    until ``release`` (the data plane answers its client first), then goes back and is reused."""
+    async with Scripted(answer_ok) as b:
+        pool = make_pool()
+        up = await pool.request(b.url, "POST", "/v1/completions", [], b"{}")
+        assert await up.read(release=False) == b"ok"
+        assert not pool._idle.get(b.url)  # not back yet
+        up.release()
+        assert len(pool._idle[b.url]) == 1
+        assert await get(pool, b.url) == (200, b"ok")
+        assert b.connections == 1
+
+
+async def test_a_kept_alive_connection_reuses_its_timer_and_still_times_out(make_pool, monkeypatch):
+    """One timer per connection: the next request on it schedules none while the pending one
+    fires first; a stalled backend is still caught, by the read timeout and by an earlier
+    total limit alike."""
+    async def script(b, w, n):
+        if len(b.heads) == 1:
+            w.write(ok())
+        return True  # later requests: no answer
+
+    async with Scripted(script) as b:
+        pool = make_pool(read_timeout=0.4)
+        calls = []
+        real = pool.loop.call_at
+        monkeypatch.setattr(pool.loop, "call_at", lambda at, fn, *a: calls.append(fn.__name__) or real(at, fn, *a))
+        assert await get(pool, b.url) == (200, b"ok")
+        assert calls.count("_watchdog") == 1
+        t0 = time.monotonic()
+        armed = []
+        with pytest.raises(TimeoutError, match="no data from the backend"):
+            await get(pool, b.url, on_sent=lambda: armed.append(calls.count("_watchdog")))
+        assert armed == [1]  # the second request, sent, scheduled no timer of its own
+        assert 0.3 < time.monotonic() - t0 < 2.0
+        assert b.connections == 1  # the second request went on the kept-alive connection
+
+    async with Scripted(script) as b:
+        pool = make_pool(read_timeout=30.0)
+        assert await get(pool, b.url) == (200, b"ok")
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match="total time limit"):
+            await get(pool, b.url, total=0.3)  # earlier than the connection's pending timer
+        assert time.monotonic() - t0 < 2.0
+        assert b.connections == 1
+
+
+async def test_head_timeout_bounds_the_head_only(make_pool):
+    """``head_timeout`` (the data plane's --first-byte-timeout for streams) fails a backend that
+    takes the request and sends nothing, as the ``asyncio.timeout`` it replaced did (an empty
+    TimeoutError: outcome rows say what they said); an answer whose head came in time may
+    take longer than that for its body."""
+    async def silent(b, w, n):
+        await asyncio.sleep(ENDLESS_S)
+        return False
+
+    async with Scripted(silent) as b:
+        pool = make_pool(read_timeout=30.0)
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError) as err:
+            await get(pool, b.url, head_timeout=0.3)
+        assert 0.25 < time.monotonic() - t0 < 2.0 and str(err.value) == ""
+        assert not pool._idle.get(b.url)  # the connection is closed, not kept
+        assert all(c.transport.is_closing() for c in pool._open)
+
+    async def slow_body(b, w, n):
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n")
+        await w.drain()
+        await asyncio.sleep(0.6)
+        w.write(b"ok")
+        return True
+
+    async with Scripted(slow_body) as b:
+        pool = make_pool(read_timeout=30.0)
+        assert await get(pool, b.url, head_timeout=0.3) == (200, b"ok")
+        assert await get(pool, b.url, head_timeout=0.3) == (200, b"ok")  # on the kept connection
+        assert b.connections == 1
