@@ -20,14 +20,13 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder, generate_latest
 
 from router import fleet as fl
 from router.engine_metrics import (ENGINE_METRIC_NAMES, MAX_METRICS_BYTES, GpuSampler, InstanceTelemetry,
                                    ParseError, engine_metrics, parse_prometheus)
-from router.histogram import FastHistogram
 from router.offload import loads
 
 if TYPE_CHECKING:  # typing only: router/state.py imports this module
@@ -46,8 +45,7 @@ class RouterMetrics:
 
     The counts stay plain dicts and ints (the control API's snapshot reads them too; the
     collector turns them into metric families at scrape time); the latency histograms are
-    prometheus_client histograms (router/histogram.py: the same samples, a cheaper
-    ``observe``) in ``registry``, one per router (tests run several
+    prometheus_client ``Histogram``s in ``registry``, one per router (tests run several
     routers in one process, so never the global registry).
     """
 
@@ -58,11 +56,11 @@ class RouterMetrics:
         self.outcomes: dict[str, int] = {}
         #: decisions by (index_source, token_source): exact hits need both KV events and tokens
         self.sources: dict[tuple[str, str], int] = {}
-        self.ttft = FastHistogram("kvtop_ttft_seconds", "time to first token through the router",
+        self.ttft = Histogram("kvtop_ttft_seconds", "time to first token through the router",
                               buckets=LATENCY_BUCKETS_S, registry=self.registry)
-        self.e2e = FastHistogram("kvtop_e2e_seconds", "end-to-end request latency through the router",
+        self.e2e = Histogram("kvtop_e2e_seconds", "end-to-end request latency through the router",
                              buckets=LATENCY_BUCKETS_S, registry=self.registry)
-        self.decision_latency = FastHistogram("kvtop_decision_seconds", "time the policy took to pick",
+        self.decision_latency = Histogram("kvtop_decision_seconds", "time the policy took to pick",
                                           buckets=DECISION_BUCKETS_S, registry=self.registry)
         self.input_tokens = 0
         self.est_hit_tokens = 0
