@@ -87,6 +87,7 @@ class Calibration:
     def __init__(self, num_instances: int, prior: PrefillPrior = DEFAULT_PRIOR):
         self.prior = prior
         self._inst = [_Instance() for _ in range(num_instances)]
+        self._samples = 0  # over every instance: ``measured`` is read per decision
         self.engine = EngineFit(num_instances)  # the engine's scale without per-request overheads
         self._scale: list[float] | None = None  # computed on first read after a change
         self._tps: list[float] = []
@@ -110,6 +111,7 @@ class Calibration:
             return None
         x = math.log(service / t0)
         st.n += 1
+        self._samples += 1
         st.sum_q += new_tokens
         st.sum_s += service
         st.sum_t0 += t0
@@ -126,6 +128,7 @@ class Calibration:
 
     def forget(self, instance: int) -> None:
         """Start over on ``instance`` (it restarted: its speed may have changed)."""
+        self._samples -= self._inst[instance].n
         self._inst[instance] = _Instance()
         self.engine.forget(instance)
         self._scale = None
@@ -182,7 +185,7 @@ class Calibration:
     @property
     def measured(self) -> bool:
         """Has any instance a sample yet (before that, every rate is the prior)?"""
-        return any(st.n for st in self._inst)
+        return self._samples > 0
 
     def scale(self, instance: int) -> float:
         """Measured seconds per prior second on ``instance`` (1.0 before any sample anywhere)."""

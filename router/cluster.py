@@ -139,6 +139,8 @@ class Cluster:
         self.moved_sessions = 0  # sessions held that moved at least once
         #: Told of each own session request's end and amend (router/replica_sessions.py); None alone.
         self.session_listener: Any = None
+        self._capacity_seen: list[int] = []  # index.capacity when _capacity_tokens was computed
+        self._capacity_tokens: list[int] = []  # each instance's capacity in tokens, for the lookahead
 
     # -- what policies see ----------------------------------------------------------
     def hits(self, blocks: Sequence[int], input_tokens: int, *, exact: bool = True,
@@ -199,36 +201,52 @@ class Cluster:
                            (sess.turns + 1) if sess else 1, self.rr_counter, hits,
                            estimate_hits=estimates or None)
         if lookahead:
-            view.lookahead = self.lookahead(cands, len(blocks), session_id, sess)
+            view.lookahead = self.lookahead(cands, len(blocks), session_id, sess, hits)
         return view
 
     def lookahead(self, cands: Sequence[Candidate], num_blocks: int, session_id: str | None,
-                  sess: SessionInfo | None) -> Lookahead:
+                  sess: SessionInfo | None, hits: Sequence[int] | None = None) -> Lookahead:
         """The facts a future-aware policy needs beyond the counters (see ``Lookahead``): the
-        queued seconds now, the evictions and bound sessions when asked."""
+        queued seconds now, the evictions and bound sessions when asked. ``hits``: the hit
+        per instance index the candidates took theirs from (read from them when None).
+
+        Per decision, so written for this interpreter: T(q, h) as scale x T0(q, h) with the
+        scale read once per instance (``Calibration.seconds`` is that product), and no
+        min()/max() calls (each costs more than the comparison)."""
         now = self.clock()
         cal = self.calibration
+        seconds = cal.prior.seconds
+        prefilling = self._prefilling
         wait: dict[int, float] = {}
         for c in cands:
             i = c.index
-            tickets = self._prefilling[i]
+            tickets = prefilling[i]
             if tickets:
+                scale = cal.scale(i)
                 total = 0.0
                 head = None
+                head_s = 0.0
                 for t in tickets.values():
-                    total += cal.seconds(i, t.new_prefill, t.input_tokens - t.new_prefill)
+                    t_s = scale * seconds(t.new_prefill, t.input_tokens - t.new_prefill)
+                    total += t_s
                     if head is None or t.started < head.started:
-                        head = t
+                        head, head_s = t, t_s
                 # the head has been served since it arrived or the last first token, whichever is later
-                done = now - max(head.started, cal.last_first(i))
-                head_s = cal.seconds(i, head.new_prefill, head.input_tokens - head.new_prefill)
-                total -= min(max(done, 0.0), head_s)
-                wait[i] = max(total, 0.0)
+                last = cal.last_first(i)
+                done = now - (last if last > head.started else head.started)
+                if 0.0 > done:
+                    done = 0.0
+                total -= head_s if head_s < done else done  # min(max(done, 0.0), head_s)
+                wait[i] = 0.0 if 0.0 > total else total  # max(total, 0.0)
             else:
                 wait[i] = 0.0
         fleet_gap = self.gap_sum / self.gaps if self.gaps else None
-        return Lookahead(self, now, wait, num_blocks, {c.index: c.hit for c in cands}, session_id,
-                         sess, fleet_gap)
+        capacity = self.index.capacity
+        if capacity != self._capacity_seen:  # the token capacities change only with the blocks'
+            self._capacity_seen = list(capacity)
+            self._capacity_tokens = [n * self.block_size for n in capacity]
+        return Lookahead(self, now, wait, num_blocks, {c.index: c.hit for c in cands} if hits is None else hits,
+                         session_id, sess, fleet_gap, self._capacity_tokens)
 
     # -- lifecycle ------------------------------------------------------------------
     def dispatch(self, instance: int, input_tokens: int, est_hit: int, blocks: Sequence[int],
