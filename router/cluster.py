@@ -189,11 +189,11 @@ class Cluster:
         estimates: list[int] = []
         hits = self.hits(blocks, input_tokens, exact=exact, drift=True, estimates=estimates)
         cal = self.calibration
-        measured = cal.measured
+        rates = cal.rates()[1] if cal.measured else None  # rates[i] is cal.tps(i)
         cands = [
             Candidate(s.index, s.name, hits[s.index], max(0, input_tokens - hits[s.index]),
                       s.pending_prefill_tokens, s.num_requests, s.ongoing_decode_tokens,
-                      s.decode_requests, cal.tps(s.index) if measured else 0.0)
+                      s.decode_requests, rates[s.index] if rates is not None else 0.0)
             for s in self.instances if s.healthy
         ]
         sess = self.sessions.get(session_id) if session_id is not None else None
@@ -218,11 +218,14 @@ class Cluster:
         seconds = cal.prior.seconds
         prefilling = self._prefilling
         wait: dict[int, float] = {}
+        scales = None
         for c in cands:
             i = c.index
             tickets = prefilling[i]
             if tickets:
-                scale = cal.scale(i)
+                if scales is None:
+                    scales = cal.rates()[0]  # scales[i] is cal.scale(i)
+                scale = scales[i]
                 total = 0.0
                 head = None
                 head_s = 0.0

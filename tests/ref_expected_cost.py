@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from router.calibration import DEFAULT_PRIOR
+from router.calibration import DEFAULT_PRIOR, Calibration
 from router.cluster import Candidate, ClusterView
 from router.lookahead import Lookahead, SessionInfo
 from router.policies.base import (AFFINITY_LOST, AFFINITY_NEW, AFFINITY_STICK, Pick, Policy,
@@ -172,3 +172,46 @@ def ref_wait_s(cluster, cands, now: float) -> dict[int, float]:
         else:
             wait[i] = 0.0
     return wait
+
+
+class RefCalibration(Calibration):
+    """router/calibration.py's Calibration with its estimate (``_refresh``) as it was, verbatim."""
+
+    def _refresh(self) -> None:
+        insts = self._inst
+        big_n = sum(st.n for st in insts)
+        r0 = self.prior.tokens_per_s
+        if big_n == 0:
+            self._scale = [1.0] * len(insts)
+            self._tps = [r0] * len(insts)
+            self._weight = [0.0] * len(insts)
+            return
+        sum_q = sum(st.sum_q for st in insts)
+        sum_s = sum(st.sum_s for st in insts)
+        sum_t0 = sum(st.sum_t0 for st in insts)
+        k_fleet = (1.0 + big_n * sum_s / sum_t0) / (big_n + 1)
+        q_mean = sum_q / big_n
+        tps_fleet = (q_mean + sum_q) / (q_mean / r0 + sum_s)
+        sampled = [st for st in insts if st.n]
+        weights = {id(st): 0.0 for st in insts}
+        dof = big_n - len(sampled)
+        if len(sampled) >= 2 and dof >= 1:
+            within = sum(st.sum_xx - st.sum_x * st.sum_x / st.n for st in sampled) / dof
+            means = [st.sum_x / st.n for st in sampled]
+            mu = sum(means) / len(means)
+            between = sum((m - mu) ** 2 for m in means) / (len(means) - 1)
+            tau2 = between - within * sum(1.0 / st.n for st in sampled) / len(sampled)
+            if tau2 > 0:
+                m = within / tau2  # pseudo-samples of the fleet's value each instance starts with
+                for st in sampled:
+                    weights[id(st)] = st.n / (st.n + m)
+        self._scale, self._tps, self._weight = [], [], []
+        for st in insts:
+            w = weights[id(st)]
+            self._weight.append(w)
+            if w > 0:
+                self._scale.append((1 - w) * k_fleet + w * st.sum_s / st.sum_t0)
+                self._tps.append((1 - w) * tps_fleet + w * st.sum_q / st.sum_s)
+            else:
+                self._scale.append(k_fleet)
+                self._tps.append(tps_fleet)

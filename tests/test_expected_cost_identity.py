@@ -11,11 +11,12 @@ import random
 
 import pytest
 
+from router.calibration import Calibration
 from router.cluster import Cluster
 from router.policies import build_policy
 from router.policies.expected_cost import ExpectedCost
 
-from ref_expected_cost import RefExpectedCost, ref_wait_s
+from ref_expected_cost import RefCalibration, RefExpectedCost, ref_wait_s
 
 BS = 512
 
@@ -140,6 +141,43 @@ def test_the_runs_exercise_every_branch():
         for k, v in _run(seed, 150).items():
             total[k] = total.get(k, 0) + v
     assert all(v > 0 for v in total.values()), total
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_calibrations_estimate_equals_the_old_one(seed):
+    """The estimate (``Calibration._refresh``, run once per streamed first token) rewritten in
+    one pass: every instance's scale, rate and weight equal the old code's, to the bit, through
+    samples on instances of one speed (the fleet's value) and of several (each its own), a
+    restart (forget) and a new instance."""
+    rng = random.Random(seed)
+    n = rng.choice((1, 2, 3, 8))
+    speed = [rng.choice((1.0, 1.0, 1.7, 3.0)) for _ in range(n + 1)]
+    new, ref = Calibration(n), RefCalibration(n)
+    t = 0.0
+    own = 0
+    for step in range(120):
+        op = rng.random()
+        if op < 0.03:
+            i = rng.randrange(len(new._inst))
+            new.forget(i)
+            ref.forget(i)
+        elif op < 0.05 and len(new._inst) < len(speed):
+            new.add_instance()
+            ref.add_instance()
+        else:
+            i = rng.randrange(len(new._inst))
+            q, h = rng.randrange(0, 4000), rng.randrange(0, 20000)
+            t += rng.random()
+            first = t + speed[i] * (q + 1) / 5000 * rng.uniform(0.7, 1.3)
+            assert new.observe(i, q, h, t, first) == ref.observe(i, q, h, t, first)
+        if rng.random() < 0.5:
+            assert new.measured == ref.measured
+            for i in range(len(new._inst)):
+                got = (new.scale(i), new.tps(i), new.own_weight(i), new.rates()[0][i], new.rates()[1][i])
+                want = (ref.scale(i), ref.tps(i), ref.own_weight(i), ref.scale(i), ref.tps(i))
+                assert repr(got) == repr(want), (seed, step, i)
+                own += got[2] > 0
+    assert own or n == 1 or len(set(speed)) == 1, "no instance separated from the fleet"
 
 
 def test_measured_counts_the_samples_held():

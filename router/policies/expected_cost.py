@@ -136,11 +136,12 @@ class ExpectedCost(Policy):
         tps_of = self._tps_rounded
         if len(tps_of) > n:  # rates the calibration no longer gives: at most one per instance is live
             tps_of.clear()
+        rates = la.calibration.rates()[1] if la is not None else None
         terms: list[dict] = []
         for k, c in enumerate(cands):
             wait, own, interf = today[k]
             # the rate this decision used: i's calibrated prefill tokens/s (the prior before samples)
-            tps = la.calibration.tps(c.index) if la is not None else c.prefill_tps
+            tps = rates[c.index] if rates is not None else c.prefill_tps
             tps_r = tps_of.get(tps)
             if tps_r is None:
                 tps_r = tps_of[tps] = round(tps, 1)
@@ -191,12 +192,12 @@ class ExpectedCost(Policy):
                 lower.append(sum(t))
             return today, lower, scales
         cal = la.calibration
-        scale_of = cal.scale
+        scale_of = cal.rates()[0]  # scale_of[i] is cal.scale(i)
         seconds = cal.prior.seconds
         wait_of = la.wait_s
         for c in cands:
             i = c.index
-            scale = scale_of(i)
+            scale = scale_of[i]
             own = scale * seconds(c.new, c.hit)  # cal.seconds(i, new, hit), the same product
             t = (wait_of.get(i, 0.0), own, c.num_requests * own)
             today.append(t)
