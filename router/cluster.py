@@ -101,6 +101,9 @@ class Ticket:
     pinned: Sequence[int] = ()  # its blocks, held in the exact index's model until it finishes
     anon: int = 0  # blocks a text-hashed prefill will allocate, counted in the exact model until it ends
     session_id: str | None = None  # the session whose turn this is (None for a prefill-only leg)
+    #: (new_prefill, input_tokens, T0 of them): the prior's seconds as the lookahead last
+    #: computed them, reused while the sizes are those (every decision reads every ticket)
+    prior_s: tuple[int, int, float] | None = None
 
 
 class Cluster:
@@ -230,7 +233,10 @@ class Cluster:
                 head = None
                 head_s = 0.0
                 for t in tickets.values():
-                    t_s = scale * seconds(t.new_prefill, t.input_tokens - t.new_prefill)
+                    q, size, memo = t.new_prefill, t.input_tokens, t.prior_s
+                    if memo is None or memo[0] != q or memo[1] != size:
+                        memo = t.prior_s = (q, size, seconds(q, size - q))
+                    t_s = scale * memo[2]  # cal.seconds(i, q, size - q)
                     total += t_s
                     if head is None or t.started < head.started:
                         head, head_s = t, t_s

@@ -72,10 +72,17 @@ def _run(seed: int, steps: int) -> dict[str, int]:
     turns = dict.fromkeys(range(sessions), 0)
     fresh = 0
     in_flight: list = []
-    seen = {"queued": 0, "bound": 0, "evict": 0, "queue": 0, "tie_rr": 0, "lost": 0, "no_lookahead": 0, "moved": 0}
+    seen = {"resized": 0, "queued": 0, "bound": 0, "evict": 0, "queue": 0, "tie_rr": 0, "lost": 0, "no_lookahead": 0, "moved": 0}
     for step in range(steps):
         clock.t += rng.expovariate(1.0) * rng.choice((0.1, 2.0))
         for t in list(in_flight):
+            if t.phase == "prefill" and rng.random() < 0.05:  # counted later than routed (Cluster.amend)
+                c.amend(t, t.input_tokens + BS, [], session_id=t.session_id, cache_blocks=False)
+                seen["resized"] += 1
+            elif t.phase == "prefill" and rng.random() < 0.03:  # its KV came from elsewhere (router/pipeline.py)
+                c.instances[t.instance].pending_prefill_tokens -= t.new_prefill
+                t.new_prefill = 0
+                seen["resized"] += 1
             if rng.random() < 0.35:
                 if t.phase == "prefill":
                     clock.t += slow[t.instance] * t.new_prefill / 5000 * rng.uniform(0.8, 1.2)
