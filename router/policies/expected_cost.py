@@ -285,6 +285,8 @@ def _argmin(cands: list[Candidate], scores: list[float], rr_counter: int) -> tup
     best = min(scores)
     if best != best:  # NaN: the general form, as it always was
         return argmin_with_ties(cands, scores, TIE_KEYS, rr_counter)
+    if scores.count(best) == 1:  # one lowest score (list methods, not a Python loop)
+        return scores.index(best), ARGMIN, False
     tied = []
     for k, s in enumerate(scores):
         if s == best:
