@@ -219,8 +219,9 @@ class ExpectedCost(Policy):
         fleet_gap = la.fleet_gap_s
         # one pass over the sessions priced one by one (la.bound), the rest as one sum
         queue = 0.0
-        demand = la.settled(i)
-        bound = la.bound(i)
+        # settled(i) is 0.0 once the fleet has a gap, bound(i) empty before: neither is asked then
+        demand = 0.0 if fleet_gap else la.settled(i)
+        bound = la.bound(i) if fleet_gap else None
         if bound:
             wait, own = today[0], today[1]
             held_of: dict[float, float] = {}  # gap -> queued_behind_s(wait, own, gap)
