@@ -87,6 +87,7 @@ class Calibration:
     def __init__(self, num_instances: int, prior: PrefillPrior = DEFAULT_PRIOR):
         self.prior = prior
         self._inst = [_Instance() for _ in range(num_instances)]
+        self._samples = 0  # over every instance: ``measured`` is read per decision
         self.engine = EngineFit(num_instances)  # the engine's scale without per-request overheads
         self._scale: list[float] | None = None  # computed on first read after a change
         self._tps: list[float] = []
@@ -110,6 +111,7 @@ class Calibration:
             return None
         x = math.log(service / t0)
         st.n += 1
+        self._samples += 1
         st.sum_q += new_tokens
         st.sum_s += service
         st.sum_t0 += t0
@@ -126,50 +128,70 @@ class Calibration:
 
     def forget(self, instance: int) -> None:
         """Start over on ``instance`` (it restarted: its speed may have changed)."""
+        self._samples -= self._inst[instance].n
         self._inst[instance] = _Instance()
         self.engine.forget(instance)
         self._scale = None
 
     def _refresh(self) -> None:
         """The fleet's estimate (the prior as one observation), then each instance's, shrunk
-        toward the fleet's by its share of the evidence (empirical Bayes, see the module doc)."""
+        toward the fleet's by its share of the evidence (empirical Bayes, see the module doc).
+        Run on the first read after a sample, so once per streamed request: each sum is sum()
+        over a list gathered in one pass, the same values in the same order as a generator
+        over the instances would give it (the same floats), at less cost."""
         insts = self._inst
-        big_n = sum(st.n for st in insts)
         r0 = self.prior.tokens_per_s
+        ns: list[int] = []
+        qs: list[int] = []
+        ss: list[float] = []
+        t0s: list[float] = []
+        for st in insts:
+            ns.append(st.n)
+            qs.append(st.sum_q)
+            ss.append(st.sum_s)
+            t0s.append(st.sum_t0)
+        big_n = sum(ns)
         if big_n == 0:
             self._scale = [1.0] * len(insts)
             self._tps = [r0] * len(insts)
             self._weight = [0.0] * len(insts)
             return
-        sum_q = sum(st.sum_q for st in insts)
-        sum_s = sum(st.sum_s for st in insts)
-        sum_t0 = sum(st.sum_t0 for st in insts)
+        sum_q = sum(qs)
+        sum_s = sum(ss)
+        sum_t0 = sum(t0s)
         k_fleet = (1.0 + big_n * sum_s / sum_t0) / (big_n + 1)
         q_mean = sum_q / big_n
         tps_fleet = (q_mean + sum_q) / (q_mean / r0 + sum_s)
-        sampled = [st for st in insts if st.n]
-        weights = {id(st): 0.0 for st in insts}
+        sampled = [k for k, n in enumerate(ns) if n]
+        weights = [0.0] * len(insts)
         dof = big_n - len(sampled)
         if len(sampled) >= 2 and dof >= 1:
-            within = sum(st.sum_xx - st.sum_x * st.sum_x / st.n for st in sampled) / dof
-            means = [st.sum_x / st.n for st in sampled]
+            spread: list[float] = []  # sum_xx - sum_x^2 / n: each instance's within-variance sum
+            means: list[float] = []
+            inverse: list[float] = []
+            for k in sampled:
+                st = insts[k]
+                spread.append(st.sum_xx - st.sum_x * st.sum_x / st.n)
+                means.append(st.sum_x / st.n)
+                inverse.append(1.0 / st.n)
+            within = sum(spread) / dof
             mu = sum(means) / len(means)
-            between = sum((m - mu) ** 2 for m in means) / (len(means) - 1)
-            tau2 = between - within * sum(1.0 / st.n for st in sampled) / len(sampled)
+            between = sum([(m - mu) ** 2 for m in means]) / (len(means) - 1)
+            tau2 = between - within * sum(inverse) / len(sampled)
             if tau2 > 0:
                 m = within / tau2  # pseudo-samples of the fleet's value each instance starts with
-                for st in sampled:
-                    weights[id(st)] = st.n / (st.n + m)
-        self._scale, self._tps, self._weight = [], [], []
-        for st in insts:
-            w = weights[id(st)]
-            self._weight.append(w)
+                for k in sampled:
+                    weights[k] = ns[k] / (ns[k] + m)
+        scale: list[float] = []
+        tps: list[float] = []
+        for st, w in zip(insts, weights):
             if w > 0:
-                self._scale.append((1 - w) * k_fleet + w * st.sum_s / st.sum_t0)
-                self._tps.append((1 - w) * tps_fleet + w * st.sum_q / st.sum_s)
+                scale.append((1 - w) * k_fleet + w * st.sum_s / st.sum_t0)
+                tps.append((1 - w) * tps_fleet + w * st.sum_q / st.sum_s)
             else:
-                self._scale.append(k_fleet)
-                self._tps.append(tps_fleet)
+                scale.append(k_fleet)
+                tps.append(tps_fleet)
+        self._scale, self._tps, self._weight = scale, tps, weights
 
     # -- what policies read ----------------------------------------------------------
     def last_first(self, instance: int) -> float:
@@ -182,7 +204,7 @@ class Calibration:
     @property
     def measured(self) -> bool:
         """Has any instance a sample yet (before that, every rate is the prior)?"""
-        return any(st.n for st in self._inst)
+        return self._samples > 0
 
     def scale(self, instance: int) -> float:
         """Measured seconds per prior second on ``instance`` (1.0 before any sample anywhere)."""
@@ -205,6 +227,14 @@ class Calibration:
         if self._scale is None:
             self._refresh()
         return self._tps[instance]
+
+    def rates(self) -> tuple[list[float], list[float]]:
+        """Every instance's ``(scale, tps)`` as two lists by instance index, what ``scale`` and
+        ``tps`` give one by one (a decision reads them once, not per candidate). Read only: a
+        change of the measurements replaces them, so a reader holds the ones it was given."""
+        if self._scale is None:
+            self._refresh()
+        return self._scale, self._tps
 
     def measured_tps(self, instance: int) -> float | None:
         """sum(q) / sum(S) over the instance's own samples alone; None before the first."""

@@ -101,6 +101,9 @@ class Ticket:
     pinned: Sequence[int] = ()  # its blocks, held in the exact index's model until it finishes
     anon: int = 0  # blocks a text-hashed prefill will allocate, counted in the exact model until it ends
     session_id: str | None = None  # the session whose turn this is (None for a prefill-only leg)
+    #: (new_prefill, input_tokens, T0 of them): the prior's seconds as the lookahead last
+    #: computed them, reused while the sizes are those (every decision reads every ticket)
+    prior_s: tuple[int, int, float] | None = None
 
 
 class Cluster:
@@ -139,6 +142,8 @@ class Cluster:
         self.moved_sessions = 0  # sessions held that moved at least once
         #: Told of each own session request's end and amend (router/replica_sessions.py); None alone.
         self.session_listener: Any = None
+        self._capacity_seen: list[int] = []  # index.capacity when _capacity_tokens was computed
+        self._capacity_tokens: list[int] = []  # each instance's capacity in tokens, for the lookahead
 
     # -- what policies see ----------------------------------------------------------
     def hits(self, blocks: Sequence[int], input_tokens: int, *, exact: bool = True,
@@ -187,11 +192,11 @@ class Cluster:
         estimates: list[int] = []
         hits = self.hits(blocks, input_tokens, exact=exact, drift=True, estimates=estimates)
         cal = self.calibration
-        measured = cal.measured
+        rates = cal.rates()[1] if cal.measured else None  # rates[i] is cal.tps(i)
         cands = [
             Candidate(s.index, s.name, hits[s.index], max(0, input_tokens - hits[s.index]),
                       s.pending_prefill_tokens, s.num_requests, s.ongoing_decode_tokens,
-                      s.decode_requests, cal.tps(s.index) if measured else 0.0)
+                      s.decode_requests, rates[s.index] if rates is not None else 0.0)
             for s in self.instances if s.healthy
         ]
         sess = self.sessions.get(session_id) if session_id is not None else None
@@ -199,36 +204,58 @@ class Cluster:
                            (sess.turns + 1) if sess else 1, self.rr_counter, hits,
                            estimate_hits=estimates or None)
         if lookahead:
-            view.lookahead = self.lookahead(cands, len(blocks), session_id, sess)
+            view.lookahead = self.lookahead(cands, len(blocks), session_id, sess, hits)
         return view
 
     def lookahead(self, cands: Sequence[Candidate], num_blocks: int, session_id: str | None,
-                  sess: SessionInfo | None) -> Lookahead:
+                  sess: SessionInfo | None, hits: Sequence[int] | None = None) -> Lookahead:
         """The facts a future-aware policy needs beyond the counters (see ``Lookahead``): the
-        queued seconds now, the evictions and bound sessions when asked."""
+        queued seconds now, the evictions and bound sessions when asked. ``hits``: the hit
+        per instance index the candidates took theirs from (read from them when None).
+
+        Per decision, so written for this interpreter: T(q, h) as scale x T0(q, h) with the
+        scale read once per instance (``Calibration.seconds`` is that product), and no
+        min()/max() calls (each costs more than the comparison)."""
         now = self.clock()
         cal = self.calibration
+        seconds = cal.prior.seconds
+        prefilling = self._prefilling
         wait: dict[int, float] = {}
+        scales = None
         for c in cands:
             i = c.index
-            tickets = self._prefilling[i]
+            tickets = prefilling[i]
             if tickets:
+                if scales is None:
+                    scales = cal.rates()[0]  # scales[i] is cal.scale(i)
+                scale = scales[i]
                 total = 0.0
                 head = None
+                head_s = 0.0
                 for t in tickets.values():
-                    total += cal.seconds(i, t.new_prefill, t.input_tokens - t.new_prefill)
+                    q, size, memo = t.new_prefill, t.input_tokens, t.prior_s
+                    if memo is None or memo[0] != q or memo[1] != size:
+                        memo = t.prior_s = (q, size, seconds(q, size - q))
+                    t_s = scale * memo[2]  # cal.seconds(i, q, size - q)
+                    total += t_s
                     if head is None or t.started < head.started:
-                        head = t
+                        head, head_s = t, t_s
                 # the head has been served since it arrived or the last first token, whichever is later
-                done = now - max(head.started, cal.last_first(i))
-                head_s = cal.seconds(i, head.new_prefill, head.input_tokens - head.new_prefill)
-                total -= min(max(done, 0.0), head_s)
-                wait[i] = max(total, 0.0)
+                last = cal.last_first(i)
+                done = now - (last if last > head.started else head.started)
+                if 0.0 > done:
+                    done = 0.0
+                total -= head_s if head_s < done else done  # min(max(done, 0.0), head_s)
+                wait[i] = 0.0 if 0.0 > total else total  # max(total, 0.0)
             else:
                 wait[i] = 0.0
         fleet_gap = self.gap_sum / self.gaps if self.gaps else None
-        return Lookahead(self, now, wait, num_blocks, {c.index: c.hit for c in cands}, session_id,
-                         sess, fleet_gap)
+        capacity = self.index.capacity
+        if capacity != self._capacity_seen:  # the token capacities change only with the blocks'
+            self._capacity_seen = list(capacity)
+            self._capacity_tokens = [n * self.block_size for n in capacity]
+        return Lookahead(self, now, wait, num_blocks, {c.index: c.hit for c in cands} if hits is None else hits,
+                         session_id, sess, fleet_gap, self._capacity_tokens)
 
     # -- lifecycle ------------------------------------------------------------------
     def dispatch(self, instance: int, input_tokens: int, est_hit: int, blocks: Sequence[int],

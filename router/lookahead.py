@@ -101,15 +101,17 @@ class Lookahead:
                  "_bound", "_settled")
 
     def __init__(self, cluster: ClusterLike, now: float, wait_s: dict[int, float], num_blocks: int,
-                 hits: dict[int, int], session_id: str | None, session: SessionInfo | None,
-                 fleet_gap_s: float | None):
+                 hits: Sequence[int] | dict[int, int], session_id: str | None, session: SessionInfo | None,
+                 fleet_gap_s: float | None, capacity_tokens: list[int] | None = None):
         self.now = now
         self.calibration = cluster.calibration
         self.block_size = cluster.block_size
         self.wait_s = wait_s
         self.session = session
         self.fleet_gap_s = fleet_gap_s  # mean gap between turns over every session seen; None before one
-        self.capacity_tokens = [n * cluster.block_size for n in cluster.index.capacity]
+        # each instance's capacity in tokens (the cluster passes the list it keeps; read only)
+        self.capacity_tokens = (capacity_tokens if capacity_tokens is not None
+                                else [n * cluster.block_size for n in cluster.index.capacity])
         self._cluster = cluster
         self._num_blocks = num_blocks
         self._session_id = session_id

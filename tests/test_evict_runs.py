@@ -13,6 +13,8 @@ from router.cluster import Cluster
 from router.policies.expected_cost import ExpectedCost, queued_behind_s, return_odds, session_odds
 from router.prefix_index import PrefixIndex
 
+from ref_expected_cost import RefExpectedCost
+
 BS = 512
 
 
@@ -175,7 +177,7 @@ def test_expected_cost_picks_equal_the_walks(seed):
     c = Cluster([f"i{i}" for i in range(n)], block_size=BS, capacity_blocks=rng.choice((100, 300, 518)),
                 clock=clock)
     pol = ExpectedCost()
-    ref_pol = ExpectedCost()
+    ref_pol = RefExpectedCost()  # the policy's readable form (tests/ref_expected_cost.py)
     ref_pol._future = ref_future
     sessions = 3 * n
     size = {s: rng.randrange(5, 150) for s in range(sessions)}

@@ -397,11 +397,12 @@ def test_skipping_candidates_that_cannot_win_changes_nothing(seed):
     blocks = chain(rng.randrange(8), rng.randrange(5, 110))
     sid = f"s{rng.randrange(8)}"
     v = c.view(blocks, len(blocks) * BS, sid, lookahead=True)
-    pol = ExpectedCost()
-    got = pol.pick(None, v)
+    from ref_expected_cost import RefExpectedCost  # the readable form of the terms
+
+    got = ExpectedCost().pick(None, v)
     turn = v.session_turn
-    today = [pol._today(x, v.lookahead) for x in v.candidates]
-    full = [sum({**d, **pol._future(x, v.lookahead, turn / (turn + 1.0), v.input_tokens, d)}.values())
+    today = [RefExpectedCost._today(x, v.lookahead) for x in v.candidates]
+    full = [sum({**d, **RefExpectedCost._future(x, v.lookahead, turn / (turn + 1.0), v.input_tokens, d)}.values())
             for x, d in zip(v.candidates, today)]
     k, _, _ = argmin_with_ties(v.candidates, full, (lambda x: x.new, lambda x: x.num_requests), v.rr_counter)
     assert got.index == v.candidates[k].index

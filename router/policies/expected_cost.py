@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import math
+from math import exp, expm1
 
 from router.calibration import DEFAULT_PRIOR
 from router.cluster import Candidate, ClusterView
 from router.lookahead import Lookahead, SessionInfo
-from router.policies.base import (AFFINITY_LOST, AFFINITY_NEW, AFFINITY_STICK, Pick, Policy,
-                                  argmin_with_ties, terms_of)
+from router.policies.base import (AFFINITY_LOST, AFFINITY_NEW, AFFINITY_STICK, ARGMIN, TIE_RR, Pick, Policy,
+                                  argmin_with_ties)
+
+INF = float("inf")
+NO_FUTURE = (0.0, 0.0, 0.0)  # the future terms without a lookahead
+#: Ties by new_i, then BS_i, then the round-robin counter.
+TIE_ATTRS = ("new", "num_requests")
+TIE_KEYS = (lambda c: c.new, lambda c: c.num_requests)
 
 
 def return_odds(turns: int, gap_sum: float, gaps: int, idle_s: float, fleet_gap_s: float | None) -> float:
@@ -92,39 +99,73 @@ class ExpectedCost(Policy):
     needs_session = True
     needs_lookahead = True
 
+    def __init__(self, knobs=None):
+        super().__init__(knobs)
+        self._tps_rounded: dict[float, float] = {}  # a rate -> round(rate, 1), as the record shows it
+
     def pick(self, req, view: ClusterView) -> Pick:
+        # Per candidate, today's terms (wait, own, interference); the future terms (queue,
+        # evict, keep: never negative, and a walk of the LRU each) only where today's alone do
+        # not already exceed the best full cost: skipping the others cannot change the pick or
+        # its tie-breaks. A score is sum() over the terms in the record's order, the same float
+        # on every Python. tests/ref_expected_cost.py is the readable form of what this
+        # computes, bit for bit: here with tuples, no min()/max() and no call per term (each
+        # costs more than the arithmetic it does).
         cands = view.candidates
         la = view.lookahead
         turn = view.session_turn
         p_next = turn / (turn + 1.0)
-        length = view.input_tokens
-        # Today's terms for every candidate; the future terms (evict, keep: never negative, and
-        # a walk of the LRU each) only where today's alone do not already exceed the best full
-        # cost: skipping the others cannot change the pick or its tie-breaks.
-        parts = [self._today(c, la) for c in cands]
-        lower = [sum(p.values()) for p in parts]
-        best = float("inf")
+        n = len(cands)
+        today, lower, scales = self._today(cands, la)
+        order = sorted(range(n), key=lower.__getitem__) if n > 1 else range(n)
+        future: list[tuple[float, float, float] | None] = [None] * n
+        full = [INF] * n  # inf: today's terms only, a lower bound above the best
+        best = INF
         odds_of: dict[str, float] = {}
-        for k in sorted(range(len(cands)), key=lower.__getitem__):
+        for k in order:
             if lower[k] > best:
                 break
-            parts[k].update(self._future(cands[k], la, p_next, length, parts[k], odds_of))
-            best = min(best, sum(parts[k].values()))
-        scores: list[float] = []
+            if la is None:
+                f = NO_FUTURE
+            else:
+                f = self._next_turns(cands[k].index, la, scales[k], p_next, view.input_tokens, today[k], odds_of)
+            future[k] = f
+            full[k] = score = sum(today[k] + f)
+            if score < best:  # best = min(best, score)
+                best = score
+        tps_of = self._tps_rounded
+        if len(tps_of) > n:  # rates the calibration no longer gives: at most one per instance is live
+            tps_of.clear()
+        rates = la.calibration.rates()[1] if la is not None else None
         terms: list[dict] = []
-        for c, part in zip(cands, parts):
-            score = sum(part.values())
-            complete = "evict_s" in part
-            scores.append(score if complete else float("inf"))
-            t = terms_of(c, round(score, 4))
+        for k, c in enumerate(cands):
+            wait, own, interf = today[k]
             # the rate this decision used: i's calibrated prefill tokens/s (the prior before samples)
-            t["tps"] = round(la.calibration.tps(c.index) if la is not None else c.prefill_tps, 1)
-            t.update({k: round(v, 4) for k, v in part.items()})
-            if not complete:
-                t["bound"] = True  # score is today's terms only, a lower bound above the best
-            terms.append(t)
-        k, reason, used = argmin_with_ties(cands, scores, (lambda c: c.new, lambda c: c.num_requests),
-                                           view.rr_counter)
+            tps = rates[c.index] if rates is not None else c.prefill_tps
+            tps_r = tps_of.get(tps)
+            if tps_r is None:
+                tps_r = tps_of[tps] = round(tps, 1)
+            # round(0.0, 4) is 0.0 (and -0.0 stays -0.0): zeros skip the call
+            f = future[k]
+            if f is None:  # score is today's terms only, a lower bound above the best
+                score = lower[k]
+                terms.append({"instance": c.name, "hit": c.hit, "new": c.new, "P": c.pending_prefill,
+                              "BS": c.num_requests, "D": c.decode_tokens,
+                              "score": round(score, 4) if score else score, "tps": tps_r,
+                              "wait_s": round(wait, 4) if wait else wait, "own_s": round(own, 4) if own else own,
+                              "interf_s": round(interf, 4) if interf else interf, "bound": True})
+            else:
+                score = full[k]
+                queue, evict, keep = f
+                terms.append({"instance": c.name, "hit": c.hit, "new": c.new, "P": c.pending_prefill,
+                              "BS": c.num_requests, "D": c.decode_tokens,
+                              "score": round(score, 4) if score else score, "tps": tps_r,
+                              "wait_s": round(wait, 4) if wait else wait, "own_s": round(own, 4) if own else own,
+                              "interf_s": round(interf, 4) if interf else interf,
+                              "queue_s": round(queue, 4) if queue else queue,
+                              "evict_s": round(evict, 4) if evict else evict,
+                              "keep_s": round(keep, 4) if keep else keep})
+        k, reason, used = _argmin(cands, full, view.rr_counter)
         chosen = cands[k]
         if view.session_instance is None:
             reason = AFFINITY_NEW
@@ -135,55 +176,135 @@ class ExpectedCost(Policy):
         return Pick(chosen.index, reason, terms, uses_rr=used)
 
     @staticmethod
-    def _today(c: Candidate, la: Lookahead | None) -> dict[str, float]:
+    def _today(cands: list[Candidate], la: Lookahead | None
+               ) -> tuple[list[tuple[float, float, float]], list[float], list[float]]:
+        """Each candidate's (wait_i, own_i, interference_i), their sums (the lower bounds of
+        the scores), and the calibrated scales they used (none without a lookahead)."""
+        today: list[tuple[float, float, float]] = []
+        lower: list[float] = []
+        scales: list[float] = []
         if la is None:  # asked as a shadow of a policy without lookahead: counters only
-            tps = c.prefill_tps or DEFAULT_PRIOR.tokens_per_s
-            own = c.new / tps
-            return {"wait_s": c.pending_prefill / tps, "own_s": own, "interf_s": c.num_requests * own}
-        own = la.calibration.seconds(c.index, c.new, c.hit)
-        return {"wait_s": la.wait_s.get(c.index, 0.0), "own_s": own, "interf_s": c.num_requests * own}
+            for c in cands:
+                tps = c.prefill_tps or DEFAULT_PRIOR.tokens_per_s
+                own = c.new / tps
+                t = (c.pending_prefill / tps, own, c.num_requests * own)
+                today.append(t)
+                lower.append(sum(t))
+            return today, lower, scales
+        cal = la.calibration
+        scale_of = cal.rates()[0]  # scale_of[i] is cal.scale(i)
+        seconds = cal.prior.seconds
+        wait_of = la.wait_s
+        for c in cands:
+            i = c.index
+            scale = scale_of[i]
+            own = scale * seconds(c.new, c.hit)  # cal.seconds(i, new, hit), the same product
+            t = (wait_of.get(i, 0.0), own, c.num_requests * own)
+            today.append(t)
+            lower.append(sum(t))
+            scales.append(scale)
+        return today, lower, scales
 
     @staticmethod
-    def _future(c: Candidate, la: Lookahead | None, p_next: float, length: int,
-                today: dict[str, float], odds_of: dict[str, float] | None = None) -> dict[str, float]:
-        """The terms of the next turns on ``c``. ``odds_of`` memoises each session's odds of
-        return for one decision (a session bound to i is priced in queue_i, keep_i and evict_i;
-        its odds depend on it and the decision's time alone)."""
-        if la is None:
-            return {"queue_s": 0.0, "evict_s": 0.0, "keep_s": 0.0}
-        if odds_of is None:
-            odds_of = {}
-        cal = la.calibration
-        i = c.index
-        scale = cal.scale(i)
-        prior = cal.prior.seconds  # cal.seconds(i, q, h) is scale * prior(q, h): the same product
-        own = today["own_s"]
-        wait = today["wait_s"]
+    def _next_turns(i: int, la: Lookahead, scale: float, p_next: float, length: int,
+                    today: tuple[float, float, float], odds_of: dict[str, float]) -> tuple[float, float, float]:
+        """(queue_i, evict_i, keep_i): the terms of the next turns on instance ``i``, whose
+        calibrated scale is ``scale``. ``odds_of`` memoises each session's odds of return for
+        one decision (a session bound to i is priced in queue_i, keep_i and evict_i; its odds
+        depend on it and the decision's time alone). Per session, ``return_odds`` and
+        ``queued_behind_s`` are written out inline, the same expressions in the same order
+        (a call each was most of a walk's time), and the latter is computed once per gap."""
+        seconds = la.calibration.prior.seconds  # cal.seconds(i, q, h) is scale * prior.seconds(q, h): the same product
         now = la.now
         fleet_gap = la.fleet_gap_s
         # one pass over the sessions priced one by one (la.bound), the rest as one sum
         queue = 0.0
-        demand = la.settled(i)
-        for s in la.bound(i):
-            g = s.gap_sum / s.gaps if s.gaps else fleet_gap
-            odds = odds_of.get(s.session_id)
-            if odds is None:
-                odds = odds_of[s.session_id] = return_odds(s.turns, s.gap_sum, s.gaps, s.idle_s(now), fleet_gap)
-            if own > 0 and g:  # no gap seen anywhere yet: no evidence of returns to price
-                held = queued_behind_s(wait, own, g)
-                queue += odds * min(held, scale * prior(s.last_input_tokens, 0))
-            demand += odds * s.last_input_tokens
+        # settled(i) is 0.0 once the fleet has a gap, bound(i) empty before: neither is asked then
+        demand = 0.0 if fleet_gap else la.settled(i)
+        bound = la.bound(i) if fleet_gap else None
+        if bound:
+            wait, own = today[0], today[1]
+            held_of: dict[float, float] = {}  # gap -> queued_behind_s(wait, own, gap)
+            for s in bound:
+                gaps = s.gaps
+                g = s.gap_sum / gaps if gaps else fleet_gap
+                odds = odds_of.get(s.session_id)
+                if odds is None:  # return_odds(s.turns, s.gap_sum, s.gaps, s.idle_s(now), fleet_gap)
+                    turns = s.turns
+                    odds = turns / (turns + 1.0)
+                    if g and g > 0:
+                        idle = 0.0 if s.in_flight > 0 else now - (s.last_done if s.last_done > s.last_seen
+                                                                  else s.last_seen)
+                        if idle < 0.0:  # max(idle, 0.0)
+                            idle = 0.0
+                        alive = odds * exp(-idle / g)
+                        odds = alive / (alive + 1.0 - odds)
+                    odds_of[s.session_id] = odds
+                ctx = s.last_input_tokens
+                if own > 0 and g:  # no gap seen anywhere yet: no evidence of returns to price
+                    held = held_of.get(g)
+                    if held is None:  # queued_behind_s(wait, own, g), own > 0
+                        held = held_of[g] = own - g * exp(-wait / g) * -expm1(-own / g)
+                    move = scale * seconds(ctx, 0)  # re-prefilling its context elsewhere
+                    queue += odds * (move if move < held else held)  # min(held, move)
+                demand += odds * ctx
         evict = 0.0
         for s, lost in la.victims(i):
             ctx = s.last_input_tokens
-            lost = min(lost, ctx)
+            if ctx < lost:  # min(lost, ctx)
+                lost = ctx
             odds = odds_of.get(s.session_id)
-            if odds is None:
-                odds = odds_of[s.session_id] = session_odds(s, la)
-            evict += odds * (scale * prior(lost, ctx - lost))
+            if odds is None:  # session_odds(s, la), as above
+                gaps = s.gaps
+                g = s.gap_sum / gaps if gaps else fleet_gap
+                turns = s.turns
+                odds = turns / (turns + 1.0)
+                if g and g > 0:
+                    idle = 0.0 if s.in_flight > 0 else now - (s.last_done if s.last_done > s.last_seen
+                                                              else s.last_seen)
+                    if idle < 0.0:
+                        idle = 0.0
+                    alive = odds * exp(-idle / g)
+                    odds = alive / (alive + 1.0 - odds)
+                odds_of[s.session_id] = odds
+            evict += odds * (scale * seconds(lost, ctx - lost))
         keep = 0.0
         if p_next > 0:
-            lost = min(length, max(0, int(demand + length - la.capacity_tokens[i])))
-            if lost:
-                keep = p_next * (scale * prior(lost, length - lost))
-        return {"queue_s": queue, "evict_s": evict, "keep_s": keep}
+            # lost = min(length, max(0, int(demand + length - capacity_i)))
+            lost = int(demand + length - la.capacity_tokens[i])
+            if lost > length:
+                lost = length
+            if lost > 0:
+                keep = p_next * (scale * seconds(lost, length - lost))
+        return queue, evict, keep
+
+
+def _argmin(cands: list[Candidate], scores: list[float], rr_counter: int) -> tuple[int, str, bool]:
+    """``argmin_with_ties(cands, scores, (new_i, BS_i), rr_counter)`` (router/policies/base.py)
+    written out without its generators: the lowest score; ties by new_i, then BS_i, then the
+    round-robin counter."""
+    best = min(scores)
+    if best != best:  # NaN: the general form, as it always was
+        return argmin_with_ties(cands, scores, TIE_KEYS, rr_counter)
+    if scores.count(best) == 1:  # one lowest score (list methods, not a Python loop)
+        return scores.index(best), ARGMIN, False
+    tied = []
+    for k, s in enumerate(scores):
+        if s == best:
+            tied.append(k)
+    if len(tied) == 1:
+        return tied[0], ARGMIN, False
+    for attr in TIE_ATTRS:
+        low = None
+        kept: list[int] = []
+        for k in tied:  # the lowest value of the key (all ints), in candidate order
+            v = getattr(cands[k], attr)
+            if low is None or v < low:
+                low = v
+                kept = [k]
+            elif v == low:
+                kept.append(k)
+        tied = kept
+        if len(tied) == 1:
+            return tied[0], ARGMIN, False
+    return tied[rr_counter % len(tied)], TIE_RR, True
