@@ -171,7 +171,10 @@ class Calibration:
             inverse: list[float] = []
             for k in sampled:
                 st = insts[k]
-                spread.append(st.sum_xx - st.sum_x * st.sum_x / st.n)
+                # never below 0: identical samples leave a rounding error of either sign, and a
+                # negative within-variance made m = -n (a division by zero) or a weight past 1
+                d = st.sum_xx - st.sum_x * st.sum_x / st.n
+                spread.append(d if d > 0.0 else 0.0)
                 means.append(st.sum_x / st.n)
                 inverse.append(1.0 / st.n)
             within = sum(spread) / dof

@@ -196,7 +196,7 @@ class RefCalibration(Calibration):
         weights = {id(st): 0.0 for st in insts}
         dof = big_n - len(sampled)
         if len(sampled) >= 2 and dof >= 1:
-            within = sum(st.sum_xx - st.sum_x * st.sum_x / st.n for st in sampled) / dof
+            within = sum(max(0.0, st.sum_xx - st.sum_x * st.sum_x / st.n) for st in sampled) / dof  # (the fix: never below 0)
             means = [st.sum_x / st.n for st in sampled]
             mu = sum(means) / len(means)
             between = sum((m - mu) ** 2 for m in means) / (len(means) - 1)

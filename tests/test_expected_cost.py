@@ -409,3 +409,16 @@ def test_skipping_candidates_that_cannot_win_changes_nothing(seed):
     for t, f in zip(got.terms, full):
         if t.get("bound"):
             assert t["score"] <= f + 1e-3 and f > min(full)  # a lower bound, of a loser
+
+
+def test_identical_samples_leave_no_negative_variance():
+    """Two instances measuring exactly alike: the within-instance variance is 0, not the
+    rounding error's negative value, which once made the shrinkage divide by zero (at the 60th
+    pair of samples) or weigh an instance past 1."""
+    cal = Calibration(2)
+    t = 0.0
+    for _ in range(200):
+        for i in range(2):
+            cal.observe(i, 1000, 0, t, t + 0.2)
+        t += 1.0
+        assert 0.0 <= cal.own_weight(0) <= 1.0 and cal.scale(0) == cal.scale(1) > 0
