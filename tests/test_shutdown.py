@@ -74,8 +74,12 @@ async def load(base: str, stop: asyncio.Event, got: list[dict], *, max_tokens: i
 
 
 async def sigterm_under_load(proc, base: str, *, clients: int, warm_s: float, exit_within: float,
+                             holder_tokens: int | None = None,
                              **load_kw) -> tuple[int | None, float, str, list[dict], list[dict]]:
     """``clients`` loops of ``load`` for ``warm_s``, then SIGTERM; waits for the exit.
+    ``holder_tokens``: one more client whose requests stream that many tokens, so that the
+    drain lasts while the others' next requests arrive (else, on a loaded host, every short
+    stream can end before any client sends again).
 
     Returns (exit code, seconds from SIGTERM to exit, stderr, every record, the records
     finished before SIGTERM)."""
@@ -83,6 +87,8 @@ async def sigterm_under_load(proc, base: str, *, clients: int, warm_s: float, ex
     got: list[dict] = []
     try:
         tasks = [asyncio.create_task(load(base, stop, got, **load_kw)) for _ in range(clients)]
+        if holder_tokens is not None:
+            tasks.append(asyncio.create_task(load(base, stop, got, max_tokens=holder_tokens)))
         await asyncio.sleep(warm_s)
         before = list(got)
         t_term = time.monotonic()
@@ -101,8 +107,9 @@ async def sigterm_under_load(proc, base: str, *, clients: int, warm_s: float, ex
 async def test_sigterm_under_load_loses_nothing(fake_backends, tmp_path):
     fakes = await fake_backends(2, token_delay=0.02)  # a request streams for about 0.4 s
     proc, base, db = await start_route(fakes, tmp_path, "--drain-timeout", "10")
+    # the holder streams 150 tokens (3 s): SIGTERM at 1.5 s finds it mid-stream
     rc, t_exit, err, got, before = await sigterm_under_load(proc, base, clients=24, warm_s=1.5,
-                                                            exit_within=15)
+                                                            exit_within=15, holder_tokens=150)
     assert all(r["status"] == 200 for r in before) and len(before) >= 24
     assert rc == 0, err
     assert t_exit < 5, "the drain waits for in-flight requests only, not the whole deadline"
