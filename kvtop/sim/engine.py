@@ -262,13 +262,19 @@ class _Run:
 
 
 class _Stretch:
-    """The decode steps a coalesced StepResult added after its first one: each one's start,
-    end and the engine's busy time after it, so that a cut can take steps back."""
+    """The steps a coalesced StepResult added after its first one: each one's start, end and
+    the engine's busy time after it, so that a cut can take steps back. ``plain``: the requests
+    that decode one token a step (their counts are applied at once and taken back by a cut).
+    ``fill``: for a prefill stretch, ``(request, blocks needed, computed after)`` per step of
+    the one request prefilling alongside them; its blocks and registrations are applied only
+    when the engine next steps or aborts (``Engine._settle``), so a cut has nothing to undo."""
 
-    __slots__ = ("result", "end0", "busy0", "starts", "ends", "busys", "k")
+    __slots__ = ("result", "end0", "busy0", "starts", "ends", "busys", "k", "plain", "fill",
+                 "applied")
 
     def __init__(self, result: StepResult, end0: float, busy0: float, starts: list[float],
-                 ends: list[float], busys: list[float]):
+                 ends: list[float], busys: list[float], plain: list["_Req"],
+                 fill: tuple["_Req", list[int], list[int]] | None = None):
         self.result = result
         self.end0 = end0
         self.busy0 = busy0
@@ -276,6 +282,9 @@ class _Stretch:
         self.ends = ends
         self.busys = busys
         self.k = 0      # extra steps applied to the engine's state
+        self.plain = plain
+        self.fill = fill
+        self.applied = 0   # extra steps whose prefill chunk is applied (see Engine._settle)
 
 
 class _Req:
@@ -504,6 +513,8 @@ class Engine:
             return None
         if self._stretch is not None:
             self._cut(float("-inf") if now is None else now)
+            if self._stretch.fill is not None:
+                self._settle()
         if req.state == _PENDING:
             self._pending = [e for e in self._pending if e[2] is not req]
         elif req.state == _WAITING:
@@ -647,7 +658,10 @@ class Engine:
         exactly as if only those steps had run), so a driver that re-reads ``end_time``
         after adding a request sees the same steps as without ``coalesce``. The offline
         simulator uses it; the HTTP server, which streams each token, does not."""
-        self._stretch = None
+        if self._stretch is not None:
+            if self._stretch.fill is not None:
+                self._settle()
+            self._stretch = None
         result = StepResult(now=now, end_time=now)
         if self._pinned:
             self._expire_pins(now)
@@ -832,6 +846,11 @@ class Engine:
             # the cache and the batch, do not change), so run them here without the
             # per-request work. at_lookup metrics and an admission hook see every attempt.
             self._coalesce(result, decode_ctx)
+        elif (coalesce and attn_sum and len(scheduled) == len(running) and not result.first_token
+              and not result.preempted and not result.transfers_started and self.kv_events is None
+              and not self._pinned and (not self.waiting or self.admission is None)):
+            # One request prefills (chunked), the others decode: see _coalesce_prefill.
+            self._coalesce_prefill(result)
         return result
 
     def _coalesce(self, result: StepResult, decode_ctx: int) -> None:
@@ -865,8 +884,102 @@ class Engine:
         k = n if starts[-1] < horizon else bisect.bisect_left(starts, horizon)
         if k < n:
             del starts[k:], ends[k:], busys[k:]
-        self._stretch = _Stretch(result, result.end_time, self.busy_time, starts, ends, busys)
+        self._stretch = _Stretch(result, result.end_time, self.busy_time, starts, ends, busys, running)
         self._advance(k)
+
+    def _coalesce_prefill(self, result: StepResult) -> None:
+        """The steps after this one in which the last running request goes on with its chunked
+        prefill and every other one decodes a token: while the prefill's chunk is not its last
+        (no first token), the decoding requests need no block and none finishes, the prefill's
+        blocks are free, no request becomes ready, and the waiting queue is not tried (the chunk
+        takes the whole budget, or nothing waits), each step is this arithmetic and the same
+        allocation and registration for the prefill's next chunk. Their durations are
+        ``profile.step_time`` with the arguments step() would pass and end and busy times are
+        summed in step()'s order (the same bits); the prefill's blocks are taken when the engine
+        next steps or aborts (``_settle``), after a cut has had its say, in step order."""
+        running = self.running
+        fill = running[-1]
+        decodes = running[:-1]
+        for r in decodes:   # decoding: one pending token, the first one sampled
+            if r.num_tokens - r.computed != 1 or not r.output or r.registered < len(r.hashes):
+                return
+        ndec = len(decodes)
+        budget = self.max_num_batched_tokens - ndec
+        if budget <= 0:
+            return
+        bs = self.block_size
+        room = 1 << 30
+        if decodes:
+            room = _decode_room(decodes, bs, room)
+            if room is None:
+                room = _pool.PY.decode_room(decodes, bs, 1 << 30)
+        horizon = self.next_event_time()
+        if horizon is None:
+            horizon = float("inf")
+        t = result.end_time
+        threshold = self.long_prefill_token_threshold
+        check_budget = bool(self.waiting)
+        computed = fill.computed
+        num_tokens = fill.num_tokens
+        nblocks = len(fill.blocks)
+        free = self._num_free
+        ctx = sum([r.computed for r in decodes]) + ndec   # each decode's context next step
+        step_time = self.profile.step_time
+        busy = self.busy_time
+        starts: list[float] = []
+        ends: list[float] = []
+        busys: list[float] = []
+        needs: list[int] = []
+        upto: list[int] = []
+        k = 0
+        while k < room and t < horizon:
+            num_new = num_tokens - computed
+            if threshold and num_new > threshold:
+                num_new = threshold
+            if num_new > budget:
+                num_new = budget
+            if num_new >= num_tokens - computed:
+                break   # the last chunk: a first token (or a token), not coalesced
+            if check_budget and num_new < budget:
+                break   # budget left: the waiting queue would be tried
+            need = -(-(computed + num_new) // bs) - nblocks
+            if need > free:
+                break   # a preemption
+            if need > 0:
+                free -= need
+                nblocks += need
+            duration = step_time(ndec + num_new, ndec + 1, num_new * (2 * computed + num_new), ctx, 0)
+            computed += num_new
+            ctx += ndec
+            starts.append(t)
+            t = t + duration
+            ends.append(t)
+            busy += duration
+            busys.append(busy)
+            needs.append(need)
+            upto.append(computed)
+            k += 1
+        if not k:
+            return
+        self._stretch = _Stretch(result, result.end_time, self.busy_time, starts, ends, busys,
+                                 decodes, (fill, needs, upto))
+        self._advance(k)
+
+    def _settle(self) -> None:
+        """Apply a prefill stretch's chunks (see _coalesce_prefill) up to its steps kept, in step
+        order: each one's allocation, then its registration. After it no cut can take a step
+        back, so the stretch ends."""
+        st = self._stretch
+        fill, needs, upto = st.fill
+        for j in range(st.applied, st.k):
+            need = needs[j]
+            if need > 0:
+                self._allocate(fill, need)
+            if fill.registered < len(fill.hashes):
+                self._register(fill, upto[j])
+            fill.computed = upto[j]
+        st.applied = st.k
+        self._stretch = None
 
     def _advance(self, k: int) -> None:
         """Move the coalesced result to ``k`` extra steps (fewer than now: a cut)."""
@@ -875,9 +988,10 @@ class Engine:
         if not u:
             return
         emitted = st.result.emitted
-        if not _advance_running(self.running, u, emitted):
-            _pool.PY.advance(self.running, u, emitted)
-        num = len(self.running)
+        plain = st.plain
+        if not _advance_running(plain, u, emitted):
+            _pool.PY.advance(plain, u, emitted)
+        num = len(plain)
         self.generation_tokens += num * u
         self.num_steps += u
         self.busy_time = st.busys[k - 1] if k else st.busy0
