@@ -755,6 +755,32 @@ def test_decode_step_time_is_step_time_bit_for_bit(profile):
         f = p.decode_step_time(num)
         for ctx in (num, 1_000 * num + 17, 200_000 * num + 3):
             assert f(ctx) == p.step_time(num, num, 0, ctx, 0)
+            assert p.decode_base(num) + p.kappa * ctx == p.step_time(num, num, 0, ctx, 0)
+
+
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+def test_the_step_timer_is_step_time_bit_for_bit(profile):
+    # the engine's step time keeps the weight-read term per token count: twice, the same bits
+    p = get_profile(profile)
+    timer = p.step_timer()
+    rng = random.Random(profile)
+    for _ in range(2):
+        for _ in range(300):
+            args = (rng.choice([0, 1, rng.randint(1, 64), rng.randint(1, 16_384)]), rng.randint(1, 300),
+                    rng.randint(0, 1 << 40), rng.randint(0, 1 << 30), rng.randint(0, 8))
+            assert timer(*args) == p.step_time(*args)
+
+
+def test_a_profile_that_redefines_step_time_is_timed_by_it():
+    class Constant(type(get_profile("h20"))):
+        def step_time(self, *args, **kw):
+            return 0.25
+    p = Constant(**{f: getattr(get_profile("h20"), f) for f in ("name", "description", "model", "block_size",
+                                                              "num_gpu_blocks", "max_num_batched_tokens",
+                                                              "max_num_seqs", "max_model_len")})
+    e = Engine(p)
+    e.add_request(req("a", 100, max_tokens=3))
+    assert e.step(0.0).duration == 0.25
 
 
 def test_an_eviction_cuts_the_blocked_requests_memo_instead_of_looking_it_up_again():

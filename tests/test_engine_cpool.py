@@ -238,6 +238,34 @@ def test_the_decode_stretch_loops_match_their_python_loops(seed):
 
 
 @needs_c
+@pytest.mark.parametrize("seed", range(30))
+def test_the_decode_times_match_their_python_loop_bit_for_bit(seed):
+    rng = random.Random(seed)
+    p = engine_mod.get_profile(rng.choice(["h20", "cpu-tiny", "h100"]))
+    num = rng.randint(1, 300)
+    t = rng.uniform(0.0, 1e5)
+    args = (p.decode_base(num), p.kappa, rng.randint(num, 200_000 * num), num, rng.randint(0, 70), t,
+            rng.uniform(0.0, 1e5), rng.choice([float("inf"), t, t + rng.uniform(0.0, 0.5), float("nan")]))
+    c, py = _pool.C.decode_times(*args), _pool.PY.decode_times(*args)
+    assert c == py and all(len(x) == len(c[0]) for x in c)
+    if args[4] and args[7] == float("inf"):
+        assert len(c[0]) == args[4]
+        # what step() computes for the same steps, one by one
+        assert c[1][0] == t + p.step_time(num, num, 0, args[2], 0)
+
+
+@needs_c
+def test_the_c_decode_times_leave_other_numbers_to_python():
+    assert _pool.C.decode_times(1, 0.5, 10, 1, 3, 0.0, 0.0, 1.0) is None          # an int base
+    assert _pool.C.decode_times(1.0, 0.5, 10, 1, 3, 0.0, 0.0, 1) is None          # an int horizon
+    assert _pool.C.decode_times(1.0, 0.5, 1 << 60, 1, 3, 0.0, 0.0, 9.0) is None   # past 2**52
+    assert _pool.C.decode_times(1.0, 0.5, 10, 1, 1 << 40, 0.0, 0.0, 9.0) is None
+    assert _pool.C.decode_times(1.0, 0.5, 10.0, 1, 3, 0.0, 0.0, 9.0) is None      # a float ctx
+    assert _pool.PY.decode_times(1, 0.5, 10, 1, 3, 0.0, 0.0, 9.0) == ([0.0, 6.0], [6.0, 12.5], [6.0, 12.5])
+    pytest.raises(TypeError, _pool.C.decode_times, 1.0, 0.5)
+
+
+@needs_c
 def test_the_c_running_loop_leaves_other_objects_to_python():
     class Other:
         computed, num_tokens, output, blocks, registered, hashes = 0, 5, 0, [0], 0, []

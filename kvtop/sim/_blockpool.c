@@ -1,5 +1,6 @@
 /* The simulated engine's inner loops in C: kvtop/sim/engine.py's block pool, per block, and its
- * step's running, sampling and coalescing loops, per request.
+ * step's running, sampling and coalescing loops, per request, and the coalesced decode steps'
+ * float sums.
  *
  * Optional: setup.py builds it with optional=True, so an install without a compiler still
  * works; kvtop/sim/_pool.py falls back to the same loops in Python (KVTOP_PURE_PYTHON=1 forces
@@ -1028,6 +1029,71 @@ advance(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_TRUE;
 }
 
+/* decode_times(base, kappa, ctx, num, n, t, busy, horizon) -> (starts, ends, busys)
+ *
+ * ``_coalesce``'s arithmetic: up to ``n`` decode steps, the first starting at ``t``, each
+ * lasting ``base + kappa * ctx`` (ctx ``num`` more each step), ending at its start plus that
+ * and adding that to ``busy``; only the steps that start before ``horizon``. The same IEEE
+ * double operations as the Python loop, in the same order (the product is stored before the
+ * sum, so that no compiler fuses them into one rounding). None if an argument is not a float
+ * (or an int) this loop reads exactly: the Python loop then does it. */
+static PyObject *
+decode_times(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "decode_times(base, kappa, ctx, num, n, t, busy, horizon)");
+        return NULL;
+    }
+    long long ctx, num, n;
+    if (!PyFloat_CheckExact(args[0]) || !PyFloat_CheckExact(args[1]) || !PyFloat_CheckExact(args[5])
+            || !PyFloat_CheckExact(args[6]) || !PyFloat_CheckExact(args[7])
+            || !slot_long(args[2], &ctx) || !slot_long(args[3], &num) || !slot_long(args[4], &n)
+            || n > (1LL << 20) || num < 0 || num > (1LL << 20) || ctx < 0 || ctx > (1LL << 52)
+            || (n > 0 && ctx + num * n > (1LL << 52)))
+        Py_RETURN_NONE;   /* (ints past 2**52 convert to a double as Python does, but why risk it) */
+    double base = PyFloat_AS_DOUBLE(args[0]), kappa = PyFloat_AS_DOUBLE(args[1]);
+    double t = PyFloat_AS_DOUBLE(args[5]), busy = PyFloat_AS_DOUBLE(args[6]);
+    double horizon = PyFloat_AS_DOUBLE(args[7]);
+    PyObject *starts = PyList_New(0), *ends = PyList_New(0), *busys = PyList_New(0);
+    if (starts == NULL || ends == NULL || busys == NULL)
+        goto fail;
+    for (long long k = 0; k < n && t < horizon; k++) {
+        volatile double prod = kappa * (double)ctx;
+        double duration = base + prod;
+        PyObject *v = PyFloat_FromDouble(t);
+        if (v == NULL || PyList_Append(starts, v) < 0) {
+            Py_XDECREF(v);
+            goto fail;
+        }
+        Py_DECREF(v);
+        t = t + duration;
+        v = PyFloat_FromDouble(t);
+        if (v == NULL || PyList_Append(ends, v) < 0) {
+            Py_XDECREF(v);
+            goto fail;
+        }
+        Py_DECREF(v);
+        busy = busy + duration;
+        v = PyFloat_FromDouble(busy);
+        if (v == NULL || PyList_Append(busys, v) < 0) {
+            Py_XDECREF(v);
+            goto fail;
+        }
+        Py_DECREF(v);
+        ctx += num;
+    }
+    PyObject *out = PyTuple_Pack(3, starts, ends, busys);
+    Py_DECREF(starts);
+    Py_DECREF(ends);
+    Py_DECREF(busys);
+    return out;
+fail:
+    Py_XDECREF(starts);
+    Py_XDECREF(ends);
+    Py_XDECREF(busys);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"gather", (PyCFunction)(void (*)(void))gather, METH_FASTCALL, NULL},
     {"fill", (PyCFunction)(void (*)(void))fill, METH_FASTCALL, NULL},
@@ -1044,6 +1110,7 @@ static PyMethodDef methods[] = {
     {"sample_plain", (PyCFunction)(void (*)(void))sample_plain, METH_FASTCALL, NULL},
     {"decode_room", (PyCFunction)(void (*)(void))decode_room, METH_FASTCALL, NULL},
     {"advance", (PyCFunction)(void (*)(void))advance, METH_FASTCALL, NULL},
+    {"decode_times", (PyCFunction)(void (*)(void))decode_times, METH_FASTCALL, NULL},
     {"bind_request", bind_request, METH_O, NULL},
     {NULL, NULL, 0, NULL},
 };

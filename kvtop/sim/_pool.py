@@ -23,7 +23,7 @@ from typing import Any
 #: the functions each implementation has, under these names
 NAMES = ("gather", "fill", "incr", "count_free", "select_equal", "evict_claim",
          "release", "touch", "register", "cached_prefix", "chain_prefix", "running_plain",
-         "sample_plain", "decode_room", "advance")
+         "sample_plain", "decode_room", "advance", "decode_times")
 
 
 def gather(values: list[Any], index: Sequence[int]) -> tuple[Any, ...]:
@@ -306,6 +306,30 @@ def advance(running: list, u: int, emitted: dict[str, int]) -> bool:
         req.output += u
         emitted[req.id] = req.output
     return True
+
+
+def decode_times(base: float, kappa: float, ctx: int, num: int, n: int, t: float, busy: float,
+                 horizon: float) -> tuple[list[float], list[float], list[float]] | None:
+    """The starts, ends and busy times after each of up to ``n`` decode steps of ``num``
+    requests, the first starting at ``t`` with contexts summing to ``ctx`` (each step's sum
+    ``num`` more): a step lasts ``base + kappa * ctx`` (Profile.decode_base), ends at its
+    start plus that, and adds it to ``busy``, the float operations a loop of ``step()`` calls
+    makes, in the same order. Only the steps that start before ``horizon``. (C: None if a
+    number is not one it reads, and the caller runs this.)"""
+    starts: list[float] = []
+    ends: list[float] = []
+    busys: list[float] = []
+    for _ in range(n):
+        if not t < horizon:
+            break
+        duration = base + kappa * ctx
+        starts.append(t)
+        t = t + duration
+        ends.append(t)
+        busy = busy + duration
+        busys.append(busy)
+        ctx += num
+    return starts, ends, busys
 
 
 #: the Python implementation, as a namespace of NAMES (for tests that compare the two)

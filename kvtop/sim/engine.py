@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from itertools import accumulate, islice
+from itertools import islice
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -89,6 +89,7 @@ _running_plain = _pool.running_plain
 _sample_plain = _pool.sample_plain
 _decode_room = _pool.decode_room
 _advance_running = _pool.advance
+_decode_times = _pool.decode_times
 
 __all__ = [
     "Engine",
@@ -451,6 +452,11 @@ class Engine:
         self.running: list[_Req] = []
         self._transferring: list[_Req] = []
         self._stretch: _Stretch | None = None   # the last coalesced result, while it can be cut
+        # the profile's step time (Profile.step_timer) and decode_base(num) by num, for
+        # self._timed: rebuilt when a caller swaps self.profile
+        self._timed: Profile | None = None
+        self._step_time: Callable[..., float] = self.profile.step_time
+        self._decode_bases: dict[int, float] = {}
 
         # counters (cumulative) and busy-time window
         self.num_preemptions = 0
@@ -785,7 +791,11 @@ class Engine:
             return result
 
         num_tokens = self.max_num_batched_tokens - budget
-        duration = self.profile.step_time(num_tokens, len(scheduled), attn_sum, decode_ctx, num_new)
+        if self.profile is not self._timed:   # (a caller may swap the profile)
+            self._timed = self.profile
+            self._step_time = self.profile.step_timer()
+            self._decode_bases = {}
+        duration = self._step_time(num_tokens, len(scheduled), attn_sum, decode_ctx, num_new)
         end = now + duration
         result.duration = duration
         result.end_time = end
@@ -865,25 +875,23 @@ class Engine:
         if horizon is None:
             horizon = float("inf")
         num = len(running)
-        step_time = self.profile.decode_step_time(num)   # step_time(num, num, 0, ctx, 0), as step() calls it
         t = result.end_time
         if not t < horizon:
             return
-        # The n steps' durations (each context one token longer per request than the last), and
-        # their ends and busy times as running sums: the float additions a loop of
-        # ``t = t + duration`` makes, in the same order (so the same bits), done by C-level
-        # passes. The steps that begin before the horizon are kept (step times are not negative,
-        # so the starts never decrease).
-        ctx = decode_ctx + num
-        durations = list(map(step_time, range(ctx, ctx + num * n, num)))
-        ends = list(accumulate(durations, initial=t))
-        starts = ends[:-1]
-        del ends[0]
-        busys = list(accumulate(durations, initial=self.busy_time))
-        del busys[0]
-        k = n if starts[-1] < horizon else bisect.bisect_left(starts, horizon)
-        if k < n:
-            del starts[k:], ends[k:], busys[k:]
+        # The n steps' durations (each context one token longer per request than the last:
+        # step_time(num, num, 0, ctx, 0), as step() calls it, is decode_base(num) + kappa * ctx),
+        # and their ends and busy times as running sums: the float operations a loop of
+        # ``t = t + duration`` makes, in the same order (so the same bits), in one C call. The
+        # steps that begin before the horizon are kept.
+        base = self._decode_bases.get(num)
+        if base is None:
+            base = self._decode_bases[num] = self.profile.decode_base(num)
+        args = (base, self.profile.kappa, decode_ctx + num, num, n, t, self.busy_time, horizon)
+        times = _decode_times(*args)
+        if times is None:
+            times = _pool.PY.decode_times(*args)
+        starts, ends, busys = times
+        k = len(starts)
         self._stretch = _Stretch(result, result.end_time, self.busy_time, starts, ends, busys, running)
         self._advance(k)
 
@@ -924,7 +932,7 @@ class Engine:
         nblocks = len(fill.blocks)
         free = self._num_free
         ctx = sum([r.computed for r in decodes]) + ndec   # each decode's context next step
-        step_time = self.profile.step_time
+        step_time = self._step_time
         busy = self.busy_time
         starts: list[float] = []
         ends: list[float] = []
