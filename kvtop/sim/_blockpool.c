@@ -1094,6 +1094,117 @@ fail:
     return NULL;
 }
 
+/* decode_plan(running, block_size, k, free) -> (k, steps, indices)
+ *
+ * kvtop/sim/_pool.py's decode_plan: the decode steps the running requests can run on, blocks
+ * taken on the way (at most k, none that ends a request, at most ``free`` blocks in all), and
+ * the blocks they take in ``step()``'s order, by step then by running order: each one's step
+ * and the index of its request. None if a request is not one this loop reads or the blocks
+ * would be more than it lists (the Python loop then does it). */
+typedef struct {
+    long long step;
+    Py_ssize_t index;
+} plan_event;
+
+static int
+plan_event_order(const void *a, const void *b)
+{
+    const plan_event *x = a, *y = b;
+    if (x->step != y->step)
+        return x->step < y->step ? -1 : 1;
+    return x->index < y->index ? -1 : x->index > y->index;
+}
+
+static PyObject *
+decode_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "decode_plan(running, block_size, k, free)");
+        return NULL;
+    }
+    PyObject *running = args[0];
+    if (need_list(running, "running"))
+        return NULL;
+    long long bs, k, free_blocks;
+    if (req_type == NULL || !slot_long(args[1], &bs) || !slot_long(args[2], &k)
+            || !slot_long(args[3], &free_blocks) || bs <= 0 || bs > (1LL << 30) || k > (1LL << 20)
+            || free_blocks < 0 || free_blocks > (1LL << 40))
+        Py_RETURN_NONE;
+    Py_ssize_t n = PyList_GET_SIZE(running);
+    /* first pass: every request readable, k bounded by the one that ends first */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *req = PyList_GET_ITEM(running, i), *blocks;
+        long long computed, output, max_tokens;
+        if (Py_TYPE(req) != req_type || (blocks = SLOT(req, off_blocks)) == NULL
+                || !PyList_CheckExact(blocks) || !slot_long(SLOT(req, off_computed), &computed)
+                || !slot_long(SLOT(req, off_output), &output)
+                || !slot_long(SLOT(req, off_max_tokens), &max_tokens)
+                || computed > (1LL << 60) || computed < -(1LL << 60) || output > (1LL << 60)
+                || output < -(1LL << 60) || max_tokens > (1LL << 60) || max_tokens < -(1LL << 60))
+            Py_RETURN_NONE;
+        if (max_tokens - output - 1 < k)
+            k = max_tokens - output - 1;
+    }
+    if (k <= 0)
+        return Py_BuildValue("(LNN)", k, PyList_New(0), PyList_New(0));
+    long long total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {   /* (nothing above ran Python code: the same list) */
+        PyObject *req = PyList_GET_ITEM(running, i);
+        long long computed = 0;
+        slot_long(SLOT(req, off_computed), &computed);
+        long long j = (long long)PyList_GET_SIZE(SLOT(req, off_blocks)) * bs - computed + 1;
+        if (j < 1)
+            j = 1;
+        if (j <= k)
+            total += (k - j) / bs + 1;
+        if (total > (1LL << 22))
+            Py_RETURN_NONE;
+    }
+    plan_event *ev = PyMem_Malloc(sizeof(plan_event) * (size_t)(total ? total : 1));
+    if (ev == NULL)
+        return PyErr_NoMemory();
+    Py_ssize_t m = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *req = PyList_GET_ITEM(running, i);
+        long long computed = 0;
+        slot_long(SLOT(req, off_computed), &computed);
+        long long j = (long long)PyList_GET_SIZE(SLOT(req, off_blocks)) * bs - computed + 1;
+        if (j < 1)
+            j = 1;
+        for (; j <= k && m < total; j += bs) {
+            ev[m].step = j;
+            ev[m].index = i;
+            m++;
+        }
+    }
+    qsort(ev, (size_t)m, sizeof(plan_event), plan_event_order);
+    if (m > free_blocks) {
+        k = ev[free_blocks].step - 1;
+        while (m > 0 && ev[m - 1].step > k)
+            m--;
+    }
+    PyObject *steps = PyList_New(m), *index = PyList_New(m);
+    if (steps == NULL || index == NULL)
+        goto fail;
+    for (Py_ssize_t q = 0; q < m; q++) {
+        PyObject *a = PyLong_FromLongLong(ev[q].step), *b = PyLong_FromSsize_t(ev[q].index);
+        if (a == NULL || b == NULL) {
+            Py_XDECREF(a);
+            Py_XDECREF(b);
+            goto fail;
+        }
+        PyList_SET_ITEM(steps, q, a);
+        PyList_SET_ITEM(index, q, b);
+    }
+    PyMem_Free(ev);
+    return Py_BuildValue("(LNN)", k, steps, index);
+fail:
+    PyMem_Free(ev);
+    Py_XDECREF(steps);
+    Py_XDECREF(index);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"gather", (PyCFunction)(void (*)(void))gather, METH_FASTCALL, NULL},
     {"fill", (PyCFunction)(void (*)(void))fill, METH_FASTCALL, NULL},
@@ -1111,6 +1222,7 @@ static PyMethodDef methods[] = {
     {"decode_room", (PyCFunction)(void (*)(void))decode_room, METH_FASTCALL, NULL},
     {"advance", (PyCFunction)(void (*)(void))advance, METH_FASTCALL, NULL},
     {"decode_times", (PyCFunction)(void (*)(void))decode_times, METH_FASTCALL, NULL},
+    {"decode_plan", (PyCFunction)(void (*)(void))decode_plan, METH_FASTCALL, NULL},
     {"bind_request", bind_request, METH_O, NULL},
     {NULL, NULL, 0, NULL},
 };

@@ -90,6 +90,7 @@ _sample_plain = _pool.sample_plain
 _decode_room = _pool.decode_room
 _advance_running = _pool.advance
 _decode_times = _pool.decode_times
+_decode_plan = _pool.decode_plan
 
 __all__ = [
     "Engine",
@@ -229,6 +230,9 @@ _PENDING, _WAITING, _TRANSFERRING, _RUNNING, _DONE = range(5)
 #: their hashes in all, at most, in multiples of the engine's blocks: beyond what the cache can
 #: hold they are of no use, and ``kvtop sim`` must not keep 200k-token prompts' hashes alive.
 _MAX_CHAINS = 1024
+
+#: Coalesced decode steps per result, at most (a longer run is the next result's).
+_MAX_STRETCH = 512
 _CHAIN_BLOCKS_PER_CACHE_BLOCK = 8
 
 
@@ -271,11 +275,12 @@ class _Stretch:
     when the engine next steps or aborts (``Engine._settle``), so a cut has nothing to undo."""
 
     __slots__ = ("result", "end0", "busy0", "starts", "ends", "busys", "k", "plain", "fill",
-                 "applied")
+                 "grow", "lazy", "applied")
 
     def __init__(self, result: StepResult, end0: float, busy0: float, starts: list[float],
                  ends: list[float], busys: list[float], plain: list["_Req"],
-                 fill: tuple["_Req", list[int], list[int]] | None = None):
+                 fill: tuple["_Req", list[int], list[int]] | None = None,
+                 grow: tuple[list[int], list[int]] | None = None):
         self.result = result
         self.end0 = end0
         self.busy0 = busy0
@@ -285,6 +290,8 @@ class _Stretch:
         self.k = 0      # extra steps applied to the engine's state
         self.plain = plain
         self.fill = fill
+        self.grow = grow     # the blocks the plain requests take: (steps, indices), decode_plan's
+        self.lazy = fill is not None or grow is not None   # blocks to apply: Engine._settle
         self.applied = 0   # extra steps whose prefill chunk is applied (see Engine._settle)
 
 
@@ -519,7 +526,7 @@ class Engine:
             return None
         if self._stretch is not None:
             self._cut(float("-inf") if now is None else now)
-            if self._stretch.fill is not None:
+            if self._stretch.lazy:
                 self._settle()
         if req.state == _PENDING:
             self._pending = [e for e in self._pending if e[2] is not req]
@@ -665,7 +672,7 @@ class Engine:
         after adding a request sees the same steps as without ``coalesce``. The offline
         simulator uses it; the HTTP server, which streams each token, does not."""
         if self._stretch is not None:
-            if self._stretch.fill is not None:
+            if self._stretch.lazy:
                 self._settle()
             self._stretch = None
         result = StepResult(now=now, end_time=now)
@@ -866,9 +873,24 @@ class Engine:
     def _coalesce(self, result: StepResult, decode_ctx: int) -> None:
         running = self.running
         bs = self.block_size
-        n = _decode_room(running, bs, 1 << 30)
-        if n is None:
-            n = _pool.PY.decode_room(running, bs, 1 << 30)
+        # The decoding requests may take blocks on the way (see _settle) when nothing else can
+        # see the pool change: no KV events, no pin, and a blocked waiting queue's head whose
+        # memoized hit has no free block that an allocation could evict (fewer free blocks
+        # alone never let a request that did not fit in). Else the steps end before the first
+        # block a request needs.
+        grow = None
+        if self.kv_events is None and not self._pinned and not (
+                self.waiting and self._hol_set and self._hol_touch_free):
+            plan = _decode_plan(running, bs, _MAX_STRETCH, self._num_free)
+            if plan is None:
+                plan = _pool.PY.decode_plan(running, bs, _MAX_STRETCH, self._num_free)
+            n, steps, index = plan
+            if steps:
+                grow = (steps, index)
+        else:
+            n = _decode_room(running, bs, 1 << 30)
+            if n is None:
+                n = _pool.PY.decode_room(running, bs, 1 << 30)
         if n <= 0:
             return
         horizon = self.next_event_time()
@@ -892,7 +914,10 @@ class Engine:
             times = _pool.PY.decode_times(*args)
         starts, ends, busys = times
         k = len(starts)
-        self._stretch = _Stretch(result, result.end_time, self.busy_time, starts, ends, busys, running)
+        if grow is not None and grow[0][0] > k:
+            grow = None
+        self._stretch = _Stretch(result, result.end_time, self.busy_time, starts, ends, busys, running,
+                                 grow=grow)
         self._advance(k)
 
     def _coalesce_prefill(self, result: StepResult) -> None:
@@ -978,14 +1003,26 @@ class Engine:
         order: each one's allocation, then its registration. After it no cut can take a step
         back, so the stretch ends."""
         st = self._stretch
-        fill, needs, upto = st.fill
-        for j in range(st.applied, st.k):
-            need = needs[j]
-            if need > 0:
-                self._allocate(fill, need)
-            if fill.registered < len(fill.hashes):
-                self._register(fill, upto[j])
-            fill.computed = upto[j]
+        if st.fill is not None:
+            fill, needs, upto = st.fill
+            for j in range(st.applied, st.k):
+                need = needs[j]
+                if need > 0:
+                    self._allocate(fill, need)
+                if fill.registered < len(fill.hashes):
+                    self._register(fill, upto[j])
+                fill.computed = upto[j]
+        if st.grow is not None:
+            # the decoding requests' blocks of the steps kept: taken from the free queue's head
+            # in step() order (by step, then running order), which no free comes between
+            steps, index = st.grow
+            n = bisect.bisect_right(steps, st.k)
+            if n:
+                taken = self._take(n)
+                self._claim(taken)
+                plain = st.plain
+                for b, i in zip(taken, index):
+                    plain[i].blocks.append(b)
         st.applied = st.k
         self._stretch = None
 
@@ -1330,25 +1367,15 @@ class Engine:
         if n > self._num_free:
             raise RuntimeError(f"allocating {n} blocks with {self._num_free} free")
         taken = self._take(n)
+        if self.kv_events is None:
+            self._claim(taken)
+            req.blocks += taken
+            return
         ref = self._ref
         block_hash = self._block_hash
         cached = self._cached
         hol_set = self._hol_set
         kv_events = self.kv_events
-        if kv_events is None:
-            # Evict and claim (_pool.evict_claim), stopping at each block of the head-of-line
-            # memo's hit that loses its hash, which the memo must hear of.
-            n = len(taken)
-            k = _evict_claim(taken, block_hash, cached, ref, 1, hol_set, 0)
-            while k < n:
-                b = taken[k]
-                del cached[block_hash[b]]
-                block_hash[b] = None
-                self._evict_memo(b)
-                ref[b] = 1
-                k = _evict_claim(taken, block_hash, cached, ref, 1, hol_set, k + 1)
-            req.blocks += taken
-            return
         append = req.blocks.append
         for b in taken:
             h = block_hash[b]
@@ -1360,6 +1387,24 @@ class Engine:
                     self._evict_memo(b)
             ref[b] = 1
             append(b)
+
+    def _claim(self, taken: list[int]) -> None:
+        """Blocks just taken from the free queue (no KV events): their hashes evicted, refcount 1.
+        Evict and claim (_pool.evict_claim), stopping at each block of the head-of-line memo's
+        hit that loses its hash, which the memo must hear of."""
+        ref = self._ref
+        block_hash = self._block_hash
+        cached = self._cached
+        hol_set = self._hol_set
+        n = len(taken)
+        k = _evict_claim(taken, block_hash, cached, ref, 1, hol_set, 0)
+        while k < n:
+            b = taken[k]
+            del cached[block_hash[b]]
+            block_hash[b] = None
+            self._evict_memo(b)
+            ref[b] = 1
+            k = _evict_claim(taken, block_hash, cached, ref, 1, hol_set, k + 1)
 
     def _evict_memo(self, b: int) -> None:
         """The memo's hit now ends before block ``b``, just evicted: a fresh lookup would stop
