@@ -879,12 +879,22 @@ class Engine:
         # alone never let a request that did not fit in). Else the steps end before the first
         # block a request needs.
         grow = None
-        if self.kv_events is None and not self._pinned and not (
-                self.waiting and self._hol_set and self._hol_touch_free):
+        if self.kv_events is None and not self._pinned:
             plan = _decode_plan(running, bs, _MAX_STRETCH, self._num_free)
             if plan is None:
                 plan = _pool.PY.decode_plan(running, bs, _MAX_STRETCH, self._num_free)
             n, steps, index = plan
+            if steps and self.waiting and self._hol_set and self._hol_touch_free:
+                # A blocked head's memoized hit that loses a free block to these allocations
+                # can let it in (a shorter hit counts fewer of its free blocks): end before the
+                # step that evicts the first one.
+                taken = self._peek(len(steps))
+                if not self._hol_set.isdisjoint(taken):
+                    hol_set = self._hol_set
+                    first = next(m for m, b in enumerate(taken) if b in hol_set)
+                    n = steps[first] - 1
+                    cut = bisect.bisect_left(steps, steps[first])
+                    steps, index = steps[:cut], index[:cut]
             if steps:
                 grow = (steps, index)
         else:
@@ -1362,6 +1372,22 @@ class Engine:
             self._num_pinned -= before
         self._num_free -= n
         return taken
+
+    def _peek(self, n: int) -> list[int]:
+        """The blocks ``_take(n)`` would return (at most n; pinned ones not included), left in
+        the queue."""
+        ref = self._ref
+        out: list[int] = []
+        for run in self._runs:
+            need = n - len(out)
+            if need <= 0:
+                break
+            h = run.head
+            if run.dirty:
+                out += _select_equal(ref, run.q[h:], -run.rid)[:need]
+            else:
+                out += run.q[h:h + need]
+        return out
 
     def _allocate(self, req: _Req, n: int) -> None:
         if n > self._num_free:
