@@ -664,8 +664,11 @@ class Engine:
         """Run one scheduler step starting at engine time ``now``.
 
         ``coalesce``: when the step only decoded, also run the decode steps after it that
-        would change nothing but token counts (up to the first one that needs a block,
-        finishes a request or meets a request becoming ready) and return them as one result.
+        would change nothing but token counts and blocks (up to the first one that finishes a
+        request, meets a request becoming ready or would need more blocks than are free), or
+        when the last running request is mid-prefill beside decoding ones, its chunks up to the
+        last one, and return them as one result; the blocks they take are applied at the next
+        ``step`` or ``abort`` (pool gauges read before that see the result's first step).
         A later ``add_request`` or ``abort`` that lands inside cuts the result back to the
         steps that began before it (``end_time`` moves earlier; the engine's state is then
         exactly as if only those steps had run), so a driver that re-reads ``end_time``
@@ -857,11 +860,12 @@ class Engine:
               and not result.preempted and not result.transfers_started
               and (not self.waiting or (self.admission is None and self.prefix_metrics == "after_alloc"))):
             # Only decoding happened, and every running request was scheduled. While the waiting
-            # queue (if any) stays blocked and no request needs a block, finishes or becomes
-            # ready, the next steps are this one with each context one token longer: the
-            # same admission attempt fails for the same reason (its inputs, the free blocks,
-            # the cache and the batch, do not change), so run them here without the
-            # per-request work. at_lookup metrics and an admission hook see every attempt.
+            # queue (if any) stays blocked and no request finishes or becomes ready, the next
+            # steps are this one with each context one token longer (and a block for a request
+            # whose context passes one): the same admission attempt fails (its inputs, the
+            # cache and the batch, do not change, and fewer free blocks never let it in; see
+            # _coalesce for its memoized hit), so run them here without the per-request work.
+            # at_lookup metrics and an admission hook see every attempt.
             self._coalesce(result, decode_ctx)
         elif (coalesce and attn_sum and len(scheduled) == len(running) and not result.first_token
               and not result.preempted and not result.transfers_started and self.kv_events is None
