@@ -271,11 +271,12 @@ class _Stretch:
     the engine's busy time after it, so that a cut can take steps back. ``plain``: the requests
     that decode one token a step (their counts are applied at once and taken back by a cut).
     ``fill``: for a prefill stretch, ``(request, blocks needed, computed after)`` per step of
-    the one request prefilling alongside them; its blocks and registrations are applied only
-    when the engine next steps or aborts (``Engine._settle``), so a cut has nothing to undo."""
+    the one request prefilling alongside them; ``grow``: the blocks the plain requests take on
+    the way. Blocks and registrations are applied only when the engine next steps or aborts
+    (``Engine._settle``), so a cut has nothing to undo."""
 
     __slots__ = ("result", "end0", "busy0", "starts", "ends", "busys", "k", "plain", "fill",
-                 "grow", "lazy", "applied")
+                 "grow", "lazy")
 
     def __init__(self, result: StepResult, end0: float, busy0: float, starts: list[float],
                  ends: list[float], busys: list[float], plain: list["_Req"],
@@ -292,7 +293,6 @@ class _Stretch:
         self.fill = fill
         self.grow = grow     # the blocks the plain requests take: (steps, indices), decode_plan's
         self.lazy = fill is not None or grow is not None   # blocks to apply: Engine._settle
-        self.applied = 0   # extra steps whose prefill chunk is applied (see Engine._settle)
 
 
 class _Req:
@@ -1013,13 +1013,14 @@ class Engine:
         self._advance(k)
 
     def _settle(self) -> None:
-        """Apply a prefill stretch's chunks (see _coalesce_prefill) up to its steps kept, in step
-        order: each one's allocation, then its registration. After it no cut can take a step
-        back, so the stretch ends."""
+        """Apply what the coalesced result's kept steps did to the pool, in step order: a prefill's
+        chunks (see _coalesce_prefill: each one's allocation, then its registration), or the
+        decoding requests' new blocks (see _coalesce). After it no cut can take a step back, so
+        the stretch ends."""
         st = self._stretch
         if st.fill is not None:
             fill, needs, upto = st.fill
-            for j in range(st.applied, st.k):
+            for j in range(st.k):
                 need = needs[j]
                 if need > 0:
                     self._allocate(fill, need)
@@ -1037,7 +1038,6 @@ class Engine:
                 plain = st.plain
                 for b, i in zip(taken, index):
                     plain[i].blocks.append(b)
-        st.applied = st.k
         self._stretch = None
 
     def _advance(self, k: int) -> None:
