@@ -737,11 +737,13 @@ def test_coalescing_saves_step_calls_and_a_late_arrival_cuts_it():
     e.add_request(req("a", 100, max_tokens=60))
     first = e.step(0.0, coalesce=True)          # the prefill: a first token, never coalesced
     assert first.first_token == ["a"] and first.num_steps == 1
-    r = e.step(first.end_time, coalesce=True)   # decode: runs on to the step before a new block
-    assert r.num_steps == 112 - 101 + 1 and r.emitted == {"a": 1 + r.num_steps}
+    # decode: runs on to the step before the one that ends it (the 60th token), taking the
+    # blocks it needs on the way (at 112 tokens of context, 128, ...)
+    r = e.step(first.end_time, coalesce=True)
+    assert r.num_steps == 60 - 2 and r.emitted == {"a": 1 + r.num_steps}
     cut_at = r.now + (r.end_time - r.now) / 2
     e.add_request(req("b", 40, max_tokens=1, arrival=cut_at))
-    assert 1 <= r.num_steps < 12 and r.end_time >= cut_at     # only steps that began before it
+    assert 1 <= r.num_steps < 58 and r.end_time >= cut_at     # only steps that began before it
     assert e.running[0].output == r.emitted["a"] == 1 + r.num_steps
     nxt = e.step(r.end_time, coalesce=True)
     assert "b" in nxt.first_token                               # admitted at the first boundary after it
@@ -755,6 +757,32 @@ def test_decode_step_time_is_step_time_bit_for_bit(profile):
         f = p.decode_step_time(num)
         for ctx in (num, 1_000 * num + 17, 200_000 * num + 3):
             assert f(ctx) == p.step_time(num, num, 0, ctx, 0)
+            assert p.decode_base(num) + p.kappa * ctx == p.step_time(num, num, 0, ctx, 0)
+
+
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+def test_the_step_timer_is_step_time_bit_for_bit(profile):
+    # the engine's step time keeps the weight-read term per token count: twice, the same bits
+    p = get_profile(profile)
+    timer = p.step_timer()
+    rng = random.Random(profile)
+    for _ in range(2):
+        for _ in range(300):
+            args = (rng.choice([0, 1, rng.randint(1, 64), rng.randint(1, 16_384)]), rng.randint(1, 300),
+                    rng.randint(0, 1 << 40), rng.randint(0, 1 << 30), rng.randint(0, 8))
+            assert timer(*args) == p.step_time(*args)
+
+
+def test_a_profile_that_redefines_step_time_is_timed_by_it():
+    class Constant(type(get_profile("h20"))):
+        def step_time(self, *args, **kw):
+            return 0.25
+    p = Constant(**{f: getattr(get_profile("h20"), f) for f in ("name", "description", "model", "block_size",
+                                                              "num_gpu_blocks", "max_num_batched_tokens",
+                                                              "max_num_seqs", "max_model_len")})
+    e = Engine(p)
+    e.add_request(req("a", 100, max_tokens=3))
+    assert e.step(0.0).duration == 0.25
 
 
 def test_an_eviction_cuts_the_blocked_requests_memo_instead_of_looking_it_up_again():

@@ -238,6 +238,71 @@ def test_the_decode_stretch_loops_match_their_python_loops(seed):
 
 
 @needs_c
+@pytest.mark.parametrize("seed", range(30))
+def test_the_decode_times_match_their_python_loop_bit_for_bit(seed):
+    rng = random.Random(seed)
+    p = engine_mod.get_profile(rng.choice(["h20", "cpu-tiny", "h100"]))
+    num = rng.randint(1, 300)
+    t = rng.uniform(0.0, 1e5)
+    args = (p.decode_base(num), p.kappa, rng.randint(num, 200_000 * num), num, rng.randint(0, 70), t,
+            rng.uniform(0.0, 1e5), rng.choice([float("inf"), t, t + rng.uniform(0.0, 0.5), float("nan")]))
+    c, py = _pool.C.decode_times(*args), _pool.PY.decode_times(*args)
+    assert c == py and all(len(x) == len(c[0]) for x in c)
+    if args[4] and args[7] == float("inf"):
+        assert len(c[0]) == args[4]
+        # what step() computes for the same steps, one by one
+        assert c[1][0] == t + p.step_time(num, num, 0, args[2], 0)
+
+
+@needs_c
+@pytest.mark.parametrize("seed", range(40))
+def test_the_decode_plan_matches_its_python_loop(seed):
+    rng = random.Random(seed)
+    reqs = running_requests(rng)
+    for r in reqs:
+        r.max_tokens = r.output + rng.randint(1, 300)
+    args = (reqs, rng.choice([1, 3, BS]), rng.choice([0, 1, 5, 64, 512]), rng.choice([0, 1, 2, 7, 40, 10_000]))
+    plan = _pool.C.decode_plan(*args)
+    assert plan == _pool.PY.decode_plan(*args)
+    k, steps, index = plan
+    # the blocks come by step, then running order, none past k, no more than the free ones
+    assert list(zip(steps, index)) == sorted(set(zip(steps, index)))
+    assert len(steps) <= args[3] and all(1 <= s <= k for s in steps)
+    for i, r in enumerate(reqs):   # each request's blocks: where its context passes a block
+        mine = [s for s, j in zip(steps, index) if j == i]
+        first = max(1, len(r.blocks) * args[1] - r.computed + 1)
+        assert mine == list(range(first, k + 1, args[1]))
+    left = min([r.max_tokens - r.output - 1 for r in reqs], default=args[2])
+    assert k <= min(args[2], left)
+    if k < min(args[2], left):   # cut short by the free blocks: one more step needs more of them
+        assert sum(len(range(max(1, len(r.blocks) * args[1] - r.computed + 1), k + 2, args[1]))
+                   for r in reqs) > args[3]
+
+
+@needs_c
+def test_the_c_decode_plan_leaves_other_objects_to_python():
+    class Other:
+        computed, num_tokens, output, blocks, registered, hashes, max_tokens = 0, 5, 0, [0], 0, [], 9
+    assert _pool.C.decode_plan([Other()], BS, 10, 100) is None
+    assert _pool.C.decode_plan([], 0, 10, 100) is None            # a block size it does not take
+    assert _pool.C.decode_plan([], BS, 1 << 40, 100) is None
+    assert _pool.C.decode_plan([], BS, 10, 100) == (10, [], [])
+    assert _pool.PY.decode_plan([], BS, 10, 100) == (10, [], [])
+    pytest.raises(TypeError, _pool.C.decode_plan, [], BS)
+
+
+@needs_c
+def test_the_c_decode_times_leave_other_numbers_to_python():
+    assert _pool.C.decode_times(1, 0.5, 10, 1, 3, 0.0, 0.0, 1.0) is None          # an int base
+    assert _pool.C.decode_times(1.0, 0.5, 10, 1, 3, 0.0, 0.0, 1) is None          # an int horizon
+    assert _pool.C.decode_times(1.0, 0.5, 1 << 60, 1, 3, 0.0, 0.0, 9.0) is None   # past 2**52
+    assert _pool.C.decode_times(1.0, 0.5, 10, 1, 1 << 40, 0.0, 0.0, 9.0) is None
+    assert _pool.C.decode_times(1.0, 0.5, 10.0, 1, 3, 0.0, 0.0, 9.0) is None      # a float ctx
+    assert _pool.PY.decode_times(1, 0.5, 10, 1, 3, 0.0, 0.0, 9.0) == ([0.0, 6.0], [6.0, 12.5], [6.0, 12.5])
+    pytest.raises(TypeError, _pool.C.decode_times, 1.0, 0.5)
+
+
+@needs_c
 def test_the_c_running_loop_leaves_other_objects_to_python():
     class Other:
         computed, num_tokens, output, blocks, registered, hashes = 0, 5, 0, [0], 0, []

@@ -1,5 +1,6 @@
 /* The simulated engine's inner loops in C: kvtop/sim/engine.py's block pool, per block, and its
- * step's running, sampling and coalescing loops, per request.
+ * step's running, sampling and coalescing loops, per request, and the coalesced decode steps'
+ * float sums.
  *
  * Optional: setup.py builds it with optional=True, so an install without a compiler still
  * works; kvtop/sim/_pool.py falls back to the same loops in Python (KVTOP_PURE_PYTHON=1 forces
@@ -1028,6 +1029,182 @@ advance(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_TRUE;
 }
 
+/* decode_times(base, kappa, ctx, num, n, t, busy, horizon) -> (starts, ends, busys)
+ *
+ * ``_coalesce``'s arithmetic: up to ``n`` decode steps, the first starting at ``t``, each
+ * lasting ``base + kappa * ctx`` (ctx ``num`` more each step), ending at its start plus that
+ * and adding that to ``busy``; only the steps that start before ``horizon``. The same IEEE
+ * double operations as the Python loop, in the same order (the product is stored before the
+ * sum, so that no compiler fuses them into one rounding). None if an argument is not a float
+ * (or an int) this loop reads exactly: the Python loop then does it. */
+static PyObject *
+decode_times(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "decode_times(base, kappa, ctx, num, n, t, busy, horizon)");
+        return NULL;
+    }
+    long long ctx, num, n;
+    if (!PyFloat_CheckExact(args[0]) || !PyFloat_CheckExact(args[1]) || !PyFloat_CheckExact(args[5])
+            || !PyFloat_CheckExact(args[6]) || !PyFloat_CheckExact(args[7])
+            || !slot_long(args[2], &ctx) || !slot_long(args[3], &num) || !slot_long(args[4], &n)
+            || n > (1LL << 20) || num < 0 || num > (1LL << 20) || ctx < 0 || ctx > (1LL << 52)
+            || (n > 0 && ctx + num * n > (1LL << 52)))
+        Py_RETURN_NONE;   /* (ints past 2**52 convert to a double as Python does, but why risk it) */
+    double base = PyFloat_AS_DOUBLE(args[0]), kappa = PyFloat_AS_DOUBLE(args[1]);
+    double t = PyFloat_AS_DOUBLE(args[5]), busy = PyFloat_AS_DOUBLE(args[6]);
+    double horizon = PyFloat_AS_DOUBLE(args[7]);
+    PyObject *starts = PyList_New(0), *ends = PyList_New(0), *busys = PyList_New(0);
+    if (starts == NULL || ends == NULL || busys == NULL)
+        goto fail;
+    for (long long k = 0; k < n && t < horizon; k++) {
+        volatile double prod = kappa * (double)ctx;
+        double duration = base + prod;
+        PyObject *v = PyFloat_FromDouble(t);
+        if (v == NULL || PyList_Append(starts, v) < 0) {
+            Py_XDECREF(v);
+            goto fail;
+        }
+        Py_DECREF(v);
+        t = t + duration;
+        v = PyFloat_FromDouble(t);
+        if (v == NULL || PyList_Append(ends, v) < 0) {
+            Py_XDECREF(v);
+            goto fail;
+        }
+        Py_DECREF(v);
+        busy = busy + duration;
+        v = PyFloat_FromDouble(busy);
+        if (v == NULL || PyList_Append(busys, v) < 0) {
+            Py_XDECREF(v);
+            goto fail;
+        }
+        Py_DECREF(v);
+        ctx += num;
+    }
+    PyObject *out = PyTuple_Pack(3, starts, ends, busys);
+    Py_DECREF(starts);
+    Py_DECREF(ends);
+    Py_DECREF(busys);
+    return out;
+fail:
+    Py_XDECREF(starts);
+    Py_XDECREF(ends);
+    Py_XDECREF(busys);
+    return NULL;
+}
+
+/* decode_plan(running, block_size, k, free) -> (k, steps, indices)
+ *
+ * kvtop/sim/_pool.py's decode_plan: the decode steps the running requests can run on, blocks
+ * taken on the way (at most k, none that ends a request, at most ``free`` blocks in all), and
+ * the blocks they take in ``step()``'s order, by step then by running order: each one's step
+ * and the index of its request. None if a request is not one this loop reads or the blocks
+ * would be more than it lists (the Python loop then does it). */
+typedef struct {
+    long long step;
+    Py_ssize_t index;
+} plan_event;
+
+static int
+plan_event_order(const void *a, const void *b)
+{
+    const plan_event *x = a, *y = b;
+    if (x->step != y->step)
+        return x->step < y->step ? -1 : 1;
+    return x->index < y->index ? -1 : x->index > y->index;
+}
+
+static PyObject *
+decode_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "decode_plan(running, block_size, k, free)");
+        return NULL;
+    }
+    PyObject *running = args[0];
+    if (need_list(running, "running"))
+        return NULL;
+    long long bs, k, free_blocks;
+    if (req_type == NULL || !slot_long(args[1], &bs) || !slot_long(args[2], &k)
+            || !slot_long(args[3], &free_blocks) || bs <= 0 || bs > (1LL << 30) || k > (1LL << 20)
+            || free_blocks < 0 || free_blocks > (1LL << 40))
+        Py_RETURN_NONE;
+    Py_ssize_t n = PyList_GET_SIZE(running);
+    /* first pass: every request readable, k bounded by the one that ends first */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *req = PyList_GET_ITEM(running, i), *blocks;
+        long long computed, output, max_tokens;
+        if (Py_TYPE(req) != req_type || (blocks = SLOT(req, off_blocks)) == NULL
+                || !PyList_CheckExact(blocks) || !slot_long(SLOT(req, off_computed), &computed)
+                || !slot_long(SLOT(req, off_output), &output)
+                || !slot_long(SLOT(req, off_max_tokens), &max_tokens)
+                || computed > (1LL << 60) || computed < -(1LL << 60) || output > (1LL << 60)
+                || output < -(1LL << 60) || max_tokens > (1LL << 60) || max_tokens < -(1LL << 60))
+            Py_RETURN_NONE;
+        if (max_tokens - output - 1 < k)
+            k = max_tokens - output - 1;
+    }
+    if (k <= 0)
+        return Py_BuildValue("(LNN)", k, PyList_New(0), PyList_New(0));
+    long long total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {   /* (nothing above ran Python code: the same list) */
+        PyObject *req = PyList_GET_ITEM(running, i);
+        long long computed = 0;
+        slot_long(SLOT(req, off_computed), &computed);
+        long long j = (long long)PyList_GET_SIZE(SLOT(req, off_blocks)) * bs - computed + 1;
+        if (j < 1)
+            j = 1;
+        if (j <= k)
+            total += (k - j) / bs + 1;
+        if (total > (1LL << 22))
+            Py_RETURN_NONE;
+    }
+    plan_event *ev = PyMem_Malloc(sizeof(plan_event) * (size_t)(total ? total : 1));
+    if (ev == NULL)
+        return PyErr_NoMemory();
+    Py_ssize_t m = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *req = PyList_GET_ITEM(running, i);
+        long long computed = 0;
+        slot_long(SLOT(req, off_computed), &computed);
+        long long j = (long long)PyList_GET_SIZE(SLOT(req, off_blocks)) * bs - computed + 1;
+        if (j < 1)
+            j = 1;
+        for (; j <= k && m < total; j += bs) {
+            ev[m].step = j;
+            ev[m].index = i;
+            m++;
+        }
+    }
+    qsort(ev, (size_t)m, sizeof(plan_event), plan_event_order);
+    if (m > free_blocks) {
+        k = ev[free_blocks].step - 1;
+        while (m > 0 && ev[m - 1].step > k)
+            m--;
+    }
+    PyObject *steps = PyList_New(m), *index = PyList_New(m);
+    if (steps == NULL || index == NULL)
+        goto fail;
+    for (Py_ssize_t q = 0; q < m; q++) {
+        PyObject *a = PyLong_FromLongLong(ev[q].step), *b = PyLong_FromSsize_t(ev[q].index);
+        if (a == NULL || b == NULL) {
+            Py_XDECREF(a);
+            Py_XDECREF(b);
+            goto fail;
+        }
+        PyList_SET_ITEM(steps, q, a);
+        PyList_SET_ITEM(index, q, b);
+    }
+    PyMem_Free(ev);
+    return Py_BuildValue("(LNN)", k, steps, index);
+fail:
+    PyMem_Free(ev);
+    Py_XDECREF(steps);
+    Py_XDECREF(index);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"gather", (PyCFunction)(void (*)(void))gather, METH_FASTCALL, NULL},
     {"fill", (PyCFunction)(void (*)(void))fill, METH_FASTCALL, NULL},
@@ -1044,6 +1221,8 @@ static PyMethodDef methods[] = {
     {"sample_plain", (PyCFunction)(void (*)(void))sample_plain, METH_FASTCALL, NULL},
     {"decode_room", (PyCFunction)(void (*)(void))decode_room, METH_FASTCALL, NULL},
     {"advance", (PyCFunction)(void (*)(void))advance, METH_FASTCALL, NULL},
+    {"decode_times", (PyCFunction)(void (*)(void))decode_times, METH_FASTCALL, NULL},
+    {"decode_plan", (PyCFunction)(void (*)(void))decode_plan, METH_FASTCALL, NULL},
     {"bind_request", bind_request, METH_O, NULL},
     {NULL, NULL, 0, NULL},
 };

@@ -13,6 +13,7 @@ forces the fallback. ``IMPL`` says which one the engine uses: ``"c"`` or ``"pyth
 
 from __future__ import annotations
 
+import bisect
 import os
 import types
 from collections.abc import Sequence
@@ -23,7 +24,7 @@ from typing import Any
 #: the functions each implementation has, under these names
 NAMES = ("gather", "fill", "incr", "count_free", "select_equal", "evict_claim",
          "release", "touch", "register", "cached_prefix", "chain_prefix", "running_plain",
-         "sample_plain", "decode_room", "advance")
+         "sample_plain", "decode_room", "advance", "decode_times", "decode_plan")
 
 
 def gather(values: list[Any], index: Sequence[int]) -> tuple[Any, ...]:
@@ -306,6 +307,58 @@ def advance(running: list, u: int, emitted: dict[str, int]) -> bool:
         req.output += u
         emitted[req.id] = req.output
     return True
+
+
+def decode_times(base: float, kappa: float, ctx: int, num: int, n: int, t: float, busy: float,
+                 horizon: float) -> tuple[list[float], list[float], list[float]] | None:
+    """The starts, ends and busy times after each of up to ``n`` decode steps of ``num``
+    requests, the first starting at ``t`` with contexts summing to ``ctx`` (each step's sum
+    ``num`` more): a step lasts ``base + kappa * ctx`` (Profile.decode_base), ends at its
+    start plus that, and adds it to ``busy``, the float operations a loop of ``step()`` calls
+    makes, in the same order. Only the steps that start before ``horizon``. (C: None if a
+    number is not one it reads, and the caller runs this.)"""
+    starts: list[float] = []
+    ends: list[float] = []
+    busys: list[float] = []
+    for _ in range(n):
+        if not t < horizon:
+            break
+        duration = base + kappa * ctx
+        starts.append(t)
+        t = t + duration
+        ends.append(t)
+        busy = busy + duration
+        busys.append(busy)
+        ctx += num
+    return starts, ends, busys
+
+
+def decode_plan(running: list, bs: int, k: int, free: int) -> tuple[int, list[int], list[int]] | None:
+    """The decode steps the running requests can run on, blocks taken on the way: at most
+    ``k``, none that ends a request (``max_tokens - output - 1`` steps at most), and none in
+    which a block would be missing (at most ``free`` blocks taken in all). Returns that number
+    of steps and the blocks they take, in the order ``step()`` would take them (by step, then by
+    running order): each one's step and the index of the request it goes to. A request needs
+    one at each step that starts with its blocks full (``len(blocks) * bs - computed`` steps
+    from now, then every ``bs`` steps). (C: None if a request is not one it reads, or there
+    would be too many, and the caller runs this.)"""
+    for req in running:
+        left = req.max_tokens - req.output - 1
+        if left < k:
+            k = left
+    if k <= 0:
+        return k, [], []
+    events: list[tuple[int, int]] = []
+    for i, req in enumerate(running):
+        j = len(req.blocks) * bs - req.computed + 1
+        if j < 1:
+            j = 1
+        events.extend((s, i) for s in range(j, k + 1, bs))
+    events.sort()
+    if len(events) > free:
+        k = events[free][0] - 1
+        del events[bisect.bisect_left(events, (k + 1, -1)):]
+    return k, [s for s, _ in events], [i for _, i in events]
 
 
 #: the Python implementation, as a namespace of NAMES (for tests that compare the two)

@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from itertools import accumulate, islice
+from itertools import islice
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -89,6 +89,8 @@ _running_plain = _pool.running_plain
 _sample_plain = _pool.sample_plain
 _decode_room = _pool.decode_room
 _advance_running = _pool.advance
+_decode_times = _pool.decode_times
+_decode_plan = _pool.decode_plan
 
 __all__ = [
     "Engine",
@@ -228,6 +230,9 @@ _PENDING, _WAITING, _TRANSFERRING, _RUNNING, _DONE = range(5)
 #: their hashes in all, at most, in multiples of the engine's blocks: beyond what the cache can
 #: hold they are of no use, and ``kvtop sim`` must not keep 200k-token prompts' hashes alive.
 _MAX_CHAINS = 1024
+
+#: Coalesced decode steps per result, at most (a longer run is the next result's).
+_MAX_STRETCH = 512
 _CHAIN_BLOCKS_PER_CACHE_BLOCK = 8
 
 
@@ -262,13 +267,21 @@ class _Run:
 
 
 class _Stretch:
-    """The decode steps a coalesced StepResult added after its first one: each one's start,
-    end and the engine's busy time after it, so that a cut can take steps back."""
+    """The steps a coalesced StepResult added after its first one: each one's start, end and
+    the engine's busy time after it, so that a cut can take steps back. ``plain``: the requests
+    that decode one token a step (their counts are applied at once and taken back by a cut).
+    ``fill``: for a prefill stretch, ``(request, blocks needed, computed after)`` per step of
+    the one request prefilling alongside them; ``grow``: the blocks the plain requests take on
+    the way. Blocks and registrations are applied only when the engine next steps or aborts
+    (``Engine._settle``), so a cut has nothing to undo."""
 
-    __slots__ = ("result", "end0", "busy0", "starts", "ends", "busys", "k")
+    __slots__ = ("result", "end0", "busy0", "starts", "ends", "busys", "k", "plain", "fill",
+                 "grow", "lazy")
 
     def __init__(self, result: StepResult, end0: float, busy0: float, starts: list[float],
-                 ends: list[float], busys: list[float]):
+                 ends: list[float], busys: list[float], plain: list["_Req"],
+                 fill: tuple["_Req", list[int], list[int]] | None = None,
+                 grow: tuple[list[int], list[int]] | None = None):
         self.result = result
         self.end0 = end0
         self.busy0 = busy0
@@ -276,6 +289,10 @@ class _Stretch:
         self.ends = ends
         self.busys = busys
         self.k = 0      # extra steps applied to the engine's state
+        self.plain = plain
+        self.fill = fill
+        self.grow = grow     # the blocks the plain requests take: (steps, indices), decode_plan's
+        self.lazy = fill is not None or grow is not None   # blocks to apply: Engine._settle
 
 
 class _Req:
@@ -442,6 +459,11 @@ class Engine:
         self.running: list[_Req] = []
         self._transferring: list[_Req] = []
         self._stretch: _Stretch | None = None   # the last coalesced result, while it can be cut
+        # the profile's step time (Profile.step_timer) and decode_base(num) by num, for
+        # self._timed: rebuilt when a caller swaps self.profile
+        self._timed: Profile | None = None
+        self._step_time: Callable[..., float] = self.profile.step_time
+        self._decode_bases: dict[int, float] = {}
 
         # counters (cumulative) and busy-time window
         self.num_preemptions = 0
@@ -504,6 +526,8 @@ class Engine:
             return None
         if self._stretch is not None:
             self._cut(float("-inf") if now is None else now)
+            if self._stretch.lazy:
+                self._settle()
         if req.state == _PENDING:
             self._pending = [e for e in self._pending if e[2] is not req]
         elif req.state == _WAITING:
@@ -640,14 +664,20 @@ class Engine:
         """Run one scheduler step starting at engine time ``now``.
 
         ``coalesce``: when the step only decoded, also run the decode steps after it that
-        would change nothing but token counts (up to the first one that needs a block,
-        finishes a request or meets a request becoming ready) and return them as one result.
+        would change nothing but token counts and blocks (up to the first one that finishes a
+        request, meets a request becoming ready or would need more blocks than are free), or
+        when the last running request is mid-prefill beside decoding ones, its chunks up to the
+        last one, and return them as one result; the blocks they take are applied at the next
+        ``step`` or ``abort`` (pool gauges read before that see the result's first step).
         A later ``add_request`` or ``abort`` that lands inside cuts the result back to the
         steps that began before it (``end_time`` moves earlier; the engine's state is then
         exactly as if only those steps had run), so a driver that re-reads ``end_time``
         after adding a request sees the same steps as without ``coalesce``. The offline
         simulator uses it; the HTTP server, which streams each token, does not."""
-        self._stretch = None
+        if self._stretch is not None:
+            if self._stretch.lazy:
+                self._settle()
+            self._stretch = None
         result = StepResult(now=now, end_time=now)
         if self._pinned:
             self._expire_pins(now)
@@ -771,7 +801,11 @@ class Engine:
             return result
 
         num_tokens = self.max_num_batched_tokens - budget
-        duration = self.profile.step_time(num_tokens, len(scheduled), attn_sum, decode_ctx, num_new)
+        if self.profile is not self._timed:   # (a caller may swap the profile)
+            self._timed = self.profile
+            self._step_time = self.profile.step_timer()
+            self._decode_bases = {}
+        duration = self._step_time(num_tokens, len(scheduled), attn_sum, decode_ctx, num_new)
         end = now + duration
         result.duration = duration
         result.end_time = end
@@ -826,47 +860,185 @@ class Engine:
               and not result.preempted and not result.transfers_started
               and (not self.waiting or (self.admission is None and self.prefix_metrics == "after_alloc"))):
             # Only decoding happened, and every running request was scheduled. While the waiting
-            # queue (if any) stays blocked and no request needs a block, finishes or becomes
-            # ready, the next steps are this one with each context one token longer: the
-            # same admission attempt fails for the same reason (its inputs, the free blocks,
-            # the cache and the batch, do not change), so run them here without the
-            # per-request work. at_lookup metrics and an admission hook see every attempt.
+            # queue (if any) stays blocked and no request finishes or becomes ready, the next
+            # steps are this one with each context one token longer (and a block for a request
+            # whose context passes one): the same admission attempt fails (its inputs, the
+            # cache and the batch, do not change, and fewer free blocks never let it in; see
+            # _coalesce for its memoized hit), so run them here without the per-request work.
+            # at_lookup metrics and an admission hook see every attempt.
             self._coalesce(result, decode_ctx)
+        elif (coalesce and attn_sum and len(scheduled) == len(running) and not result.first_token
+              and not result.preempted and not result.transfers_started and self.kv_events is None
+              and not self._pinned and (not self.waiting or self.admission is None)):
+            # One request prefills (chunked), the others decode: see _coalesce_prefill.
+            self._coalesce_prefill(result)
         return result
 
     def _coalesce(self, result: StepResult, decode_ctx: int) -> None:
         running = self.running
         bs = self.block_size
-        n = _decode_room(running, bs, 1 << 30)
-        if n is None:
-            n = _pool.PY.decode_room(running, bs, 1 << 30)
+        # The decoding requests may take blocks on the way (see _settle) when nothing else can
+        # see the pool change: no KV events, no pin, and a blocked waiting queue's head whose
+        # memoized hit has no free block that an allocation could evict (fewer free blocks
+        # alone never let a request that did not fit in). Else the steps end before the first
+        # block a request needs.
+        grow = None
+        if self.kv_events is None and not self._pinned:
+            plan = _decode_plan(running, bs, _MAX_STRETCH, self._num_free)
+            if plan is None:
+                plan = _pool.PY.decode_plan(running, bs, _MAX_STRETCH, self._num_free)
+            n, steps, index = plan
+            if steps and self.waiting and self._hol_set and self._hol_touch_free:
+                # A blocked head's memoized hit that loses a free block to these allocations
+                # can let it in (a shorter hit counts fewer of its free blocks): end before the
+                # step that evicts the first one.
+                taken = self._peek(len(steps))
+                if not self._hol_set.isdisjoint(taken):
+                    hol_set = self._hol_set
+                    first = next(m for m, b in enumerate(taken) if b in hol_set)
+                    n = steps[first] - 1
+                    cut = bisect.bisect_left(steps, steps[first])
+                    steps, index = steps[:cut], index[:cut]
+            if steps:
+                grow = (steps, index)
+        else:
+            n = _decode_room(running, bs, 1 << 30)
+            if n is None:
+                n = _pool.PY.decode_room(running, bs, 1 << 30)
         if n <= 0:
             return
         horizon = self.next_event_time()
         if horizon is None:
             horizon = float("inf")
         num = len(running)
-        step_time = self.profile.decode_step_time(num)   # step_time(num, num, 0, ctx, 0), as step() calls it
         t = result.end_time
         if not t < horizon:
             return
-        # The n steps' durations (each context one token longer per request than the last), and
-        # their ends and busy times as running sums: the float additions a loop of
-        # ``t = t + duration`` makes, in the same order (so the same bits), done by C-level
-        # passes. The steps that begin before the horizon are kept (step times are not negative,
-        # so the starts never decrease).
-        ctx = decode_ctx + num
-        durations = list(map(step_time, range(ctx, ctx + num * n, num)))
-        ends = list(accumulate(durations, initial=t))
-        starts = ends[:-1]
-        del ends[0]
-        busys = list(accumulate(durations, initial=self.busy_time))
-        del busys[0]
-        k = n if starts[-1] < horizon else bisect.bisect_left(starts, horizon)
-        if k < n:
-            del starts[k:], ends[k:], busys[k:]
-        self._stretch = _Stretch(result, result.end_time, self.busy_time, starts, ends, busys)
+        # The n steps' durations (each context one token longer per request than the last:
+        # step_time(num, num, 0, ctx, 0), as step() calls it, is decode_base(num) + kappa * ctx),
+        # and their ends and busy times as running sums: the float operations a loop of
+        # ``t = t + duration`` makes, in the same order (so the same bits), in one C call. The
+        # steps that begin before the horizon are kept.
+        base = self._decode_bases.get(num)
+        if base is None:
+            base = self._decode_bases[num] = self.profile.decode_base(num)
+        args = (base, self.profile.kappa, decode_ctx + num, num, n, t, self.busy_time, horizon)
+        times = _decode_times(*args)
+        if times is None:
+            times = _pool.PY.decode_times(*args)
+        starts, ends, busys = times
+        k = len(starts)
+        if grow is not None and grow[0][0] > k:
+            grow = None
+        self._stretch = _Stretch(result, result.end_time, self.busy_time, starts, ends, busys, running,
+                                 grow=grow)
         self._advance(k)
+
+    def _coalesce_prefill(self, result: StepResult) -> None:
+        """The steps after this one in which the last running request goes on with its chunked
+        prefill and every other one decodes a token: while the prefill's chunk is not its last
+        (no first token), the decoding requests need no block and none finishes, the prefill's
+        blocks are free, no request becomes ready, and the waiting queue is not tried (the chunk
+        takes the whole budget, or nothing waits), each step is this arithmetic and the same
+        allocation and registration for the prefill's next chunk. Their durations are
+        ``profile.step_time`` with the arguments step() would pass and end and busy times are
+        summed in step()'s order (the same bits); the prefill's blocks are taken when the engine
+        next steps or aborts (``_settle``), after a cut has had its say, in step order."""
+        running = self.running
+        fill = running[-1]
+        decodes = running[:-1]
+        for r in decodes:   # decoding: one pending token, the first one sampled
+            if r.num_tokens - r.computed != 1 or not r.output or r.registered < len(r.hashes):
+                return
+        ndec = len(decodes)
+        budget = self.max_num_batched_tokens - ndec
+        if budget <= 0:
+            return
+        bs = self.block_size
+        room = 1 << 30
+        if decodes:
+            room = _decode_room(decodes, bs, room)
+            if room is None:
+                room = _pool.PY.decode_room(decodes, bs, 1 << 30)
+        horizon = self.next_event_time()
+        if horizon is None:
+            horizon = float("inf")
+        t = result.end_time
+        threshold = self.long_prefill_token_threshold
+        check_budget = bool(self.waiting)
+        computed = fill.computed
+        num_tokens = fill.num_tokens
+        nblocks = len(fill.blocks)
+        free = self._num_free
+        ctx = sum([r.computed for r in decodes]) + ndec   # each decode's context next step
+        step_time = self._step_time
+        busy = self.busy_time
+        starts: list[float] = []
+        ends: list[float] = []
+        busys: list[float] = []
+        needs: list[int] = []
+        upto: list[int] = []
+        k = 0
+        while k < room and t < horizon:
+            num_new = num_tokens - computed
+            if threshold and num_new > threshold:
+                num_new = threshold
+            if num_new > budget:
+                num_new = budget
+            if num_new >= num_tokens - computed:
+                break   # the last chunk: a first token (or a token), not coalesced
+            if check_budget and num_new < budget:
+                break   # budget left: the waiting queue would be tried
+            need = -(-(computed + num_new) // bs) - nblocks
+            if need > free:
+                break   # a preemption
+            if need > 0:
+                free -= need
+                nblocks += need
+            duration = step_time(ndec + num_new, ndec + 1, num_new * (2 * computed + num_new), ctx, 0)
+            computed += num_new
+            ctx += ndec
+            starts.append(t)
+            t = t + duration
+            ends.append(t)
+            busy += duration
+            busys.append(busy)
+            needs.append(need)
+            upto.append(computed)
+            k += 1
+        if not k:
+            return
+        self._stretch = _Stretch(result, result.end_time, self.busy_time, starts, ends, busys,
+                                 decodes, (fill, needs, upto))
+        self._advance(k)
+
+    def _settle(self) -> None:
+        """Apply what the coalesced result's kept steps did to the pool, in step order: a prefill's
+        chunks (see _coalesce_prefill: each one's allocation, then its registration), or the
+        decoding requests' new blocks (see _coalesce). After it no cut can take a step back, so
+        the stretch ends."""
+        st = self._stretch
+        if st.fill is not None:
+            fill, needs, upto = st.fill
+            for j in range(st.k):
+                need = needs[j]
+                if need > 0:
+                    self._allocate(fill, need)
+                if fill.registered < len(fill.hashes):
+                    self._register(fill, upto[j])
+                fill.computed = upto[j]
+        if st.grow is not None:
+            # the decoding requests' blocks of the steps kept: taken from the free queue's head
+            # in step() order (by step, then running order), which no free comes between
+            steps, index = st.grow
+            n = bisect.bisect_right(steps, st.k)
+            if n:
+                taken = self._take(n)
+                self._claim(taken)
+                plain = st.plain
+                for b, i in zip(taken, index):
+                    plain[i].blocks.append(b)
+        self._stretch = None
 
     def _advance(self, k: int) -> None:
         """Move the coalesced result to ``k`` extra steps (fewer than now: a cut)."""
@@ -875,9 +1047,10 @@ class Engine:
         if not u:
             return
         emitted = st.result.emitted
-        if not _advance_running(self.running, u, emitted):
-            _pool.PY.advance(self.running, u, emitted)
-        num = len(self.running)
+        plain = st.plain
+        if not _advance_running(plain, u, emitted):
+            _pool.PY.advance(plain, u, emitted)
+        num = len(plain)
         self.generation_tokens += num * u
         self.num_steps += u
         self.busy_time = st.busys[k - 1] if k else st.busy0
@@ -1204,29 +1377,35 @@ class Engine:
         self._num_free -= n
         return taken
 
+    def _peek(self, n: int) -> list[int]:
+        """The blocks ``_take(n)`` would return (at most n; pinned ones not included), left in
+        the queue."""
+        ref = self._ref
+        out: list[int] = []
+        for run in self._runs:
+            need = n - len(out)
+            if need <= 0:
+                break
+            h = run.head
+            if run.dirty:
+                out += _select_equal(ref, run.q[h:], -run.rid)[:need]
+            else:
+                out += run.q[h:h + need]
+        return out
+
     def _allocate(self, req: _Req, n: int) -> None:
         if n > self._num_free:
             raise RuntimeError(f"allocating {n} blocks with {self._num_free} free")
         taken = self._take(n)
+        if self.kv_events is None:
+            self._claim(taken)
+            req.blocks += taken
+            return
         ref = self._ref
         block_hash = self._block_hash
         cached = self._cached
         hol_set = self._hol_set
         kv_events = self.kv_events
-        if kv_events is None:
-            # Evict and claim (_pool.evict_claim), stopping at each block of the head-of-line
-            # memo's hit that loses its hash, which the memo must hear of.
-            n = len(taken)
-            k = _evict_claim(taken, block_hash, cached, ref, 1, hol_set, 0)
-            while k < n:
-                b = taken[k]
-                del cached[block_hash[b]]
-                block_hash[b] = None
-                self._evict_memo(b)
-                ref[b] = 1
-                k = _evict_claim(taken, block_hash, cached, ref, 1, hol_set, k + 1)
-            req.blocks += taken
-            return
         append = req.blocks.append
         for b in taken:
             h = block_hash[b]
@@ -1238,6 +1417,24 @@ class Engine:
                     self._evict_memo(b)
             ref[b] = 1
             append(b)
+
+    def _claim(self, taken: list[int]) -> None:
+        """Blocks just taken from the free queue (no KV events): their hashes evicted, refcount 1.
+        Evict and claim (_pool.evict_claim), stopping at each block of the head-of-line memo's
+        hit that loses its hash, which the memo must hear of."""
+        ref = self._ref
+        block_hash = self._block_hash
+        cached = self._cached
+        hol_set = self._hol_set
+        n = len(taken)
+        k = _evict_claim(taken, block_hash, cached, ref, 1, hol_set, 0)
+        while k < n:
+            b = taken[k]
+            del cached[block_hash[b]]
+            block_hash[b] = None
+            self._evict_memo(b)
+            ref[b] = 1
+            k = _evict_claim(taken, block_hash, cached, ref, 1, hol_set, k + 1)
 
     def _evict_memo(self, b: int) -> None:
         """The memo's hit now ends before block ``b``, just evicted: a fresh lookup would stop
