@@ -23,6 +23,7 @@ from http import HTTPStatus
 
 from aiohttp import web
 from aiohttp.http import SERVER_SOFTWARE, HttpVersion11
+from multidict import CIMultiDict, CIMultiDictProxy
 
 #: A character no header name or value may hold on the wire (CR, LF, the other controls).
 _UNSAFE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
@@ -56,27 +57,34 @@ def _status_line(status: int) -> bytes:
     return line
 
 
-class Sent(web.StreamResponse):
-    """An answer ``send_whole`` has written: aiohttp's handler finds nothing left to send.
-    Its status and headers are those on the wire (for logs and tests)."""
+class Sent:
+    """An answer ``send_whole`` has written: aiohttp's handler (and router/fastlane.py's lane)
+    finds nothing left to send. Not a ``web.StreamResponse``: building one (its header
+    multidict, its status) cost more than the rest of this object's life, and all the servers
+    ask of it is ``prepare``, ``write_eof`` and ``keep_alive``. Its status and headers are those
+    on the wire (for logs and tests)."""
 
-    __slots__ = ("_sent_bytes",)
+    __slots__ = ("status", "_headers", "body_length")
+
+    prepared = True
+    keep_alive = True
+    __http_exception__ = False
 
     def __init__(self, status: int, headers: dict[str, str], sent_bytes: int):
-        super().__init__(status=status, headers=headers)
-        self._sent_bytes = sent_bytes
+        self.status = status
+        self._headers = headers
+        self.body_length = sent_bytes  # what aiohttp's access log reports
 
     @property
-    def body_length(self) -> int:  # what aiohttp's access log reports
-        return self._sent_bytes
+    def reason(self) -> str:
+        try:
+            return HTTPStatus(self.status).phrase
+        except ValueError:
+            return ""
 
     @property
-    def prepared(self) -> bool:
-        return True
-
-    @property
-    def keep_alive(self) -> bool:
-        return True
+    def headers(self) -> CIMultiDictProxy[str]:
+        return CIMultiDictProxy(CIMultiDict(self._headers))
 
     def __repr__(self) -> str:
         return f"<Sent {self.status} {self.reason}>"
@@ -99,7 +107,7 @@ def head_lines(headers: dict[str, str]) -> bytes | None:
 
 
 async def send_whole(request: web.Request, status: int, headers: dict[str, str],
-                     body: bytes) -> web.StreamResponse:
+                     body: bytes) -> web.StreamResponse | Sent:
     """Answer ``request`` with ``status``, ``headers`` (Content-Type among them) and ``body``,
     all in one write when the request allows it (see the module's docstring); else as a
     ``web.Response``. Raises ConnectionResetError when the client has gone."""

@@ -140,8 +140,9 @@ async def read_body(request: web.Request, timeout_s: float | None,
     A body of ``_BIG_READ`` bytes or more comes back as ``Chunks``. ``reserve``, when given, is
     called with the size of each piece of a body without a Content-Length as it arrives."""
     limit = request.client_max_size
-    if request.content_length is not None and request.content_length > limit:
-        raise BadRequest(f"the request body ({request.content_length:,} bytes) is larger than the "
+    n = request.content_length
+    if n is not None and n > limit:
+        raise BadRequest(f"the request body ({n:,} bytes) is larger than the "
                          f"router's limit of {limit:,} bytes (--max-body-mb)", status=413)
     content = request.content
     deadlines = None
@@ -156,7 +157,6 @@ async def read_body(request: web.Request, timeout_s: float | None,
             deadlines = body_deadlines()
             deadlines.add(content, timeout_s, lambda: BadRequest(
                 f"the request body did not arrive within {timeout_s:g} s", status=408))
-        n = request.content_length
         if n is None and reserve is not None:
             return await _read_unsized(request, limit, reserve)
         if n is not None and n >= _BIG_READ:

@@ -90,9 +90,9 @@ async def handle(request: web.Request, state: RouterState, api: Api, store: Resp
         return error_response(503, "the router is shutting down", headers={"Retry-After": "1"})
     if (busy := limits.admit(state)) is not None:
         return busy
-    if (busy := limits.body_room(state, request.content_length or 0)) is not None:
+    held = request.content_length or 0  # (a property that parses the header on every read)
+    if (busy := limits.body_room(state, held)) is not None:
         return busy
-    held = request.content_length or 0
     state.body_bytes += held  # the body's bytes are the router's from here to the answer's end
 
     def reserve(n: int) -> None:

@@ -15,13 +15,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from bisect import bisect_left
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
 from prometheus_client.exposition import choose_encoder, generate_latest
 
 from router import fleet as fl
@@ -40,13 +42,47 @@ LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20
 DECISION_BUCKETS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2)
 
 
+class Histogram:
+    """A Prometheus histogram kept as plain counts, exposed by ``RouterCollector`` at scrape
+    time exactly as prometheus_client's ``Histogram`` writes one (cumulative ``_bucket`` series
+    with its ``le`` labels, ``_count``, ``_sum``, ``_created``). An observation is a bisect and
+    two adds on the event loop's thread; prometheus_client's takes a lock for each of its two
+    adds, three observations a request on the router's path (docs/performance.md, issue 37
+    round 4)."""
+
+    __slots__ = ("name", "documentation", "bounds", "counts", "sum", "created")
+
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...]):
+        self.name = name
+        self.documentation = documentation
+        self.bounds = [float(b) for b in buckets] + [float("inf")]
+        self.counts = [0] * len(self.bounds)
+        self.sum = 0.0
+        self.created = time.time()
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1  # the first bucket with value <= its bound
+        self.sum += value
+
+    def family(self) -> Metric:
+        m = Metric(self.name, self.documentation, "histogram")
+        total = 0
+        for bound, n in zip(self.bounds, self.counts):
+            total += n
+            m.add_sample(self.name + "_bucket", {"le": floatToGoString(bound)}, float(total))
+        m.add_sample(self.name + "_count", {}, float(total))
+        m.add_sample(self.name + "_sum", {}, self.sum)
+        m.add_sample(self.name + "_created", {}, self.created)
+        return m
+
+
 class RouterMetrics:
     """Counters fed by the router's decision and outcome events (a ``state.listeners`` entry).
 
-    The counts stay plain dicts and ints (the control API's snapshot reads them too; the
-    collector turns them into metric families at scrape time); the latency histograms are
-    prometheus_client ``Histogram``s in ``registry``, one per router (tests run several
-    routers in one process, so never the global registry).
+    The counts stay plain dicts and ints, and the latency histograms plain counts (the control
+    API's snapshot reads them too; the collector turns them into metric families at scrape
+    time, in ``registry``, one per router: tests run several routers in one process, so never
+    the global registry).
     """
 
     def __init__(self, registry: CollectorRegistry | None = None):
@@ -56,12 +92,11 @@ class RouterMetrics:
         self.outcomes: dict[str, int] = {}
         #: decisions by (index_source, token_source): exact hits need both KV events and tokens
         self.sources: dict[tuple[str, str], int] = {}
-        self.ttft = Histogram("kvtop_ttft_seconds", "time to first token through the router",
-                              buckets=LATENCY_BUCKETS_S, registry=self.registry)
+        self.ttft = Histogram("kvtop_ttft_seconds", "time to first token through the router", LATENCY_BUCKETS_S)
         self.e2e = Histogram("kvtop_e2e_seconds", "end-to-end request latency through the router",
-                             buckets=LATENCY_BUCKETS_S, registry=self.registry)
+                             LATENCY_BUCKETS_S)
         self.decision_latency = Histogram("kvtop_decision_seconds", "time the policy took to pick",
-                                          buckets=DECISION_BUCKETS_S, registry=self.registry)
+                                          DECISION_BUCKETS_S)
         self.input_tokens = 0
         self.est_hit_tokens = 0
         self.best_hit_tokens = 0
@@ -216,7 +251,7 @@ def _fleet_families(st: RouterState) -> Iterator[Metric]:
 
 class RouterCollector:
     """A prometheus_client collector: the per-instance series, read from the cluster state
-    at scrape time, and ``RouterMetrics``' counts (its histograms are collected on their own)."""
+    at scrape time, and ``RouterMetrics``' counts and histograms."""
 
     def __init__(self, tel: Telemetry):
         self.tel = tel
@@ -291,6 +326,8 @@ class RouterCollector:
                 ("kvtop_delivered_hit_tokens_total", "cached tokens the engines reported (usage.cached_tokens)",
                  m.delivered_hit_tokens)):
             yield CounterMetricFamily(name, doc, value=n)
+        for hist in (m.ttft, m.e2e, m.decision_latency):
+            yield hist.family()
 
 
 # -- the telemetry service -----------------------------------------------------------------------

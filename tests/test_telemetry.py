@@ -175,6 +175,31 @@ def test_latency_histogram_is_cumulative_with_the_router_buckets():
     assert {s.name: s.value for s in samples}["kvtop_ttft_seconds_count"] == 4
 
 
+@pytest.mark.parametrize("values", [
+    [],  # nothing observed: every bucket, the count and the sum at zero
+    [0.0, 0.005, 0.0051, 160, 160.5, 1e9],  # on a bound counts in that bucket; past the last only in +Inf
+    [-1.0, 3e-6, 2.5e-5, 0.01, 0.01],  # negative and tiny values go to the first bucket
+])
+def test_histogram_writes_what_prometheus_clients_writes(values):
+    # router/telemetry.py keeps its histograms as plain counts (cheaper per observation on the
+    # request path); the page must be what prometheus_client's Histogram writes, _created aside
+    from prometheus_client import CollectorRegistry, Histogram as PromHistogram
+    from prometheus_client.exposition import generate_latest
+
+    from router.telemetry import DECISION_BUCKETS_S, Histogram
+
+    for buckets in (LATENCY_BUCKETS_S, DECISION_BUCKETS_S):
+        ref_registry, ours_registry = CollectorRegistry(), CollectorRegistry()
+        ref = PromHistogram("h_seconds", "help text", buckets=buckets, registry=ref_registry)
+        ours = Histogram("h_seconds", "help text", buckets)
+        ours_registry.register(type("One", (), {"collect": lambda self: [ours.family()]})())
+        for v in values:
+            ref.observe(v)
+            ours.observe(v)
+        strip = lambda text: re.sub(r"_created \S+", "_created T", text)  # noqa: E731
+        assert strip(generate_latest(ours_registry).decode()) == strip(generate_latest(ref_registry).decode())
+
+
 def test_each_router_has_its_own_registry():
     # Several routers in one process (tests do it): one's events never show in another's page.
     busy, idle = Telemetry(fake_router(["a"])), Telemetry(fake_router(["a"]))
