@@ -8,9 +8,9 @@ their futures and tasks a request) was about 40 µs of CPU of 90 that aiohttp's 
 answer, measured with a trivial handler (docs/performance.md, issue 37 round 4).
 
 ``FastLane`` keeps aiohttp's parser, limits, error answers, lingering, keep-alive, TLS and
-shutdown, and changes one thing: a POST to a data-plane path with a body of at most
-``LANE_MAX_BODY`` bytes that arrives while the connection is idle (``start()`` parked, nothing
-queued, no ``Expect`` or upgrade) is handled at once in one task of its own, the lane. While the lane runs, ``start()`` stays parked and whatever else
+shutdown, and changes one thing: a POST to a data-plane path that arrives while the connection
+is idle (``start()`` parked, nothing queued, no ``Expect`` or upgrade) is handled at once in one
+task of its own, the lane. While the lane runs, ``start()`` stays parked and whatever else
 arrives is queued as aiohttp queues it; when the lane ends it takes the next queued request if
 that one is also a plain data-plane POST, else hands the queue back to ``start()``. So requests
 on one connection are still answered one at a time, in order, and every other request
@@ -43,11 +43,6 @@ except ImportError:  # pragma: no cover - older aiohttp
 
 Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
 
-#: Bodies up to this size (with a Content-Length) take the lane. A larger one goes through
-#: aiohttp's loop as before: the lane's few µs are nothing next to reading a large body, and
-#: the large-body path stays the one measured in earlier rounds (docs/performance.md).
-LANE_MAX_BODY = 256 * 1024
-
 
 class FastLane(RequestHandler):
     """aiohttp's connection handler with the data plane's lane (see the module's docstring).
@@ -69,9 +64,6 @@ class FastLane(RequestHandler):
         handler = getattr(self._manager, "kvtop_lanes", {}).get(msg.path)
         if handler is None or hdrs.EXPECT in msg.headers:
             return None
-        length = msg.headers.get(hdrs.CONTENT_LENGTH)
-        if length is None or not length.isdigit() or int(length) > LANE_MAX_BODY:
-            return None  # chunked or large: aiohttp's loop, whose few µs do not count there
         return handler
 
     def data_received(self, data: bytes) -> None:

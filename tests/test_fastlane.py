@@ -126,24 +126,3 @@ async def test_shutdown_lets_a_lane_request_finish(router_server, fake_backends,
     await stopping
     assert await closed_by_server(reader)
     writer.close()
-
-
-async def test_large_and_chunked_bodies_go_through_aiohttps_loop(router_server, fake_backends, tmp_path,
-                                                                 monkeypatch, lane_uses):
-    monkeypatch.setattr(fastlane, "LANE_MAX_BODY", 200)
-    router, (fake,) = await start(router_server, fake_backends, tmp_path)
-    reader, writer = await connect(router)
-    await asyncio.sleep(0.05)  # aiohttp's request loop is waiting: a small request would take the lane
-    small, large = completion(), completion(pad="x" * 300)
-    assert len(small) <= 200 < len(large)
-    writer.write(post("/v1/completions", large))
-    assert (await read_response(reader)).status == 200
-    body = completion()
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-                 b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%b\r\n0\r\n\r\n" % (len(body), body))
-    assert (await read_response(reader)).status == 200
-    assert lane_uses == []
-    writer.write(post("/v1/completions", small))
-    assert (await read_response(reader)).status == 200
-    assert len(lane_uses) == 1 and len(fake.seen) == 3
-    writer.close()
