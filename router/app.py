@@ -6,8 +6,7 @@
 the way ``kvtop route`` does (aiohttp's own HTTP/1.1 server on uvloop, with its header
 limits, handler cancellation when a client leaves, and TLS when given); tests use it too.
 A POST to a data-plane path reaches its handler before the application's URL dispatcher
-(``data_plane_first``): the same handler and error middleware, without the resolve; on an
-idle keep-alive connection it also skips aiohttp's request loop (router/fastlane.py).
+(``data_plane_first``): the same handler and error middleware, without the resolve.
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ import logging
 import socket
 import ssl
 from collections.abc import AsyncIterator
-from typing import Any
 
 from aiohttp import hdrs, web
 from aiohttp.web_protocol import RequestHandler
@@ -26,7 +24,6 @@ from aiohttp.web_protocol import _ErrInfo  # private; see _JsonErrorHandler.data
 from router import health as backend_health
 from router import kv_wiring
 from router import passthrough, proxy
-from router.fastlane import FastLane
 from router.apis import ResponseStore
 from router.http import error_response, json_errors
 from router import control, replicas
@@ -156,11 +153,10 @@ def tls_context(cert: str | None, key: str | None) -> ssl.SSLContext | None:
     return ctx
 
 
-class _JsonErrorHandler(FastLane):
-    """aiohttp's connection handler (with the data plane's lane, router/fastlane.py), with its
-    protocol-level errors (a malformed request, a head over the limits, a bad chunk or trailer)
-    answered as our JSON errors instead of a text page, and logged as the client's mistake
-    rather than with a traceback."""
+class _JsonErrorHandler(RequestHandler):
+    """aiohttp's connection handler, with its protocol-level errors (a malformed request, a
+    head over the limits, a bad chunk or trailer) answered as our JSON errors instead of a
+    text page, and logged as the client's mistake rather than with a traceback."""
 
     __slots__ = ()
 
@@ -222,14 +218,6 @@ def data_plane_first(app: web.Application, handle):
     return dispatch
 
 
-def lanes(app: web.Application) -> dict[str, Any]:
-    """The data-plane handlers by raw request target, with the app's error middleware around
-    them, for router/fastlane.py's lane."""
-    def wrap(handler):
-        return lambda request: json_errors(request, handler)
-    return {path: wrap(handler) for path, handler in (app.get(DATA_PLANE) or {}).items()}
-
-
 class _Server(web.Server):
     """The low-level server making one ``_JsonErrorHandler`` per connection."""
 
@@ -249,7 +237,6 @@ async def start_server(app: web.Application, sock: socket.socket,
     runner.server.__class__ = _Server  # JSON for protocol errors too (see _JsonErrorHandler)
     runner.server.request_handler = data_plane_first(app, runner.server.request_handler)
     runner.server.kvtop_state = app[STATE]
-    runner.server.kvtop_lanes = lanes(app)
     try:
         await web.SockSite(runner, sock, ssl_context=ssl_context).start()
     except BaseException:
