@@ -58,7 +58,7 @@ def _status_line(status: int) -> bytes:
 
 
 class Sent:
-    """An answer ``send_whole`` has written: aiohttp's handler (and router/fastlane.py's lane)
+    """An answer ``send_whole`` has written: aiohttp's handler
     finds nothing left to send. Not a ``web.StreamResponse``: building one (its header
     multidict, its status) cost more than the rest of this object's life, and all the servers
     ask of it is ``prepare``, ``write_eof`` and ``keep_alive``. Its status and headers are those
