@@ -399,12 +399,16 @@ def _simulate(requests: Sequence[Any], policy: str, cfg: SimConfig, given: Seque
     arrival_times = [requests[k].arrival for k in arrivals]
     next_arrival = 0
     num_arrivals = len(arrivals)
+    # the next arrival's time, inf when none is left
+    next_at = arrival_times[0] if num_arrivals else float("inf")
+    first_token_event, prefill_leg = FirstToken(), PREFILL
     while True:
-        if next_arrival < num_arrivals and (not heap or arrival_times[next_arrival] <= heap[0][0]):
+        if next_arrival < num_arrivals and (not heap or next_at <= heap[0][0]):
             # an arrival is the next event: at a time tie it was pushed before every other one
-            t = arrival_times[next_arrival]
+            t = next_at
             kind, payload = "arrive", arrivals[next_arrival]
             next_arrival += 1
+            next_at = arrival_times[next_arrival] if next_arrival < num_arrivals else float("inf")
         elif heap:
             t, _, kind, payload = heappop(heap)
         else:
@@ -416,8 +420,36 @@ def _simulate(requests: Sequence[Any], policy: str, cfg: SimConfig, given: Seque
                 if not router.cluster.instances[i].num_requests:
                     removing.remove(ev)
                     router.change_fleet(ev.instance, "remove")
-        if kind == "fleet":
-            fleet_event(payload, t)
+        if kind == "step_end":   # the most frequent event first
+            i, res, gen = payload
+            if gen != generation[i]:
+                continue   # re-scheduled earlier by a cut
+            in_flight[i] = None
+            if res.first_token:
+                for rid in res.first_token:
+                    flow = upstream.get(rid)
+                    if flow is not None and flow.leg.kind != prefill_leg:
+                        life.step(flow, first_token_event)
+            if res.finished:
+                for fin in res.finished:
+                    flow = upstream.pop(fin.request_id, None)
+                    if flow is None:
+                        continue
+                    if flow.leg.kind == prefill_leg:  # P is done: D pulls the KV (the engine models the transfer)
+                        kv_params[flow.request.request_id] = fin.kv_transfer_params
+                        perform(flow, life.step(flow, PrefillAnswered(fin.kv_transfer_params or None)), t)
+                    else:
+                        perform(flow, life.step(flow, Ended(OK, output_tokens=fin.num_output_tokens,
+                                                            cached_tokens=fin.num_cached_tokens)), t)
+            stepping[i] = False
+            if (heap and heap[0][0] <= t) or next_at <= t:
+                kick(i, t)   # an engine with no work waits for the next arrival to kick it
+            elif engines[i].has_work():
+                # the step event kick would push is the next one popped: step now, without it
+                stepping[i] = True
+                step(i, t)
+        elif kind == "step":
+            step(payload, t)
         elif kind == "arrive":
             r = requests[payload]
             rid = f"{payload}"
@@ -447,34 +479,8 @@ def _simulate(requests: Sequence[Any], policy: str, cfg: SimConfig, given: Seque
                     if upstream.pop(key, None) is not None:
                         engines[flow.leg.instance].abort(key, t)
                 perform(flow, life.step(flow, ClientGone("in the simulation")), t)
-        elif kind == "step":
-            step(payload, t)
-        else:  # step_end
-            i, res, gen = payload
-            if gen != generation[i]:
-                continue   # re-scheduled earlier by a cut
-            in_flight[i] = None
-            for rid in res.first_token:
-                flow = upstream.get(rid)
-                if flow is not None and flow.leg.kind != PREFILL:
-                    life.step(flow, FirstToken())
-            for fin in res.finished:
-                flow = upstream.pop(fin.request_id, None)
-                if flow is None:
-                    continue
-                if flow.leg.kind == PREFILL:  # P is done: D pulls the KV (the engine models the transfer)
-                    kv_params[flow.request.request_id] = fin.kv_transfer_params
-                    perform(flow, life.step(flow, PrefillAnswered(fin.kv_transfer_params or None)), t)
-                else:
-                    perform(flow, life.step(flow, Ended(OK, output_tokens=fin.num_output_tokens,
-                                                        cached_tokens=fin.num_cached_tokens)), t)
-            stepping[i] = False
-            if (heap and heap[0][0] <= t) or (next_arrival < num_arrivals and arrival_times[next_arrival] <= t):
-                kick(i, t)   # an engine with no work waits for the next arrival to kick it
-            elif engines[i].has_work():
-                # the step event kick would push is the next one popped: step now, without it
-                stepping[i] = True
-                step(i, t)
+        else:
+            fleet_event(payload, t)
     if not router.pipeline.idle():  # a bug, not a user error: say so loudly
         raise RuntimeError("simulation ended with counters not at zero")
     return results.records

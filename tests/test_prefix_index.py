@@ -136,7 +136,8 @@ class _PerBlockIndex(PrefixIndex):
         bit = 1 << instance
         for h in reversed(blocks):
             if h in lru:
-                lru.move_to_end(h)
+                del lru[h]  # to the newest end (the LRU is a dict in insertion order)
+                lru[h] = None
             else:
                 lru[h] = None
                 owners[h] = owners.get(h, 0) | bit
