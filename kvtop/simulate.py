@@ -225,6 +225,8 @@ def _simulate(requests: Sequence[Any], policy: str, cfg: SimConfig, given: Seque
                           capacity_blocks=max(1, capacity_tokens // cfg.router_block_size), clock=clock,
                           on_admit=lambda flow: push(sim_time[0], "admitted", flow))
     life = router.lifecycle
+    if not router.core.slot.policy.needs_lookahead and router.pipeline.shadows is None:
+        router.cluster.index.stop_tagging()   # nothing reads the blocks' sessions in this run
 
     arrivals: list[int] = []   # open loop: trace indices in arrival order (see below)
     by_session: dict[str, list[int]] = {}

@@ -59,6 +59,9 @@ class PrefixIndex:
         self._lru: list[dict[int, None]] = [{} for _ in range(num_instances)]
         self._owners: dict[int, int] = {}  # block hash -> bitmask of instances
         self._tags: dict[int, str] = {}  # block hash -> the session that last inserted it (lookahead)
+        #: Tags are kept (for ``oldest_tags``) unless a driver that knows no reader will come
+        #: turned them off (``stop_tagging``).
+        self.tagging = True
         self._evictions = [0] * num_instances
         #: Per instance, its LRU's tags from the oldest end as runs [(tag, blocks)], built on
         #: first read and dropped when its LRU or the tag of a block it holds changes (the
@@ -250,7 +253,7 @@ class PrefixIndex:
             _touch(lru, owners, blocks[end - 1::-1] if end else [], bit)
         runs = self._runs
         runs[instance] = None
-        if tag is not None:
+        if tag is not None and self.tagging:
             if runs.count(None) < len(runs):
                 # a retag changes what the other instances holding these blocks would evict, by
                 # tag (the distinct owner masks first: a set pass is cheaper than an OR per
@@ -286,6 +289,8 @@ class PrefixIndex:
         are passed over. O(the runs of equal tags among them): the LRU's tags are read as
         runs once per change of the instance (``_tag_runs``), not block by block per read;
         the counts, and their order (first seen from the oldest end), are the walk's."""
+        if not self.tagging:
+            raise RuntimeError("oldest_tags read from a prefix index whose tags were turned off")
         self._settle()
         out: dict[str | None, int] = {}
         if count <= 0:
@@ -336,6 +341,16 @@ class PrefixIndex:
         whole = want >= len(lru)
         self._runs[instance] = (runs, whole, min(want, len(lru)))
         return runs, whole
+
+    def stop_tagging(self) -> None:
+        """Keep no tags from now on: for a driver whose policy never reads ``oldest_tags`` (the
+        lookahead's) and cannot change (the simulator's run under one policy, no shadows), the
+        tag of each block inserted is work for nothing (about 2% of such a run). A later
+        ``oldest_tags`` raises rather than answer from tags not kept."""
+        self.flush()
+        self.tagging = False
+        self._tags.clear()
+        self._runs = [None] * len(self._runs)
 
     def add_instance(self, capacity_blocks: int) -> int:
         """A new instance, caching nothing yet (the fleet grew); returns its index."""

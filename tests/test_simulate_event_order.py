@@ -63,3 +63,19 @@ def test_a_step_end_taken_at_once_leaves_the_heap_order(mode, monkeypatch):
                 runs.append((records, decisions))
             assert runs[0] == runs[1]
             assert any(r["status"] != "ok" for r in runs[0][0])   # the departures or the remove cut some
+
+
+def test_a_run_without_tags_is_the_run_with_them(monkeypatch):
+    """The simulator turns the prefix index's tags off under a policy that never reads them
+    (router/prefix_index.py ``stop_tagging``): the records are those of a run that keeps them;
+    under ``expected_cost`` (the lookahead reads them) they stay on."""
+    from router.prefix_index import PrefixIndex
+
+    reqs = _trace(1)
+    stopped = []
+    monkeypatch.setattr(PrefixIndex, "stop_tagging", lambda self, f=PrefixIndex.stop_tagging: (stopped.append(1), f(self)))
+    without = simulate(reqs, "leastwork", SimConfig(instances=3))
+    assert stopped == [1]
+    assert simulate(reqs, "expected_cost", SimConfig(instances=3)) and stopped == [1]
+    monkeypatch.setattr(PrefixIndex, "stop_tagging", lambda self: None)
+    assert simulate(reqs, "leastwork", SimConfig(instances=3)) == without
