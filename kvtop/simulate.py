@@ -163,6 +163,9 @@ class _Results:
 GC_YOUNG_THRESHOLD = 20_000
 
 
+#: The lifecycle's events without fields, made once (frozen: one instance serves every request).
+ARRIVED, ADMITTED, LEG_SENT, FIRST_TOKEN = Arrived(), Admitted(), LegSent(), FirstToken()
+
 #: A step's end that comes before every other event (the next arrival and the heap's first) is
 #: handled at once, not pushed and popped: 85% of a run's step ends, each a heap round trip
 #: and a turn of the loop less. The order of events is the heap's (tests/test_simulate_event_order.py
@@ -293,7 +296,7 @@ def _simulate(requests: Sequence[Any], policy: str, cfg: SimConfig, given: Seque
 
     def send(flow: Flow, leg: Any, t: float) -> None:
         """The leg goes upstream: an engine request on its instance."""
-        life.step(flow, LegSent())
+        life.step(flow, LEG_SENT)
         rid = flow.request.request_id
         k, out, hashes = meta[rid]
         i = leg.instance
@@ -410,7 +413,7 @@ def _simulate(requests: Sequence[Any], policy: str, cfg: SimConfig, given: Seque
     num_arrivals = len(arrivals)
     # the next arrival's time, inf when none is left
     next_at = arrival_times[0] if num_arrivals else float("inf")
-    first_token_event, prefill_leg = FirstToken(), PREFILL
+    prefill_leg = PREFILL
     while True:
         if next_arrival < num_arrivals and (not heap or next_at <= heap[0][0]):
             # an arrival is the next event: at a time tie it was pushed before every other one
@@ -439,7 +442,7 @@ def _simulate(requests: Sequence[Any], policy: str, cfg: SimConfig, given: Seque
                     for rid in res.first_token:
                         flow = upstream.get(rid)
                         if flow is not None and flow.leg.kind != prefill_leg:
-                            life.step(flow, first_token_event)
+                            life.step(flow, FIRST_TOKEN)
                 if res.finished:
                     for fin in res.finished:
                         flow = upstream.pop(fin.request_id, None)
@@ -497,9 +500,9 @@ def _simulate(requests: Sequence[Any], policy: str, cfg: SimConfig, given: Seque
             flow = life.receive(rreq, t)
             if payload in departures:
                 push(t + departures[payload], "leave", flow)
-            perform(flow, life.step(flow, Arrived()), t)
+            perform(flow, life.step(flow, ARRIVED), t)
         elif kind == "admitted":  # the router's admission queue let it through
-            perform(payload, life.step(payload, Admitted()), t)
+            perform(payload, life.step(payload, ADMITTED), t)
         elif kind == "leave":  # the client gave up: its engine requests are aborted
             flow = payload
             rid = flow.request.request_id
