@@ -167,8 +167,8 @@ GC_YOUNG_THRESHOLD = 20_000
 ARRIVED, ADMITTED, LEG_SENT, FIRST_TOKEN = Arrived(), Admitted(), LegSent(), FirstToken()
 
 #: A step's end that comes before every other event (the next arrival and the heap's first) is
-#: handled at once, not pushed and popped: 85% of a run's step ends, each a heap round trip
-#: and a turn of the loop less. The order of events is the heap's (tests/test_simulate_event_order.py
+#: handled at once, not pushed and popped: a heap round trip and a turn of the loop less for
+#: 28-34% of a run's step ends (round_robin, leastwork; the agentic trace's first 3,000). The order of events is the heap's (tests/test_simulate_event_order.py
 #: compares runs with it off).
 TAKE_STEP_END_AT_ONCE = True
 
