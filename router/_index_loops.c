@@ -20,8 +20,8 @@ add(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *lru = args[0], *owners = args[1], *bit = args[4];
-    if (!PyDict_Check(lru) || !PyDict_CheckExact(owners)) {
-        PyErr_SetString(PyExc_TypeError, "lru must be a dict (an OrderedDict) and owners a dict");
+    if (!PyDict_CheckExact(lru) || !PyDict_CheckExact(owners)) {
+        PyErr_SetString(PyExc_TypeError, "lru and owners must be dicts");
         return NULL;
     }
     Py_ssize_t held = PyLong_AsSsize_t(args[3]);
@@ -35,8 +35,8 @@ add(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (held < 0)
         held = 0;
     /* Each block is held by a reference of its own, and the list's length is read again at
-     * each step: a key's __hash__/__eq__ or an OrderedDict subclass's __setitem__ is Python code
-     * that may change the list (the Python loop walks a slice, a snapshot: this one stops). */
+     * each step: a key's __hash__/__eq__ is Python code that may change the list (the Python
+     * loop walks a slice, a snapshot: this one stops). */
     for (Py_ssize_t k = n - 1; k >= held; k--) {
         if (k >= PySequence_Fast_GET_SIZE(blocks)) {
             PyErr_SetString(PyExc_RuntimeError, "blocks changed size during add");
@@ -44,10 +44,11 @@ add(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         }
         PyObject *h = PySequence_Fast_GET_ITEM(blocks, k);
         Py_INCREF(h);
-        int rc = PyDict_Contains(lru, h);
+        /* ``if h not in lru: lru[h] = None`` in one probe: the dict grew exactly when h was absent */
+        Py_ssize_t size = PyDict_GET_SIZE(lru);
+        int rc = PyDict_SetDefault(lru, h, Py_None) == NULL ? -1 : PyDict_GET_SIZE(lru) == size;
         if (rc == 0) {
-            rc = PyObject_SetItem(lru, h, Py_None);
-            PyObject *cur = rc < 0 ? NULL : PyDict_GetItemWithError(owners, h);   /* borrowed */
+            PyObject *cur = PyDict_GetItemWithError(owners, h);   /* borrowed */
             if (cur == NULL && rc == 0 && PyErr_Occurred())
                 rc = -1;
             if (rc == 0) {
@@ -136,7 +137,7 @@ evict_one(PyObject *lru, PyObject *owners, PyObject *tags, PyObject *old, PyObje
     int rc = truth < 0 ? -1 : 0;
     if (truth > 0)
         rc = PyDict_SetItem(owners, old, mask);
-    else if (truth == 0) {
+    else if (truth == 0 && PyDict_GET_SIZE(tags)) {   /* no tags kept: nothing to drop */
         int in = PyDict_Contains(tags, old);
         rc = in < 0 ? -1 : in ? PyDict_DelItem(tags, old) : 0;
     }

@@ -100,6 +100,8 @@ def test_the_c_loops_refuse_what_the_index_never_passes():
         C.evict({}, {}, {}, [5], -2)
     with pytest.raises(TypeError):  # the LRU is a plain dict (insertion order) since issue 37
         C.touch(OrderedDict(), {}, [1], 1, 1)
+    with pytest.raises(TypeError):  # (its dict.setdefault would leave an OrderedDict's links behind)
+        C.add(OrderedDict(), {}, [1], 0, 1)
 
 
 def _move_to_end_each(lru, owners, blocks, bit):
@@ -149,7 +151,7 @@ class Clears:                   # hashing it empties the list that holds it
         blocks.clear()
         return 7
 blocks.extend([1, 2, 3, Clears()])
-lru, owners = OrderedDict(), {}
+lru, owners = {}, {}
 with pytest.raises(RuntimeError):
     add(lru, owners, blocks, 0, 1)
 assert len(lru) == 1 and list(owners.values()) == [1]
