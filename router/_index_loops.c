@@ -3,9 +3,9 @@
  *
  * Optional: setup.py builds it with optional=True; router/prefix_index.py runs the same loops
  * in Python without it or with KVTOP_PURE_PYTHON=1, and tests/test_prefix_index_cloops.py
- * compares the two. The same dict and OrderedDict operations in the same order as the Python
- * loops (an OrderedDict is written through PyObject_SetItem/DelItem, which keep its order); what
- * it saves is the interpreter's cost per block.
+ * compares the two. Each instance's LRU is a plain dict in insertion order (a touch deletes and
+ * re-inserts a block); the loops leave the same dicts, in the same order, as the Python ones;
+ * what they save is the interpreter's cost per block.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -20,8 +20,8 @@ add(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *lru = args[0], *owners = args[1], *bit = args[4];
-    if (!PyDict_Check(lru) || !PyDict_CheckExact(owners)) {
-        PyErr_SetString(PyExc_TypeError, "lru must be a dict (an OrderedDict) and owners a dict");
+    if (!PyDict_CheckExact(lru) || !PyDict_CheckExact(owners)) {
+        PyErr_SetString(PyExc_TypeError, "lru and owners must be dicts");
         return NULL;
     }
     Py_ssize_t held = PyLong_AsSsize_t(args[3]);
@@ -35,8 +35,8 @@ add(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (held < 0)
         held = 0;
     /* Each block is held by a reference of its own, and the list's length is read again at
-     * each step: a key's __hash__/__eq__ or an OrderedDict subclass's __setitem__ is Python code
-     * that may change the list (the Python loop walks a slice, a snapshot: this one stops). */
+     * each step: a key's __hash__/__eq__ is Python code that may change the list (the Python
+     * loop walks a slice, a snapshot: this one stops). */
     for (Py_ssize_t k = n - 1; k >= held; k--) {
         if (k >= PySequence_Fast_GET_SIZE(blocks)) {
             PyErr_SetString(PyExc_RuntimeError, "blocks changed size during add");
@@ -44,10 +44,11 @@ add(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         }
         PyObject *h = PySequence_Fast_GET_ITEM(blocks, k);
         Py_INCREF(h);
-        int rc = PyDict_Contains(lru, h);
+        /* ``if h not in lru: lru[h] = None`` in one probe: the dict grew exactly when h was absent */
+        Py_ssize_t size = PyDict_GET_SIZE(lru);
+        int rc = PyDict_SetDefault(lru, h, Py_None) == NULL ? -1 : PyDict_GET_SIZE(lru) == size;
         if (rc == 0) {
-            rc = PyObject_SetItem(lru, h, Py_None);
-            PyObject *cur = rc < 0 ? NULL : PyDict_GetItemWithError(owners, h);   /* borrowed */
+            PyObject *cur = PyDict_GetItemWithError(owners, h);   /* borrowed */
             if (cur == NULL && rc == 0 && PyErr_Occurred())
                 rc = -1;
             if (rc == 0) {
@@ -136,7 +137,7 @@ evict_one(PyObject *lru, PyObject *owners, PyObject *tags, PyObject *old, PyObje
     int rc = truth < 0 ? -1 : 0;
     if (truth > 0)
         rc = PyDict_SetItem(owners, old, mask);
-    else if (truth == 0) {
+    else if (truth == 0 && PyDict_GET_SIZE(tags)) {   /* no tags kept: nothing to drop */
         int in = PyDict_Contains(tags, old);
         rc = in < 0 ? -1 : in ? PyDict_DelItem(tags, old) : 0;
     }
@@ -144,9 +145,67 @@ evict_one(PyObject *lru, PyObject *owners, PyObject *tags, PyObject *old, PyObje
     return rc;
 }
 
+/* touch(lru, owners, blocks, end, bit): for h in reversed(blocks[:end]): if h in lru: move it to
+ * the newest end (del lru[h]; lru[h] = None); else: lru[h] = None; owners[h] = owners.get(h, 0) |
+ * bit. The LRU is a plain dict in insertion order (router/prefix_index.py ``_touch``). */
+static PyObject *
+touch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "touch(lru, owners, blocks, end, bit)");
+        return NULL;
+    }
+    PyObject *lru = args[0], *owners = args[1], *bit = args[4];
+    if (!PyDict_CheckExact(lru) || !PyDict_CheckExact(owners)) {
+        PyErr_SetString(PyExc_TypeError, "lru and owners must be dicts");
+        return NULL;
+    }
+    Py_ssize_t end = PyLong_AsSsize_t(args[3]);
+    if (end == -1 && PyErr_Occurred())
+        return NULL;
+    PyObject *blocks = PySequence_Fast(args[2], "expected a list or tuple");
+    if (blocks == NULL)
+        return NULL;
+    PyObject *zero = PyLong_FromLong(0);
+    if (end > PySequence_Fast_GET_SIZE(blocks))
+        end = PySequence_Fast_GET_SIZE(blocks);
+    /* (each block held by a reference of its own, the length read at each step: see add) */
+    for (Py_ssize_t k = end - 1; k >= 0; k--) {
+        if (k >= PySequence_Fast_GET_SIZE(blocks)) {
+            PyErr_SetString(PyExc_RuntimeError, "blocks changed size during touch");
+            goto fail;
+        }
+        PyObject *h = PySequence_Fast_GET_ITEM(blocks, k);
+        Py_INCREF(h);
+        int rc = PyDict_DelItem(lru, h);
+        if (rc < 0 && PyErr_ExceptionMatches(PyExc_KeyError)) {   /* absent: added, owner bit set */
+            PyErr_Clear();
+            PyObject *cur = PyDict_GetItemWithError(owners, h);   /* borrowed */
+            if (cur != NULL || !PyErr_Occurred()) {
+                PyObject *v = PyNumber_Or(cur == NULL ? zero : cur, bit);
+                rc = v == NULL ? -1 : PyDict_SetItem(owners, h, v);
+                Py_XDECREF(v);
+            }
+        }
+        if (rc == 0)
+            rc = PyDict_SetItem(lru, h, Py_None);
+        Py_DECREF(h);
+        if (rc < 0)
+            goto fail;
+    }
+    Py_DECREF(zero);
+    Py_DECREF(blocks);
+    Py_RETURN_NONE;
+fail:
+    Py_DECREF(zero);
+    Py_DECREF(blocks);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"add", (PyCFunction)(void (*)(void))add, METH_FASTCALL, NULL},
     {"evict", (PyCFunction)(void (*)(void))evict, METH_FASTCALL, NULL},
+    {"touch", (PyCFunction)(void (*)(void))touch, METH_FASTCALL, NULL},
     {NULL, NULL, 0, NULL},
 };
 

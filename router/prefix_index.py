@@ -21,7 +21,7 @@ uses it to find a request's blocks not yet held by bisection (checked, so any li
 from __future__ import annotations
 
 import os
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Sequence
 from functools import reduce
 from itertools import groupby, islice, repeat
@@ -33,6 +33,8 @@ except ImportError:
     _loops = None
 if os.environ.get("KVTOP_PURE_PYTHON", "") not in ("", "0"):   # the Python loops below, forced
     _loops = None
+
+_ABSENT = object()
 
 #: Blocks a ``flush_step`` adds (and about as many it evicts): about a millisecond of the loop.
 STEP_BLOCKS = 1024
@@ -52,9 +54,14 @@ class PrefixIndex:
             raise ValueError("capacity must be positive")
         self.block_size = block_size
         self.capacity = list(capacity_blocks)
-        self._lru: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_instances)]
+        #: Per instance, its blocks from the least recently used to the most: a plain dict's
+        #: insertion order (a touch deletes and re-inserts), cheaper per block than an OrderedDict.
+        self._lru: list[dict[int, None]] = [{} for _ in range(num_instances)]
         self._owners: dict[int, int] = {}  # block hash -> bitmask of instances
         self._tags: dict[int, str] = {}  # block hash -> the session that last inserted it (lookahead)
+        #: Tags are kept (for ``oldest_tags``) unless a driver that knows no reader will come
+        #: turned them off (``stop_tagging``).
+        self.tagging = True
         self._evictions = [0] * num_instances
         #: Per instance, its LRU's tags from the oldest end as runs [(tag, blocks)], built on
         #: first read and dropped when its LRU or the tag of a block it holds changes (the
@@ -239,18 +246,14 @@ class PrefixIndex:
                     owners[h] = owners.get(h, 0) | bit
         # Touch from the last block to the first. When every block from ``held`` on was absent
         # (the chain case) they were just appended in that order and are the newest already.
-        touch = reversed(blocks[:held] if len(lru) - before == n - held else blocks)
-        while True:
-            try:
-                deque(map(lru.move_to_end, touch), maxlen=0)
-                break
-            except KeyError as exc:  # not a chain: this block (before ``held``) is absent
-                h = exc.args[0]
-                lru[h] = None
-                owners[h] = owners.get(h, 0) | bit
+        end = held if len(lru) - before == n - held else n
+        if _loops is not None:
+            _loops.touch(lru, owners, blocks, end, bit)
+        else:
+            _touch(lru, owners, blocks[end - 1::-1] if end else [], bit)
         runs = self._runs
         runs[instance] = None
-        if tag is not None:
+        if tag is not None and self.tagging:
             if runs.count(None) < len(runs):
                 # a retag changes what the other instances holding these blocks would evict, by
                 # tag (the distinct owner masks first: a set pass is cheaper than an OR per
@@ -286,6 +289,8 @@ class PrefixIndex:
         are passed over. O(the runs of equal tags among them): the LRU's tags are read as
         runs once per change of the instance (``_tag_runs``), not block by block per read;
         the counts, and their order (first seen from the oldest end), are the walk's."""
+        if not self.tagging:
+            raise RuntimeError("oldest_tags read from a prefix index whose tags were turned off")
         self._settle()
         out: dict[str | None, int] = {}
         if count <= 0:
@@ -337,12 +342,22 @@ class PrefixIndex:
         self._runs[instance] = (runs, whole, min(want, len(lru)))
         return runs, whole
 
+    def stop_tagging(self) -> None:
+        """Keep no tags from now on: for a driver whose policy never reads ``oldest_tags`` (the
+        lookahead's) and cannot change (the simulator's run under one policy, no shadows), the
+        tag of each block inserted is work for nothing (about 2% of such a run). A later
+        ``oldest_tags`` raises rather than answer from tags not kept."""
+        self.flush()
+        self.tagging = False
+        self._tags.clear()
+        self._runs = [None] * len(self._runs)
+
     def add_instance(self, capacity_blocks: int) -> int:
         """A new instance, caching nothing yet (the fleet grew); returns its index."""
         if capacity_blocks <= 0:
             raise ValueError("capacity must be positive")
         self.capacity.append(capacity_blocks)
-        self._lru.append(OrderedDict())
+        self._lru.append({})
         self._runs.append(None)
         self._runs_want.append(0)
         self._evictions.append(0)
@@ -364,7 +379,7 @@ class PrefixIndex:
         self._runs[instance] = None
 
 
-def _held_prefix(lru: OrderedDict[int, None], blocks: Sequence[int]) -> int:
+def _held_prefix(lru: dict[int, None], blocks: Sequence[int]) -> int:
     """How many leading ``blocks`` ``lru`` holds, if what it holds of them is a prefix (true of
     a chain; ``insert`` checks it): the end of the held run, by bisection."""
     n = len(blocks)
@@ -380,6 +395,30 @@ def _held_prefix(lru: OrderedDict[int, None], blocks: Sequence[int]) -> int:
         else:
             hi = mid
     return hi
+
+
+def _touch(lru: dict[int, None], owners: dict[int, int], touch: list[int], bit: int) -> None:
+    """Move each of ``touch`` to the newest end of ``lru``, in order (an absent one is added
+    there and its owner bit set): what ``move_to_end`` of each would do, in C-level passes.
+    The blocks are taken out in one pass and put back in another, which is the same order
+    unless a block is absent or repeated: a pass stops there (a ``KeyError``), the blocks it
+    took are put back, and that one block is moved alone."""
+    i, n = 0, len(touch)
+    while i < n:
+        size = len(lru)
+        try:
+            deque(map(lru.pop, islice(touch, i, None)), maxlen=0)
+            j = n
+        except KeyError:
+            j = i + size - len(lru)   # the blocks before touch[j] were taken out
+        lru.update(zip(islice(touch, i, j), repeat(None)))
+        if j < n:   # absent (not a chain) or taken out already (a repeat): moved alone
+            h = touch[j]
+            if lru.pop(h, _ABSENT) is _ABSENT:
+                owners[h] = owners.get(h, 0) | bit
+            lru[h] = None
+            j += 1
+        i = j
 
 
 def _assign(matched: list[int], mask: int, depth: int) -> None:

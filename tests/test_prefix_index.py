@@ -136,7 +136,8 @@ class _PerBlockIndex(PrefixIndex):
         bit = 1 << instance
         for h in reversed(blocks):
             if h in lru:
-                lru.move_to_end(h)
+                del lru[h]  # to the newest end (the LRU is a dict in insertion order)
+                lru[h] = None
             else:
                 lru[h] = None
                 owners[h] = owners.get(h, 0) | bit
@@ -194,3 +195,28 @@ def test_insert_equals_the_per_block_loop(seed):
         assert read(fast) == read(ref)
         assert _state(fast) == _state(ref)
         assert fast.match(probe) == ref.match(probe)
+
+
+def test_stop_tagging_keeps_the_index_and_refuses_tag_reads():
+    """With tags off (the simulator under a policy without the lookahead) the LRUs, owners and
+    evictions are those of an index that tags, no tag is kept, and ``oldest_tags`` raises
+    instead of answering from tags it does not have."""
+    rng = random.Random(3)
+    tagged, plain = PrefixIndex(3, [40, 25, 60], 16), PrefixIndex(3, [40, 25, 60], 16)
+    plain.insert(0, [1, 2, 3], "s0")
+    plain.stop_tagging()
+    tagged.insert(0, [1, 2, 3], "s0")
+    chains = [[rng.getrandbits(60) for _ in range(rng.randint(1, 50))] for _ in range(6)]
+    for _ in range(300):
+        inst, chain, tag = rng.randrange(3), rng.choice(chains), rng.choice(["a", "b"])
+        for idx in (tagged, plain):
+            idx.insert(inst, chain, tag)
+        assert tagged.match(chain) == plain.match(chain)
+    tagged.flush()
+    plain.flush()
+    assert [list(x) for x in plain._lru] == [list(x) for x in tagged._lru]
+    assert plain._owners == tagged._owners and plain.evictions == tagged.evictions
+    assert plain._tags == {} and tagged._tags
+    assert tagged.oldest_tags(0, 5)
+    with pytest.raises(RuntimeError):
+        plain.oldest_tags(0, 5)

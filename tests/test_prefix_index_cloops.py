@@ -10,6 +10,7 @@ import os
 import random
 import subprocess
 import sys
+from collections import OrderedDict
 
 import pytest
 
@@ -97,6 +98,43 @@ def test_the_c_loops_refuse_what_the_index_never_passes():
         C.add([], {}, [1], 0, 1)
     with pytest.raises(KeyError):   # as ``del lru[old]`` does for a block it does not hold
         C.evict({}, {}, {}, [5], -2)
+    with pytest.raises(TypeError):  # the LRU is a plain dict (insertion order) since issue 37
+        C.touch(OrderedDict(), {}, [1], 1, 1)
+    with pytest.raises(TypeError):  # (its dict.setdefault would leave an OrderedDict's links behind)
+        C.add(OrderedDict(), {}, [1], 0, 1)
+
+
+def _move_to_end_each(lru, owners, blocks, bit):
+    """The touch's reference: each block moved to the newest end in turn, an absent one added."""
+    for h in blocks:
+        if h in lru:
+            del lru[h]
+        else:
+            owners[h] = owners.get(h, 0) | bit
+        lru[h] = None
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_touch_moves_each_block_to_the_newest_end_in_turn(seed):
+    """The touch in C (``touch``) and in Python (``_touch``, in C-level passes that stop at an
+    absent or repeated block) against moving each block in turn: held, absent and repeated
+    blocks in any order leave the same LRU order and owner bits."""
+    rng = random.Random(seed)
+    for _ in range(200):
+        held = rng.sample(range(40), rng.randint(0, 30))
+        lru = dict.fromkeys(held)
+        owners = {h: rng.choice([1, 2, 3]) for h in held}
+        blocks = [rng.choice(held) if held and rng.random() < 0.8 else rng.randrange(40, 50)
+                  for _ in range(rng.randint(0, 25))]
+        want_lru, want_owners = dict(lru), dict(owners)
+        _move_to_end_each(want_lru, want_owners, blocks[::-1], 4)
+        got_lru, got_owners = dict(lru), dict(owners)
+        prefix_index._touch(got_lru, got_owners, blocks[::-1], 4)
+        assert (list(got_lru), got_owners) == (list(want_lru), want_owners)
+        if C is not None:
+            c_lru, c_owners = dict(lru), dict(owners)
+            C.touch(c_lru, c_owners, blocks, len(blocks), 4)
+            assert (list(c_lru), c_owners) == (list(want_lru), want_owners)
 
 
 # Python code that a C loop runs (a key's __hash__) may change the list it walks: the loop must
@@ -105,7 +143,7 @@ def test_the_c_loops_refuse_what_the_index_never_passes():
 HOSTILE_INDEX = r"""
 from collections import OrderedDict
 import pytest
-from router._index_loops import add, evict
+from router._index_loops import add, evict, touch
 
 blocks = []
 class Clears:                   # hashing it empties the list that holds it
@@ -113,7 +151,7 @@ class Clears:                   # hashing it empties the list that holds it
         blocks.clear()
         return 7
 blocks.extend([1, 2, 3, Clears()])
-lru, owners = OrderedDict(), {}
+lru, owners = {}, {}
 with pytest.raises(RuntimeError):
     add(lru, owners, blocks, 0, 1)
 assert len(lru) == 1 and list(owners.values()) == [1]
@@ -129,6 +167,13 @@ olds.extend([key, 1])
 del key
 evict(lru, owners, tags, olds, ~1)   # stops where olds ends: after the first
 assert list(lru) == [1] and list(owners.values()) == [2] and list(tags.values()) == ["t"]
+
+blocks = []
+blocks.extend([1, 2, 3, Clears()])
+lru, owners = {}, {}
+with pytest.raises(RuntimeError):   # the walk from the last block stops once the list is empty
+    touch(lru, owners, blocks, 4, 1)
+assert len(lru) == 1 and list(owners.values()) == [1]
 print("ok")
 """
 
