@@ -346,6 +346,18 @@ def _simulate(requests: Sequence[Any], policy: str, cfg: SimConfig, given: Seque
         upstream[key] = flow
         kick(i, t)
 
+    def abort(i: int, key: str, t: float) -> None:
+        """Abort engine request ``key`` on instance ``i`` at ``t``. The abort cuts the engine's
+        coalesced steps at ``t`` (Engine.abort): the cut result ends earlier, so its step_end is
+        re-scheduled, as ``send`` does for an arrival (else every other request on the engine
+        would see its tokens at the uncut steps' end)."""
+        res = in_flight[i]
+        end = res.end_time if res is not None else None
+        engines[i].abort(key, t)
+        if res is not None and res.end_time != end:
+            generation[i] += 1
+            push(res.end_time, "step_end", (i, res, generation[i]))
+
     def fail_in_flight(i: int, t: float, why: str) -> None:
         """Every engine request on instance ``i`` ends as when its backend drops it (the live
         router's forced remove, or a dead engine): a prefill leg sends D to prefill itself, a
@@ -354,7 +366,7 @@ def _simulate(requests: Sequence[Any], policy: str, cfg: SimConfig, given: Seque
             if flow.leg.instance != i:
                 continue
             del upstream[key]
-            engines[i].abort(key, t)
+            abort(i, key, t)
             if flow.leg.kind == PREFILL:
                 event: Any = PrefillAnswered(None)
             elif life.may_retry(flow):
@@ -509,7 +521,7 @@ def _simulate(requests: Sequence[Any], policy: str, cfg: SimConfig, given: Seque
             if rid in meta:
                 for key in (rid, rid + "#p"):
                     if upstream.pop(key, None) is not None:
-                        engines[flow.leg.instance].abort(key, t)
+                        abort(flow.leg.instance, key, t)
                 perform(flow, life.step(flow, ClientGone("in the simulation")), t)
         else:
             fleet_event(payload, t)
