@@ -41,3 +41,5 @@ def test_given_values_are_kept():
     assert r.finished == [] and r.transfers_started == []
     assert not r.idle
     assert StepResult(0.0).idle
+    moved = dataclasses.replace(r, now=3.0)   # replace() goes through __init__ by field name
+    assert moved.now == 3.0 and moved.end_time == 2.5 and moved.first_token is ft
