@@ -188,7 +188,7 @@ class FinishedRequest:
     kv_transfer_params: dict[str, Any] | None = None
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class StepResult:
     """What one ``step(now)`` did. Every event happens at ``end_time = now + duration``.
 
@@ -208,6 +208,25 @@ class StepResult:
     finished: list[FinishedRequest] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     transfers_started: list[str] = field(default_factory=list)
+
+    # Written out (init=False): the generated __init__ calls a factory per list, and the
+    # simulator makes one result per step.
+    def __init__(self, now: float, duration: float = 0.0, end_time: float = 0.0,
+                 num_scheduled_tokens: int = 0, num_scheduled_reqs: int = 0, num_steps: int = 1,
+                 first_token: list[str] | None = None, emitted: dict[str, int] | None = None,
+                 finished: list[FinishedRequest] | None = None, preempted: list[str] | None = None,
+                 transfers_started: list[str] | None = None) -> None:
+        self.now = now
+        self.duration = duration
+        self.end_time = end_time
+        self.num_scheduled_tokens = num_scheduled_tokens
+        self.num_scheduled_reqs = num_scheduled_reqs
+        self.num_steps = num_steps
+        self.first_token = [] if first_token is None else first_token
+        self.emitted = {} if emitted is None else emitted
+        self.finished = [] if finished is None else finished
+        self.preempted = [] if preempted is None else preempted
+        self.transfers_started = [] if transfers_started is None else transfers_started
 
     @property
     def idle(self) -> bool:
@@ -681,7 +700,8 @@ class Engine:
         result = StepResult(now=now, end_time=now)
         if self._pinned:
             self._expire_pins(now)
-        self._release_ready(now)
+        if self._pending or self._transferring:
+            self._release_ready(now)
         if not self.running and not self.waiting:
             return result
 
@@ -1347,6 +1367,14 @@ class Engine:
     def _take(self, n: int) -> list[int]:
         """The ``n`` blocks at the free queue's head, in order, out of the queue."""
         runs = self._runs
+        if runs:   # the common case: the head run, filtered, has more than n blocks
+            run = runs[0]
+            h = run.head
+            q = run.q
+            if not run.dirty and len(q) - h > n:
+                run.head = h + n
+                self._num_free -= n
+                return q[h:h + n]
         ref = self._ref
         taken: list[int] = []
         need = n
@@ -1398,7 +1426,10 @@ class Engine:
             raise RuntimeError(f"allocating {n} blocks with {self._num_free} free")
         taken = self._take(n)
         if self.kv_events is None:
-            self._claim(taken)
+            # _claim, its first pass inline (it returns n unless a block of the memo's hit goes)
+            k = _evict_claim(taken, self._block_hash, self._cached, self._ref, 1, self._hol_set, 0)
+            if k < n:
+                self._claim_from(taken, k)
             req.blocks += taken
             return
         ref = self._ref
@@ -1422,12 +1453,16 @@ class Engine:
         """Blocks just taken from the free queue (no KV events): their hashes evicted, refcount 1.
         Evict and claim (_pool.evict_claim), stopping at each block of the head-of-line memo's
         hit that loses its hash, which the memo must hear of."""
+        self._claim_from(taken, _evict_claim(taken, self._block_hash, self._cached, self._ref, 1,
+                                             self._hol_set, 0))
+
+    def _claim_from(self, taken: list[int], k: int) -> None:
+        """_claim from ``taken[k]``, a block of the memo's hit that loses its hash."""
         ref = self._ref
         block_hash = self._block_hash
         cached = self._cached
         hol_set = self._hol_set
         n = len(taken)
-        k = _evict_claim(taken, block_hash, cached, ref, 1, hol_set, 0)
         while k < n:
             b = taken[k]
             del cached[block_hash[b]]
