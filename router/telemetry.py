@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry
+from prometheus_client import metrics as prom_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 from prometheus_client.exposition import choose_encoder, generate_latest
@@ -61,7 +62,8 @@ class Histogram:
         self.created = time.time()
 
     def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.bounds, value)] += 1  # the first bucket with value <= its bound
+        if value == value:   # (a NaN goes in no bucket, only the sum, as prometheus_client's)
+            self.counts[bisect_left(self.bounds, value)] += 1  # the first bucket with value <= its bound
         self.sum += value
 
     def family(self) -> Metric:
@@ -72,7 +74,8 @@ class Histogram:
             m.add_sample(self.name + "_bucket", {"le": floatToGoString(bound)}, float(total))
         m.add_sample(self.name + "_count", {}, float(total))
         m.add_sample(self.name + "_sum", {}, self.sum)
-        m.add_sample(self.name + "_created", {}, self.created)
+        if getattr(prom_metrics, "_use_created", True):   # prometheus_client's disable_created_metrics()
+            m.add_sample(self.name + "_created", {}, self.created)
         return m
 
 

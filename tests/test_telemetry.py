@@ -200,6 +200,32 @@ def test_histogram_writes_what_prometheus_clients_writes(values):
         assert strip(generate_latest(ours_registry).decode()) == strip(generate_latest(ref_registry).decode())
 
 
+def test_histogram_matches_prometheus_client_on_nan_openmetrics_and_no_created(monkeypatch):
+    # prometheus_client counts a NaN in no bucket (nor the count), only in the sum; writes the
+    # same OpenMetrics page; and leaves _created out under disable_created_metrics() (what the
+    # PROMETHEUS_DISABLE_CREATED_SERIES environment variable sets): the plain-count Histogram
+    # must too, as the router's pages did before it replaced prometheus_client's
+    import prometheus_client.metrics as prom_metrics
+    from prometheus_client import CollectorRegistry, Histogram as PromHistogram
+    from prometheus_client.exposition import generate_latest
+    from prometheus_client.openmetrics.exposition import generate_latest as om_latest
+
+    from router.telemetry import Histogram
+
+    for use_created in (True, False):
+        monkeypatch.setattr(prom_metrics, "_use_created", use_created)
+        ref_registry, ours_registry = CollectorRegistry(), CollectorRegistry()
+        ref = PromHistogram("h_seconds", "help text", buckets=LATENCY_BUCKETS_S, registry=ref_registry)
+        ours = Histogram("h_seconds", "help text", LATENCY_BUCKETS_S)
+        ours.created = ref._created
+        ours_registry.register(type("One", (), {"collect": lambda self: [ours.family()]})())
+        for v in (0.0, float("nan"), 0.005, float("inf"), 1e300, 7.0):
+            ref.observe(v)
+            ours.observe(v)
+        for write in (generate_latest, om_latest):
+            assert write(ours_registry).decode() == write(ref_registry).decode()
+
+
 def test_each_router_has_its_own_registry():
     # Several routers in one process (tests do it): one's events never show in another's page.
     busy, idle = Telemetry(fake_router(["a"])), Telemetry(fake_router(["a"]))
