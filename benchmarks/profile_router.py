@@ -1,6 +1,6 @@
 """Where the router's CPU goes on the sequential non-streaming path, by stage, in µs a request.
 
-The router runs in this process (``create_app`` + ``start_server``, policy ``lmetric``, no
+The router runs in this process (``create_app`` + ``start_server``, ``--policy`` (lmetric), no
 decision log, as bench_overhead.py runs it) in front of bench_overhead.py's trivial backend;
 a client process sends ``--requests`` sequential non-streaming completions. A CPU-time timer
 (``ITIMER_PROF``: user + system time of this process, so time waiting on the client or the
@@ -69,7 +69,7 @@ async def profile(args: argparse.Namespace, backend_url: str) -> tuple[float, co
     from router.app import create_app, start_server
     from router.state import Backend, RouterConfig
 
-    cfg = RouterConfig(backends=[Backend("b0", backend_url)], policy="lmetric", db=None,
+    cfg = RouterConfig(backends=[Backend("b0", backend_url)], policy=args.policy, db=None,
                        state_dir=args.state_dir)
     app = create_app(cfg)
     sock = socket.create_server(("127.0.0.1", 0))
@@ -105,6 +105,7 @@ async def profile(args: argparse.Namespace, backend_url: str) -> tuple[float, co
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=20000)
+    p.add_argument("--policy", default="lmetric", help="the router's policy (default lmetric, as bench_overhead.py runs it)")
     p.add_argument("--stacks", help="also write the folded stacks (frame;frame;... count) here")
     p.add_argument("--state-dir", default=None, help="the router's state directory (default: a temporary one)")
     args = p.parse_args(argv)
