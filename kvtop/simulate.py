@@ -405,7 +405,10 @@ def _simulate(requests: Sequence[Any], policy: str, cfg: SimConfig, given: Seque
             fail_in_flight(i, t, f"instance {ev.instance} removed with requests in flight")
         router.change_fleet(ev.instance, ev.action, force=ev.force)
 
-    def step(i: int, t: float) -> None:
+    def begin_step(i: int, t: float) -> Any:
+        """Engine ``i`` steps at ``t``: its result, now in flight under a new generation, for
+        the caller to schedule the end of; None when it was idle (a wake-up scheduled at its
+        next event time, if it has work waiting for one)."""
         eng = engines[i]
         res = eng.step(t, coalesce=True)
         if res.idle:
@@ -414,10 +417,15 @@ def _simulate(requests: Sequence[Any], policy: str, cfg: SimConfig, given: Seque
             if nxt is not None and eng.has_work():
                 stepping[i] = True
                 push(max(nxt, t), "step", i)
-            return
+            return None
         in_flight[i] = res
         generation[i] += 1
-        push(res.end_time, "step_end", (i, res, generation[i]))
+        return res
+
+    def step(i: int, t: float) -> None:
+        res = begin_step(i, t)
+        if res is not None:
+            push(res.end_time, "step_end", (i, res, generation[i]))
 
     heappop = heapq.heappop
     arrival_times = [requests[k].arrival for k in arrivals]
@@ -470,21 +478,13 @@ def _simulate(requests: Sequence[Any], policy: str, cfg: SimConfig, given: Seque
                 if (heap and heap[0][0] <= t) or next_at <= t:
                     kick(i, t)   # an engine with no work waits for the next arrival to kick it
                     break
-                eng = engines[i]
-                if not eng.has_work():
+                if not engines[i].has_work():
                     break
                 # the step event kick would push is the next one popped: step now, without it
                 stepping[i] = True
-                res = eng.step(t, coalesce=True)
-                if res.idle:
-                    stepping[i] = False
-                    nxt = eng.next_event_time()
-                    if nxt is not None and eng.has_work():
-                        stepping[i] = True
-                        push(max(nxt, t), "step", i)
+                res = begin_step(i, t)
+                if res is None:
                     break
-                in_flight[i] = res
-                generation[i] += 1
                 end = res.end_time
                 if (heap and heap[0][0] <= end) or next_at <= end or removing or not TAKE_STEP_END_AT_ONCE:
                     push(end, "step_end", (i, res, generation[i]))
