@@ -673,20 +673,30 @@ def test_random_workloads_keep_invariants_and_drain(seed, blocks, budget, seqs, 
 
 # ---------------------------------------------------------------- coalesced decode steps
 
-def drive_with_arrivals(e: Engine, arrivals: list[EngineRequest], coalesce: bool):
-    """An event loop as kvtop simulate runs it: arrivals at their times (before a step that
-    starts at the same time), and a coalesced result re-read after each arrival, which may
-    have cut it. Returns (finished requests, step calls)."""
+def drive_with_arrivals(e: Engine, arrivals: list[EngineRequest], coalesce: bool,
+                        aborts: dict[float, str] | None = None):
+    """An event loop as kvtop simulate runs it: arrivals (and ``aborts``, time -> request id)
+    at their times, before a step that starts at the same time; a coalesced result's end
+    re-read after each, which may have cut it. Returns (finished requests, step calls)."""
     inf = float("inf")
+    events = sorted([(r.arrival_time, 0, r) for r in arrivals] + [(t, 1, rid) for t, rid in (aborts or {}).items()],
+                    key=lambda ev: (ev[0], ev[1]))
     k, nxt, res, finished, calls = 0, None, None, [], 0
     while True:
-        ta = arrivals[k].arrival_time if k < len(arrivals) else inf
-        if ta == inf and nxt is None:
+        te = events[k][0] if k < len(events) else inf
+        if te == inf and nxt is None:
             return finished, calls
-        if ta <= (inf if nxt is None else nxt):
-            e.add_request(arrivals[k])
+        if te <= (inf if nxt is None else nxt):
+            _, kind, what = events[k]
             k += 1
-            nxt = res.end_time if res is not None else (ta if nxt is None else nxt)
+            if kind == 0:
+                e.add_request(what)
+            else:
+                gone = e.abort(what, te)
+                if gone is not None:
+                    finished.append(gone)
+            if e.has_work():
+                nxt = res.end_time if res is not None else (te if nxt is None else nxt)
             continue
         t = nxt
         res = e.step(t, coalesce=coalesce)

@@ -12,44 +12,7 @@ from hypothesis import strategies as st
 
 from kvtop.sim.engine import Engine, EngineRequest
 from router.blocks import hash_token_blocks
-from tests.test_engine import check_invariants, counters, req
-
-
-def drive(e: Engine, arrivals: list[EngineRequest], aborts: dict[float, str], coalesce: bool):
-    """kvtop simulate's loop: arrivals (and aborts) at their times, before a step starting at
-    the same time; a coalesced result's end re-read after each, which may have cut it.
-    Returns (finished requests, step calls, the pool after each step)."""
-    inf = float("inf")
-    events = sorted([(r.arrival_time, 0, r) for r in arrivals] + [(t, 1, rid) for t, rid in aborts.items()],
-                    key=lambda ev: (ev[0], ev[1]))
-    k, nxt, res, finished, calls = 0, None, None, [], 0
-    while True:
-        te = events[k][0] if k < len(events) else inf
-        if te == inf and nxt is None:
-            return finished, calls
-        if te <= (inf if nxt is None else nxt):
-            _, kind, what = events[k]
-            k += 1
-            if kind == 0:
-                e.add_request(what)
-            else:
-                gone = e.abort(what, te)
-                if gone is not None:
-                    finished.append(gone)
-            if e.has_work():
-                nxt = res.end_time if res is not None else (te if nxt is None else nxt)
-            continue
-        t = nxt
-        res = e.step(t, coalesce=coalesce)
-        calls += 1
-        finished += res.finished
-        check_invariants(e)
-        if not res.idle:
-            nxt = res.end_time
-        else:
-            res = None
-            after = e.next_event_time()
-            nxt = max(after, t) if after is not None and e.has_work() else None
+from tests.test_engine import counters, drive_with_arrivals, req
 
 
 def test_a_long_prefill_beside_decoding_requests_is_one_result():
@@ -95,8 +58,8 @@ def test_coalesced_prefills_give_the_same_requests_counters_and_pool(seed, block
               scheduling_policy="priority" if priority else "fcfs")
     order = (lambda views, budget: sorted(range(len(views)), key=lambda i: views[i].cost)) if hook else None
     plain, coalesced = Engine("h20", admission=order, **kw), Engine("h20", admission=order, **kw)
-    a, calls_a = drive(plain, arrivals, aborts, coalesce=False)
-    b, calls_b = drive(coalesced, arrivals, aborts, coalesce=True)
+    a, calls_a = drive_with_arrivals(plain, arrivals, False, aborts)
+    b, calls_b = drive_with_arrivals(coalesced, arrivals, True, aborts)
     assert a == b and counters(plain) == counters(coalesced)
     assert plain._ref == coalesced._ref and plain._cached == coalesced._cached
     assert plain._free_queue() == coalesced._free_queue()
